@@ -1,0 +1,39 @@
+"""Exceptions raised by gdn_export, each naming what was wrong and what was expected."""
+
+from __future__ import annotations
+
+
+class GdnExportError(Exception):
+    """Base class of every error gdn_export raises on purpose."""
+
+
+class OperandError(GdnExportError, ValueError):
+    """An operand of a gated delta-rule node has the wrong rank, shape or dtype."""
+
+    def __init__(self, operand: str, expected: str, actual: str) -> None:
+        self.operand = operand
+        self.expected = expected
+        self.actual = actual
+        super().__init__(f"operand '{operand}': expected {expected}, got {actual}")
+
+
+class LoweringError(GdnExportError):
+    """The requested lowering cannot be exact for this node on the target tract version."""
+
+
+class ParityError(GdnExportError):
+    """tract's outputs differ from torch's beyond tolerance."""
+
+    def __init__(self, errors: dict[str, float], tolerance: dict[str, float]) -> None:
+        self.errors = errors
+        self.tolerance = tolerance
+        lines = [
+            f"  {name}: max abs error {err:.3e} (allowed {tolerance[name]:.3e})"
+            + ("  <-- over" if not err <= tolerance[name] else "")
+            for name, err in errors.items()
+        ]
+        super().__init__("tract outputs differ from torch:\n" + "\n".join(lines))
+
+
+class TractRuntimeError(GdnExportError):
+    """tract could not load or run a model."""

@@ -1,0 +1,105 @@
+"""``gdn_export.export``: a torch module to a ``.nnef.tgz`` that tract runs, checked against torch."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from gdn_export.errors import GdnExportError, LoweringError
+from gdn_export.lowering.emitter import LOWERINGS, Decision
+from gdn_export.parity import ParityResult, check_parity
+from gdn_export.runtime import run_tract, tract_version as installed_tract_version
+from gdn_export.target import OfflineTractTarget
+
+LOGGER = logging.getLogger(__name__)
+
+
+@dataclass
+class ExportReport:
+    """What an export wrote and decided."""
+
+    path: Path
+    tract_version: str
+    decisions: list[Decision] = field(default_factory=list)
+    parity: ParityResult | None = None
+
+    def lowerings(self) -> list[str]:
+        return [d.lowering for d in self.decisions]
+
+    def __str__(self) -> str:
+        lines = [f"wrote {self.path} for tract {self.tract_version}"]
+        for d in self.decisions:
+            lines.append(f"  {d.node} ({d.entry}): {d.lowering} - {d.reason}")
+        if self.parity is not None:
+            lines.append(str(self.parity))
+        return "\n".join(lines)
+
+
+def _as_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not path.name.endswith(".nnef.tgz"):
+        raise GdnExportError(f"output path {path} must end with .nnef.tgz")
+    return path
+
+
+def export(
+    module: torch.nn.Module,
+    args: Sequence[torch.Tensor],
+    path: str | os.PathLike,
+    *,
+    tract_version: str | None = None,
+    lowering: str = "auto",
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    dynamic_axes: dict[str, dict[int, str]] | None = None,
+    check: bool = True,
+) -> ExportReport:
+    """Export ``module(*args)`` to ``path`` (a ``.nnef.tgz``) for tract.
+
+    ``tract_version`` defaults to the installed tract; ``lowering`` is "auto" (the fused op where exact,
+    else the portable scan), "native" (the fused op, LoweringError where it cannot be exact) or "scan".
+    The file appears only once complete. With ``check``, the file is run in tract on ``args`` and every
+    output compared with torch; beyond tolerance ParityError is raised (the file stays, for inspection).
+    """
+    import gdn_export.extractors  # noqa: F401  (handlers must be registered before tracing)
+    from torch_to_nnef import export_model_to_nnef
+
+    if lowering not in LOWERINGS:
+        raise LoweringError(f"lowering {lowering!r} is not one of {', '.join(LOWERINGS)}")
+    path = _as_path(path)
+    args = tuple(args)
+    version = tract_version or installed_tract_version()
+    input_names = list(input_names) if input_names else [f"input_{i}" for i in range(len(args))]
+    target = OfflineTractTarget(version, lowering=lowering, dynamic_axes=dynamic_axes)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".gdn_export_", dir=path.parent) as tmp:
+        staged = Path(tmp) / "model.nnef.tgz"
+        with torch.no_grad():
+            export_model_to_nnef(
+                model=module, args=args, file_path_export=staged, inference_target=target,
+                input_names=input_names, output_names=list(output_names) if output_names else None,
+                compression_level=1, log_level=logging.WARNING,
+            )
+        if not staged.exists():
+            raise GdnExportError(f"torch-to-nnef wrote no archive for {path}")
+        os.replace(staged, path)
+    report = ExportReport(path=path, tract_version=version, decisions=list(target.gdn_decisions))
+
+    if check:
+        with torch.no_grad():
+            expected = module(*args)
+        expected = [expected] if isinstance(expected, torch.Tensor) else list(expected)
+        names = list(output_names) if output_names else [f"output_{i}" for i in range(len(expected))]
+        actual = run_tract(path, [a.detach().numpy() for a in args])
+        report.parity = check_parity(names, [e.detach().numpy() for e in expected], actual)
+        report.parity.raise_if_failed()
+    return report

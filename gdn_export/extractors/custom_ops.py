@@ -1,0 +1,74 @@
+"""Handlers for ``t2n_extra::gated_delta_scan`` and ``t2n_extra::gated_delta_rule`` nodes.
+
+torch-to-nnef 0.24.12 registers its own ``gated_delta_scan`` handler, whose fused-op rules are stale
+for tract >= 0.23.7, and its registry asserts on a second registration. gdn_export therefore replaces
+the registry entry outright when it is imported (import order cannot matter: torch-to-nnef's handler
+is registered when ``torch_to_nnef.op.extras`` is first imported, which this module does first).
+"""
+
+from __future__ import annotations
+
+from torch_to_nnef import torch_graph as tg
+from torch_to_nnef.exceptions import T2NErrorNotImplemented
+from torch_to_nnef.inference_target import TractNNEF
+from torch_to_nnef.op import extras
+
+from gdn_export.lowering.emitter import GdnNode, emit
+from gdn_export.target import policy_of
+
+
+def _tensors_and_constants(node):
+    tensors = [i for i in node.inputs if isinstance(i, tg.TensorVariable) and not isinstance(i, tg.PythonConstant)]
+    constants = [i.data for i in node.inputs if isinstance(i, tg.PythonConstant)]
+    return tensors, constants
+
+
+def output_tensors(op_helper, node, name_to_tensor):
+    """NNEF tensors for the node's two outputs, under the names torch-to-nnef gave them."""
+    from nnef_tools.model import Tensor as NTensor
+
+    outs = []
+    for out in node.outputs:
+        tensor = NTensor(op_helper.g, name=out.export_name, shape=tuple(out.shape), dtype=out.np_dtype)
+        name_to_tensor[out.export_name] = tensor
+        outs.append(tensor)
+    return outs
+
+
+def _node(op_helper, node, name_to_tensor, *, entry, head_major, use_qk_l2norm, scale):
+    tensors, _ = _tensors_and_constants(node)
+    if len(tensors) != 6:
+        raise T2NErrorNotImplemented(f"{node.kind} expects 6 tensor operands, got {len(tensors)}")
+    q, k, v, g, beta, s0 = (op_helper.get_or_add_tensor_variable_in_nnef(t) for t in tensors)
+    y, s_final = output_tensors(op_helper, node, name_to_tensor)
+    return GdnNode(
+        name=y.name, q=q, k=k, v=v, g=g, beta=beta, s0=s0, y=y, s_final=s_final,
+        head_major=head_major, use_qk_l2norm=use_qk_l2norm, scale=scale, entry=entry,
+    )
+
+
+def _require_tract(inference_target, kind):
+    if not isinstance(inference_target, TractNNEF):
+        raise T2NErrorNotImplemented(f"{kind} exports only to tract (got {type(inference_target).__name__})")
+
+
+def handle_gated_delta_scan(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
+    """Head-major node with q/k normalized and scaled by the caller."""
+    _require_tract(inference_target, node.kind)
+    gdn = _node(op_helper, node, name_to_tensor, entry="t2n_extra::gated_delta_scan", head_major=True,
+                use_qk_l2norm=False, scale=None)
+    return emit(g, gdn, policy_of(inference_target))
+
+
+def handle_gated_delta_rule(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
+    """Seq-major node that normalizes and scales q/k itself (``gdn_export.gated_delta_rule``)."""
+    _require_tract(inference_target, node.kind)
+    _, constants = _tensors_and_constants(node)
+    scale, use_qk_l2norm = float(constants[0]), bool(constants[1])
+    gdn = _node(op_helper, node, name_to_tensor, entry="gated_delta_rule", head_major=False,
+                use_qk_l2norm=use_qk_l2norm, scale=scale)
+    return emit(g, gdn, policy_of(inference_target))
+
+
+HANDLERS = {"gated_delta_scan": handle_gated_delta_scan, "gated_delta_rule": handle_gated_delta_rule}
+extras._T2N_EXTRA_REGISTRY._registry.update(HANDLERS)

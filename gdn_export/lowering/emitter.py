@@ -1,0 +1,131 @@
+"""The emitter: the one place that validates a gated delta-rule node and decides how tract runs it.
+
+Both entry points (the ``t2n_extra`` custom-op handlers and the module extractor) describe their node
+as a :class:`GdnNode` and call :func:`emit`. It validates the operands, picks the fused operator or the
+portable scan from the target's tract version and the node's semantics, records the decision on the
+target, and writes the chosen lowering.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from nnef_tools.model import Graph as NGraph
+from nnef_tools.model import Tensor as NTensor
+
+from gdn_export.errors import LoweringError
+from gdn_export.lowering import fused, scan
+from gdn_export.lowering.capabilities import F32, fused_capability
+from gdn_export.lowering.nnef_builder import NnefBuilder
+from gdn_export.lowering.operands import Dims, validate_operands
+
+LOWERINGS = ("auto", "native", "scan")
+
+
+@dataclass
+class GdnNode:
+    """One gated delta-rule node as an entry point hands it over.
+
+    ``use_qk_l2norm`` and ``scale`` are the node's own semantics: the node normalizes q/k itself and
+    multiplies q by ``scale`` (None: q is used as given, already normalized and scaled by the caller).
+    """
+
+    name: str
+    q: NTensor
+    k: NTensor
+    v: NTensor
+    g: NTensor
+    beta: NTensor
+    s0: NTensor
+    y: NTensor  # output tensors, created by the entry point with their final names and dtypes
+    s_final: NTensor
+    head_major: bool
+    use_qk_l2norm: bool
+    scale: float | None
+    entry: str  # which entry point produced the node, for the report
+
+    def operands(self) -> dict[str, NTensor]:
+        return {"q": self.q, "k": self.k, "v": self.v, "g": self.g, "beta": self.beta, "s0": self.s0}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which lowering one node got, and why; the export report lists these."""
+
+    node: str
+    entry: str
+    lowering: str  # "native" (tract_transformers_gdn_recurrent) or "scan" (tract_core_scan)
+    reason: str
+    dims: Dims
+
+
+def fused_refusal(node: GdnNode, dims: Dims, version: tuple[int, int, int], seq_may_vary: bool) -> str | None:
+    """Why the fused operator would not compute exactly this node on this tract version (None: it would)."""
+    capability = fused_capability(version)
+    version_name = ".".join(map(str, version))
+    if capability is None:
+        return f"tract {version_name} has no tract_transformers_gdn_recurrent (first in 0.23.5)"
+    if not node.use_qk_l2norm or node.scale is None:
+        return ("q/k arrive already normalized; the fused op normalizes them again (eps 1e-6), "
+                "which is not the same function")
+    if not math.isclose(node.scale, 1.0 / math.sqrt(dims.width_k), rel_tol=1e-12):
+        return f"scale {node.scale:g} is not 1/sqrt(K) = {1.0 / math.sqrt(dims.width_k):g}, the fused op's"
+    if dims.width_k != dims.width_v:
+        return f"K={dims.width_k} != V={dims.width_v} (the fused op needs K = V on every version)"
+    rule = f"tract {version_name} runs the fused op only for {capability.describe()}"
+    if not capability.any_width and dims.width_k != 128:
+        return f"{rule}; this node has K = V = {dims.width_k}"
+    if not capability.grouped_heads and dims.key_heads != dims.heads:
+        return f"{rule}; this node has Hk={dims.key_heads} < H={dims.heads}"
+    if not capability.any_sequence_length and (dims.seq != 1 or seq_may_vary):
+        return f"{rule}; this node's sequence axis is {'symbolic' if seq_may_vary else dims.seq}"
+    if fused_operand_dtype(node, capability.operand_dtypes) is None:
+        found = sorted({np.dtype(t.dtype).name for t in (node.q, node.k, node.v, node.beta)})
+        return f"{rule}; this node has {'/'.join(found)} q/k/v/beta"
+    if F32 not in capability.state_dtypes:
+        return f"{rule}; the state must be f32"
+    return None
+
+
+def fused_operand_dtype(node: GdnNode, allowed: frozenset) -> np.dtype | None:
+    """The one dtype q, k, v and beta can be given to the fused op in without rounding anything."""
+    found = {np.dtype(t.dtype) for t in (node.q, node.k, node.v, node.beta)}
+    if len(found) == 1 and next(iter(found)) in allowed:
+        return next(iter(found))
+    return F32 if F32 in allowed else None  # widening every operand to f32 is exact
+
+
+def decide(node: GdnNode, dims: Dims, target) -> Decision:
+    """Pick the lowering for one node: the requested one if it can be exact, else raise (native) or fall back."""
+    requested = target.gdn_lowering
+    if requested not in LOWERINGS:
+        raise LoweringError(f"lowering {requested!r} is not one of {', '.join(LOWERINGS)}")
+    if requested == "scan":
+        return Decision(node.name, node.entry, "scan", "requested (lowering='scan')", dims)
+    refusal = fused_refusal(node, dims, target.tract_version, target.seq_may_vary)
+    if requested == "native":
+        if refusal is not None:
+            raise LoweringError(f"{node.name}: lowering='native' cannot be exact: {refusal}")
+        return Decision(node.name, node.entry, "native", "requested (lowering='native') and exact", dims)
+    if refusal is None:
+        return Decision(node.name, node.entry, "native", "fused op is exact for this node on this tract", dims)
+    return Decision(node.name, node.entry, "scan", f"fused op refused: {refusal}", dims)
+
+
+def emit(graph: NGraph, node: GdnNode, target) -> list:
+    """Validate, decide, write the chosen lowering; return the fragments/extensions it needs."""
+    operands = node.operands()
+    dims = validate_operands(
+        {name: t.shape for name, t in operands.items()},
+        {name: t.dtype for name, t in operands.items()},
+        head_major=node.head_major,
+    )
+    decision = decide(node, dims, target)
+    target.gdn_decisions.append(decision)
+    builder = NnefBuilder(graph, prefix=node.y.name)
+    if decision.lowering == "native":
+        operand_dtype = fused_operand_dtype(node, fused_capability(target.tract_version).operand_dtypes)
+        return fused.lower(builder, node, dims, operand_dtype)
+    return scan.lower(builder, node, dims)
