@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -35,6 +36,13 @@ def _layout_names(head_major: bool) -> dict[str, str]:
             "beta": "[B, T, H]", "s0": "[B, H, K, V]"}
 
 
+def _static(shape: Sequence[int]) -> tuple[int, ...]:
+    """Sizes as ints; reading them while traced is fine here (only widths and counts are compared)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Converting a tensor to a Python")
+        return tuple(int(d) for d in shape)
+
+
 def validate_operands(
     shapes: Mapping[str, Sequence[int]],
     dtypes: Mapping[str, Any] | None = None,
@@ -49,7 +57,7 @@ def validate_operands(
 
     layout = _layout_names(head_major)
     ranks = {"q": 4, "k": 4, "v": 4, "g": 3, "beta": 3, "s0": 4}
-    shapes = {name: tuple(int(d) for d in shapes[name]) for name in OPERANDS}
+    shapes = {name: _static(shapes[name]) for name in OPERANDS}
     for name in OPERANDS:
         if len(shapes[name]) != ranks[name]:
             raise OperandError(name, f"rank {ranks[name]} {layout[name]}", f"rank {len(shapes[name])} {list(shapes[name])}")

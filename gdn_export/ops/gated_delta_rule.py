@@ -17,6 +17,8 @@ import warnings
 import torch
 from torch import nn
 
+from gdn_export.errors import OperandError
+from gdn_export.lowering.operands import validate_operands
 from gdn_export.ops.naive import gated_delta_recurrence, l2norm
 from gdn_export.ops.registration import define_or_reuse
 
@@ -42,6 +44,8 @@ def reference(
     use_qk_l2norm: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager math of the node: normalize, scale, run the recurrence head-major, return seq-major."""
+    shapes = {"q": q.shape, "k": k.shape, "v": v.shape, "g": g.shape, "beta": beta.shape, "s0": initial_state.shape}
+    validate_operands(shapes, head_major=False)
     out_dtype = q.dtype
     if use_qk_l2norm:
         q, k = l2norm(_at_least_f32(q)), l2norm(_at_least_f32(k))
@@ -57,6 +61,8 @@ def reference(
 
 
 def _fake(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
+    shapes = {"q": q.shape, "k": k.shape, "v": v.shape, "g": g.shape, "beta": beta.shape, "s0": initial_state.shape}
+    validate_operands(shapes, head_major=False)
     batch, seq = q.shape[:2]
     o = q.new_empty((batch, seq, v.shape[2], v.shape[3]))
     return o, initial_state.new_empty(initial_state.shape, dtype=torch.float32)
@@ -89,6 +95,8 @@ def gated_delta_rule(
     as transformers' ``use_qk_l2norm_in_kernel``). A missing initial_state is a zero state.
     """
     if initial_state is None:
+        if v.dim() != 4 or k.dim() != 4:
+            raise OperandError("v" if v.dim() != 4 else "k", "rank 4 [B, T, H, *]", f"rank {v.dim() if v.dim() != 4 else k.dim()}")
         initial_state = v.new_zeros((v.shape[0], v.shape[2], k.shape[3], v.shape[3]), dtype=torch.float32)
     scale = default_scale(k.shape[-1]) if scale is None else float(scale)
     return torch.ops.t2n_extra.gated_delta_rule(q, k, v, g, beta, initial_state, scale, bool(use_qk_l2norm))
@@ -97,8 +105,7 @@ def gated_delta_rule(
 class GatedDeltaRule(nn.Module):
     """The gated delta rule as a module: exported as one node by its module extractor.
 
-    Its forward is ``gated_delta_rule`` with the options fixed at construction; the operands must be
-    passed in signature order (the tracer orders module inputs by first use).
+    Its forward is ``gated_delta_rule`` with the options fixed at construction.
     """
 
     def __init__(self, *, scale: float | None = None, use_qk_l2norm: bool = False) -> None:
@@ -115,5 +122,8 @@ class GatedDeltaRule(nn.Module):
         beta: torch.Tensor,
         initial_state: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The tracer orders a module's inputs by first use, and the extractor reads them in signature
+        # order: touch them in that order before anything else.
+        q, k, v, g, beta, initial_state = (x.clone() for x in (q, k, v, g, beta, initial_state))
         scale = default_scale(k.shape[-1]) if self.scale is None else float(self.scale)
         return reference(q, k, v, g, beta, initial_state, scale, self.use_qk_l2norm)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from gdn_export.lowering.operands import validate_operands
 from gdn_export.ops.naive import gated_delta_recurrence
 from gdn_export.ops.registration import define_or_reuse
 
@@ -18,12 +19,19 @@ QUALNAME = "t2n_extra::gated_delta_scan"
 SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor s0) -> (Tensor, Tensor)"
 
 
+def _check(q, k, v, g, beta, s0) -> None:
+    shapes = {"q": q.shape, "k": k.shape, "v": v.shape, "g": g.shape, "beta": beta.shape, "s0": s0.shape}
+    validate_operands(shapes, head_major=True)
+
+
 def _reference(q, k, v, g, beta, s0):
+    _check(q, k, v, g, beta, s0)
     y, state = gated_delta_recurrence(q, k, v, g, beta, s0)
     return y.contiguous(), state.contiguous()
 
 
 def _fake(q, k, v, g, beta, s0):
+    _check(q, k, v, g, beta, s0)
     batch, _, seq, _ = q.shape
     heads, width_v = v.shape[1], v.shape[3]
     y = q.new_empty((batch, heads, seq, width_v), dtype=torch.promote_types(q.dtype, s0.dtype))

@@ -1,0 +1,1 @@
+"""NNEF lowerings of gated delta-rule nodes and the emitter that chooses between them."""

@@ -1,0 +1,90 @@
+"""Which lowering auto picks per tract version, what 'native' refuses, and that gdn_export's handlers run."""
+
+import tarfile
+
+import pytest
+import torch
+
+import gdn_export
+from conftest import NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, make_rule_inputs
+
+FUSED, SCAN = "tract_transformers_gdn_recurrent", "gdn_export_delta_scan"
+
+
+def graph_text(path):
+    with tarfile.open(path) as archive:
+        return archive.extractfile("graph.nnef").read().decode()
+
+
+def lowering_in(path):
+    text = graph_text(path)
+    assert (FUSED in text) != (SCAN in text), "exactly one lowering expected in the graph"
+    return "native" if FUSED in text else "scan"
+
+
+DECODE_F16 = dict(seq=1, heads=(2, 2), width=128, dtype=torch.float16, dynamic=False)
+CASES = {
+    # case name: (inputs, expected lowering on 0.23.4, 0.23.5, 0.23.7, 0.23.9)
+    "decode f16 K=V=128": (DECODE_F16, ["scan", "native", "native", "native"]),
+    "decode f32 K=V=128": ({**DECODE_F16, "dtype": torch.float32}, ["scan", "scan", "native", "native"]),
+    "prefill T=5 f16": ({**DECODE_F16, "seq": 5}, ["scan", "scan", "native", "native"]),
+    "symbolic T f16": ({**DECODE_F16, "dynamic": True}, ["scan", "scan", "native", "native"]),
+    "grouped heads f16": ({**DECODE_F16, "heads": (1, 2)}, ["scan", "scan", "native", "native"]),
+    "K=V=64 f16": ({**DECODE_F16, "width": 64}, ["scan", "scan", "native", "native"]),
+}
+VERSIONS = ["0.23.4", "0.23.5", "0.23.7", "0.23.9"]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_auto_picks_per_tract_version(name, tmp_path):
+    spec, expected = CASES[name]
+    key_heads, heads = spec["heads"]
+    inputs = make_rule_inputs(1, spec["seq"], key_heads, heads, spec["width"], spec["width"], spec["dtype"])
+    dynamic = {n: {1: "S"} for n in NAMES["input_names"][:5]} if spec["dynamic"] else None
+    for version, want in zip(VERSIONS, expected):
+        path = tmp_path / f"{version}.nnef.tgz"
+        report = gdn_export.export(GatedDeltaRuleModel(), inputs, path, tract_version=version, dynamic_axes=dynamic,
+                                   check=False, **NAMES)
+        assert lowering_in(path) == want == report.lowerings()[0], (version, report)
+        assert f'("tract_target_version", "{version}")' in graph_text(path)
+
+
+def test_native_on_an_impossible_case_names_the_reason(tmp_path):
+    inputs = make_rule_inputs(1, 5, 2, 2, 64, 64, torch.float16)
+    path = tmp_path / "x.nnef.tgz"
+    with pytest.raises(gdn_export.LoweringError, match=r"tract 0\.23\.5 runs the fused op only for S = 1.*K = V = 64"):
+        gdn_export.export(GatedDeltaRuleModel(), inputs, path, tract_version="0.23.5", lowering="native", **NAMES)
+    with pytest.raises(gdn_export.LoweringError, match="0.23.4 has no tract_transformers_gdn_recurrent"):
+        gdn_export.export(GatedDeltaRuleModel(), inputs, path, tract_version="0.23.4", lowering="native", **NAMES)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_lowering_is_refused(tmp_path):
+    with pytest.raises(gdn_export.LoweringError, match="'fast' is not one of auto, native, scan"):
+        gdn_export.export(GatedDeltaRuleModel(), make_rule_inputs(1, 1, 1, 1, 8, 8), tmp_path / "x.nnef.tgz",
+                          lowering="fast", **NAMES)
+
+
+def test_report_says_why(tmp_path):
+    inputs = make_rule_inputs(1, 5, 2, 2, 32, 16)
+    report = gdn_export.export(GatedDeltaRuleModel(), inputs, tmp_path / "x.nnef.tgz", **NAMES)
+    (decision,) = report.decisions
+    assert decision.lowering == "scan" and "K=32 != V=16" in decision.reason
+    assert "scan - fused op refused: K=32 != V=16" in str(report)
+
+
+def test_gdn_export_handler_replaces_torch_to_nnef_handler(tmp_path):
+    """torch-to-nnef registers its own gated_delta_scan handler; ours must be the one that runs."""
+    from torch_to_nnef.op.extras import _T2N_EXTRA_REGISTRY
+
+    from gdn_export.extractors.custom_ops import handle_gated_delta_scan
+
+    assert _T2N_EXTRA_REGISTRY.get("gated_delta_scan") is handle_gated_delta_scan
+    q, k, v, g, beta, s0 = make_rule_inputs(1, 3, 2, 2, 16, 16)
+    inputs = [x.transpose(1, 2).contiguous() for x in (q, k, v, g, beta)] + [s0]
+    path = tmp_path / "op.nnef.tgz"
+    report = gdn_export.export(GatedDeltaScanModel(), inputs, path, **NAMES)
+    text = graph_text(path)
+    # torch-to-nnef's handler would call its own `gated_delta_scan` fragment and record no decision
+    assert SCAN in text and "fragment gated_delta_scan" not in text
+    assert [d.entry for d in report.decisions] == ["t2n_extra::gated_delta_scan"]

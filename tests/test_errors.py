@@ -1,0 +1,70 @@
+"""Bad operands raise OperandError naming the operand, and no output is left behind."""
+
+import re
+
+import pytest
+import torch
+
+import gdn_export
+from conftest import NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, make_rule_inputs
+
+
+def _rule_inputs():
+    return list(make_rule_inputs(1, 4, 2, 4, 16, 16))
+
+
+def _bad(index, tensor):
+    inputs = _rule_inputs()
+    inputs[index] = tensor
+    return inputs
+
+
+BAD = {
+    "g of rank 2": (_bad(3, torch.zeros(1, 4)), "g", "rank 3 [B, T, H]"),
+    "q of rank 3": (_bad(0, torch.zeros(1, 4, 32)), "q", "rank 4 [B, T, Hk, K]"),
+    "H not a multiple of Hk": (_bad(2, torch.zeros(1, 4, 3, 16)), "v", "multiple of q/k's Hk=2"),
+    "beta with another T": (_bad(4, torch.zeros(1, 5, 4)), "beta", "T=4"),
+    "k unlike q": (_bad(1, torch.zeros(1, 4, 2, 8)), "k", "the shape of q"),
+    "state of another width": (_bad(5, torch.zeros(1, 4, 16, 8)), "s0", "V=16"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_operands_name_the_operand(name, tmp_path):
+    inputs, operand, expected = BAD[name]
+    path = tmp_path / "bad.nnef.tgz"
+    with pytest.raises(gdn_export.OperandError, match=f"operand '{operand}': expected .*{re.escape(expected)}") as err:
+        gdn_export.export(GatedDeltaRuleModel(), inputs, path, **NAMES)
+    assert err.value.operand == operand
+    assert list(tmp_path.iterdir()) == [], "no output, no temporary file"
+
+
+def test_custom_op_checks_its_operands_eagerly():
+    q = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(gdn_export.OperandError, match="operand 'g': expected T=3 on axis 2 of \\[B, H, T\\]"):
+        GatedDeltaScanModel()(q, q, torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 4), torch.zeros(1, 2, 3),
+                              torch.zeros(1, 2, 8, 8))
+
+
+def test_emitter_refuses_float64(tmp_path):
+    inputs = [x.double() if i < 3 else x for i, x in enumerate(_rule_inputs())]
+    with pytest.raises(gdn_export.OperandError, match="operand 'q': expected dtype float16 or float32, got float64"):
+        gdn_export.export(GatedDeltaRuleModel(), inputs, tmp_path / "x.nnef.tgz", **NAMES)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_path_must_be_nnef_tgz(tmp_path):
+    with pytest.raises(gdn_export.GdnExportError, match="must end with .nnef.tgz"):
+        gdn_export.export(GatedDeltaRuleModel(), _rule_inputs(), tmp_path / "x.onnx", **NAMES)
+
+
+def test_parity_failure_is_reported_per_output(tmp_path):
+    """A module whose torch output differs from what it traces: the check must catch it."""
+
+    class Drifting(GatedDeltaRuleModel):
+        def forward(self, *args):
+            o, state = super().forward(*args)
+            return (o if torch.jit.is_tracing() else o + 1.0), state  # the graph lacks the + 1
+
+    with pytest.raises(gdn_export.ParityError, match=r"o: max abs error 1\.000e\+00 .* <-- over"):
+        gdn_export.export(Drifting(), _rule_inputs(), tmp_path / "x.nnef.tgz", **NAMES)

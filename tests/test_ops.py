@@ -1,0 +1,67 @@
+"""The torch side: the custom ops' contract, and the reference math against transformers' own kernels."""
+
+import pytest
+import torch
+
+import gdn_export
+from conftest import make_rule_inputs
+from gdn_export.errors import GdnExportError
+from gdn_export.ops.registration import define_or_reuse
+
+
+def head_major_inputs(seq=5, key_heads=2, heads=4, width_k=16, width_v=8, dtype=torch.float32):
+    q, k, v, g, beta, s0 = make_rule_inputs(2, seq, key_heads, heads, width_k, width_v, dtype)
+    q, k = gdn_export.l2norm(q.float()).to(dtype) / width_k**0.5, gdn_export.l2norm(k.float()).to(dtype)
+    return [x.transpose(1, 2).contiguous() for x in (q, k, v, g, beta)] + [s0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gated_delta_scan_passes_opcheck(dtype):
+    torch.library.opcheck(torch.ops.t2n_extra.gated_delta_scan.default, head_major_inputs(dtype=dtype))
+
+
+def test_gated_delta_scan_output_dtypes():
+    y, state = gdn_export.gated_delta_scan(*head_major_inputs(dtype=torch.float16))
+    assert y.dtype == torch.float32 and state.dtype == torch.float32  # promote(f16 q, f32 state)
+    assert y.shape == (2, 4, 5, 8) and state.shape == (2, 4, 16, 8)
+
+
+def test_gated_delta_rule_passes_opcheck():
+    q, k, v, g, beta, s0 = make_rule_inputs(2, 3, 2, 4, 16, 8)
+    torch.library.opcheck(torch.ops.t2n_extra.gated_delta_rule.default, (q, k, v, g, beta, s0, 0.25, True))
+
+
+@pytest.mark.parametrize("module", ["qwen3_next", "qwen3_5", "olmo_hybrid", "qwen4_exp", "lara_mini"])
+def test_reference_matches_transformers_kernels(module):
+    """gated_delta_rule(use_qk_l2norm=True) is transformers' torch_recurrent/chunk_gated_delta_rule."""
+    import importlib
+
+    hf = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    q, k, v, g, beta, s0 = make_rule_inputs(2, 70, 2, 4, 16, 8)
+    o, state = gdn_export.gated_delta_rule(q, k, v, g, beta, s0, use_qk_l2norm=True)
+    repeat = lambda x: x.repeat_interleave(2, dim=2)  # noqa: E731 - transformers repeats before its kernels
+    for kernel in (hf.torch_recurrent_gated_delta_rule, hf.torch_chunk_gated_delta_rule):
+        ref_o, ref_state = kernel(repeat(q), repeat(k), v, g, beta, initial_state=s0, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True)
+        assert (o - ref_o).abs().max() <= 1e-5 * max(1.0, ref_o.abs().max())
+        assert (state - ref_state).abs().max() <= 1e-5 * max(1.0, ref_state.abs().max())
+
+
+def test_gated_delta_rule_defaults():
+    q, k, v, g, beta, _ = make_rule_inputs(1, 4, 1, 1, 8, 8, dtype=torch.float16)
+    o, state = gdn_export.gated_delta_rule(q, k, v, g, beta)
+    assert o.dtype == torch.float16 and state.dtype == torch.float32 and state.shape == (1, 1, 8, 8)
+    explicit, _ = gdn_export.gated_delta_rule(q, k, v, g, beta, torch.zeros(1, 1, 8, 8), scale=8**-0.5)
+    assert torch.equal(o, explicit)
+
+
+def test_define_reuses_a_matching_op_and_refuses_a_different_one():
+    from gdn_export.ops.gated_delta_scan import SCHEMA
+
+    # the same signature (argument names may differ) is reused silently
+    define_or_reuse("t2n_extra::gated_delta_scan",
+                    "(Tensor a, Tensor b, Tensor c, Tensor d, Tensor e, Tensor f) -> (Tensor, Tensor)",
+                    lambda *a: None, lambda *a: None)
+    with pytest.raises(GdnExportError, match="already defined by another package"):
+        define_or_reuse("t2n_extra::gated_delta_scan", "(Tensor q) -> Tensor", lambda *a: None, lambda *a: None)
+    assert "Tensor s0" in SCHEMA
