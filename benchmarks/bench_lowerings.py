@@ -1,0 +1,104 @@
+"""Median time of one gated delta-rule core per lowering, measured side by side in one run.
+
+    python benchmarks/bench_lowerings.py [--heads 16] [--width 128] [--seq 1 128 1024] [--threads 1]
+
+Rows: tract with the fused op, tract with the portable scan (one symbolic-S graph each, exported by
+gdn_export), and torch eager running gdn_export's reference (the token loop) and transformers' chunked
+rule when transformers is installed. Ratios are against the fused op in the same run: > 1 is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import gdn_export  # noqa: E402
+
+
+class Rule(torch.nn.Module):
+    def forward(self, q, k, v, g, beta, s0):
+        return gdn_export.gated_delta_rule(q, k, v, g, beta, s0, use_qk_l2norm=True)
+
+
+NAMES = ["q", "k", "v", "g", "beta", "s0"]
+
+
+def inputs(seq: int, heads: int, width: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(1, seq, heads, width, generator=gen),
+        torch.randn(1, seq, heads, width, generator=gen),
+        torch.randn(1, seq, heads, width, generator=gen),
+        -torch.rand(1, seq, heads, generator=gen),
+        torch.rand(1, seq, heads, generator=gen),
+        torch.randn(1, heads, width, width, generator=gen),
+    ]
+
+
+def median_ms(fn, budget_s: float, min_runs: int = 3, max_runs: int = 50) -> float:
+    fn()  # warm-up
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_runs or (len(times) < max_runs and time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--seq", type=int, nargs="+", default=[1, 128, 1024])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (tract runs on one)")
+    parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per cell")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    methods: dict[str, callable] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        dynamic = {name: {1: "S"} for name in NAMES[:5]}
+        for lowering in ("native", "scan"):
+            path = Path(tmp) / f"{lowering}.nnef.tgz"
+            gdn_export.export(Rule(), inputs(2, args.heads, args.width), path, lowering=lowering,
+                              input_names=NAMES, output_names=["o", "state"], dynamic_axes=dynamic)
+            runnable = gdn_export.runtime.load_tract_model(path)
+            label = {"native": "tract fused tract_transformers_gdn_recurrent", "scan": "tract portable scan"}[lowering]
+            methods[label] = lambda xs, r=runnable: r.run([np.ascontiguousarray(x.numpy()) for x in xs])
+    methods[f"torch eager reference (token loop, {args.threads} thr)"] = lambda xs: gdn_export.gated_delta_rule(
+        *xs, use_qk_l2norm=True)
+    try:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+        methods[f"torch transformers chunked rule ({args.threads} thr)"] = lambda xs: torch_chunk_gated_delta_rule(
+            *xs[:5], initial_state=xs[5], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    except ImportError:
+        pass
+
+    results: dict[str, dict[int, float]] = {name: {} for name in methods}
+    with torch.no_grad():
+        for seq in args.seq:
+            xs = inputs(seq, args.heads, args.width, seed=seq)
+            for name, fn in methods.items():
+                results[name][seq] = median_ms(lambda: fn(xs), args.budget)
+
+    fused = next(iter(results.values()))
+    print(f"H={args.heads}, K=V={args.width}, B=1, f32; median ms per call (x = speed-up over the fused op)\n")
+    print("| method | " + " | ".join(f"S={s}" for s in args.seq) + " |")
+    print("|---|" + "---|" * len(args.seq))
+    for name, row in results.items():
+        cells = [f"{row[s]:.3g} ms ({fused[s] / row[s]:.2f}x)" for s in args.seq]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
