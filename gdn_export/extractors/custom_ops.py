@@ -72,3 +72,24 @@ def handle_gated_delta_rule(g, node, name_to_tensor, op_helper, inference_target
 
 HANDLERS = {"gated_delta_scan": handle_gated_delta_scan, "gated_delta_rule": handle_gated_delta_rule}
 extras._T2N_EXTRA_REGISTRY._registry.update(HANDLERS)
+
+
+def handle_causal_conv1d_update(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
+    """The GDN short conv: tract's fused conv op where the target has it, else portable slices."""
+    from gdn_export.lowering import conv
+    from gdn_export.lowering.emitter import Decision
+    from gdn_export.lowering.nnef_builder import NnefBuilder
+    from gdn_export.ops.causal_conv1d import check_conv_operands
+
+    _require_tract(inference_target, node.kind)
+    tensors, _ = _tensors_and_constants(node)
+    x, weight, state = (op_helper.get_or_add_tensor_variable_in_nnef(t) for t in tensors)
+    check_conv_operands(x.shape, weight.shape, state.shape)
+    y, new_state = output_tensors(op_helper, node, name_to_tensor)
+    target = policy_of(inference_target)
+    lowering, reason = conv.decide(target)
+    target.gdn_decisions.append(Decision(y.name, "t2n_extra::causal_conv1d_update", lowering, reason, None))
+    return conv.lower(NnefBuilder(g, y.name), x, weight, state, y, new_state, lowering)
+
+
+extras._T2N_EXTRA_REGISTRY._registry["causal_conv1d_update"] = handle_causal_conv1d_update

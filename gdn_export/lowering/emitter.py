@@ -58,7 +58,7 @@ class Decision:
     entry: str
     lowering: str  # "native" (tract_transformers_gdn_recurrent) or "scan" (tract_core_scan)
     reason: str
-    dims: Dims
+    dims: Dims | None  # None for nodes that are not a gated delta rule (the short conv)
 
 
 def fused_refusal(node: GdnNode, dims: Dims, version: tuple[int, int, int], seq_may_vary: bool) -> str | None:

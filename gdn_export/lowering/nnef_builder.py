@@ -32,7 +32,7 @@ class NnefBuilder:
     def op(
         self,
         op_type: str,
-        inputs: NTensor | Sequence[NTensor],
+        inputs: NTensor | tuple[NTensor, ...] | list[NTensor],
         *,
         shape: Sequence[int],
         dtype: Any = None,
@@ -40,7 +40,8 @@ class NnefBuilder:
         what: str | None = None,
         out: NTensor | None = None,
     ) -> NTensor:
-        inputs = (inputs,) if isinstance(inputs, NTensor) else tuple(inputs)
+        # a tuple is separate arguments; a list is one list argument (NNEF's concat)
+        inputs = (inputs,) if isinstance(inputs, NTensor) else inputs
         if out is None:
             out = self.tensor(what or op_type, shape, dtype if dtype is not None else inputs[0].dtype)
         NOperation(self.graph, type=op_type, attribs=attribs or {}, inputs=inputs, outputs=(out,))

@@ -1,0 +1,49 @@
+"""``t2n_extra::causal_conv1d_update``: the short depthwise causal conv of GDN layers, with its carried state, + SiLU.
+
+x ``[B, C, S]``, weight ``[C, W]``, state ``[B, C, W]`` (the last W inputs before this call, oldest first;
+zeros at the start). Returns ``silu(conv)`` ``[B, C, S]`` in x's dtype and the new state (the last W inputs).
+The layout of transformers' conv cache and of tract's ``tract_transformers_causal_conv1d_update``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gdn_export.errors import OperandError
+from gdn_export.ops.registration import define_or_reuse
+
+QUALNAME = "t2n_extra::causal_conv1d_update"
+SCHEMA = "(Tensor x, Tensor weight, Tensor state) -> (Tensor, Tensor)"
+
+
+def check_conv_operands(x_shape, weight_shape, state_shape) -> None:
+    x_shape, weight_shape, state_shape = (tuple(int(d) for d in s) for s in (x_shape, weight_shape, state_shape))
+    if len(x_shape) != 3:
+        raise OperandError("x", "rank 3 [B, C, S]", f"rank {len(x_shape)} {list(x_shape)}")
+    if len(weight_shape) != 2 or weight_shape[0] != x_shape[1]:
+        raise OperandError("weight", f"[C, W] with C={x_shape[1]}", str(list(weight_shape)))
+    expected = (x_shape[0], x_shape[1], weight_shape[1])
+    if state_shape != expected:
+        raise OperandError("state", f"[B, C, W] = {list(expected)}", str(list(state_shape)))
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The conv as W shifted multiply-adds (the same sum transformers' F.conv1d computes)."""
+    check_conv_operands(x.shape, weight.shape, state.shape)
+    width, seq = weight.shape[1], x.shape[2]
+    full = torch.cat([state.to(x.dtype), x], dim=-1).to(weight.dtype)
+    out = sum(weight[None, :, i, None] * full[:, :, 1 + i : 1 + i + seq] for i in range(width))
+    return torch.nn.functional.silu(out).to(x.dtype), full[:, :, -width:].to(state.dtype).contiguous()
+
+
+def _fake(x, weight, state):
+    check_conv_operands(x.shape, weight.shape, state.shape)
+    return torch.empty_like(x), torch.empty_like(state)
+
+
+define_or_reuse(QUALNAME, SCHEMA, reference, _fake)
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call ``torch.ops.t2n_extra.causal_conv1d_update``: (silu(conv(state ++ x)), new state)."""
+    return torch.ops.t2n_extra.causal_conv1d_update(x, weight, state)
