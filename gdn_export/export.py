@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import shutil
+import tarfile
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 
 from gdn_export.errors import GdnExportError, LoweringError
 from gdn_export.lowering.emitter import LOWERINGS, Decision
-from gdn_export.parity import ParityResult, check_parity
+from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
 from gdn_export.runtime import run_tract, tract_version as installed_tract_version
 from gdn_export.target import OfflineTractTarget
 
@@ -43,6 +44,26 @@ class ExportReport:
         return "\n".join(lines)
 
 
+METADATA_FILE = "gdn_export.json"
+
+
+def _pack(folder: Path, archive: Path) -> None:
+    """tar.gz the folder's files at the archive root (what tract loads), fast compression."""
+    with tarfile.open(archive, "w:gz", compresslevel=1) as tar:
+        for file in sorted(folder.iterdir()):
+            tar.add(file, arcname=file.name)
+
+
+def read_metadata(path: str | os.PathLike) -> dict | None:
+    """The ``gdn_export.json`` stored in an archive by ``export(..., metadata=...)``, or None."""
+    with tarfile.open(path) as tar:
+        try:
+            member = tar.extractfile(METADATA_FILE)
+        except KeyError:
+            return None
+        return json.loads(member.read()) if member is not None else None
+
+
 def _as_path(path: str | os.PathLike) -> Path:
     path = Path(path)
     if not path.name.endswith(".nnef.tgz"):
@@ -61,12 +82,14 @@ def export(
     output_names: Sequence[str] | None = None,
     dynamic_axes: dict[str, dict[int, str]] | None = None,
     check: bool = True,
+    metadata: dict | None = None,
 ) -> ExportReport:
     """Export ``module(*args)`` to ``path`` (a ``.nnef.tgz``) for tract.
 
     ``tract_version`` defaults to the installed tract; ``lowering`` is "auto" (the fused op where exact,
     else the portable scan), "native" (the fused op, LoweringError where it cannot be exact) or "scan".
-    The file appears only once complete. With ``check``, the file is run in tract on ``args`` and every
+    The file appears only once complete. ``metadata`` (JSON-serializable) is stored in the archive as
+    ``gdn_export.json`` beside the graph, with the lowering decisions added. With ``check``, the file is run in tract on ``args`` and every
     output compared with torch; beyond tolerance ParityError is raised (the file stays, for inspection).
     """
     import gdn_export.extractors  # noqa: F401  (handlers must be registered before tracing)
@@ -82,15 +105,20 @@ def export(
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".gdn_export_", dir=path.parent) as tmp:
-        staged = Path(tmp) / "model.nnef.tgz"
+        folder = Path(tmp) / "model.nnef"
         with torch.no_grad():
             export_model_to_nnef(
-                model=module, args=args, file_path_export=staged, inference_target=target,
+                model=module, args=args, file_path_export=folder, inference_target=target,
                 input_names=input_names, output_names=list(output_names) if output_names else None,
-                compression_level=1, log_level=logging.WARNING,
+                compression_level=None, log_level=logging.ERROR,
             )
-        if not staged.exists():
-            raise GdnExportError(f"torch-to-nnef wrote no archive for {path}")
+        if not (folder / "graph.nnef").is_file():
+            raise GdnExportError(f"torch-to-nnef wrote no graph for {path}")
+        if metadata is not None:
+            metadata = {**metadata, "decisions": [d.summary() for d in target.gdn_decisions]}
+            (folder / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
+        staged = Path(tmp) / "model.nnef.tgz"
+        _pack(folder, staged)
         os.replace(staged, path)
     report = ExportReport(path=path, tract_version=version, decisions=list(target.gdn_decisions))
 
@@ -100,6 +128,9 @@ def export(
         expected = [expected] if isinstance(expected, torch.Tensor) else list(expected)
         names = list(output_names) if output_names else [f"output_{i}" for i in range(len(expected))]
         actual = run_tract(path, [a.detach().numpy() for a in args])
-        report.parity = check_parity(names, [e.detach().numpy() for e in expected], actual)
+        # an output computed from f16 inputs carries f16 rounding, whatever its own dtype (f32 states)
+        half = any(isinstance(a, torch.Tensor) and a.dtype == torch.float16 for a in args)
+        relative = RELATIVE_TOLERANCE[np.dtype(np.float16 if half else np.float32)]
+        report.parity = check_parity(names, [e.detach().numpy() for e in expected], actual, relative)
         report.parity.raise_if_failed()
     return report

@@ -60,6 +60,9 @@ class Decision:
     reason: str
     dims: Dims | None  # None for nodes that are not a gated delta rule (the short conv)
 
+    def summary(self) -> dict:
+        return {"node": self.node, "entry": self.entry, "lowering": self.lowering, "reason": self.reason}
+
 
 def fused_refusal(node: GdnNode, dims: Dims, version: tuple[int, int, int], seq_may_vary: bool) -> str | None:
     """Why the fused operator would not compute exactly this node on this tract version (None: it would)."""

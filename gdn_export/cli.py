@@ -1,0 +1,150 @@
+"""``gdn-export``: convert, check and inspect gated delta-rule checkpoints for tract.
+
+    gdn-export convert CHECKPOINT_DIR -o OUT.nnef.tgz [--dtype float32|float16] [--lowering auto|native|scan]
+                       [--tract-version V] [--no-check] [--force]
+    gdn-export check OUT.nnef.tgz CHECKPOINT_DIR [--prompt-len N] [--decode-steps M] [--batch B]
+    gdn-export info OUT.nnef.tgz
+
+Exit status 0 on success; 1 with a one-line reason on any failure; 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import warnings
+from typing import Sequence
+
+from gdn_export.errors import GdnExportError
+
+
+def _progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _convert(args) -> int:
+    from gdn_export.hf.convert import convert
+
+    report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
+                     tract_version=args.tract_version, check=not args.no_check, force=args.force,
+                     progress=_progress)
+    print(report)
+    return 0
+
+
+def _check(args) -> int:
+    from gdn_export.hf.convert import check
+
+    _progress(f"checking {args.model} against {args.checkpoint}: prefill {args.prompt_len} + decode "
+              f"{args.decode_steps}, batch {args.batch}")
+    result = check(args.model, args.checkpoint, args.prompt_len, args.decode_steps, args.batch)
+    print(f"{args.model}: {result}")
+    if not result.ok:
+        raise GdnExportError(f"{args.model} does not match {args.checkpoint}: {result}")
+    return 0
+
+
+def _info(args) -> int:
+    from gdn_export.export import read_metadata
+    from gdn_export.runtime import load_tract_model
+
+    if not os.path.isfile(args.model):
+        raise GdnExportError(f"no file at {args.model}")
+    metadata = read_metadata(args.model) or {}
+    runnable = load_tract_model(args.model)
+    print(f"{args.model}")
+    if metadata:
+        print(f"  family: {metadata.get('family')} ({metadata.get('model_type')}), dtype {metadata.get('dtype')}, "
+              f"vocab {metadata.get('vocab_size')}")
+    print(f"  tract: target {_property(args.model, 'tract_target_version')}, runtime {_tract_version()}")
+    print("  inputs:")
+    for i in range(runnable.input_count()):
+        print(f"    {_name(metadata, 'inputs', i)}: {runnable.input_fact(i)}")
+    print("  outputs:")
+    for i in range(runnable.output_count()):
+        print(f"    {_name(metadata, 'outputs', i)}: {runnable.output_fact(i)}")
+    decisions = metadata.get("decisions", [])
+    if decisions:
+        print("  lowerings:")
+        for d in decisions:
+            print(f"    {d['node']} ({d['entry']}): {d['lowering']} - {d['reason']}")
+    return 0
+
+
+def _name(metadata: dict, key: str, index: int) -> str:
+    names = metadata.get(key) or []
+    return names[index] if index < len(names) else f"#{index}"
+
+
+def _property(path: str, key: str) -> str:
+    import re
+    import tarfile
+
+    with tarfile.open(path) as tar:
+        text = tar.extractfile("graph.nnef").read().decode(errors="replace")
+    match = re.search(rf'\("{key}", "([^"]*)"\)', text)
+    return match.group(1) if match else "unknown"
+
+
+def _tract_version() -> str:
+    from gdn_export.runtime import tract_version
+
+    return tract_version()
+
+
+def _quiet_transformers() -> None:
+    """transformers prints loading bars and kernel fallback notes that say nothing about the export."""
+    try:
+        import transformers
+    except ImportError:
+        return
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="gdn-export", description=__doc__.splitlines()[0])
+    sub = top.add_subparsers(dest="command", required=True)
+    convert = sub.add_parser("convert", help="convert a local Hugging Face checkpoint to .nnef.tgz and check it")
+    convert.add_argument("checkpoint", help="folder with config.json and *.safetensors")
+    convert.add_argument("-o", "--output", required=True, help="the .nnef.tgz to write")
+    convert.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    convert.add_argument("--lowering", choices=["auto", "native", "scan"], default="auto",
+                         help="gated delta rule: fused tract op where exact (auto), always (native), or the scan")
+    convert.add_argument("--tract-version", help="tract version to target (default: the installed one)")
+    convert.add_argument("--no-check", action="store_true", help="skip the prefill/decode check against transformers")
+    convert.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
+    convert.set_defaults(run=_convert)
+    check = sub.add_parser("check", help="compare an exported model with transformers on prefill and decode")
+    check.add_argument("model", help="the .nnef.tgz")
+    check.add_argument("checkpoint", help="the checkpoint it was converted from")
+    check.add_argument("--prompt-len", type=int, default=16)
+    check.add_argument("--decode-steps", type=int, default=8)
+    check.add_argument("--batch", type=int, default=1)
+    check.set_defaults(run=_check)
+    info = sub.add_parser("info", help="show an exported model's inputs, outputs, lowerings and versions")
+    info.add_argument("model", help="the .nnef.tgz")
+    info.set_defaults(run=_info)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    os.environ.setdefault("RUST_BACKTRACE", "0")
+    logging.basicConfig(level=logging.ERROR)
+    warnings.filterwarnings("ignore")
+    _quiet_transformers()
+    try:
+        return args.run(args)
+    except GdnExportError as err:
+        print(f"gdn-export: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        for line in str(err).splitlines()[1:]:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""``gdn_export.convert``: a local Hugging Face checkpoint to a checked ``.nnef.tgz`` in one call."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from gdn_export.errors import GdnExportError, ParityError
+from gdn_export.export import export
+from gdn_export.hf.check import LogitCheck, compare_logits, session_logits, sample_tokens, transformers_logits
+from gdn_export.hf.checkpoint import CheckpointError, load_model, read_config
+from gdn_export.hf.families import family_for
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+FORMAT_VERSION = 1
+
+
+@dataclass
+class LayerReport:
+    index: int
+    kind: str  # "gated delta rule" or "attention"
+    lowering: str = "-"
+    reason: str = ""
+
+
+@dataclass
+class ConvertReport:
+    path: Path
+    family: str
+    model_type: str
+    dtype: str
+    tract_version: str
+    layers: list[LayerReport] = field(default_factory=list)
+    check: LogitCheck | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        gdn = sum(1 for layer in self.layers if layer.kind == "gated delta rule")
+        lines = [f"{self.path}: {self.family} ({self.model_type}), {len(self.layers)} layers ({gdn} gated delta rule, "
+                 f"{len(self.layers) - gdn} attention), {self.dtype}, tract {self.tract_version}"]
+        for layer in self.layers:
+            if layer.kind == "gated delta rule":
+                lines.append(f"  layer {layer.index}: {layer.lowering} - {layer.reason}")
+        if self.check is not None:
+            lines.append(f"  check vs transformers: {self.check}")
+        lines.append("  time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items()))
+        return "\n".join(lines)
+
+
+def state_names(lm) -> tuple[list[str], list[str], dict]:
+    inputs = ["input_ids"] + [f"in_{s.name}" for s in lm.states]
+    outputs = ["logits"] + [f"out_{s.name}" for s in lm.states]
+    dynamic = {"input_ids": {0: "B", 1: "S"}}
+    dynamic.update({f"in_{s.name}": s.dynamic_axes for s in lm.states})
+    return inputs, outputs, dynamic
+
+
+def example_inputs(lm, vocab_size: int, dtype: torch.dtype, batch: int = 1, seq: int = 3, past: int = 2):
+    """Traced example: a non-empty past (so P is a real axis) and random states (so the export check means something)."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (batch, seq), generator=gen)
+    states = []
+    for spec in lm.states:
+        shape = [batch if d == "B" else past if d == "P" else d for d in spec.shape]
+        states.append((0.1 * torch.randn(shape, generator=gen)).to(spec.dtype))
+    return (ids, *states)
+
+
+def _check_output_path(out_path: Path, force: bool) -> None:
+    if not out_path.name.endswith(".nnef.tgz"):
+        raise GdnExportError(f"output {out_path} must end with .nnef.tgz")
+    if out_path.exists() and not force:
+        raise GdnExportError(f"{out_path} exists; pass force=True (--force) to overwrite it")
+
+
+def convert(
+    checkpoint_dir: str | os.PathLike,
+    out_path: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    lowering: str = "auto",
+    tract_version: str | None = None,
+    check: bool = True,
+    force: bool = False,
+    prompt_len: int = 16,
+    decode_steps: int = 8,
+    progress: Callable[[str], None] | None = None,
+) -> ConvertReport:
+    """Convert a local checkpoint (config.json + safetensors) into ``out_path`` and check it in tract.
+
+    The graph serves prefill and decode (symbolic batch, sequence and past). With ``check``, a prefill of
+    ``prompt_len`` tokens and ``decode_steps`` single-token steps run in tract and in transformers' eager
+    model; beyond tolerance ParityError is raised and no output is left.
+    """
+    say = progress or (lambda message: None)
+    out_path = Path(out_path)
+    if dtype not in DTYPES:
+        raise GdnExportError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    _check_output_path(out_path, force)
+    seconds: dict[str, float] = {}
+
+    start = time.perf_counter()
+    say(f"reading {checkpoint_dir}")
+    config = read_config(checkpoint_dir)
+    family = family_for(config["model_type"])
+    hf_model = load_model(checkpoint_dir, family, config)
+    seconds["load"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    export_model = hf_model if dtype == "float32" else _copy_in_dtype(hf_model, DTYPES[dtype])
+    lm = family.exportable(export_model, DTYPES[dtype])
+    inputs, outputs, dynamic = state_names(lm)
+    vocab_size = hf_model.config.vocab_size
+    metadata = {
+        "format": FORMAT_VERSION, "family": family.name, "model_type": config["model_type"], "dtype": dtype,
+        "vocab_size": vocab_size, "inputs": inputs, "outputs": outputs,
+        "states": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."),
+                    "kind": s.kind, "layer": s.layer} for s in lm.states],
+    }
+    say(f"exporting {family.name} ({len(lm.hf.config.layer_types)} layers, {dtype}) to {out_path}")
+    report = export(lm, example_inputs(lm, vocab_size, DTYPES[dtype]), out_path, tract_version=tract_version,
+                    lowering=lowering, input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
+                    metadata=metadata, check=True)
+    seconds["export"] = time.perf_counter() - start
+    result = ConvertReport(out_path, family.name, config["model_type"], dtype, report.tract_version,
+                           layers=_layer_reports(lm, report.decisions), seconds=seconds)
+
+    if check:
+        start = time.perf_counter()
+        say(f"checking {out_path} in tract: prefill {prompt_len} + decode {decode_steps} against transformers")
+        result.check = check_against_transformers(out_path, hf_model, prompt_len, decode_steps)
+        seconds["check"] = time.perf_counter() - start
+        if not result.check.ok:
+            out_path.unlink(missing_ok=True)
+            raise ParityError({"logits": result.check.max_abs_error}, {"logits": result.check.tolerance})
+    return result
+
+
+def check_against_transformers(path, hf_model, prompt_len: int = 16, decode_steps: int = 8,
+                               batch: int = 1) -> LogitCheck:
+    from gdn_export.session import Session
+
+    session = Session(path)
+    if prompt_len < 1 or decode_steps < 0:
+        raise GdnExportError(f"prompt length must be >= 1 and decode steps >= 0, got {prompt_len} and {decode_steps}")
+    tokens = sample_tokens(hf_model.config.vocab_size, batch, prompt_len + decode_steps)
+    expected = transformers_logits(hf_model, tokens, prompt_len)
+    actual = session_logits(session, tokens, prompt_len)
+    return compare_logits(actual, expected, session.metadata["dtype"])
+
+
+def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len: int = 16,
+          decode_steps: int = 8, batch: int = 1) -> LogitCheck:
+    """Re-check an exported model against the checkpoint it came from."""
+    config = read_config(checkpoint_dir)
+    hf_model = load_model(checkpoint_dir, family_for(config["model_type"]), config)
+    return check_against_transformers(path, hf_model, prompt_len, decode_steps, batch)
+
+
+def _copy_in_dtype(hf_model, dtype: torch.dtype):
+    import copy
+
+    return copy.deepcopy(hf_model).to(dtype)
+
+
+def _layer_reports(lm, decisions) -> list[LayerReport]:
+    rules = [d for d in decisions if d.dims is not None]
+    layers = []
+    for index, kind in enumerate(lm.hf.config.layer_types):
+        if kind == "linear_attention":
+            decision = rules.pop(0) if rules else None
+            layers.append(LayerReport(index, "gated delta rule", decision.lowering if decision else "-",
+                                      decision.reason if decision else ""))
+        else:
+            layers.append(LayerReport(index, "attention"))
+    return layers
+
+
+__all__ = ["CheckpointError", "ConvertReport", "check", "convert"]

@@ -1,0 +1,35 @@
+"""The Hugging Face families gdn_export converts, keyed by config.json's model_type."""
+
+from __future__ import annotations
+
+import importlib
+
+from gdn_export.hf.checkpoint import CheckpointError
+from gdn_export.hf.families.base import ExportableLM, Family, StateSpec
+
+# one module per family, each defining FAMILY
+FAMILY_MODULES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "qwen4_exp", "lara_mini", "kimi_linear")
+
+
+def all_families() -> list[Family]:
+    families = []
+    for name in FAMILY_MODULES:
+        try:
+            module = importlib.import_module(f"gdn_export.hf.families.{name}")
+        except ModuleNotFoundError as err:
+            if err.name == f"gdn_export.hf.families.{name}":
+                continue  # not written yet
+            raise
+        families.append(module.FAMILY)
+    return families
+
+
+def family_for(model_type: str) -> Family:
+    for family in all_families():
+        if model_type in family.model_types:
+            return family
+    known = sorted(t for f in all_families() for t in f.model_types)
+    raise CheckpointError(f"model_type {model_type!r} is not supported; gdn_export converts: {', '.join(known)}")
+
+
+__all__ = ["CheckpointError", "ExportableLM", "Family", "StateSpec", "all_families", "family_for"]

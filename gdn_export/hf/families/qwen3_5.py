@@ -1,0 +1,103 @@
+"""Qwen3.5 text (``qwen3_5_text``): GDN layers and gated full attention, pre-norm ``(1+w)`` RMSNorm, dense MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gdn_export.hf import blocks
+from gdn_export.hf.families.base import ExportableLM, Family, StateSpec
+
+
+def gdn_states(layer: int, config, dtype: torch.dtype) -> list[StateSpec]:
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    channels = 2 * key_dim + config.linear_num_value_heads * config.linear_value_head_dim
+    return [
+        StateSpec(f"conv_{layer}", ("B", channels, config.linear_conv_kernel_dim), dtype, layer, "conv"),
+        StateSpec(f"state_{layer}", ("B", config.linear_num_value_heads, config.linear_key_head_dim,
+                                     config.linear_value_head_dim), torch.float32, layer, "recurrent"),
+    ]
+
+
+def attention_states(layer: int, kv_heads: int, head_dim: int, dtype: torch.dtype, value_dim: int | None = None):
+    return [
+        StateSpec(f"key_{layer}", ("B", kv_heads, "P", head_dim), dtype, layer, "key"),
+        StateSpec(f"value_{layer}", ("B", kv_heads, "P", value_dim or head_dim), dtype, layer, "value"),
+    ]
+
+
+class Qwen3_5LM(ExportableLM):
+    def __init__(self, hf_model, dtype: torch.dtype) -> None:
+        super().__init__(hf_model)
+        config = hf_model.config
+        self.config = config
+        self.states = []
+        for i, kind in enumerate(config.layer_types):
+            if kind == "linear_attention":
+                self.states += gdn_states(i, config, dtype)
+            else:
+                self.states += attention_states(i, config.num_key_value_heads, config.head_dim, dtype)
+
+    def gdn(self, module, x, conv_state, recurrent_state):
+        batch, seq = x.shape[:2]
+        z = module.in_proj_z(x).reshape(batch, seq, -1, module.head_v_dim)
+        beta = module.in_proj_b(x).sigmoid()
+        g = blocks.gdn_decay(module.in_proj_a(x), module.A_log, module.dt_bias)
+        core, conv_state, recurrent_state = blocks.gated_delta_mixer(
+            module.in_proj_qkv(x), module.conv1d.weight.squeeze(1), conv_state, recurrent_state, g, beta,
+            key_heads=module.num_k_heads, heads=module.num_v_heads, width_k=module.head_k_dim, width_v=module.head_v_dim)
+        out = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+        return module.out_proj(out.reshape(batch, seq, -1)), conv_state, recurrent_state
+
+    def attention(self, module, x, cos, sin, position_ids, past_key, past_value, apply_rotary):
+        batch, seq = x.shape[:2]
+        hidden_shape = (batch, seq, -1, module.head_dim)
+        query, gate = torch.chunk(module.q_proj(x).view(batch, seq, -1, module.head_dim * 2), 2, dim=-1)
+        gate = gate.reshape(batch, seq, -1)
+        query = module.q_norm(query.reshape(hidden_shape)).transpose(1, 2)
+        key = module.k_norm(module.k_proj(x).view(hidden_shape)).transpose(1, 2)
+        value = module.v_proj(x).view(hidden_shape).transpose(1, 2)
+        query, key = apply_rotary(query, key, cos, sin)
+        key, value = blocks.extend_cache(past_key, key), blocks.extend_cache(past_value, value)
+        mask = blocks.causal_mask(position_ids, key, query.dtype)
+        out = blocks.attend(query, key, value, mask, module.scaling).reshape(batch, seq, -1)
+        return module.o_proj(out * torch.sigmoid(gate)), key, value
+
+    def forward(self, input_ids, *states):
+        from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+
+        model = self.hf.model
+        x = model.embed_tokens(input_ids)
+        first_cache = next(s for spec, s in zip(self.states, states) if spec.kind == "key")
+        position_ids = blocks.positions(input_ids, first_cache)
+        rotary = model.rotary_emb
+        cos, sin = blocks.rope_cos_sin(rotary.inv_freq, position_ids, rotary.attention_scaling, x.dtype)
+        new_states = []
+        by_name = dict(zip((s.name for s in self.states), states))
+        for i, layer in enumerate(model.layers):
+            residual = x
+            h = layer.input_layernorm(x)
+            if layer.block_type == "linear_attention":
+                h, conv, rec = self.gdn(layer.linear_attn, h, by_name[f"conv_{i}"], by_name[f"state_{i}"])
+                new_states += [conv, rec]
+            else:
+                h, key, value = self.attention(layer.self_attn, h, cos, sin, position_ids, by_name[f"key_{i}"],
+                                               by_name[f"value_{i}"], apply_rotary_pos_emb)
+                new_states += [key, value]
+            x = residual + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = self.hf.lm_head(model.norm(x))
+        return (logits, *new_states)
+
+
+class Qwen3_5Family(Family):
+    name = "Qwen3.5"
+    model_types = ("qwen3_5_text",)
+    config_class = "Qwen3_5TextConfig"
+    model_class = "Qwen3_5ForCausalLM"
+
+    def exportable(self, hf_model, state_dtype):
+        return Qwen3_5LM(hf_model, state_dtype)
+
+
+FAMILY = Qwen3_5Family()
