@@ -9,25 +9,42 @@ def l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     return x / np.sqrt((x * x).sum(-1, keepdims=True) + eps)
 
 
-def gated_delta_seq_major(q, k, v, g, beta, s0, *, scale=None, use_qk_l2norm=False):
-    """q, k [B, T, Hk, K]; v [B, T, H, V]; g, beta [B, T, H]; s0 [B, H, K, V] -> (o [B, T, H, V], state)."""
-    q, k, v, g, beta, s0 = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, beta, s0))
+def delta_rule_seq_major(q, k, v, s0, *, g=None, beta=None, erase=None, write=None, num_householder=1, scale=None,
+                         use_qk_l2norm=False):
+    """FAMILY.md section 6, seq-major: q [B, T, Hk, K]; k [B, T*n, Hk, K]; v [B, T*n, H, V]; s0 [B, H, K, V];
+    g None / [B, T, H] / [B, T, H, K]; beta [B, T*n, H] or erase [B, T, H, K] + write [B, T, H, V]."""
+    f64 = lambda x: None if x is None else np.asarray(x, dtype=np.float64)  # noqa: E731
+    q, k, v, s0, g, beta, erase, write = map(f64, (q, k, v, s0, g, beta, erase, write))
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     q = q * (1.0 / np.sqrt(q.shape[-1]) if scale is None else scale)
-    groups = v.shape[2] // q.shape[2]
-    q, k = np.repeat(q, groups, axis=2), np.repeat(k, groups, axis=2)
+    n = num_householder
+    batch, seq, heads = q.shape[0], q.shape[1], v.shape[2]
+    group = heads // q.shape[2]
     state = s0.copy()
-    out = np.zeros(v.shape, dtype=np.float64)
-    for t in range(q.shape[1]):
-        for b in range(q.shape[0]):
-            for h in range(v.shape[2]):
-                s = state[b, h] * np.exp(g[b, t, h])
-                kt, vt = k[b, t, h], v[b, t, h]
-                s = s + np.outer(kt, beta[b, t, h] * (vt - s.T @ kt))
-                state[b, h] = s
-                out[b, t, h] = s.T @ q[b, t, h]
+    out = np.zeros((batch, seq, heads, v.shape[3]))
+    for b in range(batch):
+        for h in range(heads):
+            s = state[b, h]
+            for t in range(seq):
+                if g is not None:
+                    decay = np.exp(g[b, t, h])
+                    s = s * (decay[:, None] if np.ndim(decay) == 1 else decay)
+                for j in range(n):
+                    step = t * n + j
+                    kk = k[b, step, h // group]
+                    b_gate = erase[b, t, h] if erase is not None else beta[b, step, h]
+                    w_gate = write[b, t, h] if write is not None else beta[b, step, h]
+                    # S = (I - k (b*k)^T) S + k (w*v)^T
+                    s = s - np.outer(kk, (b_gate * kk) @ s) + np.outer(kk, w_gate * v[b, step, h])
+                out[b, t, h] = s.T @ q[b, t, h // group]
+            state[b, h] = s
     return out, state
+
+
+def gated_delta_seq_major(q, k, v, g, beta, s0, *, scale=None, use_qk_l2norm=False):
+    """GDN: q, k [B, T, Hk, K]; v [B, T, H, V]; g, beta [B, T, H]; s0 [B, H, K, V]."""
+    return delta_rule_seq_major(q, k, v, s0, g=g, beta=beta, scale=scale, use_qk_l2norm=use_qk_l2norm)
 
 
 def gated_delta_head_major(q, k, v, g, beta, s0):

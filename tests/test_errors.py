@@ -20,11 +20,11 @@ def _bad(index, tensor):
 
 
 BAD = {
-    "g of rank 2": (_bad(3, torch.zeros(1, 4)), "g", "rank 3 [B, T, H]"),
+    "g of rank 2": (_bad(3, torch.zeros(1, 4)), "g", "rank 3 or 4 [B, T, H] or [B, T, H, K]"),
     "q of rank 3": (_bad(0, torch.zeros(1, 4, 32)), "q", "rank 4 [B, T, Hk, K]"),
     "H not a multiple of Hk": (_bad(2, torch.zeros(1, 4, 3, 16)), "v", "multiple of q/k's Hk=2"),
     "beta with another T": (_bad(4, torch.zeros(1, 5, 4)), "beta", "T=4"),
-    "k unlike q": (_bad(1, torch.zeros(1, 4, 2, 8)), "k", "the shape of q"),
+    "k narrower than q": (_bad(1, torch.zeros(1, 4, 2, 8)), "k", "K=16 on axis 3"),
     "state of another width": (_bad(5, torch.zeros(1, 4, 16, 8)), "s0", "V=16"),
 }
 
@@ -68,3 +68,29 @@ def test_parity_failure_is_reported_per_output(tmp_path):
 
     with pytest.raises(gdn_export.ParityError, match=r"o: max abs error 1\.000e\+00 .* <-- over"):
         gdn_export.export(Drifting(), _rule_inputs(), tmp_path / "x.nnef.tgz", **NAMES)
+
+
+def test_gate_errors_name_the_gate(tmp_path):
+    q, k, v, g, beta, s0 = _rule_inputs()
+    erase, write = torch.rand(1, 4, 4, 16), torch.rand(1, 4, 4, 16)
+    with pytest.raises(gdn_export.OperandError, match="operand 'erase': expected no erase/write gate when beta"):
+        gdn_export.gated_delta_rule(q, k, v, g, beta, s0, erase=erase, write=write)
+    with pytest.raises(gdn_export.OperandError, match="operand 'write': expected erase and write given together"):
+        gdn_export.gated_delta_rule(q, k, v, g, None, s0, erase=erase)
+    with pytest.raises(gdn_export.OperandError, match=r"operand 'g': expected K=16 on axis 3"):
+        gdn_export.gated_delta_rule(q, k, v, torch.zeros(1, 4, 4, 8), beta, s0)
+    with pytest.raises(gdn_export.OperandError, match=r"operand 'beta': expected T\*n=8 on axis 1"):
+        gdn_export.gated_delta_rule(q, torch.cat([k, k], 1), torch.cat([v, v], 1), g, beta, s0, num_householder=2)
+
+
+def test_native_refuses_variants_the_fused_op_does_not_compute(tmp_path):
+    q, k, v, _, beta, s0 = make_rule_inputs(1, 3, 2, 2, 32, 32)
+    channel_g = -torch.rand(1, 3, 2, 32)
+
+    class Kda(torch.nn.Module):
+        def forward(self, q, k, v, g, beta, s0):
+            return gdn_export.gated_delta_rule(q, k, v, g, beta, s0, use_qk_l2norm=True)
+
+    with pytest.raises(gdn_export.LoweringError, match="scalar-gated GDN only; this node has channel-wise decay"):
+        gdn_export.export(Kda(), [q, k, v, channel_g, beta, s0], tmp_path / "k.nnef.tgz", lowering="native", **NAMES)
+    assert list(tmp_path.iterdir()) == []

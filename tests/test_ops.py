@@ -28,7 +28,7 @@ def test_gated_delta_scan_output_dtypes():
 
 def test_gated_delta_rule_passes_opcheck():
     q, k, v, g, beta, s0 = make_rule_inputs(2, 3, 2, 4, 16, 8)
-    torch.library.opcheck(torch.ops.t2n_extra.gated_delta_rule.default, (q, k, v, g, beta, s0, 0.25, True))
+    torch.library.opcheck(torch.ops.t2n_extra.gated_delta_rule.default, (q, k, v, g, beta, None, None, s0, 0.25, True, 1))
 
 
 @pytest.mark.parametrize("module", ["qwen3_next", "qwen3_5", "olmo_hybrid", "qwen4_exp", "lara_mini"])

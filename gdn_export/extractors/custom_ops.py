@@ -23,6 +23,12 @@ def _tensors_and_constants(node):
     return tensors, constants
 
 
+def _positional(op_helper, node) -> list:
+    """The node's arguments in schema order: NNEF tensors for tensors, Python values for constants (None too)."""
+    return [i.data if isinstance(i, tg.PythonConstant) else op_helper.get_or_add_tensor_variable_in_nnef(i)
+            for i in node.inputs]
+
+
 def output_tensors(op_helper, node, name_to_tensor):
     """NNEF tensors for the node's two outputs, under the names torch-to-nnef gave them."""
     from nnef_tools.model import Tensor as NTensor
@@ -61,12 +67,15 @@ def handle_gated_delta_scan(g, node, name_to_tensor, op_helper, inference_target
 
 
 def handle_gated_delta_rule(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
-    """Seq-major node that normalizes and scales q/k itself (``gdn_export.gated_delta_rule``)."""
+    """Seq-major node of any variant that normalizes and scales q/k itself (``gdn_export.gated_delta_rule``)."""
     _require_tract(inference_target, node.kind)
-    _, constants = _tensors_and_constants(node)
-    scale, use_qk_l2norm = float(constants[0]), bool(constants[1])
-    gdn = _node(op_helper, node, name_to_tensor, entry="gated_delta_rule", head_major=False,
-                use_qk_l2norm=use_qk_l2norm, scale=scale)
+    q, k, v, gate, beta, erase, write, s0, scale, use_qk_l2norm, num_householder = _positional(op_helper, node)
+    y, s_final = output_tensors(op_helper, node, name_to_tensor)
+    gdn = GdnNode(
+        name=y.name, q=q, k=k, v=v, g=gate, beta=beta, erase=erase, write=write, s0=s0, y=y, s_final=s_final,
+        head_major=False, use_qk_l2norm=bool(use_qk_l2norm), scale=float(scale), entry="gated_delta_rule",
+        num_householder=int(num_householder),
+    )
     return emit(g, gdn, policy_of(inference_target))
 
 

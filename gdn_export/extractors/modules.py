@@ -38,5 +38,6 @@ class GatedDeltaRuleExtractor(ModuleInfoExtractor):
         gdn = GdnNode(
             name=y.name, q=q, k=k, v=v, g=gate, beta=beta, s0=s0, y=y, s_final=s_final, head_major=False,
             use_qk_l2norm=module.use_qk_l2norm, scale=scale, entry="GatedDeltaRule module",
+            num_householder=module.num_householder,
         )
         return emit(g, gdn, policy_of(inference_target))

@@ -26,18 +26,19 @@ LOWERINGS = ("auto", "native", "scan")
 
 @dataclass
 class GdnNode:
-    """One gated delta-rule node as an entry point hands it over.
+    """One delta-rule node as an entry point hands it over.
 
     ``use_qk_l2norm`` and ``scale`` are the node's own semantics: the node normalizes q/k itself and
     multiplies q by ``scale`` (None: q is used as given, already normalized and scaled by the caller).
+    g is None (no decay), per head or per key channel; beta is None when erase/write gates are given.
     """
 
     name: str
     q: NTensor
     k: NTensor
     v: NTensor
-    g: NTensor
-    beta: NTensor
+    g: NTensor | None
+    beta: NTensor | None
     s0: NTensor
     y: NTensor  # output tensors, created by the entry point with their final names and dtypes
     s_final: NTensor
@@ -45,9 +46,14 @@ class GdnNode:
     use_qk_l2norm: bool
     scale: float | None
     entry: str  # which entry point produced the node, for the report
+    erase: NTensor | None = None
+    write: NTensor | None = None
+    num_householder: int = 1
 
     def operands(self) -> dict[str, NTensor]:
-        return {"q": self.q, "k": self.k, "v": self.v, "g": self.g, "beta": self.beta, "s0": self.s0}
+        given = {"q": self.q, "k": self.k, "v": self.v, "g": self.g, "beta": self.beta, "erase": self.erase,
+                 "write": self.write, "s0": self.s0}
+        return {name: t for name, t in given.items() if t is not None}
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,10 @@ def fused_refusal(node: GdnNode, dims: Dims, version: tuple[int, int, int], seq_
     """Why the fused operator would not compute exactly this node on this tract version (None: it would)."""
     capability = fused_capability(version)
     version_name = ".".join(map(str, version))
+    if not dims.is_plain_gdn:
+        variant = ("no decay gate (DeltaNet)" if not dims.has_decay else "channel-wise decay" if dims.channel_decay
+                   else "erase/write gates" if dims.gated_writes else f"{dims.num_householder} Householder sub-steps")
+        return f"the fused op computes scalar-gated GDN only; this node has {variant}"
     if capability is None:
         return f"tract {version_name} has no tract_transformers_gdn_recurrent (first in 0.23.5)"
     if not node.use_qk_l2norm or node.scale is None:
@@ -124,6 +134,7 @@ def emit(graph: NGraph, node: GdnNode, target) -> list:
         {name: t.shape for name, t in operands.items()},
         {name: t.dtype for name, t in operands.items()},
         head_major=node.head_major,
+        num_householder=node.num_householder,
     )
     decision = decide(node, dims, target)
     target.gdn_decisions.append(decision)
