@@ -8,12 +8,15 @@ from gdn_export.errors import GdnExportError, LoweringError, OperandError, Parit
 from gdn_export.ops import GatedDeltaRule, gated_delta_recurrence, gated_delta_rule, gated_delta_scan, l2norm
 from gdn_export import extractors  # noqa: E402,F401  (registers the torch-to-nnef handlers)
 from gdn_export.export import ExportReport, export
+from gdn_export.hf.checkpoint import CheckpointError
+from gdn_export.hf.convert import ConvertReport, check, convert
 from gdn_export.runtime import run_tract
+from gdn_export.session import Session
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ExportReport", "GatedDeltaRule", "GdnExportError", "LoweringError", "OperandError", "ParityError",
-    "TractRuntimeError", "export", "gated_delta_recurrence", "gated_delta_rule", "gated_delta_scan", "l2norm",
-    "run_tract",
+    "CheckpointError", "ConvertReport", "ExportReport", "GatedDeltaRule", "GdnExportError", "LoweringError",
+    "OperandError", "ParityError", "Session", "TractRuntimeError", "check", "convert", "export",
+    "gated_delta_recurrence", "gated_delta_rule", "gated_delta_scan", "l2norm", "run_tract",
 ]

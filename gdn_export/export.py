@@ -16,6 +16,7 @@ import torch
 
 from gdn_export.errors import GdnExportError, LoweringError
 from gdn_export.lowering.emitter import LOWERINGS, Decision
+from gdn_export.output_names import keep_output_names
 from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
 from gdn_export.runtime import run_tract, tract_version as installed_tract_version
 from gdn_export.target import OfflineTractTarget
@@ -114,8 +115,9 @@ def export(
             )
         if not (folder / "graph.nnef").is_file():
             raise GdnExportError(f"torch-to-nnef wrote no graph for {path}")
+        renamed = keep_output_names(folder)
         if metadata is not None:
-            metadata = {**metadata, "decisions": [d.summary() for d in target.gdn_decisions]}
+            metadata = {**metadata, "output_names_kept": renamed, "decisions": [d.summary() for d in target.gdn_decisions]}
             (folder / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
         staged = Path(tmp) / "model.nnef.tgz"
         _pack(folder, staged)

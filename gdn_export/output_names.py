@@ -1,0 +1,78 @@
+"""Keeping the declared output names of an NNEF graph visible through tract's ``Model.output_name``.
+
+tract reports an output by the name of the node producing it, not by the outlet label its NNEF loader
+sets, and its declutter pass moves outputs onto other nodes: a ``linear`` output shows as
+``logits_linear_output``, both outputs of a two-output fused op show the op's first name, a removed
+``copy`` shows its source. An ``Iff`` node (NNEF ``select``) whose condition is computed from the data
+is never folded and keeps its own name, so each renamed output is re-declared as
+``NAME = select(c, NAME__raw, NAME__raw)``: the same value whatever ``c`` is. It copies the tensor once
+per call, so only the outputs tract would rename get it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from gdn_export.errors import GdnExportError
+
+RAW_SUFFIX = "__raw"
+
+
+def tract_names(folder: Path) -> tuple[list[str], list[str], list[str]]:
+    """(declared output names, names tract reports, facts) for the graph in ``folder``."""
+    import tract
+
+    model = tract.nnef().with_tract_transformers().load(str(folder))
+    reported = [model.output_name(i) for i in range(model.output_count())]
+    facts = [str(model.output_fact(i)) for i in range(model.output_count())]
+    return declared_outputs(folder), reported, facts
+
+
+def declared_outputs(folder: Path) -> list[str]:
+    header = re.search(r"graph\s+\w+\s*\(.*?\)\s*->\s*\((.*?)\)", (folder / "graph.nnef").read_text(), re.S)
+    return [name.strip() for name in header.group(1).split(",")]
+
+
+def _condition(raw: str, fact: str) -> str:
+    """An expression over ``raw`` of the same rank with every dim 1, valid when a symbolic dim is 0."""
+    *dims, dtype = fact.split(",")
+    concrete = [i for i, d in enumerate(dims) if d.isdigit() and int(d) > 0]
+    symbolic = [i for i in range(len(dims)) if i not in concrete]
+    expr = raw
+    if concrete:
+        zeros, ones = ", ".join("0" * 1 for _ in concrete), ", ".join("1" for _ in concrete)
+        expr = f"slice({expr}, axes = [{', '.join(map(str, concrete))}], begin = [{zeros}], end = [{ones}])"
+    if symbolic:
+        reducer = "any_reduce" if dtype == "bool" else "max_reduce"  # sum_reduce panics on an empty axis
+        expr = f"{reducer}({expr}, axes = [{', '.join(map(str, symbolic))}])"
+    return expr if dtype == "bool" else f"eq({expr}, 0.0)"
+
+
+def keep_output_names(folder: Path) -> list[str]:
+    """Rewrite ``folder/graph.nnef`` so tract reports every declared output name; return the names fixed.
+
+    Raises GdnExportError if tract still reports another name afterwards.
+    """
+    declared, reported, facts = tract_names(folder)
+    renamed = [(name, fact) for name, got, fact in zip(declared, reported, facts) if got != name]
+    if not renamed:
+        return []
+    path = folder / "graph.nnef"
+    text = path.read_text()
+    start = text.index("{", re.search(r"graph\s+\w+\s*\(", text).end())
+    head, body = text[: start + 1], text[start + 1 :]
+    body_end = body.rindex("}")
+    body, tail = body[:body_end], body[body_end:]
+    wrappers = []
+    for name, fact in renamed:
+        word = re.compile(rf"(?<![\w.]){re.escape(name)}(?![\w.])")
+        body = word.sub(name + RAW_SUFFIX, body)
+        raw = name + RAW_SUFFIX
+        wrappers.append(f"    {name}__c = {_condition(raw, fact)};\n    {name} = select({name}__c, {raw}, {raw});\n")
+    path.write_text(head + body + "".join(wrappers) + tail)
+    declared, reported, _ = tract_names(folder)
+    still = [(d, r) for d, r in zip(declared, reported) if d != r]
+    if still:
+        raise GdnExportError(f"tract renames outputs {still} even after wrapping them")
+    return [name for name, _ in renamed]
