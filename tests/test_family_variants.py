@@ -9,6 +9,7 @@ import gdn_export
 from oracle import delta_rule_seq_major
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2}
+LOWERINGS = ["auto", "recurrent"]
 VARIANTS = ["deltanet", "gdn", "kda", "gdn2", "gdn2_neg_eig", "product2", "product3", "product2_no_decay"]
 
 
@@ -96,23 +97,26 @@ def test_eager_reference_matches_oracle(variant):
     assert_close(state, ref_state, 1e-5, "state")
 
 
+@pytest.mark.parametrize("lowering", LOWERINGS)
 @pytest.mark.parametrize("seq", [1, 7, 100])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_variant_parity_in_tract(variant, seq, tmp_path):
+def test_variant_parity_in_tract(variant, seq, lowering, tmp_path):
     dtype = torch.float16 if seq == 7 and variant in ("kda", "gdn2", "product2") else torch.float32
     args, kwargs = variant_inputs(variant, seq=seq, dtype=dtype)
     module, tensors, names = graph_inputs(args, kwargs)
     report = gdn_export.export(module, tensors, tmp_path / "v.nnef.tgz", input_names=names,
-                               output_names=["o", "state"], check=False)
-    assert report.lowerings() == ["scan"]  # K != V here, and only plain GDN could be fused anyway
+                               output_names=["o", "state"], check=False, lowering=lowering)
+    # K != V here, and only plain GDN could be fused anyway: auto takes the portable scan
+    assert report.lowerings() == ["scan" if lowering == "auto" else lowering]
     o, state = gdn_export.run_tract(report.path, [t.numpy() for t in tensors])
     ref_o, ref_state = oracle(args, kwargs)
     assert_close(o, ref_o, TOLERANCE[dtype], f"{variant} o")
     assert_close(state, ref_state, TOLERANCE[dtype], f"{variant} state")
 
 
+@pytest.mark.parametrize("lowering", LOWERINGS)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_symbolic_length_with_state_carried(variant, tmp_path):
+def test_symbolic_length_with_state_carried(variant, lowering, tmp_path):
     """One graph, prefill of 7 tokens then 3 single-token calls feeding back the state == one run of 10."""
     args, kwargs = variant_inputs(variant, seq=10, seed=4)
     module, tensors, names = graph_inputs(args, kwargs)
@@ -121,7 +125,7 @@ def test_symbolic_length_with_state_carried(variant, tmp_path):
     traced_args, traced_kwargs = variant_inputs(variant, seq=3, seed=5)
     _, traced, _ = graph_inputs(traced_args, traced_kwargs)
     report = gdn_export.export(module, traced, tmp_path / "s.nnef.tgz", input_names=names,
-                               output_names=["o", "state"], dynamic_axes=dynamic)
+                               output_names=["o", "state"], dynamic_axes=dynamic, lowering=lowering)
     runnable = gdn_export.runtime.load_tract_model(report.path)
     ref_o, ref_state = oracle(args, kwargs)
     state, outputs = tensors[-1].numpy(), []

@@ -16,12 +16,12 @@ from nnef_tools.model import Graph as NGraph
 from nnef_tools.model import Tensor as NTensor
 
 from gdn_export.errors import LoweringError
-from gdn_export.lowering import fused, scan
+from gdn_export.lowering import fused, recurrent, scan
 from gdn_export.lowering.capabilities import F32, fused_capability
 from gdn_export.lowering.nnef_builder import NnefBuilder
 from gdn_export.lowering.operands import Dims, validate_operands
 
-LOWERINGS = ("auto", "native", "scan")
+LOWERINGS = ("auto", "native", "scan", "recurrent")
 
 
 @dataclass
@@ -115,8 +115,8 @@ def decide(node: GdnNode, dims: Dims, target) -> Decision:
     requested = target.gdn_lowering
     if requested not in LOWERINGS:
         raise LoweringError(f"lowering {requested!r} is not one of {', '.join(LOWERINGS)}")
-    if requested == "scan":
-        return Decision(node.name, node.entry, "scan", "requested (lowering='scan')", dims)
+    if requested in ("scan", "recurrent"):
+        return Decision(node.name, node.entry, requested, f"requested (lowering={requested!r})", dims)
     refusal = fused_refusal(node, dims, target.tract_version, target.seq_may_vary)
     if requested == "native":
         if refusal is not None:
@@ -142,4 +142,4 @@ def emit(graph: NGraph, node: GdnNode, target) -> list:
     if decision.lowering == "native":
         operand_dtype = fused_operand_dtype(node, fused_capability(target.tract_version).operand_dtypes)
         return fused.lower(builder, node, dims, operand_dtype)
-    return scan.lower(builder, node, dims)
+    return {"scan": scan, "recurrent": recurrent}[decision.lowering].lower(builder, node, dims)

@@ -1,0 +1,91 @@
+"""Bringing a node's operands to the scan layouts shared by the portable lowerings.
+
+Every per-token operand becomes f32 ``[T, B, Hk, G|1, ...]``: time first (the scan axis), value heads
+split into (key head, group) so key-head tensors broadcast over their G value heads instead of being
+repeated. The erase key ``e = b*k`` and written value ``u = w*v`` of each sub-step are formed here, where
+they are vectorized over T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nnef_tools.model import Tensor as NTensor
+
+from gdn_export.lowering.capabilities import F32
+from gdn_export.lowering.nnef_builder import NnefBuilder
+from gdn_export.lowering.operands import Dims
+
+L2NORM_EPS = 1e-6
+
+
+@dataclass
+class StepOperands:
+    """Per-token operands, time first, all f32 and rank 5 ``[T, B, Hk, G|1, K|V]``."""
+
+    q: NTensor  # [T, B, Hk, 1, K], normalized and scaled
+    keys: list[NTensor]  # per sub-step [T, B, Hk, 1, K]
+    erases: list[NTensor]  # per sub-step e = b*k, [T, B, Hk, G, K]
+    writes: list[NTensor]  # per sub-step u = w*v, [T, B, Hk, G, V]
+    log_decay: NTensor | None  # [T, B, Hk, G, 1] or per channel [T, B, Hk, G, K]
+    s0: NTensor  # [B, Hk, G, K, V]
+
+
+def step_operands(b: NnefBuilder, node, dims: Dims) -> StepOperands:
+    seq_axis = 2 if node.head_major else 1
+    n = dims.num_householder
+
+    def time_first(x):
+        """[B, T|H, H|T, ...] -> [T, B, H, ...] in f32."""
+        x = b.cast(x, F32)
+        return b.transpose(x, [seq_axis, 0, 3 - seq_axis] + list(range(3, len(x.shape))))
+
+    def per_value_head(x):
+        """[T, B, H, ...] -> [T, B, Hk, G, ...]."""
+        return b.split_axis(x, 2, [dims.key_heads, dims.groups])
+
+    def substeps(x):
+        """[T*n, B, ...] -> n tensors [T, B, ...] (sub-step j of token t sits at t*n + j)."""
+        if n == 1:
+            return [x]
+        split = b.split_axis(x, 0, [-1, n])  # [T, n, B, ...]
+        return [b.squeeze(b.op("slice", split, shape=[split.shape[0], 1, *split.shape[2:]],
+                                attribs={"axes": [1], "begin": [j], "end": [j + 1]}), [1]) for j in range(n)]
+
+    q, k = b.cast(node.q, F32), b.cast(node.k, F32)
+    if node.use_qk_l2norm:
+        q, k = l2norm(b, q), l2norm(b, k)
+    if node.scale is not None:
+        q = b.binary("mul", q, b.scalar(node.scale, F32))
+    q = b.unsqueeze(time_first(q), [3])  # [T, B, Hk, 1, K]
+    keys = [b.unsqueeze(x, [3]) for x in substeps(time_first(k))]  # [T, B, Hk, 1, K]
+    values = [per_value_head(x) for x in substeps(time_first(node.v))]  # [T, B, Hk, G, V]
+    if node.beta is not None:
+        betas = [b.unsqueeze(per_value_head(x), [4]) for x in substeps(time_first(node.beta))]  # [.., G, 1]
+        erases = [b.binary("mul", beta, key) for beta, key in zip(betas, keys)]
+        writes = [b.binary("mul", beta, value) for beta, value in zip(betas, values)]
+    else:
+        erases = [b.binary("mul", per_value_head(time_first(node.erase)), keys[0])]
+        writes = [b.binary("mul", per_value_head(time_first(node.write)), values[0])]
+    log_decay = None
+    if node.g is not None:
+        log_decay = per_value_head(time_first(node.g))
+        if not dims.channel_decay:
+            log_decay = b.unsqueeze(log_decay, [4])
+    s0 = b.split_axis(b.cast(node.s0, F32), 1, [dims.key_heads, dims.groups])
+    return StepOperands(q, keys, erases, writes, log_decay, s0)
+
+
+def write_outputs(b: NnefBuilder, node, dims: Dims, y_time_first: NTensor, state: NTensor) -> None:
+    """y ``[T, B, Hk, G, V]`` and state ``[B, Hk, G, K, V]`` into the node's outputs, in its layout and dtypes."""
+    y = b.merge_axes(y_time_first, 2, 2)  # [T, B, H, V]
+    y = b.transpose(y, [1, 2, 0, 3] if node.head_major else [1, 0, 2, 3])
+    b.cast(y, node.y.dtype, out=node.y)
+    b.cast(b.merge_axes(state, 1, 2), node.s_final.dtype, out=node.s_final)
+
+
+def l2norm(b: NnefBuilder, x: NTensor) -> NTensor:
+    """``x / sqrt(sum(x^2) + 1e-6)`` over the last axis, as the reference and tract's fused op."""
+    squares = b.sum_reduce(b.binary("mul", x, x), [len(x.shape) - 1])
+    inverse_norm = b.unary("rsqrt", b.binary("add", squares, b.scalar(L2NORM_EPS, F32)))
+    return b.binary("mul", x, inverse_norm)
