@@ -53,6 +53,7 @@ def test_prefill_and_decode_match_transformers(name, dtype, batch, converted):
         assert check.max_abs_error <= 1e-4 * max(1.0, check.max_abs_logit)
     else:
         assert check.top1_agreement == 1.0 and check.max_abs_error <= 5e-2 * max(1.0, check.max_abs_logit)
+        assert check.ambiguous <= expected[..., 0].size // 2, "too few decisive positions to judge top-1"
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)

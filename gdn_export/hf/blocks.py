@@ -97,19 +97,41 @@ def gdn_decay(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> to
     return -a_log.float().exp() * F.softplus(a.float() + dt_bias)
 
 
-def dense_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, normalize: bool,
-              gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act) -> torch.Tensor:
-    """Top-k softmax routing computed densely: every expert runs, unselected ones weigh exactly zero.
+def cached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: torch.Tensor,
+                     past_value: torch.Tensor, query_positions: torch.Tensor, scaling: float,
+                     sliding_window: int | None = None):
+    """Ungated attention over an explicit cache: q ``[B, H, S, D]``, new k/v ``[B, Hkv, S, D]`` after rotary.
 
-    transformers' loop over hit experts reads data-dependent shapes, which a traced graph would freeze.
-    x ``[N, D]``; gate_up_proj ``[E, 2I, D]``; down_proj ``[E, D, I]``.
+    Returns (output ``[B, S, H*Dv]`` ready for the output projection, extended key cache, extended value cache).
+    The whole past is kept and out-of-window keys are masked: transformers' sliding cache drops them instead,
+    which leaves the same softmax since masked weights are exactly zero.
+    """
+    key, value = extend_cache(past_key, key), extend_cache(past_value, value)
+    mask = causal_mask(query_positions, key, query.dtype, sliding_window)
+    out = attend(query, key, value, mask, scaling)
+    return out.flatten(2), key, value
+
+
+def top_k_routing(router_logits: torch.Tensor, top_k: int, normalize: bool) -> torch.Tensor:
+    """Dense routing weights ``[N, E]``: the top-k softmax probabilities (renormalized if asked), zeros elsewhere.
+
+    The scatter names its axis as 1, not -1: torch_to_nnef passes the axis to tract's scatter_elements
+    unnormalized, and tract 0.23 panics (index out of bounds) on a negative one.
     """
     probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
     top_values, top_index = torch.topk(probs, top_k, dim=-1)
     if normalize:
         top_values = top_values / top_values.sum(dim=-1, keepdim=True)
-    weights = torch.zeros_like(probs).scatter(-1, top_index, top_values).to(router_logits.dtype)  # [N, E]
-    gate_up = torch.einsum("nd,eid->nei", x, gate_up_proj)
-    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.zeros_like(probs).scatter(1, top_index, top_values).to(router_logits.dtype)
+
+
+def dense_experts(x: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                  act) -> torch.Tensor:
+    """Every expert on every token, mixed by dense ``weights`` ``[N, E]`` (zero for unselected experts).
+
+    x ``[N, D]``; gate_up_proj ``[E, 2I, D]``; down_proj ``[E, D, I]``; the weights are cast to x's dtype before
+    mixing, as transformers casts its routing scores.
+    """
+    gate, up = torch.einsum("nd,eid->nei", x, gate_up_proj).chunk(2, dim=-1)
     expert_out = torch.einsum("nei,edi->ned", act(gate) * up, down_proj)  # [N, E, D]
     return (expert_out * weights[..., None].to(expert_out.dtype)).sum(1)

@@ -163,9 +163,17 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
 
 
 def _copy_in_dtype(hf_model, dtype: torch.dtype):
+    """The model in ``dtype``, except rotary frequency tables: transformers keeps ``inv_freq`` in f32 in a
+    half model (rounded to f16, cos/sin drift by ~0.5 at position 4096 with head_dim 128)."""
     import copy
 
-    return copy.deepcopy(hf_model).to(dtype)
+    model = copy.deepcopy(hf_model)
+    kept = {name: buffer.clone() for name, buffer in model.named_buffers() if name.endswith("inv_freq")}
+    model = model.to(dtype)
+    for name, buffer in kept.items():
+        owner = model.get_submodule(name.rpartition(".")[0])
+        setattr(owner, name.rpartition(".")[2], buffer)
+    return model
 
 
 def _layer_reports(lm, decisions) -> list[LayerReport]:
