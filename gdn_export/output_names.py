@@ -34,9 +34,22 @@ def declared_outputs(folder: Path) -> list[str]:
     return [name.strip() for name in header.group(1).split(",")]
 
 
+def _top_level_split(fact: str) -> list[str]:
+    """'B,broadcast(B,1),128,f32' -> ['B', 'broadcast(B,1)', '128', 'f32'] (commas inside expressions kept)."""
+    parts, depth, current = [], 0, ""
+    for char in fact:
+        depth += (char == "(") - (char == ")")
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    return parts + [current]
+
+
 def _condition(raw: str, fact: str) -> str:
     """An expression over ``raw`` of the same rank with every dim 1, valid when a symbolic dim is 0."""
-    *dims, dtype = fact.split(",")
+    *dims, dtype = _top_level_split(fact)
     concrete = [i for i, d in enumerate(dims) if d.isdigit() and int(d) > 0]
     symbolic = [i for i in range(len(dims)) if i not in concrete]
     expr = raw
