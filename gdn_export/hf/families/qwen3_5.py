@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from gdn_export.hf import blocks
 from gdn_export.hf.families.base import ExportableLM, Family, StateSpec
@@ -63,7 +62,13 @@ class Qwen3_5LM(ExportableLM):
         out = blocks.attend(query, key, value, mask, module.scaling).reshape(batch, seq, -1)
         return module.o_proj(out * torch.sigmoid(gate)), key, value
 
+    def feed_forward(self, mlp, x):
+        """The layer's MLP; subclasses with sparse MoE blocks replace transformers' data-dependent loop here."""
+        return mlp(x)
+
     def forward(self, input_ids, *states):
+        # Qwen3.5-MoE's interleaved mRoPE reduces to the plain rotary table for text, where the three
+        # position axes agree, so the same forward serves it.
         from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
         model = self.hf.model
@@ -85,7 +90,7 @@ class Qwen3_5LM(ExportableLM):
                                                by_name[f"value_{i}"], apply_rotary_pos_emb)
                 new_states += [key, value]
             x = residual + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self.feed_forward(layer.mlp, layer.post_attention_layernorm(x))
         logits = self.hf.lm_head(model.norm(x))
         return (logits, *new_states)
 

@@ -1,0 +1,109 @@
+"""Qwen3-Next (``qwen3_next``): Qwen3.5's decoder with fused GDN projections and sparse MoE feed-forwards.
+
+Attention, norms, rotary tables and the GDN math are Qwen3.5's, so the decoder reuses ``Qwen3_5LM``; what
+differs is the GDN projection layout (``in_proj_qkvz`` / ``in_proj_ba`` grouped per key head) and the MoE
+feed-forward, which ``SparseMoeLM`` (shared with Qwen3.5-MoE) runs with dense routing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gdn_export.hf import blocks
+from gdn_export.hf.families.base import Family
+from gdn_export.hf.families.qwen3_5 import Qwen3_5LM
+
+
+def sparse_moe(block: nn.Module, x: torch.Tensor, normalize_topk: bool) -> torch.Tensor:
+    """transformers' ``*SparseMoeBlock``: top-k softmax experts plus a shared expert scaled by a sigmoid gate.
+
+    Reads only the block's weights: its own forward loops over the experts a batch happens to hit, which a
+    trace would freeze.
+    """
+    router, experts = block.gate, block.experts
+    flat = x.reshape(-1, router.hidden_dim)
+    weights = blocks.top_k_routing(F.linear(flat, router.weight), router.top_k, normalize_topk)
+    routed = blocks.dense_experts(flat, weights, experts.gate_up_proj, experts.down_proj, experts.act_fn)
+    shared = torch.sigmoid(block.shared_expert_gate(flat)) * block.shared_expert(flat)
+    return (routed + shared).view_as(x)
+
+
+class SparseMoeLM(Qwen3_5LM):
+    """Qwen3.5's decoder where a layer's ``mlp`` may be a transformers sparse MoE block.
+
+    Which layers are sparse (``decoder_sparse_step``, ``mlp_only_layers``) is read from the modules
+    transformers built, not re-derived from the config.
+    """
+
+    def __init__(self, hf_model: nn.Module, dtype: torch.dtype, normalize_topk: bool = True) -> None:
+        super().__init__(hf_model, dtype)
+        self.normalize_topk = normalize_topk
+
+    def feed_forward(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(mlp, "experts"):
+            return sparse_moe(mlp, x, self.normalize_topk)
+        return mlp(x)
+
+
+def _frozen_linear(weight: torch.Tensor) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")  # no throwaway init
+    linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    return linear
+
+
+class UnfusedGatedDeltaNet(nn.Module):
+    """A ``Qwen3NextGatedDeltaNet`` with Qwen3.5's separate projections, the interface ``Qwen3_5LM.gdn`` reads.
+
+    The fused rows are grouped per key head h as ``[q_h | k_h | v_{hG..hG+G-1} | z_{same}]`` and ``[b | a]``
+    (FAMILY.md, "Qwen3-Next fused layout"). Un-grouping them is a row permutation of the weights, done once
+    here, so the graph holds Qwen3.5's plain splits rather than per-step reshapes of the fused output.
+    Everything else (conv, norm, out_proj, A_log, dt_bias) is borrowed from the original module.
+    """
+
+    def __init__(self, fused: nn.Module) -> None:
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = fused.num_k_heads, fused.num_v_heads
+        self.head_k_dim, self.head_v_dim = fused.head_k_dim, fused.head_v_dim
+        # borrowed without registering: torch_to_nnef names each weight by one module path (the hf one) and
+        # fails on a second path to the same tensor
+        for name in ("conv1d", "norm", "out_proj", "A_log", "dt_bias"):
+            object.__setattr__(self, name, getattr(fused, name))
+        group_v = fused.num_v_heads // fused.num_k_heads * fused.head_v_dim
+        group_heads = fused.num_v_heads // fused.num_k_heads
+        per_head = fused.in_proj_qkvz.weight.detach().view(fused.num_k_heads, -1, fused.hidden_size)
+        q, k, v, z = per_head.split([fused.head_k_dim, fused.head_k_dim, group_v, group_v], dim=1)
+        b, a = fused.in_proj_ba.weight.detach().view(fused.num_k_heads, -1, fused.hidden_size).split(
+            [group_heads, group_heads], dim=1)
+        # flatten(0, 1): [Hk, rows per head, D] -> head-major rows, value/gate head h*G+i as repeat_interleave expects
+        self.in_proj_qkv = _frozen_linear(torch.cat([q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)]))
+        self.in_proj_z = _frozen_linear(z.flatten(0, 1))
+        self.in_proj_b = _frozen_linear(b.flatten(0, 1))
+        self.in_proj_a = _frozen_linear(a.flatten(0, 1))
+
+
+class Qwen3NextLM(SparseMoeLM):
+    def __init__(self, hf_model: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__(hf_model, dtype, normalize_topk=hf_model.config.norm_topk_prob)
+        # keyed by layer index (ModuleDict keys are strings); built from the weights of the model being exported
+        self.unfused = nn.ModuleDict({
+            str(i): UnfusedGatedDeltaNet(layer.linear_attn)
+            for i, layer in enumerate(hf_model.model.layers) if layer.block_type == "linear_attention"
+        })
+
+    def gdn(self, module, x, conv_state, recurrent_state):
+        return super().gdn(self.unfused[str(module.layer_idx)], x, conv_state, recurrent_state)
+
+
+class Qwen3NextFamily(Family):
+    name = "Qwen3-Next"
+    model_types = ("qwen3_next",)
+    config_class = "Qwen3NextConfig"
+    model_class = "Qwen3NextForCausalLM"
+
+    def exportable(self, hf_model: nn.Module, state_dtype: torch.dtype) -> Qwen3NextLM:
+        return Qwen3NextLM(hf_model, state_dtype)
+
+
+FAMILY = Qwen3NextFamily()
