@@ -79,6 +79,9 @@ def load_model(checkpoint_dir: str | os.PathLike, family, config: dict) -> torch
     error, never a random initialization.
     """
     safetensors_files(checkpoint_dir)
+    own_loader = getattr(family, "load", None)
+    if own_loader is not None:  # families with no transformers classes (FLA) build their model themselves
+        return own_loader(checkpoint_dir, config)
     config_class, model_class = family.classes()
     fields = {k: v for k, v in config.items() if k not in ("auto_map",)}
     try:
@@ -100,6 +103,45 @@ def load_model(checkpoint_dir: str | os.PathLike, family, config: dict) -> torch
     if missing:
         raise CheckpointError(f"weights missing from the checkpoint: {', '.join(sorted(missing)[:5])}")
     return model.eval()
+
+
+def read_safetensors(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's safetensors files (one or several shards), by name."""
+    from safetensors import safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(checkpoint_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                if key in tensors:
+                    raise CheckpointError(f"tensor {key} appears in more than one safetensors file")
+                tensors[key] = handle.get_tensor(key)
+    return tensors
+
+
+def assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ignore: tuple[str, ...] = ()) -> None:
+    """Copy ``tensors`` into ``model``'s parameters and buffers by name, cast to their dtype.
+
+    Strict: a missing, unexpected or mis-shaped tensor is a CheckpointError (the config then describes
+    another model than the weights). Names in ``ignore`` may be present or not (tied weights).
+    """
+    expected = model.state_dict()
+    missing = sorted(k for k in expected if k not in tensors and k not in ignore)
+    unexpected = sorted(k for k in tensors if k not in expected)
+    if missing:
+        raise CheckpointError(f"weights missing from the checkpoint: {', '.join(missing[:5])}"
+                              + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
+    if unexpected:
+        raise CheckpointError(f"the checkpoint has weights config.json does not describe: {', '.join(unexpected[:5])}"
+                              + (f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else ""))
+    mismatched = [f"{k} {tuple(tensors[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+                  if k in tensors and k not in ignore and tensors[k].shape != v.shape]
+    if mismatched:
+        raise CheckpointError(f"weights disagree with config.json sizes: {', '.join(mismatched[:3])}")
+    with torch.no_grad():
+        for key, target in expected.items():
+            if key in tensors and key not in ignore:
+                target.copy_(tensors[key].to(target.dtype))
 
 
 def _first_line(err: Exception) -> str:

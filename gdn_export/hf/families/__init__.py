@@ -8,7 +8,8 @@ from gdn_export.hf.checkpoint import CheckpointError
 from gdn_export.hf.families.base import ExportableLM, Family, StateSpec
 
 # one module per family, each defining FAMILY
-FAMILY_MODULES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "qwen4_exp", "lara_mini", "kimi_linear")
+FAMILY_MODULES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "qwen4_exp", "lara_mini", "kimi_linear",
+                 "fla")
 
 
 def all_families() -> list[Family]:

@@ -1,0 +1,50 @@
+"""FLA's ``GatedDeltaNet`` layer (``fla/layers/gated_deltanet.py``) in plain torch, state passed explicitly."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gdn_export.hf.blocks import gdn_decay
+from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput, check_head_sizes
+from gdn_export.layers.common import init_decay_parameters, split_heads
+from gdn_export.ops.gated_delta_rule import gated_delta_rule
+
+
+class GatedDeltaNet(DeltaLayer):
+    """Scalar decay per value head, ``β = σ(b)`` (×2 with ``allow_neg_eigval``), GVA when num_v_heads > num_heads.
+
+    FLA defaults: head_dim 256, expand_v 2 (V = 2K), num_heads 6, gated output (``g_proj`` + swish
+    FusedRMSNormGated), short convs of 4 without bias, norm_eps 1e-5 (the model passes its ``norm_eps``,
+    1e-6 by default). q/k are L2-normalized in the kernel, scale ``K^-1/2``.
+    """
+
+    def __init__(self, hidden_size: int = 2048, expand_v: float = 2, head_dim: int = 256, num_heads: int = 6,
+                 num_v_heads: int | None = None, mode: str = "chunk", use_gate: bool = True,
+                 use_short_conv: bool = True, allow_neg_eigval: bool = False, conv_size: int = 4,
+                 conv_bias: bool = False, layer_idx: int | None = None, norm_eps: float = 1e-5, **kwargs) -> None:
+        super().__init__()
+        self.num_heads, self.num_v_heads = num_heads, num_v_heads or num_heads
+        self.head_k_dim, self.allow_neg_eigval, self.layer_idx = head_dim, allow_neg_eigval, layer_idx
+        self.head_v_dim = check_head_sizes(head_dim, expand_v, num_heads, self.num_v_heads)
+        key_dim, value_dim = num_heads * head_dim, self.num_v_heads * self.head_v_dim
+        self._init_io(hidden_size, key_dim, key_dim, value_dim, use_short_conv=use_short_conv, conv_size=conv_size,
+                      conv_bias=conv_bias, output_gate="linear" if use_gate else None, norm_eps=norm_eps,
+                      value_dim=value_dim)
+        self.a_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        self.b_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        init_decay_parameters(self.A_log, self.dt_bias, 0.0, 16.0)
+
+    def forward(self, x: torch.Tensor, conv_states: ConvStates, recurrent_state: torch.Tensor) -> LayerOutput:
+        q, k, v, conv_states = self.project_qkv(x, conv_states)
+        # FLA's kernel applies the gate and the sigmoid itself (use_gate_in_kernel, use_beta_sigmoid_in_kernel)
+        beta = self.b_proj(x).sigmoid()
+        if self.allow_neg_eigval:
+            beta = beta * 2.0
+        g = gdn_decay(self.a_proj(x), self.A_log, self.dt_bias)
+        o, recurrent_state = gated_delta_rule(split_heads(q, self.head_k_dim), split_heads(k, self.head_k_dim),
+                                              split_heads(v, self.head_v_dim), g, beta, recurrent_state,
+                                              use_qk_l2norm=True)
+        return self.project_out(o, x), conv_states, recurrent_state

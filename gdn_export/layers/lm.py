@@ -1,0 +1,121 @@
+"""FLA's causal LM stack (``fla/models/*/modeling_*.py``) over the plain-torch layers, states passed explicitly.
+
+``model.embeddings`` → blocks (pre-norm: ``attn_norm`` → mixer → residual, ``mlp_norm`` → GatedMLP → residual)
+→ ``model.norm`` → ``lm_head`` (tied to the embeddings with ``tie_word_embeddings``). Every FLA model type of
+this family (gated_deltanet, gated_deltaproduct, kda, delta_net) has this block; only the mixer differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gdn_export.hf import blocks
+from gdn_export.hf.families.base import StateSpec
+from gdn_export.layers.attention import Attention
+from gdn_export.layers.common import GatedMLP, RMSNorm
+
+
+@dataclass
+class LMConfig:
+    """What the stack needs besides its mixers; ``layer_types`` and ``vocab_size`` are read by the converter."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    norm_eps: float
+    layer_types: list[str]  # "linear_attention" (a delta-rule mixer) or "full_attention"
+    hidden_ratio: int | None = 4
+    intermediate_size: int | None = None
+    hidden_act: str = "swish"
+    tie_word_embeddings: bool = False
+
+
+class Block(nn.Module):
+    def __init__(self, config: LMConfig, mixer: nn.Module) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn = mixer
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.hidden_ratio, config.intermediate_size, config.hidden_act)
+
+    def forward(self, x: torch.Tensor, states: list[torch.Tensor],
+                positions: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        h, states = self.attn.forward_states(self.attn_norm(x), states, positions)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), states
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: LMConfig, mixers: list[nn.Module]) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, mixer) for mixer in mixers)
+        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+
+
+@dataclass
+class LMOutput:
+    logits: torch.Tensor
+    past_key_values: "StateCache"
+
+
+@dataclass
+class StateCache:
+    """Every layer's states, flat in ``state_specs`` order (the eager counterpart of FLA's ``Cache``)."""
+
+    states: list[torch.Tensor]
+
+
+class FlaForCausalLM(nn.Module):
+    """``model.*`` + ``lm_head`` with FLA's parameter names.
+
+    ``step(input_ids, states)`` is the export-friendly call (explicit states, one S-generic graph);
+    ``forward(input_ids, past_key_values=None)`` is the eager one with a cache object, as transformers'
+    models are called by ``gdn_export.hf.check``.
+    """
+
+    def __init__(self, config: LMConfig, mixers: list[nn.Module]) -> None:
+        super().__init__()
+        if len(mixers) != len(config.layer_types):
+            raise ValueError(f"{len(mixers)} mixers for {len(config.layer_types)} layer types")
+        self.config = config
+        self.model = Backbone(config, mixers)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embeddings.weight
+
+    def state_specs(self, dtype: torch.dtype) -> list[StateSpec]:
+        return [spec for i, layer in enumerate(self.model.layers) for spec in layer.attn.state_specs(i, dtype)]
+
+    def initial_states(self, batch: int) -> list[torch.Tensor]:
+        return [spec.zeros(batch) for spec in self.state_specs(self.lm_head.weight.dtype)]
+
+    def step(self, input_ids: torch.Tensor, states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids ``[B, S]`` and the flat states -> (logits ``[B, S, vocab]``, new flat states)."""
+        x = self.model.embeddings(input_ids)
+        counts = [len(layer.attn.state_specs(0, x.dtype)) for layer in self.model.layers]
+        per_layer, start = [], 0
+        for count in counts:
+            per_layer.append(list(states[start:start + count]))
+            start += count
+        if start != len(states):
+            raise ValueError(f"expected {start} state tensors, got {len(states)}")
+        positions = None
+        keys = [s[0] for layer, s in zip(self.model.layers, per_layer) if isinstance(layer.attn, Attention)]
+        if keys:  # every attention layer has seen the same past: its cache length gives the positions
+            positions = blocks.positions(input_ids, keys[0])
+        new_states = []
+        for layer, layer_states in zip(self.model.layers, per_layer):
+            x, layer_states = layer(x, layer_states, positions)
+            new_states += layer_states
+        return self.lm_head(self.model.norm(x)), new_states
+
+    def forward(self, input_ids: torch.Tensor, past_key_values: StateCache | None = None,
+                cache: StateCache | None = None, use_cache: bool = True, **unused) -> LMOutput:
+        past = cache if cache is not None else past_key_values
+        states = past.states if past is not None else self.initial_states(input_ids.shape[0])
+        logits, states = self.step(input_ids, states)
+        return LMOutput(logits, StateCache(states))
