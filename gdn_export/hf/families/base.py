@@ -48,12 +48,18 @@ class ExportableLM(nn.Module):
         return [spec.zeros(batch) for spec in self.states]
 
 
+@dataclass(frozen=True)
 class Family:
-    """A family of checkpoints: the model_types it accepts and how to export them."""
+    """A family of checkpoints: the model_types it accepts and how to export them.
 
-    name: str = ""
-    model_types: tuple[str, ...] = ()
-    config_class: str = ""  # names in transformers, resolved lazily (transformers is imported only when needed)
+    ``config_class``/``model_class`` name transformers classes, resolved lazily (transformers is imported
+    only when a checkpoint is loaded); ``lm_class`` builds the exportable decoder over the loaded model.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    lm_class: type[ExportableLM]
+    config_class: str = ""
     model_class: str = ""
 
     def classes(self):
@@ -62,4 +68,4 @@ class Family:
         return getattr(transformers, self.config_class), getattr(transformers, self.model_class)
 
     def exportable(self, hf_model: nn.Module, state_dtype: torch.dtype) -> ExportableLM:
-        raise NotImplementedError
+        return self.lm_class(hf_model, state_dtype)

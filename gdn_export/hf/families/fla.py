@@ -155,9 +155,6 @@ class FlaLM(ExportableLM):
 
 
 class FlaFamily(Family):
-    name = "FLA"
-    model_types = tuple(MODELS)
-
     def classes(self):
         raise CheckpointError("FLA checkpoints have no transformers classes; FlaFamily.load builds them")
 
@@ -168,8 +165,5 @@ class FlaFamily(Family):
         assign_weights(model, read_safetensors(checkpoint_dir), ignore=tied)
         return model.eval()
 
-    def exportable(self, hf_model: nn.Module, state_dtype: torch.dtype) -> FlaLM:
-        return FlaLM(hf_model, state_dtype)
 
-
-FAMILY = FlaFamily()
+FAMILY = FlaFamily(name="FLA", model_types=tuple(MODELS), lm_class=FlaLM)

@@ -137,14 +137,7 @@ class KimiLinearLM(ExportableLM):
         return (logits, *new_states)
 
 
-class KimiLinearFamily(Family):
-    name = "Kimi Linear"
-    model_types = ("kimi_linear",)
-    config_class = "KimiLinearConfig"
-    model_class = "KimiLinearForCausalLM"
-
-    def exportable(self, hf_model: nn.Module, state_dtype: torch.dtype) -> KimiLinearLM:
-        return KimiLinearLM(hf_model, state_dtype)
-
-
-FAMILY = KimiLinearFamily()
+FAMILY = Family(
+    name="Kimi Linear", model_types=("kimi_linear",), lm_class=KimiLinearLM,
+    config_class="KimiLinearConfig", model_class="KimiLinearForCausalLM",
+)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gdn_export.hf import blocks
-from gdn_export.hf.families.base import ExportableLM, Family
+from gdn_export.hf.families.base import Family
 from gdn_export.hf.families.olmo_hybrid import require_silu_conv
 from gdn_export.hf.families.qwen3_5 import Qwen3_5LM
 
@@ -76,14 +76,7 @@ class LaraMiniLM(Qwen3_5LM):
         return (logits, *new_states)
 
 
-class LaraMiniFamily(Family):
-    name = "LaraMini"
-    model_types = ("lara_mini",)
-    config_class = "LaraMiniConfig"
-    model_class = "LaraMiniForCausalLM"
-
-    def exportable(self, hf_model: nn.Module, state_dtype: torch.dtype) -> ExportableLM:
-        return LaraMiniLM(hf_model, state_dtype)
-
-
-FAMILY = LaraMiniFamily()
+FAMILY = Family(
+    name="LaraMini", model_types=("lara_mini",), lm_class=LaraMiniLM,
+    config_class="LaraMiniConfig", model_class="LaraMiniForCausalLM",
+)

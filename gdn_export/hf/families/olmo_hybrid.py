@@ -97,14 +97,7 @@ class OlmoHybridLM(ExportableLM):
         return (logits, *new_states)
 
 
-class OlmoHybridFamily(Family):
-    name = "OLMo-Hybrid"
-    model_types = ("olmo_hybrid",)
-    config_class = "OlmoHybridConfig"
-    model_class = "OlmoHybridForCausalLM"
-
-    def exportable(self, hf_model: nn.Module, state_dtype: torch.dtype) -> ExportableLM:
-        return OlmoHybridLM(hf_model, state_dtype)
-
-
-FAMILY = OlmoHybridFamily()
+FAMILY = Family(
+    name="OLMo-Hybrid", model_types=("olmo_hybrid",), lm_class=OlmoHybridLM,
+    config_class="OlmoHybridConfig", model_class="OlmoHybridForCausalLM",
+)

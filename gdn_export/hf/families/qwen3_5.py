@@ -95,14 +95,7 @@ class Qwen3_5LM(ExportableLM):
         return (logits, *new_states)
 
 
-class Qwen3_5Family(Family):
-    name = "Qwen3.5"
-    model_types = ("qwen3_5_text",)
-    config_class = "Qwen3_5TextConfig"
-    model_class = "Qwen3_5ForCausalLM"
-
-    def exportable(self, hf_model, state_dtype):
-        return Qwen3_5LM(hf_model, state_dtype)
-
-
-FAMILY = Qwen3_5Family()
+FAMILY = Family(
+    name="Qwen3.5", model_types=("qwen3_5_text",), lm_class=Qwen3_5LM,
+    config_class="Qwen3_5TextConfig", model_class="Qwen3_5ForCausalLM",
+)

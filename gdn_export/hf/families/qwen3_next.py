@@ -96,14 +96,7 @@ class Qwen3NextLM(SparseMoeLM):
         return super().gdn(self.unfused[str(module.layer_idx)], x, conv_state, recurrent_state)
 
 
-class Qwen3NextFamily(Family):
-    name = "Qwen3-Next"
-    model_types = ("qwen3_next",)
-    config_class = "Qwen3NextConfig"
-    model_class = "Qwen3NextForCausalLM"
-
-    def exportable(self, hf_model: nn.Module, state_dtype: torch.dtype) -> Qwen3NextLM:
-        return Qwen3NextLM(hf_model, state_dtype)
-
-
-FAMILY = Qwen3NextFamily()
+FAMILY = Family(
+    name="Qwen3-Next", model_types=("qwen3_next",), lm_class=Qwen3NextLM,
+    config_class="Qwen3NextConfig", model_class="Qwen3NextForCausalLM",
+)

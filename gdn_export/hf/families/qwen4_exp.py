@@ -215,16 +215,14 @@ class Qwen4ExpLM(Qwen3_5LM):
 
 
 class Qwen4ExpFamily(Family):
-    name = "Qwen4-Exp"
-    model_types = ("qwen4_exp_text",)
-    config_class = "Qwen4ExpTextConfig"
-    model_class = "Qwen4ExpForCausalLM"
-
     def exportable(self, hf_model: nn.Module, state_dtype: torch.dtype) -> Qwen4ExpLM:
         reason = unsupported_reason(hf_model.config)
         if reason is not None:
             raise CheckpointError(f"{self.name}: {reason}")
-        return Qwen4ExpLM(hf_model, state_dtype)
+        return super().exportable(hf_model, state_dtype)
 
 
-FAMILY = Qwen4ExpFamily()
+FAMILY = Qwen4ExpFamily(
+    name="Qwen4-Exp", model_types=("qwen4_exp_text",), lm_class=Qwen4ExpLM,
+    config_class="Qwen4ExpTextConfig", model_class="Qwen4ExpForCausalLM",
+)
