@@ -67,13 +67,14 @@ def main(argv: list[str] | None = None) -> None:
     methods: dict[str, callable] = {}
     with tempfile.TemporaryDirectory() as tmp:
         dynamic = {name: {1: "S"} for name in NAMES[:5]}
-        for lowering in ("native", "scan", "recurrent"):
+        for lowering in ("native", "scan", "recurrent", "chunked"):
             path = Path(tmp) / f"{lowering}.nnef.tgz"
             gdn_export.export(Rule(), inputs(2, args.heads, args.width), path, lowering=lowering,
                               input_names=NAMES, output_names=["o", "state"], dynamic_axes=dynamic)
             runnable = gdn_export.runtime.load_tract_model(path)
             label = {"native": "tract fused tract_transformers_gdn_recurrent", "scan": "tract portable scan",
-                     "recurrent": "tract recurrent (matmul step)"}[lowering]
+                     "recurrent": "tract recurrent (matmul step)",
+                     "chunked": "tract chunked (WY form, chunks of 64)"}[lowering]
             methods[label] = lambda xs, r=runnable: r.run([np.ascontiguousarray(x.numpy()) for x in xs])
     methods[f"torch eager reference (token loop, {args.threads} thr)"] = lambda xs: gdn_export.gated_delta_rule(
         *xs, use_qk_l2norm=True)

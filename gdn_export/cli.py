@@ -1,6 +1,7 @@
 """``gdn-export``: convert, check and inspect gated delta-rule checkpoints for tract.
 
-    gdn-export convert CHECKPOINT_DIR -o OUT.nnef.tgz [--dtype float32|float16] [--lowering auto|native|scan]
+    gdn-export convert CHECKPOINT_DIR -o OUT.nnef.tgz [--dtype float32|float16] [--runtime cpu|cuda|any]
+                       [--lowering auto|native|scan|recurrent|chunked] [--core-dtype float16]
                        [--tract-version V] [--no-check] [--force]
     gdn-export check OUT.nnef.tgz CHECKPOINT_DIR [--prompt-len N] [--decode-steps M] [--batch B]
     gdn-export info OUT.nnef.tgz
@@ -19,6 +20,8 @@ import warnings
 from typing import Sequence
 
 from gdn_export.errors import GdnExportError
+from gdn_export.lowering.emitter import LOWERINGS
+from gdn_export.lowering.policy import RUNTIMES
 
 
 def _progress(message: str) -> None:
@@ -30,7 +33,7 @@ def _convert(args) -> int:
 
     report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
                      tract_version=args.tract_version, check=not args.no_check, force=args.force,
-                     progress=_progress)
+                     progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype)
     print(report)
     return 0
 
@@ -112,8 +115,14 @@ def parser() -> argparse.ArgumentParser:
     convert.add_argument("checkpoint", help="folder with config.json and *.safetensors")
     convert.add_argument("-o", "--output", required=True, help="the .nnef.tgz to write")
     convert.add_argument("--dtype", choices=["float32", "float16"], default="float32")
-    convert.add_argument("--lowering", choices=["auto", "native", "scan"], default="auto",
-                         help="gated delta rule: fused tract op where exact (auto), always (native), or the scan")
+    convert.add_argument("--lowering", choices=list(LOWERINGS), default="auto",
+                         help="gated delta rule: the fastest exact one for --runtime (auto), the fused tract op "
+                              "(native, an error where inexact), or a portable lowering")
+    convert.add_argument("--runtime", choices=list(RUNTIMES), default="cpu",
+                         help="where tract will run the model: auto picks the fastest exact lowering there")
+    convert.add_argument("--core-dtype", choices=["float16"], default=None,
+                         help="run the fused op on float16 q/k/v/beta in a float32 model (tract's CUDA kernel is "
+                              "f16-only); inexact, reported")
     convert.add_argument("--tract-version", help="tract version to target (default: the installed one)")
     convert.add_argument("--no-check", action="store_true", help="skip the prefill/decode check against transformers")
     convert.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")

@@ -16,6 +16,7 @@ import torch
 
 from gdn_export.errors import GdnExportError, LoweringError
 from gdn_export.lowering.emitter import LOWERINGS, Decision
+from gdn_export.lowering.policy import RUNTIMES
 from gdn_export.output_names import keep_output_names
 from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
 from gdn_export.runtime import run_tract, tract_version as installed_tract_version
@@ -84,11 +85,17 @@ def export(
     dynamic_axes: dict[str, dict[int, str]] | None = None,
     check: bool = True,
     metadata: dict | None = None,
+    runtime: str = "any",
+    core_dtype: str | None = None,
 ) -> ExportReport:
     """Export ``module(*args)`` to ``path`` (a ``.nnef.tgz``) for tract.
 
-    ``tract_version`` defaults to the installed tract; ``lowering`` is "auto" (the fused op where exact,
-    else the portable scan), "native" (the fused op, LoweringError where it cannot be exact) or "scan".
+    ``tract_version`` defaults to the installed tract; ``lowering`` is "auto" (the fastest exact lowering
+    for ``runtime``: see gdn_export/lowering/policy.py), "native" (the fused op, LoweringError where it
+    cannot be exact), or one portable lowering forced ("scan", "recurrent", "chunked"). ``runtime`` is
+    where tract will run: "any" (fused op where exact, else the scan), "cpu" or "cuda".
+    ``core_dtype="float16"`` lets the fused op take f16 q/k/v/beta in an f32 model (tract's CUDA kernel
+    exists for f16 only): inexact, never chosen unless asked, and stated in the report.
     The file appears only once complete. ``metadata`` (JSON-serializable) is stored in the archive as
     ``gdn_export.json`` beside the graph, with the lowering decisions added. With ``check``, the file is run in tract on ``args`` and every
     output compared with torch; beyond tolerance ParityError is raised (the file stays, for inspection).
@@ -98,11 +105,16 @@ def export(
 
     if lowering not in LOWERINGS:
         raise LoweringError(f"lowering {lowering!r} is not one of {', '.join(LOWERINGS)}")
+    if runtime not in RUNTIMES:
+        raise LoweringError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
+    if core_dtype not in (None, "float16"):
+        raise LoweringError(f"core_dtype {core_dtype!r}: only 'float16' (or None, the model's own) is supported")
     path = _as_path(path)
     args = tuple(args)
     version = tract_version or installed_tract_version()
     input_names = list(input_names) if input_names else [f"input_{i}" for i in range(len(args))]
-    target = OfflineTractTarget(version, lowering=lowering, dynamic_axes=dynamic_axes)
+    target = OfflineTractTarget(version, lowering=lowering, dynamic_axes=dynamic_axes, runtime=runtime,
+                                core_dtype=core_dtype)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".gdn_export_", dir=path.parent) as tmp:

@@ -90,10 +90,13 @@ def convert(
     prompt_len: int = 16,
     decode_steps: int = 8,
     progress: Callable[[str], None] | None = None,
+    runtime: str = "cpu",
+    core_dtype: str | None = None,
 ) -> ConvertReport:
     """Convert a local checkpoint (config.json + safetensors) into ``out_path`` and check it in tract.
 
-    The graph serves prefill and decode (symbolic batch, sequence and past). With ``check``, a prefill of
+    The graph serves prefill and decode (symbolic batch, sequence and past); ``runtime`` ("cpu", "cuda",
+    "any") picks the fastest exact lowering for where tract will run it. With ``check``, a prefill of
     ``prompt_len`` tokens and ``decode_steps`` single-token steps run in tract and in transformers' eager
     model; beyond tolerance ParityError is raised and no output is left.
     """
@@ -125,7 +128,7 @@ def convert(
     say(f"exporting {family.name} ({len(lm.hf.config.layer_types)} layers, {dtype}) to {out_path}")
     report = export(lm, example_inputs(lm, vocab_size, DTYPES[dtype]), out_path, tract_version=tract_version,
                     lowering=lowering, input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
-                    metadata=metadata, check=True)
+                    metadata={**metadata, "runtime": runtime}, check=True, runtime=runtime, core_dtype=core_dtype)
     seconds["export"] = time.perf_counter() - start
     result = ConvertReport(out_path, family.name, config["model_type"], dtype, report.tract_version,
                            layers=_layer_reports(lm, report.decisions), seconds=seconds)

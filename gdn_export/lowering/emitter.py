@@ -16,12 +16,12 @@ from nnef_tools.model import Graph as NGraph
 from nnef_tools.model import Tensor as NTensor
 
 from gdn_export.errors import LoweringError
-from gdn_export.lowering import fused, recurrent, scan
-from gdn_export.lowering.capabilities import F32, fused_capability
+from gdn_export.lowering import chunked, fused, policy, recurrent, scan
+from gdn_export.lowering.capabilities import F16, F32, fused_capability
 from gdn_export.lowering.nnef_builder import NnefBuilder
 from gdn_export.lowering.operands import Dims, validate_operands
 
-LOWERINGS = ("auto", "native", "scan", "recurrent")
+LOWERINGS = ("auto", "native", "scan", "recurrent", "chunked")
 
 
 @dataclass
@@ -70,7 +70,8 @@ class Decision:
         return {"node": self.node, "entry": self.entry, "lowering": self.lowering, "reason": self.reason}
 
 
-def fused_refusal(node: GdnNode, dims: Dims, version: tuple[int, int, int], seq_may_vary: bool) -> str | None:
+def fused_refusal(node: GdnNode, dims: Dims, version: tuple[int, int, int], seq_may_vary: bool,
+                  core_f16: bool = False) -> str | None:
     """Why the fused operator would not compute exactly this node on this tract version (None: it would)."""
     capability = fused_capability(version)
     version_name = ".".join(map(str, version))
@@ -94,7 +95,7 @@ def fused_refusal(node: GdnNode, dims: Dims, version: tuple[int, int, int], seq_
         return f"{rule}; this node has Hk={dims.key_heads} < H={dims.heads}"
     if not capability.any_sequence_length and (dims.seq != 1 or seq_may_vary):
         return f"{rule}; this node's sequence axis is {'symbolic' if seq_may_vary else dims.seq}"
-    if fused_operand_dtype(node, capability.operand_dtypes) is None:
+    if fused_operand_dtype(node, capability.operand_dtypes, core_f16) is None:
         found = sorted({np.dtype(t.dtype).name for t in (node.q, node.k, node.v, node.beta)})
         return f"{rule}; this node has {'/'.join(found)} q/k/v/beta"
     if F32 not in capability.state_dtypes:
@@ -102,29 +103,49 @@ def fused_refusal(node: GdnNode, dims: Dims, version: tuple[int, int, int], seq_
     return None
 
 
-def fused_operand_dtype(node: GdnNode, allowed: frozenset) -> np.dtype | None:
-    """The one dtype q, k, v and beta can be given to the fused op in without rounding anything."""
+def fused_operand_dtype(node: GdnNode, allowed: frozenset, core_f16: bool = False) -> np.dtype | None:
+    """The one dtype q, k, v and beta go to the fused op in: their own one, f32 (widening every operand
+    is exact), or f16 when the caller asked for an f16 core (rounding: never chosen otherwise)."""
+    if core_f16:
+        return F16 if F16 in allowed else None
     found = {np.dtype(t.dtype) for t in (node.q, node.k, node.v, node.beta)}
     if len(found) == 1 and next(iter(found)) in allowed:
         return next(iter(found))
-    return F32 if F32 in allowed else None  # widening every operand to f32 is exact
+    return F32 if F32 in allowed else None
 
 
 def decide(node: GdnNode, dims: Dims, target) -> Decision:
-    """Pick the lowering for one node: the requested one if it can be exact, else raise (native) or fall back."""
+    """Pick the lowering for one node: the requested one if it can be exact (else raise), or for "auto" the
+    first exact candidate of the runtime's policy (gdn_export/lowering/policy.py)."""
     requested = target.gdn_lowering
     if requested not in LOWERINGS:
         raise LoweringError(f"lowering {requested!r} is not one of {', '.join(LOWERINGS)}")
     if requested in ("scan", "recurrent"):
         return Decision(node.name, node.entry, requested, f"requested (lowering={requested!r})", dims)
-    refusal = fused_refusal(node, dims, target.tract_version, target.seq_may_vary)
+    if requested == "chunked":
+        why_not = chunked.refusal(dims)
+        if why_not is not None:
+            raise LoweringError(f"{node.name}: lowering='chunked' cannot be exact: {why_not}")
+        return Decision(node.name, node.entry, "chunked", "requested (lowering='chunked') and exact", dims)
+    core_f16 = getattr(target, "gdn_core_dtype", None) == "float16"
+    refusal = fused_refusal(node, dims, target.tract_version, target.seq_may_vary, core_f16)
+    rounding = "; q/k/v/beta rounded to float16 (core_dtype='float16' requested: not exact)" if core_f16 else ""
     if requested == "native":
         if refusal is not None:
             raise LoweringError(f"{node.name}: lowering='native' cannot be exact: {refusal}")
-        return Decision(node.name, node.entry, "native", "requested (lowering='native') and exact", dims)
-    if refusal is None:
-        return Decision(node.name, node.entry, "native", "fused op is exact for this node on this tract", dims)
-    return Decision(node.name, node.entry, "scan", f"fused op refused: {refusal}", dims)
+        return Decision(node.name, node.entry, "native", "requested (lowering='native') and exact" + rounding, dims)
+    runtime = getattr(target, "gdn_runtime", "any")
+    skipped = []
+    for candidate in policy.candidates(runtime, F16 if core_f16 else np.dtype(node.q.dtype)):
+        why_not = refusal if candidate == "native" else chunked.refusal(dims) if candidate == "chunked" else None
+        if why_not is None:
+            chosen = ("fused op is exact for this node on this tract" + rounding if candidate == "native"
+                      else policy.basis(runtime, candidate))
+            # with no runtime the fallback needs no justification beyond why the fused op was refused
+            reason = "; ".join(skipped) if runtime == "any" and skipped else "; ".join([chosen] + skipped)
+            return Decision(node.name, node.entry, candidate, reason, dims)
+        skipped.append(f"{'fused op' if candidate == 'native' else candidate} refused: {why_not}")
+    raise LoweringError(f"{node.name}: no lowering fits: {'; '.join(skipped)}")  # the scan always fits
 
 
 def emit(graph: NGraph, node: GdnNode, target) -> list:
@@ -140,6 +161,7 @@ def emit(graph: NGraph, node: GdnNode, target) -> list:
     target.gdn_decisions.append(decision)
     builder = NnefBuilder(graph, prefix=node.y.name)
     if decision.lowering == "native":
-        operand_dtype = fused_operand_dtype(node, fused_capability(target.tract_version).operand_dtypes)
+        core_f16 = getattr(target, "gdn_core_dtype", None) == "float16"
+        operand_dtype = fused_operand_dtype(node, fused_capability(target.tract_version).operand_dtypes, core_f16)
         return fused.lower(builder, node, dims, operand_dtype)
-    return {"scan": scan, "recurrent": recurrent}[decision.lowering].lower(builder, node, dims)
+    return {"scan": scan, "recurrent": recurrent, "chunked": chunked}[decision.lowering].lower(builder, node, dims)

@@ -109,3 +109,27 @@ class NnefBuilder:
         """A literal: written inline in the operation that uses it."""
         data = np.array(value, dtype=np.dtype(dtype))
         return NTensor(self.graph, name=None, shape=(), dtype=data.dtype.type, data=data)
+
+    # --- helpers for the chunked lowering (appended) ----------------------------------------------
+    def constant(self, what: str, value: np.ndarray) -> NTensor:
+        """A constant tensor stored as an NNEF variable (a .dat file), for masks too big to write inline."""
+        data = np.ascontiguousarray(value)
+        out = self.tensor(what, data.shape, data.dtype)
+        out.data = data
+        attribs = {"label": out.name, "shape": list(data.shape), "dtype": data.dtype.type}
+        NOperation(self.graph, type="variable", attribs=attribs, inputs=(), outputs=(out,))
+        return out
+
+    def matmul(self, a: NTensor, b: NTensor, transpose_a: bool = False, transpose_b: bool = False) -> NTensor:
+        """Batched matmul over the last two axes; leading axes broadcast (size 1 against size n)."""
+        rows = a.shape[-1] if transpose_a else a.shape[-2]
+        cols = b.shape[-2] if transpose_b else b.shape[-1]
+        batch = [max(x, y) if 1 in (x, y) else x for x, y in zip(a.shape[:-2], b.shape[:-2])]
+        return self.op("matmul", (a, b), shape=[*batch, rows, cols],
+                       attribs={"transposeA": transpose_a, "transposeB": transpose_b})
+
+    def reshape(self, x: NTensor, axis: int, count: int, sizes: Sequence[int], shape: Sequence[int]) -> NTensor:
+        """Reshape ``count`` axes from ``axis`` into ``sizes`` (one may be -1, resolved by tract, so a
+        symbolic extent stays symbolic); ``shape`` is the traced result, for the record only."""
+        attribs = {"shape": list(sizes), "axis_start": axis, "axis_count": count}
+        return self.op("reshape", x, shape=shape, attribs=attribs)

@@ -1,0 +1,187 @@
+"""The chunked (WY / UT-transform) lowering against the float64 oracle: one symbolic-S graph for every length
+(no chunk, a partial chunk, exactly one, one plus a token, several plus a tail), state carried across calls,
+grouped heads, K != V, correlated keys with beta near 2, and the variants it refuses."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, make_rule_inputs
+from oracle import gated_delta_head_major, gated_delta_seq_major
+from test_family_variants import assert_close, graph_inputs, oracle, variant_inputs
+
+import gdn_export
+from gdn_export.lowering.chunked import CHUNK
+
+LENGTHS = [1, CHUNK - 1, CHUNK, CHUNK + 1, 200]
+F32_TOLERANCE = 1e-4
+
+
+def export_symbolic(module, tensors, names, path, **kwargs):
+    """Export with a symbolic time axis on every per-token operand; return the loaded runnable."""
+    dynamic = {name: {1: "S"} for name in names[:-1]}
+    report = gdn_export.export(module, tensors, path, input_names=names, output_names=["o", "state"],
+                               dynamic_axes=dynamic, lowering="chunked", check=False, **kwargs)
+    assert report.lowerings() == ["chunked"]
+    return gdn_export.runtime.load_tract_model(report.path)
+
+
+@pytest.mark.parametrize("variant", ["gdn", "deltanet"])
+@pytest.mark.parametrize("widths", [(32, 32), (32, 16)], ids=["K32V32", "K32V16"])
+def test_one_symbolic_graph_for_every_length(variant, widths, tmp_path):
+    width_k, width_v = widths
+    traced_args, traced_kwargs = variant_inputs(variant, seq=3, width_k=width_k, width_v=width_v)
+    module, traced, names = graph_inputs(traced_args, traced_kwargs)
+    runnable = export_symbolic(module, traced, names, tmp_path / "c.nnef.tgz")
+    for seq in LENGTHS:
+        args, kwargs = variant_inputs(variant, seq=seq, width_k=width_k, width_v=width_v, seed=seq)
+        _, tensors, _ = graph_inputs(args, kwargs)
+        o, state = gdn_export.run_tract(runnable, [t.numpy() for t in tensors])
+        ref_o, ref_state = oracle(args, kwargs)
+        assert o.shape == ref_o.shape
+        assert_close(o, ref_o, F32_TOLERANCE, f"{variant} S={seq} o")
+        assert_close(state, ref_state, F32_TOLERANCE, f"{variant} S={seq} state")
+
+
+def test_prefill_then_decode_equals_one_run(tmp_path):
+    """Prefill of 2 chunks + 2 tokens, then single-token calls feeding the state back == one run of 133."""
+    args, kwargs = variant_inputs("gdn", seq=133, width_k=32, width_v=32, seed=7)
+    module, tensors, names = graph_inputs(args, kwargs)
+    traced_args, traced_kwargs = variant_inputs("gdn", seq=3, width_k=32, width_v=32)
+    _, traced, _ = graph_inputs(traced_args, traced_kwargs)
+    runnable = export_symbolic(module, traced, names, tmp_path / "p.nnef.tgz")
+    state, outputs = tensors[-1].numpy(), []
+    for begin, end in [(0, 130), (130, 131), (131, 132), (132, 133)]:
+        step = [t[:, begin:end].numpy() for t in tensors[:-1]]
+        o, state = gdn_export.run_tract(runnable, step + [state])
+        outputs.append(o)
+    ref_o, ref_state = oracle(args, kwargs)
+    assert_close(np.concatenate(outputs, axis=1), ref_o, F32_TOLERANCE, "o")
+    assert_close(state, ref_state, F32_TOLERANCE, "state")
+
+
+def correlated_inputs(seq, heads=4, key_heads=2, width=32, noise=0.02, decay=True, seed=3):
+    """Keys = one shared direction + small noise (cosine ~0.999), beta in [1.9, 2]: I + A is ill-conditioned
+    (cond ~1e3), where a nilpotent-product inverse explodes."""
+    gen = torch.Generator().manual_seed(seed)
+    direction = torch.randn(width, generator=gen)
+    k = direction + noise * torch.randn(2, seq, key_heads, width, generator=gen)
+    q = torch.randn(2, seq, key_heads, width, generator=gen)
+    v = torch.randn(2, seq, heads, width, generator=gen)
+    g = -1e-3 * torch.rand(2, seq, heads, generator=gen) if decay else None
+    beta = 1.9 + 0.1 * torch.rand(2, seq, heads, generator=gen)
+    s0 = 0.5 * torch.randn(2, heads, width, width, generator=gen)
+    return [q, k, v, g, beta, s0], {"num_householder": 1}
+
+
+@pytest.mark.parametrize("decay", [True, False], ids=["gdn", "deltanet"])
+def test_correlated_keys_beta_near_two(decay, tmp_path):
+    traced_args, traced_kwargs = correlated_inputs(3, decay=decay)
+    module, traced, names = graph_inputs(traced_args, traced_kwargs)
+    runnable = export_symbolic(module, traced, names, tmp_path / "s.nnef.tgz")
+    args, kwargs = correlated_inputs(4 * CHUNK + 17, decay=decay, seed=11)
+    _, tensors, _ = graph_inputs(args, kwargs)
+    o, state = gdn_export.run_tract(runnable, [t.numpy() for t in tensors])
+    ref_o, ref_state = oracle(args, kwargs)
+    assert_close(o, ref_o, F32_TOLERANCE, "o")
+    assert_close(state, ref_state, F32_TOLERANCE, "state")
+
+
+def test_static_length(tmp_path):
+    """Without dynamic axes the same graph pieces run on a fixed S (2 chunks + 2 tokens)."""
+    inputs = make_rule_inputs(2, 2 * CHUNK + 2, 2, 4, 32, 16)
+    report = gdn_export.export(GatedDeltaRuleModel(), inputs, tmp_path / "t.nnef.tgz", lowering="chunked",
+                               check=False, **NAMES)
+    o, state = gdn_export.run_tract(report.path, [x.numpy() for x in inputs])
+    ref_o, ref_state = gated_delta_seq_major(*[x.numpy() for x in inputs], use_qk_l2norm=True)
+    assert_close(o, ref_o, F32_TOLERANCE, "o")
+    assert_close(state, ref_state, F32_TOLERANCE, "state")
+
+
+def test_caller_normalized_q_and_custom_scale(tmp_path):
+    """use_qk_l2norm=False: q, k are used as given and q is multiplied by the node's scale."""
+    inputs = list(make_rule_inputs(2, CHUNK + 5, 2, 4, 32, 32))
+    inputs[0], inputs[1] = gdn_export.l2norm(inputs[0]), gdn_export.l2norm(inputs[1])
+    report = gdn_export.export(GatedDeltaRuleModel(use_qk_l2norm=False, scale=0.3), inputs,
+                               tmp_path / "n.nnef.tgz", lowering="chunked", check=False, **NAMES)
+    o, state = gdn_export.run_tract(report.path, [x.numpy() for x in inputs])
+    ref_o, ref_state = gated_delta_seq_major(*[x.numpy() for x in inputs], scale=0.3)
+    assert_close(o, ref_o, F32_TOLERANCE, "o")
+    assert_close(state, ref_state, F32_TOLERANCE, "state")
+
+
+def test_head_major_custom_op(tmp_path):
+    """t2n_extra::gated_delta_scan: head-major [B, H, T, K], q/k normalized and scaled by the caller."""
+    def head_major(seq, seed):
+        q, k, v, g, beta, s0 = make_rule_inputs(2, seq, 2, 4, 32, 16, seed=seed)
+        q, k = gdn_export.l2norm(q) / 32**0.5, gdn_export.l2norm(k)
+        return [x.transpose(1, 2).contiguous() for x in (q, k, v, g, beta)] + [s0]
+
+    dynamic = {name: {2: "S"} for name in NAMES["input_names"][:5]}
+    report = gdn_export.export(GatedDeltaScanModel(), head_major(3, 0), tmp_path / "h.nnef.tgz", lowering="chunked",
+                               dynamic_axes=dynamic, check=False, **NAMES)
+    assert report.lowerings() == ["chunked"]
+    runnable = gdn_export.runtime.load_tract_model(report.path)
+    for seq in (1, CHUNK, CHUNK + 6):
+        inputs = head_major(seq, seq)
+        o, state = gdn_export.run_tract(runnable, [x.numpy() for x in inputs])
+        ref_o, ref_state = gated_delta_head_major(*[x.numpy() for x in inputs])
+        assert_close(o, ref_o, F32_TOLERANCE, f"S={seq} o")
+        assert_close(state, ref_state, F32_TOLERANCE, f"S={seq} state")
+
+
+def test_half_precision_operands(tmp_path):
+    inputs = make_rule_inputs(2, CHUNK + 3, 2, 4, 32, 32, dtype=torch.float16)
+    report = gdn_export.export(GatedDeltaRuleModel(), inputs, tmp_path / "f.nnef.tgz", lowering="chunked",
+                               check=False, **NAMES)
+    o, state = gdn_export.run_tract(report.path, [x.numpy() for x in inputs])
+    assert o.dtype == np.float16 and state.dtype == np.float32
+    ref_o, ref_state = gated_delta_seq_major(*[x.float().numpy() for x in inputs], use_qk_l2norm=True)
+    assert_close(o, ref_o, 2e-2, "o")
+    assert_close(state, ref_state, 2e-2, "state")
+
+
+@pytest.mark.parametrize("variant,reason", [("kda", "per-channel decay"), ("gdn2", "per-channel decay"),
+                                            ("product2", "Householder")])
+def test_refuses_what_it_cannot_compute_exactly(variant, reason, tmp_path):
+    args, kwargs = variant_inputs(variant, seq=5)
+    module, tensors, names = graph_inputs(args, kwargs)
+    with pytest.raises(gdn_export.LoweringError, match=f"lowering='chunked' cannot be exact: .*{reason}"):
+        gdn_export.export(module, tensors, tmp_path / "r.nnef.tgz", input_names=names, output_names=["o", "state"],
+                          lowering="chunked", check=False)
+
+
+def test_strong_decay_masks_before_exp(tmp_path):
+    """g down to -40 per token: within a chunk gamma_i - gamma_j reaches +-2500, so exp of an unmasked
+    upper entry would be inf (and inf * 0 = nan); masking before exp keeps every output finite and exact."""
+    args, kwargs = variant_inputs("gdn", seq=2 * CHUNK + 9, width_k=32, width_v=32, seed=5)
+    args[3] = -40.0 * torch.rand(args[3].shape, generator=torch.Generator().manual_seed(5))
+    module, tensors, names = graph_inputs(args, kwargs)
+    report = gdn_export.export(module, tensors, tmp_path / "d.nnef.tgz", input_names=names,
+                               output_names=["o", "state"], lowering="chunked", check=False)
+    o, state = gdn_export.run_tract(report.path, [t.numpy() for t in tensors])
+    assert np.isfinite(o).all() and np.isfinite(state).all()
+    ref_o, ref_state = oracle(args, kwargs)
+    assert_close(o, ref_o, F32_TOLERANCE, "o")
+    assert_close(state, ref_state, F32_TOLERANCE, "state")
+
+
+def test_symbolic_batch_and_exact_output_lengths(tmp_path):
+    """Batch and time both symbolic: the outputs' facts are exactly [B, S, H, V] and [B, H, K, V], so a model
+    around the node can prove its lengths equal (a chunk count of (63 + 64*(S/64))/64 would not simplify)."""
+    import tract
+
+    traced_args, traced_kwargs = variant_inputs("gdn", seq=3, width_k=32, width_v=16)
+    module, traced, names = graph_inputs(traced_args, traced_kwargs)
+    dynamic = {name: {0: "B", 1: "S"} for name in names[:-1]} | {"s0": {0: "B"}}
+    report = gdn_export.export(module, traced, tmp_path / "b.nnef.tgz", input_names=names,
+                               output_names=["o", "state"], dynamic_axes=dynamic, lowering="chunked", check=False)
+    model = tract.nnef().with_tract_transformers().load(str(report.path))
+    assert [str(model.output_fact(i)) for i in range(2)] == ["B,S,4,16,f32", "B,4,32,16,f32"]
+    runnable = gdn_export.runtime.load_tract_model(report.path)
+    for batch, seq in [(1, CHUNK + 3), (3, 2 * CHUNK)]:
+        args, kwargs = variant_inputs("gdn", batch=batch, seq=seq, width_k=32, width_v=16, seed=seq)
+        _, tensors, _ = graph_inputs(args, kwargs)
+        o, state = gdn_export.run_tract(runnable, [t.numpy() for t in tensors])
+        ref_o, ref_state = oracle(args, kwargs)
+        assert_close(o, ref_o, F32_TOLERANCE, f"B={batch} S={seq} o")
+        assert_close(state, ref_state, F32_TOLERANCE, f"B={batch} S={seq} state")
