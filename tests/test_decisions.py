@@ -88,3 +88,45 @@ def test_gdn_export_handler_replaces_torch_to_nnef_handler(tmp_path):
     # torch-to-nnef's handler would call its own `gated_delta_scan` fragment and record no decision
     assert SCAN in text and "fragment gated_delta_scan" not in text
     assert [d.entry for d in report.decisions] == ["t2n_extra::gated_delta_scan"]
+
+
+@pytest.mark.parametrize("runtime,dtype,core_dtype,expected", [
+    ("cpu", torch.float32, None, "chunked"),
+    ("cpu", torch.float16, None, "chunked"),
+    ("cuda", torch.float16, None, "native"),
+    ("cuda", torch.float32, None, "native"),
+    ("cuda", torch.float32, "float16", "native"),
+    ("any", torch.float32, None, "native"),
+])
+def test_runtime_policy_picks_the_fastest_exact_lowering(runtime, dtype, core_dtype, expected, tmp_path):
+    inputs = make_rule_inputs(1, 5, 2, 2, 32, 32, dtype)
+    path = tmp_path / "p.nnef.tgz"
+    dynamic = {n: {1: "S"} for n in NAMES["input_names"][:5]}
+    report = gdn_export.export(GatedDeltaRuleModel(), inputs, path, runtime=runtime, core_dtype=core_dtype,
+                               dynamic_axes=dynamic, check=core_dtype is None, **NAMES)
+    (decision,) = report.decisions
+    assert decision.lowering == expected, decision
+    assert ("rounded to float16" in decision.reason) == (core_dtype is not None)
+
+
+def test_cpu_policy_falls_back_where_chunked_is_not_exact(tmp_path):
+    q, k, v, _, beta, s0 = make_rule_inputs(1, 5, 2, 2, 32, 32)
+
+    class Kda(torch.nn.Module):
+        def forward(self, q, k, v, g, beta, s0):
+            return gdn_export.gated_delta_rule(q, k, v, g, beta, s0, use_qk_l2norm=True)
+
+    dynamic = {n: {1: "S"} for n in NAMES["input_names"][:5]}
+    report = gdn_export.export(Kda(), [q, k, v, -torch.rand(1, 5, 2, 32), beta, s0], tmp_path / "k.nnef.tgz",
+                               runtime="cpu", dynamic_axes=dynamic, **NAMES)
+    (decision,) = report.decisions
+    assert decision.lowering == "scan" and "chunked refused: per-channel decay" in decision.reason
+    static = gdn_export.export(GatedDeltaRuleModel(), [q, k, v, -torch.rand(1, 5, 2), beta, s0],
+                               tmp_path / "s.nnef.tgz", runtime="cpu", **NAMES)
+    assert static.lowerings() == ["scan"] and "static S=5 holds no chunk" in static.decisions[0].reason
+
+
+def test_unknown_runtime_is_refused(tmp_path):
+    with pytest.raises(gdn_export.LoweringError, match="runtime 'tpu' is not one of any, cpu, cuda"):
+        gdn_export.export(GatedDeltaRuleModel(), make_rule_inputs(1, 1, 1, 1, 8, 8), tmp_path / "x.nnef.tgz",
+                          runtime="tpu", **NAMES)

@@ -114,6 +114,15 @@ def fused_operand_dtype(node: GdnNode, allowed: frozenset, core_f16: bool = Fals
     return F32 if F32 in allowed else None
 
 
+def chunked_refusal(dims: Dims, target) -> str | None:
+    """Why the chunked form does not apply: a variant it cannot compute exactly, or a static S that holds
+    no whole chunk (nothing to gain, and a scan over zero chunks does not load)."""
+    variant = chunked.refusal(dims)
+    if variant is None and not target.seq_may_vary and dims.seq < chunked.CHUNK:
+        return f"a static S={dims.seq} holds no chunk of {chunked.CHUNK}"
+    return variant
+
+
 def decide(node: GdnNode, dims: Dims, target) -> Decision:
     """Pick the lowering for one node: the requested one if it can be exact (else raise), or for "auto" the
     first exact candidate of the runtime's policy (gdn_export/lowering/policy.py)."""
@@ -123,7 +132,7 @@ def decide(node: GdnNode, dims: Dims, target) -> Decision:
     if requested in ("scan", "recurrent"):
         return Decision(node.name, node.entry, requested, f"requested (lowering={requested!r})", dims)
     if requested == "chunked":
-        why_not = chunked.refusal(dims)
+        why_not = chunked_refusal(dims, target)
         if why_not is not None:
             raise LoweringError(f"{node.name}: lowering='chunked' cannot be exact: {why_not}")
         return Decision(node.name, node.entry, "chunked", "requested (lowering='chunked') and exact", dims)
@@ -137,7 +146,7 @@ def decide(node: GdnNode, dims: Dims, target) -> Decision:
     runtime = getattr(target, "gdn_runtime", "any")
     skipped = []
     for candidate in policy.candidates(runtime, F16 if core_f16 else np.dtype(node.q.dtype)):
-        why_not = refusal if candidate == "native" else chunked.refusal(dims) if candidate == "chunked" else None
+        why_not = refusal if candidate == "native" else chunked_refusal(dims, target) if candidate == "chunked" else None
         if why_not is None:
             chosen = ("fused op is exact for this node on this tract" + rounding if candidate == "native"
                       else policy.basis(runtime, candidate))

@@ -6,11 +6,12 @@ function); this table only ranks the exact ones, from the measurements in benchm
 
 - "cpu": tract's fused op is the slowest exact form on CPU (one token at a time through a generic
   kernel); the chunked form runs prefill on packed matmuls and its per-token remainder covers decode.
-- "cuda": the fused op with f16 operands has tract's GPU kernel and wins by 4-40x. With f32 operands it
-  has none (it runs as on CPU: 1.6 ms a decode step against 0.31 ms for the scan), so f32 models take
-  the portable scan, unless the caller explicitly asks for an f16 core (``core_dtype="float16"``),
-  which rounds q/k/v/beta and is reported as such. The chunked form is not offered on cuda: tract
-  0.23.9's CUDA runtime fails on its empty intermediate tensors (S < 64, S a multiple of 64).
+- "cuda" (benchmarks/results/tract_runtimes_h200.md): the fused op with f16 operands has tract's GPU
+  kernel (0.29 ms a decode step, 29 ms for S=2048); with f32 operands it has none and runs as on CPU
+  (1.7 ms, 1340 ms), still a little ahead of the portable scan on prefill. An f32 model gets the f16 core
+  only when the caller asks for it (``core_dtype="float16"``): it rounds q/k/v/beta, and the report
+  says so. The chunked form is not offered on cuda: tract 0.23.9's CUDA runtime fails to evaluate it
+  (CudaNeg / CudaSquare on its intermediate tensors).
 - "any": no back-end known; the fused op where exact (the compact form every back-end names), else the
   portable scan.
 """
@@ -20,15 +21,17 @@ from __future__ import annotations
 import numpy as np
 
 RUNTIMES = ("any", "cpu", "cuda")
-F16 = np.dtype(np.float16)
 
 
 def candidates(runtime: str, operand_dtype: np.dtype) -> tuple[str, ...]:
-    """Lowerings to try in order for ``lowering="auto"``; the emitter takes the first exact one."""
+    """Lowerings to try in order for ``lowering="auto"``; the emitter takes the first exact one.
+
+    ``operand_dtype`` (q's, or f16 with an f16 core) does not change the order measured so far; it is
+    part of the signature because the ranking is per runtime and dtype."""
     if runtime == "cpu":
         return ("chunked", "scan")
     if runtime == "cuda":
-        return ("native", "scan") if np.dtype(operand_dtype) == F16 else ("scan", "native")
+        return ("native", "scan")
     return ("native", "scan")
 
 
