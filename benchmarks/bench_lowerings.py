@@ -61,8 +61,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=[1, 128, 1024])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (tract runs on one)")
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per cell")
+    parser.add_argument("--variants", action="store_true",
+                        help="one row per delta-rule variant (runtime='cpu' auto lowering) instead of per lowering")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.variants:
+        return bench_variants(args)
 
     methods: dict[str, callable] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,6 +104,41 @@ def main(argv: list[str] | None = None) -> None:
     for name, row in results.items():
         cells = [f"{row[s]:.3g} ms ({fused[s] / row[s]:.2f}x)" for s in args.seq]
         print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def bench_variants(args) -> None:
+    """Each variant of the family (FAMILY.md section 6) through the lowering runtime='cpu' picks for it,
+    against gdn_export's eager reference on the same inputs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_family_variants import VARIANTS, graph_inputs, variant_inputs
+
+    rows: dict[str, dict[int, tuple[float, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+        for variant in VARIANTS:
+            shape = dict(batch=1, key_heads=args.heads, heads=args.heads, width_k=args.width, width_v=args.width)
+            module, traced, names = graph_inputs(*variant_inputs(variant, seq=2, **shape))
+            n = int(variant[7]) if variant.startswith("product") else 1
+            dynamic = {name: {1: "S" if name in ("q", "g", "erase", "write") or n == 1 else f"{n}*S"}
+                       for name in names[:-1]}
+            report = gdn_export.export(module, traced, Path(tmp) / f"{variant}.nnef.tgz", input_names=names,
+                                       output_names=["o", "state"], dynamic_axes=dynamic, runtime="cpu")
+            runnable = gdn_export.runtime.load_tract_model(report.path)
+            label = f"{variant} ({report.lowerings()[0]})"
+            rows[label] = {}
+            for seq in args.seq:
+                _, tensors, _ = graph_inputs(*variant_inputs(variant, seq=seq, **shape))
+                arrays = [np.ascontiguousarray(t.numpy()) for t in tensors]
+                tract_ms = median_ms(lambda: runnable.run(arrays), args.budget)
+                torch_ms = median_ms(lambda: module(*tensors), args.budget)
+                rows[label][seq] = (tract_ms, torch_ms)
+            print(f"done {variant}", file=sys.stderr)
+    print(f"H={args.heads}, K=V={args.width}, B=1, f32; median ms per call, tract (lowering runtime='cpu' picks) "
+          f"and torch eager reference ({args.threads} thr); x = torch / tract\n")
+    print("| variant (lowering) | " + " | ".join(f"S={s}" for s in args.seq) + " |")
+    print("|---|" + "---|" * len(args.seq))
+    for label, row in rows.items():
+        print(f"| {label} | " + " | ".join(f"{row[s][0]:.3g} ms vs {row[s][1]:.3g} ms ({row[s][1] / row[s][0]:.2f}x)"
+                                           for s in args.seq) + " |")
 
 
 if __name__ == "__main__":
