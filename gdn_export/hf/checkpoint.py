@@ -94,6 +94,9 @@ def load_model(checkpoint_dir: str | os.PathLike, family, config: dict) -> torch
             trust_remote_code=False, output_loading_info=True, local_files_only=True,
         )
     except (RuntimeError, ValueError, OSError) as err:
+        mismatched = _shape_mismatches(checkpoint_dir, model_class, hf_config)
+        if mismatched:
+            raise CheckpointError(f"weights disagree with config.json sizes: {', '.join(mismatched[:3])}") from None
         raise CheckpointError(f"the weights do not match config.json: {_first_line(err)}") from None
     missing = [k for k in info.get("missing_keys", []) if "rotary" not in k]
     mismatched = info.get("mismatched_keys", [])
@@ -142,6 +145,23 @@ def assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ign
         for key, target in expected.items():
             if key in tensors and key not in ignore:
                 target.copy_(tensors[key].to(target.dtype))
+
+
+def _shape_mismatches(checkpoint_dir, model_class, hf_config) -> list[str]:
+    """'name (checkpoint shape) vs (config shape)' for tensors named alike in the files and the model."""
+    try:
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in model_class(hf_config).state_dict().items()}
+    except Exception:  # a config transformers cannot even build: the caller reports the original error
+        return []
+    mismatched = []
+    for path in safetensors_files(checkpoint_dir):
+        with path.open("rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        for name, entry in header.items():
+            if name in expected and tuple(entry["shape"]) != expected[name]:
+                mismatched.append(f"{name} {tuple(entry['shape'])} in the checkpoint vs {expected[name]} from config.json")
+    return mismatched
 
 
 def _first_line(err: Exception) -> str:
