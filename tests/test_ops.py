@@ -65,3 +65,17 @@ def test_define_reuses_a_matching_op_and_refuses_a_different_one():
     with pytest.raises(GdnExportError, match="already defined by another package"):
         define_or_reuse("t2n_extra::gated_delta_scan", "(Tensor q) -> Tensor", lambda *a: None, lambda *a: None)
     assert "Tensor s0" in SCHEMA
+
+
+def test_channel_wise_decay_matches_transformers_kimi_kernels():
+    """KDA: gated_delta_rule with a [B, T, H, K] decay is transformers' recurrent and chunked Kimi kernels."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+
+    q, k, v, _, beta, s0 = make_rule_inputs(2, 70, 4, 4, 16, 16)
+    g = -torch.nn.functional.softplus(torch.randn(2, 70, 4, 16)) * torch.linspace(0.05, 3.0, 4)[:, None]
+    o, state = gdn_export.gated_delta_rule(q, k, v, g, beta, s0, use_qk_l2norm=True)
+    for kernel in (kimi.recurrent_kimi_delta_attention, kimi.chunk_kimi_delta_attention):
+        ref_o, ref_state = kernel(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True)
+        assert (o - ref_o).abs().max() <= 1e-5 * max(1.0, ref_o.abs().max()), kernel.__name__
+        assert (state - ref_state).abs().max() <= 1e-5 * max(1.0, ref_state.abs().max()), kernel.__name__
