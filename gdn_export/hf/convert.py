@@ -38,6 +38,7 @@ class ConvertReport:
     layers: list[LayerReport] = field(default_factory=list)
     check: LogitCheck | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    reference: str = "transformers"
 
     def __str__(self) -> str:
         gdn = sum(1 for layer in self.layers if layer.kind == "gated delta rule")
@@ -47,7 +48,7 @@ class ConvertReport:
             if layer.kind == "gated delta rule":
                 lines.append(f"  layer {layer.index}: {layer.lowering} - {layer.reason}")
         if self.check is not None:
-            lines.append(f"  check vs transformers: {self.check}")
+            lines.append(f"  check vs {self.reference}: {self.check}")
         lines.append("  time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items()))
         return "\n".join(lines)
 
@@ -131,11 +132,11 @@ def convert(
                     metadata={**metadata, "runtime": runtime}, check=True, runtime=runtime, core_dtype=core_dtype)
     seconds["export"] = time.perf_counter() - start
     result = ConvertReport(out_path, family.name, config["model_type"], dtype, report.tract_version,
-                           layers=_layer_reports(lm, report.decisions), seconds=seconds)
+                           layers=_layer_reports(lm, report.decisions), seconds=seconds, reference=family.reference)
 
     if check:
         start = time.perf_counter()
-        say(f"checking {out_path} in tract: prefill {prompt_len} + decode {decode_steps} against transformers")
+        say(f"checking {out_path} in tract: prefill {prompt_len} + decode {decode_steps} against {family.reference}")
         result.check = check_against_transformers(out_path, hf_model, prompt_len, decode_steps)
         seconds["check"] = time.perf_counter() - start
         if not result.check.ok:

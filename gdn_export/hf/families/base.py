@@ -61,6 +61,7 @@ class Family:
     lm_class: type[ExportableLM]
     config_class: str = ""
     model_class: str = ""
+    reference: str = "transformers"  # what the conversion check compares with
 
     def classes(self):
         import transformers

@@ -166,4 +166,5 @@ class FlaFamily(Family):
         return model.eval()
 
 
-FAMILY = FlaFamily(name="FLA", model_types=tuple(MODELS), lm_class=FlaLM)
+FAMILY = FlaFamily(name="FLA", model_types=tuple(MODELS), lm_class=FlaLM,
+                   reference="gdn_export's eager FLA model (matched against FLA's own classes in tests)")
