@@ -64,7 +64,13 @@ class Family:
     reference: str = "transformers"  # what the conversion check compares with
 
     def classes(self):
-        import transformers
+        try:
+            import transformers
+        except ImportError:
+            from gdn_export.hf.checkpoint import CheckpointError
+
+            raise CheckpointError(f"converting {self.name} checkpoints needs transformers 5.24: "
+                                  "pip install 'gdn_export[hf]'") from None
 
         return getattr(transformers, self.config_class), getattr(transformers, self.model_class)
 
