@@ -51,7 +51,7 @@ from nnef_tools.model import Tensor as NTensor
 from torch_to_nnef.op.fragment import Fragment
 
 from gdn_export.lowering.capabilities import F32
-from gdn_export.lowering.layout import L2NORM_EPS, step_operands
+from gdn_export.lowering.layout import L2NORM_EPS, step_operands, write_state
 from gdn_export.lowering.nnef_builder import NnefBuilder
 from gdn_export.lowering.operands import Dims
 from gdn_export.lowering.scan import scan_fragment
@@ -521,4 +521,4 @@ def write_outputs(b: NnefBuilder, node, dims: Dims, y_head: NTensor, y_tail: NTe
     shape[axis] = dims.seq
     y = b.op("concat", [y_head, tail], shape=shape, attribs={"axis": axis})
     b.cast(y, node.y.dtype, out=node.y)
-    b.cast(b.merge_axes(state, 1, 2), node.s_final.dtype, out=node.s_final)
+    write_state(b, dims, state, node.s_final)

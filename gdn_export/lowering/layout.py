@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from nnef_tools.model import Tensor as NTensor
 
 from gdn_export.lowering.capabilities import F32
@@ -81,7 +83,16 @@ def write_outputs(b: NnefBuilder, node, dims: Dims, y_time_first: NTensor, state
     y = b.merge_axes(y_time_first, 2, 2)  # [T, B, H, V]
     y = b.transpose(y, [1, 2, 0, 3] if node.head_major else [1, 0, 2, 3])
     b.cast(y, node.y.dtype, out=node.y)
-    b.cast(b.merge_axes(state, 1, 2), node.s_final.dtype, out=node.s_final)
+    write_state(b, dims, state, node.s_final)
+
+
+def write_state(b: NnefBuilder, dims: Dims, state: NTensor, out: NTensor) -> None:
+    """``[B, Hk, G, K, V]`` f32 into the node's state output. Without grouped heads a squeeze written straight
+    into the output keeps the output's name in tract (no copy, no renaming wrapper needed downstream)."""
+    if dims.groups == 1 and np.dtype(out.dtype) == np.dtype(F32):
+        b.op("squeeze", state, shape=out.shape, attribs={"axes": [2]}, out=out)
+    else:
+        b.cast(b.merge_axes(state, 1, 2), out.dtype, out=out)
 
 
 def l2norm(b: NnefBuilder, x: NTensor) -> NTensor:
