@@ -47,33 +47,18 @@ class LaraMiniLM(Qwen3_5LM):
         # the shared expert is added in full, with no gate
         return (routed + block.shared_expert(flat)).reshape_as(x)
 
-    def forward(self, input_ids: torch.Tensor, *states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        model = self.hf.model
-        layer_types = self.hf.config.layer_types
-        x = model.embed_tokens(input_ids)
-        by_name = dict(zip((s.name for s in self.states), states))
-        caches = [s for spec, s in zip(self.states, states) if spec.kind == "key"]
-        position_ids = blocks.positions(input_ids, caches[0]) if caches else None
-        rotary = None
-        if "sliding_attention" in layer_types:
-            rotary = blocks.rope_cos_sin(model.rotary_emb.inv_freq, position_ids, model.rotary_emb.attention_scaling,
-                                         x.dtype)
-        new_states = []
-        for i, layer in enumerate(model.layers):
-            h = layer.input_layernorm(x)
-            if layer_types[i] == "linear_attention":
-                h, conv, rec = self.gdn(layer.linear_attn, h, by_name[f"conv_{i}"], by_name[f"state_{i}"])
-                new_states += [conv, rec]
-            else:
-                # only the sliding layers are rotated; the global ("full_attention") layers use no position encoding
-                layer_rotary = rotary if layer_types[i] == "sliding_attention" else None
-                h, key, value = self.attention(layer.self_attn, h, layer_rotary, position_ids, by_name[f"key_{i}"],
-                                               by_name[f"value_{i}"])
-                new_states += [key, value]
-            x = x + h
-            x = x + self.moe(layer.mlp, layer.post_attention_layernorm(x))
-        logits = self.hf.lm_head(model.norm(x))
-        return (logits, *new_states)
+    def rotary_tables(self, x: torch.Tensor, position_ids: torch.Tensor):
+        if "sliding_attention" not in self.config.layer_types:
+            return None
+        return super().rotary_tables(x, position_ids)
+
+    def attention_layer(self, index, layer, h, rotary, position_ids, past_key, past_value):
+        # only the sliding layers are rotated; the global ("full_attention") layers use no position encoding
+        layer_rotary = rotary if self.config.layer_types[index] == "sliding_attention" else None
+        return self.attention(layer.self_attn, h, layer_rotary, position_ids, past_key, past_value)
+
+    def feed_forward(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(mlp, x)
 
 
 FAMILY = Family(

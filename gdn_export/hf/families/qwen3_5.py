@@ -66,30 +66,35 @@ class Qwen3_5LM(ExportableLM):
         """The layer's MLP; subclasses with sparse MoE blocks replace transformers' data-dependent loop here."""
         return mlp(x)
 
-    def forward(self, input_ids, *states):
-        # Qwen3.5-MoE's interleaved mRoPE reduces to the plain rotary table for text, where the three
-        # position axes agree, so the same forward serves it.
+    def rotary_tables(self, x, position_ids):
+        """cos/sin for every attention layer. Qwen3.5-MoE's interleaved mRoPE reduces to this plain table for
+        text, where the three position axes agree, so the same forward serves it."""
+        rotary = self.hf.model.rotary_emb
+        return blocks.rope_cos_sin(rotary.inv_freq, position_ids, rotary.attention_scaling, x.dtype)
+
+    def attention_layer(self, index, layer, h, rotary, position_ids, past_key, past_value):
         from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
+        return self.attention(layer.self_attn, h, *rotary, position_ids, past_key, past_value, apply_rotary_pos_emb)
+
+    def forward(self, input_ids, *states):
+        """Pre-norm decoder: GDN or attention mixer, then the feed-forward, each with its residual."""
         model = self.hf.model
         x = model.embed_tokens(input_ids)
-        first_cache = next(s for spec, s in zip(self.states, states) if spec.kind == "key")
-        position_ids = blocks.positions(input_ids, first_cache)
-        rotary = model.rotary_emb
-        cos, sin = blocks.rope_cos_sin(rotary.inv_freq, position_ids, rotary.attention_scaling, x.dtype)
-        new_states = []
         by_name = dict(zip((s.name for s in self.states), states))
+        caches = [s for spec, s in zip(self.states, states) if spec.kind == "key"]
+        position_ids = blocks.positions(input_ids, caches[0]) if caches else None
+        rotary = self.rotary_tables(x, position_ids) if caches else None
+        new_states = []
         for i, layer in enumerate(model.layers):
-            residual = x
             h = layer.input_layernorm(x)
-            if layer.block_type == "linear_attention":
-                h, conv, rec = self.gdn(layer.linear_attn, h, by_name[f"conv_{i}"], by_name[f"state_{i}"])
-                new_states += [conv, rec]
+            if self.config.layer_types[i] == "linear_attention":
+                h, *layer_states = self.gdn(layer.linear_attn, h, by_name[f"conv_{i}"], by_name[f"state_{i}"])
             else:
-                h, key, value = self.attention(layer.self_attn, h, cos, sin, position_ids, by_name[f"key_{i}"],
-                                               by_name[f"value_{i}"], apply_rotary_pos_emb)
-                new_states += [key, value]
-            x = residual + h
+                h, *layer_states = self.attention_layer(i, layer, h, rotary, position_ids, by_name[f"key_{i}"],
+                                                        by_name[f"value_{i}"])
+            new_states += layer_states
+            x = x + h
             x = x + self.feed_forward(layer.mlp, layer.post_attention_layernorm(x))
         logits = self.hf.lm_head(model.norm(x))
         return (logits, *new_states)
