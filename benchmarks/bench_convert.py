@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gdn_export.hf.check import sample_tokens  # noqa: E402
+from gdn_export.hf.check import sample_tokens, session_logits, transformers_logits  # noqa: E402
 from gdn_export.hf.checkpoint import load_model, read_config  # noqa: E402
 from gdn_export.hf.convert import convert  # noqa: E402
 from gdn_export.hf.families import all_families, family_for  # noqa: E402
@@ -64,30 +64,19 @@ def measure(name: str, checkpoint: Path, out: Path, prompt: int, decode: int) ->
     hf_model = load_model(checkpoint, family_for(config["model_type"]), config)
     session = Session(out)
     tokens = sample_tokens(hf_model.config.vocab_size, 1, prompt + decode)
-    prompt_ids, step_ids = tokens[:, :prompt], tokens[:, prompt:]
+    ids = torch.from_numpy(tokens)
 
     def tract_prefill():
         session.reset()
-        session.prefill(prompt_ids)
-
-    def tract_decode():
-        tract_prefill()
-        for t in range(decode):
-            session.decode(step_ids[:, t : t + 1])
-
-    ids = torch.from_numpy(tokens)
+        session.prefill(tokens[:, :prompt])
 
     def torch_prefill():
         with torch.no_grad():
-            return hf_model(input_ids=ids[:, :prompt], use_cache=True)
+            hf_model(input_ids=ids[:, :prompt], use_cache=True)
 
-    def torch_decode():
-        with torch.no_grad():
-            out = torch_prefill()
-            cache = getattr(out, "cache", None) or out.past_key_values
-            for t in range(decode):
-                out = hf_model(input_ids=ids[:, prompt + t : prompt + t + 1], cache=cache, use_cache=True)
-                cache = getattr(out, "cache", None) or out.past_key_values
+    # prefill then one token per call with the states / cache carried: the same loops the check runs
+    tract_decode = lambda: session_logits(session, tokens, prompt)  # noqa: E731
+    torch_decode = lambda: transformers_logits(hf_model, tokens, prompt)  # noqa: E731
 
     row = {"name": name, "convert_s": convert_s, "lowerings": sorted({l.lowering for l in report.layers if l.lowering != "-"})}
     row["tract_prefill"] = tokens_per_second(tract_prefill, prompt)

@@ -66,7 +66,8 @@ def read_metadata(path: str | os.PathLike) -> dict | None:
         return json.loads(member.read()) if member is not None else None
 
 
-def _as_path(path: str | os.PathLike) -> Path:
+def nnef_tgz_path(path: str | os.PathLike) -> Path:
+    """``path`` as a Path, refused unless it names a ``.nnef.tgz`` (what tract loads as an archive)."""
     path = Path(path)
     if not path.name.endswith(".nnef.tgz"):
         raise GdnExportError(f"output path {path} must end with .nnef.tgz")
@@ -109,7 +110,7 @@ def export(
         raise LoweringError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
     if core_dtype not in (None, "float16"):
         raise LoweringError(f"core_dtype {core_dtype!r}: only 'float16' (or None, the model's own) is supported")
-    path = _as_path(path)
+    path = nnef_tgz_path(path)
     args = tuple(args)
     version = tract_version or installed_tract_version()
     input_names = list(input_names) if input_names else [f"input_{i}" for i in range(len(args))]

@@ -1,4 +1,4 @@
-"""Handlers for ``t2n_extra::gated_delta_scan`` and ``t2n_extra::gated_delta_rule`` nodes.
+"""Handlers for the ``t2n_extra::gated_delta_scan``, ``gated_delta_rule`` and ``causal_conv1d_update`` nodes.
 
 torch-to-nnef 0.24.12 registers its own ``gated_delta_scan`` handler, whose fused-op rules are stale
 for tract >= 0.23.7, and its registry asserts on a second registration. gdn_export therefore replaces
@@ -13,14 +13,11 @@ from torch_to_nnef.exceptions import T2NErrorNotImplemented
 from torch_to_nnef.inference_target import TractNNEF
 from torch_to_nnef.op import extras
 
-from gdn_export.lowering.emitter import GdnNode, emit
+from gdn_export.lowering import conv
+from gdn_export.lowering.emitter import Decision, GdnNode, emit
+from gdn_export.lowering.nnef_builder import NnefBuilder
+from gdn_export.ops.causal_conv1d import check_conv_operands
 from gdn_export.target import policy_of
-
-
-def _tensors_and_constants(node):
-    tensors = [i for i in node.inputs if isinstance(i, tg.TensorVariable) and not isinstance(i, tg.PythonConstant)]
-    constants = [i.data for i in node.inputs if isinstance(i, tg.PythonConstant)]
-    return tensors, constants
 
 
 def _positional(op_helper, node) -> list:
@@ -41,18 +38,6 @@ def output_tensors(op_helper, node, name_to_tensor):
     return outs
 
 
-def _node(op_helper, node, name_to_tensor, *, entry, head_major, use_qk_l2norm, scale):
-    tensors, _ = _tensors_and_constants(node)
-    if len(tensors) != 6:
-        raise T2NErrorNotImplemented(f"{node.kind} expects 6 tensor operands, got {len(tensors)}")
-    q, k, v, g, beta, s0 = (op_helper.get_or_add_tensor_variable_in_nnef(t) for t in tensors)
-    y, s_final = output_tensors(op_helper, node, name_to_tensor)
-    return GdnNode(
-        name=y.name, q=q, k=k, v=v, g=g, beta=beta, s0=s0, y=y, s_final=s_final,
-        head_major=head_major, use_qk_l2norm=use_qk_l2norm, scale=scale, entry=entry,
-    )
-
-
 def _require_tract(inference_target, kind):
     if not isinstance(inference_target, TractNNEF):
         raise T2NErrorNotImplemented(f"{kind} exports only to tract (got {type(inference_target).__name__})")
@@ -61,8 +46,10 @@ def _require_tract(inference_target, kind):
 def handle_gated_delta_scan(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
     """Head-major node with q/k normalized and scaled by the caller."""
     _require_tract(inference_target, node.kind)
-    gdn = _node(op_helper, node, name_to_tensor, entry="t2n_extra::gated_delta_scan", head_major=True,
-                use_qk_l2norm=False, scale=None)
+    q, k, v, gate, beta, s0 = _positional(op_helper, node)
+    y, s_final = output_tensors(op_helper, node, name_to_tensor)
+    gdn = GdnNode(name=y.name, q=q, k=k, v=v, g=gate, beta=beta, s0=s0, y=y, s_final=s_final, head_major=True,
+                  use_qk_l2norm=False, scale=None, entry="t2n_extra::gated_delta_scan")
     return emit(g, gdn, policy_of(inference_target))
 
 
@@ -79,20 +66,10 @@ def handle_gated_delta_rule(g, node, name_to_tensor, op_helper, inference_target
     return emit(g, gdn, policy_of(inference_target))
 
 
-HANDLERS = {"gated_delta_scan": handle_gated_delta_scan, "gated_delta_rule": handle_gated_delta_rule}
-extras._T2N_EXTRA_REGISTRY._registry.update(HANDLERS)
-
-
 def handle_causal_conv1d_update(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
     """The GDN short conv: tract's fused conv op where the target has it, else portable slices."""
-    from gdn_export.lowering import conv
-    from gdn_export.lowering.emitter import Decision
-    from gdn_export.lowering.nnef_builder import NnefBuilder
-    from gdn_export.ops.causal_conv1d import check_conv_operands
-
     _require_tract(inference_target, node.kind)
-    tensors, _ = _tensors_and_constants(node)
-    x, weight, state = (op_helper.get_or_add_tensor_variable_in_nnef(t) for t in tensors)
+    x, weight, state = _positional(op_helper, node)
     check_conv_operands(x.shape, weight.shape, state.shape)
     y, new_state = output_tensors(op_helper, node, name_to_tensor)
     target = policy_of(inference_target)
@@ -101,4 +78,9 @@ def handle_causal_conv1d_update(g, node, name_to_tensor, op_helper, inference_ta
     return conv.lower(NnefBuilder(g, y.name), x, weight, state, y, new_state, lowering)
 
 
-extras._T2N_EXTRA_REGISTRY._registry["causal_conv1d_update"] = handle_causal_conv1d_update
+HANDLERS = {
+    "gated_delta_scan": handle_gated_delta_scan,
+    "gated_delta_rule": handle_gated_delta_rule,
+    "causal_conv1d_update": handle_causal_conv1d_update,
+}
+extras._T2N_EXTRA_REGISTRY._registry.update(HANDLERS)

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from gdn_export.errors import GdnExportError, ParityError
-from gdn_export.export import export
+from gdn_export.export import export, nnef_tgz_path
 from gdn_export.hf.check import LogitCheck, compare_logits, session_logits, sample_tokens, transformers_logits
 from gdn_export.hf.checkpoint import CheckpointError, load_model, read_config
 from gdn_export.hf.families import family_for
@@ -73,8 +73,8 @@ def example_inputs(lm, vocab_size: int, dtype: torch.dtype, batch: int = 1, seq:
 
 
 def _check_output_path(out_path: Path, force: bool) -> None:
-    if not out_path.name.endswith(".nnef.tgz"):
-        raise GdnExportError(f"output {out_path} must end with .nnef.tgz")
+    """Refuse before any work: a wrong suffix, or an existing file without ``force``."""
+    nnef_tgz_path(out_path)
     if out_path.exists() and not force:
         raise GdnExportError(f"{out_path} exists; pass force=True (--force) to overwrite it")
 

@@ -42,8 +42,7 @@ FUSED_TABLE: tuple[FusedCapability, ...] = (
     FusedCapability((0, 23, 5), False, False, False, frozenset({F16}), frozenset({F32})),
 )
 
-# What the table was measured on; newer versions are assumed to keep 0.23.9's behaviour.
-NEWEST_MEASURED = (0, 23, 9)
+# Measured up to 0.23.9; newer versions are assumed to keep 0.23.9's behaviour.
 
 
 def parse_version(version: str) -> tuple[int, int, int]:

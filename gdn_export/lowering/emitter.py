@@ -145,7 +145,7 @@ def decide(node: GdnNode, dims: Dims, target) -> Decision:
         return Decision(node.name, node.entry, "native", "requested (lowering='native') and exact" + rounding, dims)
     runtime = getattr(target, "gdn_runtime", "any")
     skipped = []
-    for candidate in policy.candidates(runtime, F16 if core_f16 else np.dtype(node.q.dtype)):
+    for candidate in policy.candidates(runtime):
         why_not = refusal if candidate == "native" else chunked_refusal(dims, target) if candidate == "chunked" else None
         if why_not is None:
             chosen = ("fused op is exact for this node on this tract" + rounding if candidate == "native"
