@@ -41,6 +41,14 @@ class DeltaLayer(nn.Module):
     head_k_dim: int
     head_v_dim: int
 
+    def _init_heads(self, num_heads: int, num_v_heads: int | None, head_dim: int, expand_v: float,
+                    allow_neg_eigval: bool, layer_idx: int | None) -> tuple[int, int]:
+        """Head counts and widths as FLA's layers set them; returns (key_dim, value_dim) across heads."""
+        self.num_heads, self.num_v_heads = num_heads, num_v_heads or num_heads
+        self.head_k_dim, self.allow_neg_eigval, self.layer_idx = head_dim, allow_neg_eigval, layer_idx
+        self.head_v_dim = check_head_sizes(head_dim, expand_v, num_heads, self.num_v_heads)
+        return num_heads * head_dim, self.num_v_heads * self.head_v_dim
+
     def _init_io(self, hidden_size: int, q_dim: int, k_dim: int, v_dim: int, *, use_short_conv: bool, conv_size: int,
                  conv_bias: bool, output_gate: str | None, norm_eps: float, value_dim: int) -> None:
         """Projections, short convs (``q_conv1d`` ...), and ``o_norm`` / ``g_proj`` / ``o_proj``.

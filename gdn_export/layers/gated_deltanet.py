@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from gdn_export.hf.blocks import gdn_decay
-from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput, check_head_sizes
+from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
 from gdn_export.layers.common import init_decay_parameters, split_heads
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
 
@@ -24,10 +24,7 @@ class GatedDeltaNet(DeltaLayer):
                  use_short_conv: bool = True, allow_neg_eigval: bool = False, conv_size: int = 4,
                  conv_bias: bool = False, layer_idx: int | None = None, norm_eps: float = 1e-5, **kwargs) -> None:
         super().__init__()
-        self.num_heads, self.num_v_heads = num_heads, num_v_heads or num_heads
-        self.head_k_dim, self.allow_neg_eigval, self.layer_idx = head_dim, allow_neg_eigval, layer_idx
-        self.head_v_dim = check_head_sizes(head_dim, expand_v, num_heads, self.num_v_heads)
-        key_dim, value_dim = num_heads * head_dim, self.num_v_heads * self.head_v_dim
+        key_dim, value_dim = self._init_heads(num_heads, num_v_heads, head_dim, expand_v, allow_neg_eigval, layer_idx)
         self._init_io(hidden_size, key_dim, key_dim, value_dim, use_short_conv=use_short_conv, conv_size=conv_size,
                       conv_bias=conv_bias, output_gate="linear" if use_gate else None, norm_eps=norm_eps,
                       value_dim=value_dim)

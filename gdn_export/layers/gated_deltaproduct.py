@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from gdn_export.hf.blocks import gdn_decay
-from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput, check_head_sizes
+from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
 from gdn_export.layers.common import init_decay_parameters, split_heads
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
 
@@ -28,11 +28,9 @@ class GatedDeltaProduct(DeltaLayer):
         super().__init__()
         if int(num_householder) < 1:
             raise ValueError(f"num_householder must be >= 1, got {num_householder}")
-        self.num_heads, self.num_v_heads = num_heads, num_v_heads or num_heads
-        self.head_k_dim, self.allow_neg_eigval, self.layer_idx = head_dim, allow_neg_eigval, layer_idx
+        key_dim, value_dim = self._init_heads(num_heads, num_v_heads, head_dim, expand_v, allow_neg_eigval, layer_idx)
         self.num_householder, self.use_forget_gate = int(num_householder), use_forget_gate
-        self.head_v_dim = check_head_sizes(head_dim, expand_v, num_heads, self.num_v_heads)
-        key_dim, value_dim, n = num_heads * head_dim, self.num_v_heads * self.head_v_dim, self.num_householder
+        n = self.num_householder
         self._init_io(hidden_size, key_dim, key_dim * n, value_dim * n, use_short_conv=use_short_conv,
                       conv_size=conv_size, conv_bias=conv_bias, output_gate="linear" if use_output_gate else None,
                       norm_eps=norm_eps, value_dim=value_dim)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput, check_head_sizes
+from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
 from gdn_export.layers.common import init_decay_parameters, per_head_decay, split_heads
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
 
@@ -27,11 +27,8 @@ class KimiDeltaAttention(DeltaLayer):
         super().__init__()
         if safe_gate and lower_bound is None:
             raise ValueError("`lower_bound` must be specified when `safe_gate=True`")
-        self.num_heads, self.num_v_heads = num_heads, num_v_heads or num_heads
-        self.head_k_dim, self.allow_neg_eigval, self.layer_idx = head_dim, allow_neg_eigval, layer_idx
+        key_dim, value_dim = self._init_heads(num_heads, num_v_heads, head_dim, expand_v, allow_neg_eigval, layer_idx)
         self.lower_bound = lower_bound
-        self.head_v_dim = check_head_sizes(head_dim, expand_v, num_heads, self.num_v_heads)
-        key_dim, value_dim = num_heads * head_dim, self.num_v_heads * self.head_v_dim
         self._init_io(hidden_size, key_dim, key_dim, value_dim, use_short_conv=use_short_conv, conv_size=conv_size,
                       conv_bias=conv_bias, output_gate="lowrank", norm_eps=norm_eps, value_dim=value_dim)
         gate_dim = self.num_v_heads * head_dim
