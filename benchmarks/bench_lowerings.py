@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per cell")
     parser.add_argument("--variants", action="store_true",
                         help="one row per delta-rule variant (runtime='cpu' auto lowering) instead of per lowering")
+    parser.add_argument("--only", nargs="+", help="with --variants: these variants only")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.variants:
@@ -112,33 +113,40 @@ def bench_variants(args) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_family_variants import VARIANTS, graph_inputs, variant_inputs
 
-    rows: dict[str, dict[int, tuple[float, float]]] = {}
+    rows: dict[str, dict[int, tuple[float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
-        for variant in VARIANTS:
+        for variant in args.only or VARIANTS:
             shape = dict(batch=1, key_heads=args.heads, heads=args.heads, width_k=args.width, width_v=args.width)
             module, traced, names = graph_inputs(*variant_inputs(variant, seq=2, **shape))
             n = int(variant[7]) if variant.startswith("product") else 1
             dynamic = {name: {1: "S" if name in ("q", "g", "erase", "write") or n == 1 else f"{n}*S"}
                        for name in names[:-1]}
-            report = gdn_export.export(module, traced, Path(tmp) / f"{variant}.nnef.tgz", input_names=names,
-                                       output_names=["o", "state"], dynamic_axes=dynamic, runtime="cpu")
-            runnable = gdn_export.runtime.load_tract_model(report.path)
-            label = f"{variant} ({report.lowerings()[0]})"
+            runnables, picked = {}, None
+            for lowering in ("scan", "auto"):
+                report = gdn_export.export(module, traced, Path(tmp) / f"{variant}_{lowering}.nnef.tgz",
+                                           input_names=names, output_names=["o", "state"], dynamic_axes=dynamic,
+                                           runtime="cpu", lowering=lowering)
+                runnables[lowering] = gdn_export.runtime.load_tract_model(report.path)
+                picked = report.lowerings()[0]
+            label = f"{variant} ({picked})"
             rows[label] = {}
             for seq in args.seq:
                 _, tensors, _ = graph_inputs(*variant_inputs(variant, seq=seq, **shape))
                 arrays = [np.ascontiguousarray(t.numpy()) for t in tensors]
-                tract_ms = median_ms(lambda: runnable.run(arrays), args.budget)
+                scan_ms = median_ms(lambda: runnables["scan"].run(arrays), args.budget)
+                auto_ms = median_ms(lambda: runnables["auto"].run(arrays), args.budget)
                 torch_ms = median_ms(lambda: module(*tensors), args.budget)
-                rows[label][seq] = (tract_ms, torch_ms)
+                rows[label][seq] = (auto_ms, scan_ms, torch_ms)
             print(f"done {variant}", file=sys.stderr)
-    print(f"H={args.heads}, K=V={args.width}, B=1, f32; median ms per call, tract (lowering runtime='cpu' picks) "
-          f"and torch eager reference ({args.threads} thr); x = torch / tract\n")
+    print(f"H={args.heads}, K=V={args.width}, B=1, f32; median ms per call: tract with the lowering runtime='cpu' "
+          f"picks / tract's portable scan / torch eager reference ({args.threads} thr); x = speed-up of the picked "
+          "lowering over the scan, and over torch\n")
     print("| variant (lowering) | " + " | ".join(f"S={s}" for s in args.seq) + " |")
     print("|---|" + "---|" * len(args.seq))
     for label, row in rows.items():
-        print(f"| {label} | " + " | ".join(f"{row[s][0]:.3g} ms vs {row[s][1]:.3g} ms ({row[s][1] / row[s][0]:.2f}x)"
-                                           for s in args.seq) + " |")
+        print(f"| {label} | " + " | ".join(
+            f"{row[s][0]:.3g} / {row[s][1]:.3g} / {row[s][2]:.3g} ms ({row[s][1] / row[s][0]:.2f}x, "
+            f"{row[s][2] / row[s][0]:.2f}x)" for s in args.seq) + " |")
 
 
 if __name__ == "__main__":

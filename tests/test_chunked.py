@@ -1,13 +1,14 @@
-"""The chunked (WY / UT-transform) lowering against the float64 oracle: one symbolic-S graph for every length
-(no chunk, a partial chunk, exactly one, one plus a token, several plus a tail), state carried across calls,
-grouped heads, K != V, correlated keys with beta near 2, and the variants it refuses."""
+"""The chunked (WY / UT-transform) lowering against the float64 oracle, for every variant of the family: one
+symbolic-S graph for every length (no chunk, a partial chunk, exactly one, one plus a token, several plus a tail),
+state carried across calls, grouped heads, K != V, correlated keys with beta near 2, strong decay, and the one
+combination it refuses."""
 
 import numpy as np
 import pytest
 import torch
 from conftest import NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, make_rule_inputs
 from oracle import gated_delta_head_major, gated_delta_seq_major
-from test_family_variants import assert_close, graph_inputs, oracle, variant_inputs
+from test_family_variants import VARIANTS, assert_close, graph_inputs, oracle, variant_inputs
 
 import gdn_export
 from gdn_export.lowering.chunked import CHUNK
@@ -16,22 +17,30 @@ LENGTHS = [1, CHUNK - 1, CHUNK, CHUNK + 1, 200]
 F32_TOLERANCE = 1e-4
 
 
-def export_symbolic(module, tensors, names, path, **kwargs):
+def symbolic_time(names, num_householder=1):
+    """Dynamic axes: S tokens on q, g and the gates, n*S sub-steps on k, v and beta."""
+    per_substep = "S" if num_householder == 1 else f"{num_householder}*S"
+    return {name: {1: "S" if name in ("q", "g", "erase", "write") else per_substep} for name in names[:-1]}
+
+
+def export_symbolic(module, tensors, names, path, num_householder=1, **kwargs):
     """Export with a symbolic time axis on every per-token operand; return the loaded runnable."""
-    dynamic = {name: {1: "S"} for name in names[:-1]}
+    dynamic = symbolic_time(names, num_householder)
     report = gdn_export.export(module, tensors, path, input_names=names, output_names=["o", "state"],
                                dynamic_axes=dynamic, lowering="chunked", check=False, **kwargs)
     assert report.lowerings() == ["chunked"]
     return gdn_export.runtime.load_tract_model(report.path)
 
 
-@pytest.mark.parametrize("variant", ["gdn", "deltanet"])
-@pytest.mark.parametrize("widths", [(32, 32), (32, 16)], ids=["K32V32", "K32V16"])
+CASES = [("gdn", (32, 32)), ("deltanet", (32, 32))] + [(variant, (32, 16)) for variant in VARIANTS]
+
+
+@pytest.mark.parametrize("variant,widths", CASES, ids=[f"{v}-K{k}V{w}" for v, (k, w) in CASES])
 def test_one_symbolic_graph_for_every_length(variant, widths, tmp_path):
     width_k, width_v = widths
     traced_args, traced_kwargs = variant_inputs(variant, seq=3, width_k=width_k, width_v=width_v)
     module, traced, names = graph_inputs(traced_args, traced_kwargs)
-    runnable = export_symbolic(module, traced, names, tmp_path / "c.nnef.tgz")
+    runnable = export_symbolic(module, traced, names, tmp_path / "c.nnef.tgz", traced_kwargs["num_householder"])
     for seq in LENGTHS:
         args, kwargs = variant_inputs(variant, seq=seq, width_k=width_k, width_v=width_v, seed=seq)
         _, tensors, _ = graph_inputs(args, kwargs)
@@ -42,11 +51,12 @@ def test_one_symbolic_graph_for_every_length(variant, widths, tmp_path):
         assert_close(state, ref_state, F32_TOLERANCE, f"{variant} S={seq} state")
 
 
-def test_prefill_then_decode_equals_one_run(tmp_path):
+@pytest.mark.parametrize("variant", ["gdn", "kda", "gdn2"])
+def test_prefill_then_decode_equals_one_run(variant, tmp_path):
     """Prefill of 2 chunks + 2 tokens, then single-token calls feeding the state back == one run of 133."""
-    args, kwargs = variant_inputs("gdn", seq=133, width_k=32, width_v=32, seed=7)
+    args, kwargs = variant_inputs(variant, seq=133, width_k=32, width_v=32, seed=7)
     module, tensors, names = graph_inputs(args, kwargs)
-    traced_args, traced_kwargs = variant_inputs("gdn", seq=3, width_k=32, width_v=32)
+    traced_args, traced_kwargs = variant_inputs(variant, seq=3, width_k=32, width_v=32)
     _, traced, _ = graph_inputs(traced_args, traced_kwargs)
     runnable = export_symbolic(module, traced, names, tmp_path / "p.nnef.tgz")
     state, outputs = tensors[-1].numpy(), []
@@ -140,20 +150,47 @@ def test_half_precision_operands(tmp_path):
     assert_close(state, ref_state, 2e-2, "state")
 
 
-@pytest.mark.parametrize("variant,reason", [("kda", "per-channel decay"), ("gdn2", "per-channel decay"),
-                                            ("product2", "Householder")])
-def test_refuses_what_it_cannot_compute_exactly(variant, reason, tmp_path):
-    args, kwargs = variant_inputs(variant, seq=5)
+def test_refuses_channel_decay_with_householder_steps(tmp_path):
+    """Per-channel decay and sub-steps together (in no layer of the family) have no chunked form: refused."""
+    args, kwargs = variant_inputs("product2", seq=5)
+    args[3] = -torch.rand(*args[3].shape, args[0].shape[-1])  # g [B, T, H, K]
     module, tensors, names = graph_inputs(args, kwargs)
-    with pytest.raises(gdn_export.LoweringError, match=f"lowering='chunked' cannot be exact: .*{reason}"):
+    with pytest.raises(gdn_export.LoweringError, match="lowering='chunked' cannot be exact: per-channel decay with "
+                                                       "Householder"):
         gdn_export.export(module, tensors, tmp_path / "r.nnef.tgz", input_names=names, output_names=["o", "state"],
                           lowering="chunked", check=False)
 
 
-def test_strong_decay_masks_before_exp(tmp_path):
-    """g down to -40 per token: within a chunk gamma_i - gamma_j reaches +-2500, so exp of an unmasked
-    upper entry would be inf (and inf * 0 = nan); masking before exp keeps every output finite and exact."""
-    args, kwargs = variant_inputs("gdn", seq=2 * CHUNK + 9, width_k=32, width_v=32, seed=5)
+@pytest.mark.parametrize("variant", ["gdn2_neg_eig", "product2"])
+def test_correlated_keys_gates_near_two(variant, tmp_path):
+    """The general body under the same stress: keys nearly parallel, erase gate or beta in [1.9, 2]."""
+    def stressed(seq, seed):
+        args, kwargs = variant_inputs(variant, seq=seq, width_k=32, width_v=32, seed=seed)
+        gen = torch.Generator().manual_seed(seed)
+        args[1] = torch.randn(32, generator=gen) + 0.02 * torch.randn(args[1].shape, generator=gen)
+        if variant.startswith("gdn2"):
+            kwargs["erase"] = 1.9 + 0.1 * torch.rand(kwargs["erase"].shape, generator=gen)
+        else:
+            args[4] = 1.9 + 0.1 * torch.rand(args[4].shape, generator=gen)
+        return args, kwargs
+
+    traced_args, traced_kwargs = stressed(3, 0)
+    module, traced, names = graph_inputs(traced_args, traced_kwargs)
+    runnable = export_symbolic(module, traced, names, tmp_path / "s.nnef.tgz", traced_kwargs["num_householder"])
+    args, kwargs = stressed(2 * CHUNK + 17, 11)
+    _, tensors, _ = graph_inputs(args, kwargs)
+    o, state = gdn_export.run_tract(runnable, [t.numpy() for t in tensors])
+    ref_o, ref_state = oracle(args, kwargs)
+    assert_close(o, ref_o, F32_TOLERANCE, "o")
+    assert_close(state, ref_state, F32_TOLERANCE, "state")
+
+
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+def test_strong_decay_masks_before_exp(variant, tmp_path):
+    """g down to -40 per token (per head, or per key channel): within a chunk gamma_i - gamma_j reaches +-2500,
+    so exp of an unmasked upper entry would be inf (and inf * 0 = nan), as would the factored forms
+    exp(gamma_i) exp(-gamma_j); masking before exp and the block references keep every output finite and exact."""
+    args, kwargs = variant_inputs(variant, seq=2 * CHUNK + 9, width_k=32, width_v=32, seed=5)
     args[3] = -40.0 * torch.rand(args[3].shape, generator=torch.Generator().manual_seed(5))
     module, tensors, names = graph_inputs(args, kwargs)
     report = gdn_export.export(module, tensors, tmp_path / "d.nnef.tgz", input_names=names,

@@ -109,18 +109,28 @@ def test_runtime_policy_picks_the_fastest_exact_lowering(runtime, dtype, core_dt
     assert ("rounded to float16" in decision.reason) == (core_dtype is not None)
 
 
-def test_cpu_policy_falls_back_where_chunked_is_not_exact(tmp_path):
+def test_cpu_policy_picks_chunked_for_every_variant_and_falls_back_where_it_is_not_exact(tmp_path):
     q, k, v, _, beta, s0 = make_rule_inputs(1, 5, 2, 2, 32, 32)
 
-    class Kda(torch.nn.Module):
+    class Rule(torch.nn.Module):
+        def __init__(self, num_householder=1):
+            super().__init__()
+            self.num_householder = num_householder
+
         def forward(self, q, k, v, g, beta, s0):
-            return gdn_export.gated_delta_rule(q, k, v, g, beta, s0, use_qk_l2norm=True)
+            return gdn_export.gated_delta_rule(q, k, v, g, beta, s0, use_qk_l2norm=True,
+                                              num_householder=self.num_householder)
 
     dynamic = {n: {1: "S"} for n in NAMES["input_names"][:5]}
-    report = gdn_export.export(Kda(), [q, k, v, -torch.rand(1, 5, 2, 32), beta, s0], tmp_path / "k.nnef.tgz",
-                               runtime="cpu", dynamic_axes=dynamic, **NAMES)
-    (decision,) = report.decisions
-    assert decision.lowering == "scan" and "chunked refused: per-channel decay" in decision.reason
+    kda = gdn_export.export(Rule(), [q, k, v, -torch.rand(1, 5, 2, 32), beta, s0], tmp_path / "k.nnef.tgz",
+                            runtime="cpu", dynamic_axes=dynamic, **NAMES)
+    assert kda.lowerings() == ["chunked"], kda.decisions
+    twice = lambda x: torch.cat([x, x], dim=1)  # noqa: E731  two sub-steps per token
+    dynamic = {n: {1: "2*S" if n in ("k", "v", "beta") else "S"} for n in NAMES["input_names"][:5]}
+    odd = gdn_export.export(Rule(2), [q, twice(k), twice(v), -torch.rand(1, 5, 2, 32), twice(beta), s0],
+                            tmp_path / "p.nnef.tgz", runtime="cpu", dynamic_axes=dynamic, **NAMES)
+    (decision,) = odd.decisions
+    assert decision.lowering == "scan" and "chunked refused: per-channel decay with Householder" in decision.reason
     static = gdn_export.export(GatedDeltaRuleModel(), [q, k, v, -torch.rand(1, 5, 2), beta, s0],
                                tmp_path / "s.nnef.tgz", runtime="cpu", **NAMES)
     assert static.lowerings() == ["scan"] and "static S=5 holds no chunk" in static.decisions[0].reason

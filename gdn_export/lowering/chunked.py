@@ -38,8 +38,8 @@ How the graph is shaped by tract 0.23.9 (read in its source, then measured):
   "full" output (the final state is the last of ``initial ++ states[-1:]``), the tail scan always runs at
   least one step (a zero step when S is a multiple of C, which leaves the state exactly as it is).
 
-Covered: scalar per-head decay (GDN, beta in [0, 2]) and no decay (DeltaNet), seq- and head-major nodes,
-any K, V, grouped heads, f16 or f32 operands. ``refusal`` names the rest.
+Covered here: scalar per-head decay (GDN, beta in [0, 2]) and no decay (DeltaNet), seq- and head-major nodes,
+any K, V, grouped heads, f16 or f32 operands (``covers``); ``chunked_general`` writes the rest of the family.
 """
 
 from __future__ import annotations
@@ -110,17 +110,10 @@ TAKE = Fragment(name="gdn_export_take_steps", extensions=EXTENSIONS, definition=
 """)
 
 
-def refusal(dims: Dims) -> str | None:
-    """Why this lowering would not be exact for the node (None: it is)."""
-    if dims.channel_decay:
-        return ("per-channel decay (KDA/GDN2): the exact in-chunk decay is a [C, C, K] tensor per chunk, and the "
-                "cheap factored forms divide by exp(gamma), which overflows; use the scan")
-    if dims.gated_writes:
-        return "erase/write gates are not implemented in the chunked form; use the scan"
-    if dims.num_householder != 1:
-        return (f"{dims.num_householder} Householder sub-steps per token are not implemented in the chunked form; "
-                "use the scan")
-    return None
+def covers(dims: Dims) -> bool:
+    """Whether this module's tuned body computes the node: scalar decay or none, beta, one step per token
+    (GDN, DeltaNet). ``chunked_general`` computes the rest of the family."""
+    return not dims.channel_decay and not dims.gated_writes and dims.num_householder == 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +153,7 @@ def lower(b: NnefBuilder, node, dims: Dims, chunk: int = CHUNK) -> list:
     tail_ops = step_operands(b, dataclasses.replace(node, **tails), dims)
     y_tail, final = token_part(b, tail_ops, state, dims)
     write_outputs(b, node, dims, y_head, y_tail, final)
-    return [SPLIT, FINAL, PAD, TAKE, scan, tail_fragment(tail_ops.log_decay is not None)]
+    return [SPLIT, FINAL, PAD, TAKE, scan, tail_fragment(1, tail_ops.log_decay is not None)]
 
 
 def split_time(b: NnefBuilder, x: NTensor, axis: int, chunk: int) -> tuple[NTensor, NTensor]:
@@ -439,14 +432,21 @@ def diagonal_inverses(x: Body, blocks: str) -> str:
 
 def chunk_scan_fragment(variant: Variant, scanned: dict[str, tuple[int, int]], masks: tuple[str, ...],
                         key_heads: int) -> Fragment:
-    """``scanned``: each scan input's (axis, chunk): C along the tokens, 1 for per-chunk inputs."""
-    step, scan = f"{variant.name}_hk{key_heads}_step", f"{variant.name}_hk{key_heads}_scan"
+    return scan_over_chunks(f"{variant.name}_hk{key_heads}", chunk_body(variant, key_heads), scanned, masks,
+                            2 if variant.head_major else 1, variant.chunk)
+
+
+def scan_over_chunks(name: str, body: list[str], scanned: dict[str, tuple[int, int]], masks: tuple[str, ...],
+                     y_axis: int, y_chunk: int) -> Fragment:
+    """A chunk body and the ``tract_core_scan`` running it. ``scanned``: each scan input's (axis, chunk), C
+    along the tokens, 1 for per-chunk inputs; ``masks`` are read whole every step. Outputs y (``y_chunk``
+    tokens a step along ``y_axis``) and the state after every chunk (a "full" output: see the module doc)."""
+    step, scan = f"{name}_step", f"{name}_scan"
     inputs = [f"{name}_t" for name in scanned] + list(masks)
-    y_axis = 2 if variant.head_major else 1
     definition = f"""fragment {step}(
     s_prev: tensor<scalar>, {", ".join(f"{name}: tensor<scalar>" for name in inputs)}
 ) -> ( s_t: tensor<scalar>, y_t: tensor<scalar> ) {{
-{chr(10).join(chunk_body(variant, key_heads))}
+{chr(10).join(body)}
 }}
 
 fragment {scan}(
@@ -457,7 +457,7 @@ fragment {scan}(
         scan = [{", ".join(f'("{name}_t", {name}, {axis}, {step_})' for name, (axis, step_) in scanned.items())}],
         full = [{", ".join(f'("{name}", {name})' for name in masks)}],
         state = [("s_prev", s_init, "s_t")],
-        output = [("y_t", "full", {y_axis}, {variant.chunk}), ("s_t", "full", 0, 1)],
+        output = [("y_t", "full", {y_axis}, {y_chunk}), ("s_t", "full", 0, 1)],
         skip = 0
     );
 }}
@@ -467,12 +467,13 @@ fragment {scan}(
 
 
 # --- the tail, token by token ---------------------------------------------------------------------
-def tail_fragment(has_decay: bool) -> Fragment:
+def tail_fragment(num_householder: int, has_decay: bool) -> Fragment:
     """The elementwise per-token step of ``scan.py`` (the fastest per-token form measured), under its own
     name; its state leaves as a "last" output, so the tail always runs at least one step (see ``pad_step``)."""
-    names = ["q", "k0", "e0", "u0"] + (["decay"] if has_decay else [])
+    names = ["q"] + [f"{name}{j}" for j in range(num_householder) for name in ("k", "e", "u")]
+    names += ["decay"] if has_decay else []
     return scan_fragment(
-        "chunk_tail", 1, has_decay,
+        "chunk_tail", num_householder, has_decay,
         prologue=[f"    {name} = squeeze({name}_t, axes = [0]);" for name in names],
         update=lambda state, j: f"{state} + k{j} * (u{j} - sum_reduce({state} * e{j}, axes = [3]))",
         readout="sum_reduce(s_t * q, axes = [3])",
@@ -493,15 +494,17 @@ def pad_step(b: NnefBuilder, x: NTensor) -> NTensor:
 def token_part(b: NnefBuilder, ops, state: NTensor, dims: Dims):
     """The last ``R = S mod C`` tokens from ``state [1, B, Hk, G, K, V]``: (y ``[B, Hk, G, R, V]``, final state
     ``[B, Hk, G, K, V]``)."""
-    column = lambda x: b.unsqueeze(pad_step(b, x), [5])
-    row = lambda x: b.unsqueeze(pad_step(b, x), [4])
-    operands = [column(ops.q), column(ops.keys[0]), column(ops.erases[0]), row(ops.writes[0])]
+    column = lambda x: b.unsqueeze(pad_step(b, x), [5])  # noqa: E731
+    row = lambda x: b.unsqueeze(pad_step(b, x), [4])  # noqa: E731
+    operands = [column(ops.q)]
+    for key, erase, write in zip(ops.keys, ops.erases, ops.writes):
+        operands += [column(key), column(erase), row(write)]
     if ops.log_decay is not None:
         operands.append(b.unary("exp", column(ops.log_decay)))  # exp(0) = 1 on the zero step
     count = max(ops.q.shape[0], 1)
     y = b.tensor("tail_y", (dims.batch, dims.key_heads, dims.groups, count, dims.width_v), F32)
     final = b.tensor("tail_state", state.shape[1:], F32)
-    b.multi_op(tail_fragment(ops.log_decay is not None).name, (*operands, b.squeeze(state, [0])), (y, final))
+    b.multi_op(tail_fragment(len(ops.keys), ops.log_decay is not None).name, (*operands, b.squeeze(state, [0])), (y, final))
     taken = b.tensor("tail_y_taken", (*y.shape[:3], ops.q.shape[0], y.shape[4]), F32)
     b.multi_op(TAKE.name, (y, ops.q), (taken,))
     return taken, final

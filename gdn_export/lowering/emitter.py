@@ -16,7 +16,7 @@ from nnef_tools.model import Graph as NGraph
 from nnef_tools.model import Tensor as NTensor
 
 from gdn_export.errors import LoweringError
-from gdn_export.lowering import chunked, fused, policy, recurrent, scan
+from gdn_export.lowering import chunked, chunked_general, fused, policy, recurrent, scan
 from gdn_export.lowering.capabilities import F16, F32, fused_capability
 from gdn_export.lowering.nnef_builder import NnefBuilder
 from gdn_export.lowering.operands import Dims, validate_operands
@@ -117,9 +117,10 @@ def fused_operand_dtype(node: GdnNode, allowed: frozenset, core_f16: bool = Fals
 def chunked_refusal(dims: Dims, target) -> str | None:
     """Why the chunked form does not apply: a variant it cannot compute exactly, or a static S that holds
     no whole chunk (nothing to gain, and a scan over zero chunks does not load)."""
-    variant = chunked.refusal(dims)
-    if variant is None and not target.seq_may_vary and dims.seq < chunked.CHUNK:
-        return f"a static S={dims.seq} holds no chunk of {chunked.CHUNK}"
+    variant = None if chunked.covers(dims) else chunked_general.refusal(dims)
+    tokens = chunked.CHUNK if chunked.covers(dims) else chunked_general.token_chunk(dims.num_householder)
+    if variant is None and not target.seq_may_vary and dims.seq < tokens:
+        return f"a static S={dims.seq} holds no chunk of {tokens} tokens"
     return variant
 
 
@@ -173,4 +174,6 @@ def emit(graph: NGraph, node: GdnNode, target) -> list:
         core_f16 = getattr(target, "gdn_core_dtype", None) == "float16"
         operand_dtype = fused_operand_dtype(node, fused_capability(target.tract_version).operand_dtypes, core_f16)
         return fused.lower(builder, node, dims, operand_dtype)
+    if decision.lowering == "chunked" and not chunked.covers(dims):
+        return chunked_general.lower(builder, node, dims)
     return {"scan": scan, "recurrent": recurrent, "chunked": chunked}[decision.lowering].lower(builder, node, dims)

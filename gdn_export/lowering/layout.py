@@ -33,7 +33,9 @@ class StepOperands:
     s0: NTensor  # [B, Hk, G, K, V]
 
 
-def step_operands(b: NnefBuilder, node, dims: Dims) -> StepOperands:
+def step_operands(b: NnefBuilder, node, dims: Dims, substeps_split: bool = False) -> StepOperands:
+    """``substeps_split``: the node's k, v and beta come with their sub-steps on an axis of their own, right
+    after the time axis (``[B, T, n, H, X]``, head-major ``[B, H, T, n, X]``), as ``chunked_general`` cuts them."""
     seq_axis = 2 if node.head_major else 1
     n = dims.num_householder
 
@@ -47,12 +49,15 @@ def step_operands(b: NnefBuilder, node, dims: Dims) -> StepOperands:
         return b.split_axis(x, 2, [dims.key_heads, dims.groups])
 
     def substeps(x):
-        """[T*n, B, ...] -> n tensors [T, B, ...] (sub-step j of token t sits at t*n + j)."""
+        """The node's [B, T*n, ...] -> n tensors [T, B, ...] (sub-step j of token t sits at t*n + j)."""
         if n == 1:
-            return [x]
-        split = b.split_axis(x, 0, [-1, n])  # [T, n, B, ...]
-        return [b.squeeze(b.op("slice", split, shape=[split.shape[0], 1, *split.shape[2:]],
-                                attribs={"axes": [1], "begin": [j], "end": [j + 1]}), [1]) for j in range(n)]
+            return [time_first(x)]
+        if not substeps_split:
+            x = b.split_axis(x, seq_axis, [-1, n])  # [B, T, n, ...]
+        axis = seq_axis + 1
+        return [time_first(b.squeeze(b.op("slice", x, shape=[*x.shape[:axis], 1, *x.shape[axis + 1:]],
+                                          attribs={"axes": [axis], "begin": [j], "end": [j + 1]}), [axis]))
+                for j in range(n)]
 
     q, k = b.cast(node.q, F32), b.cast(node.k, F32)
     if node.use_qk_l2norm:
@@ -60,10 +65,10 @@ def step_operands(b: NnefBuilder, node, dims: Dims) -> StepOperands:
     if node.scale is not None:
         q = b.binary("mul", q, b.scalar(node.scale, F32))
     q = b.unsqueeze(time_first(q), [3])  # [T, B, Hk, 1, K]
-    keys = [b.unsqueeze(x, [3]) for x in substeps(time_first(k))]  # [T, B, Hk, 1, K]
-    values = [per_value_head(x) for x in substeps(time_first(node.v))]  # [T, B, Hk, G, V]
+    keys = [b.unsqueeze(x, [3]) for x in substeps(k)]  # [T, B, Hk, 1, K]
+    values = [per_value_head(x) for x in substeps(node.v)]  # [T, B, Hk, G, V]
     if node.beta is not None:
-        betas = [b.unsqueeze(per_value_head(x), [4]) for x in substeps(time_first(node.beta))]  # [.., G, 1]
+        betas = [b.unsqueeze(per_value_head(x), [4]) for x in substeps(node.beta)]  # [.., G, 1]
         erases = [b.binary("mul", beta, key) for beta, key in zip(betas, keys)]
         writes = [b.binary("mul", beta, value) for beta, value in zip(betas, values)]
     else:

@@ -1,0 +1,303 @@
+"""Prefill lowering for the rest of the family: the chunked form of FAMILY.md section 6 in general.
+
+``chunked.py`` holds the tuned body for scalar decay with beta and one step per token (GDN, DeltaNet);
+this module covers what it does not, with the same outer structure (a scan over chunks of real tokens,
+then the per-token tail of ``chunked.py``, so a decode token is never padded to a chunk):
+
+- erase/write gates (GDN2): the erased key ``e = b*k`` and written value ``u = w*v`` replace ``beta*k`` and
+  ``beta*v`` (beta is the special case ``b = w = beta``);
+- Householder sub-steps (Gated DeltaProduct): a chunk of ``Cr`` tokens holds ``c = n*Cr`` sub-steps, each a
+  virtual token of the plain recurrence; the decay applies at the first sub-step of a token, q is read
+  after the last, so q and the cumulative decay are repeated n times and y is taken at every n-th row;
+- per-channel decay (KDA, GDN2): see ``channel_decay_pairs``.
+
+Per chunk, with ``G`` the cumulative log-decay inside the chunk (per head or per key channel):
+
+    A_ij = sum_k e_i k_j exp(G_i - G_j)  (i > j)       P_ij = sum_k q_i k_j exp(G_i - G_j)  (i >= j)
+    Delta = (I + A)^-1 (U - (E * exp G) S)                 (forward substitution, ``chunked.solve_unit_lower``)
+    Y = (Q * exp G) S + P Delta        S <- exp(G_C) * S + (K * exp(G_C - G))^T Delta
+
+Every exponent is of a difference ``G_i - G_j`` with ``i >= j`` or of ``G`` itself, all <= 0 (g <= 0): no
+factor can overflow, whatever the decay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from nnef_tools.model import Tensor as NTensor
+from torch_to_nnef.op.fragment import Fragment
+
+from gdn_export.lowering import chunked
+from gdn_export.lowering.capabilities import F32
+from gdn_export.lowering.chunked import EXTENSIONS, MASKED, SOLVE_BLOCK, Body, solve_unit_lower
+from gdn_export.lowering.layout import L2NORM_EPS, step_operands
+from gdn_export.lowering.nnef_builder import NnefBuilder
+from gdn_export.lowering.operands import Dims
+
+SUB_BLOCK = 16  # tokens per exact [s, s, K] decay block (per-channel decay); see channel_decay_pairs
+
+SPLIT_LIKE = Fragment(name="gdn_export_chunk_split_like", extensions=EXTENSIONS, definition="""fragment gdn_export_chunk_split_like(
+    input: tensor<scalar>, like: tensor<scalar>, axis: integer, chunk: integer
+) -> ( head: tensor<scalar>, tail: tensor<scalar> ) {
+    # the first chunk*floor(len(like)/chunk) entries of input's axis, and the rest: every operand is cut where
+    # q's is, so the tract knows the parts' lengths equal
+    length = squeeze(slice(tract_core_shape_of(like), axes = [0], begin = [axis], end = [axis + 1]), axes = [0]);
+    total = squeeze(slice(tract_core_shape_of(input), axes = [0], begin = [axis], end = [axis + 1]), axes = [0]);
+    cut = (length / chunk) * chunk;
+    head = slice(input, axes = [axis], begin = [0], end = [cut]);
+    tail = slice(input, axes = [axis], begin = [cut], end = [total]);
+}
+
+""")
+
+
+def refusal(dims: Dims) -> str | None:
+    if dims.channel_decay and dims.num_householder != 1:
+        return "per-channel decay with Householder sub-steps has no chunked form here; use the scan"
+    return None
+
+
+def token_chunk(num_householder: int, chunk: int = chunked.CHUNK) -> int:
+    """Real tokens per chunk: ``c = n * Cr`` sub-steps must be a multiple of the solve block, and at least
+    ``chunk`` when n divides it."""
+    unit = SOLVE_BLOCK // math.gcd(SOLVE_BLOCK, num_householder)  # tokens per solve-block multiple
+    return unit * max(1, -(-chunk // (unit * num_householder)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    tokens: int  # Cr
+    steps: int  # n
+    decay: str  # "none", "head", "channel"
+    gated: bool  # erase/write gates instead of beta
+    l2norm: bool
+    scale: float | None
+    head_major: bool
+    key_heads: int
+    heads: int
+    width_k: int
+    width_v: int
+
+    @property
+    def substeps(self) -> int:
+        return self.tokens * self.steps
+
+    @property
+    def name(self) -> str:
+        scale = "none" if self.scale is None else repr(float(self.scale)).replace(".", "p").replace("-", "m").replace("+", "")
+        return (f"gdn_export_chunkg_c{self.tokens}_n{self.steps}_{self.decay}{'_gates' if self.gated else ''}"
+                f"{'_l2' if self.l2norm else ''}_s{scale}_{'hm' if self.head_major else 'sm'}_hk{self.key_heads}"
+                f"_h{self.heads}_k{self.width_k}_v{self.width_v}")
+
+
+def lower(b: NnefBuilder, node, dims: Dims, chunk: int = chunked.CHUNK) -> list:
+    n = dims.num_householder
+    variant = Variant(token_chunk(n, chunk), n, "channel" if dims.channel_decay else "head" if dims.has_decay else "none",
+                      dims.gated_writes, node.use_qk_l2norm, node.scale, node.head_major, dims.key_heads, dims.heads,
+                      dims.width_k, dims.width_v)
+    time_axis = 2 if node.head_major else 1
+    raw = {"q": node.q, "k": node.k, "v": node.v, "beta": node.beta, "g": node.g, "erase": node.erase,
+           "write": node.write}
+    heads, tails = {}, {}
+    for name, x in raw.items():
+        if x is None:
+            continue
+        if n > 1 and name in ("k", "v", "beta"):
+            # sub-steps on an axis of their own before the cut: tract 0.23.9 gets the length of a reshape of a
+            # symbolic tail wrong (S - 64*(S/32) for (2S - 64*(S/32)) / 2)
+            x = b.split_axis(x, time_axis, [-1, n])
+        heads[name], tails[name] = split_like(b, x, node.q, time_axis, variant.tokens)
+    s0 = b.unsqueeze(b.split_axis(b.cast(node.s0, F32), 1, [dims.key_heads, dims.groups]), [0])  # [1, B, Hk, G, K, V]
+    y_head, state, scan = chunk_part(b, variant, heads, s0, dims)
+    tail_ops = step_operands(b, dataclasses.replace(node, **tails), dims, substeps_split=n > 1)
+    y_tail, final = chunked.token_part(b, tail_ops, state, dims)
+    chunked.write_outputs(b, node, dims, y_head, y_tail, final)
+    return [SPLIT_LIKE, chunked.FINAL, chunked.PAD, chunked.TAKE, scan,
+            chunked.tail_fragment(n, tail_ops.log_decay is not None)]
+
+
+def split_like(b: NnefBuilder, x: NTensor, like: NTensor, axis: int, chunk: int):
+    """Cut x's time axis where ``like``'s (q's) whole chunks end: ``chunk * floor(T / chunk)`` and the rest."""
+    whole = like.shape[axis] // chunk * chunk
+    shape = list(x.shape)
+    head = b.tensor("head", shape[:axis] + [whole] + shape[axis + 1:], x.dtype)
+    tail = b.tensor("tail", shape[:axis] + [x.shape[axis] - whole] + shape[axis + 1:], x.dtype)
+    b.multi_op(SPLIT_LIKE.name, (x, like), (head, tail), attribs={"axis": axis, "chunk": chunk})
+    return head, tail
+
+
+def chunk_part(b: NnefBuilder, variant: Variant, heads: dict[str, NTensor], s0: NTensor, dims: Dims):
+    cr, c = variant.tokens, variant.substeps
+    layout = lambda name, groups: chunked.scan_layout(b, heads[name], variant.head_major, groups)  # noqa: E731
+    q = layout("q", 1)  # [1, B, Hk, 1, N*Cr, K]
+    first_channel = b.op("slice", q, shape=(*q.shape[:5], 1), attribs={"axes": [5], "begin": [0], "end": [1]})
+    scanned = {"one": (chunked.chunk_ones(b, first_channel, cr), 4, 1)}  # per chunk first: see chunked.chunk_part
+    if variant.decay != "none":
+        gamma, end = cumulative_log_decay(b, layout("g", dims.groups), cr)
+        scanned["end"] = (end, 4, 1)
+        scanned["gamma"] = (gamma, 4, cr)
+    scanned["q"] = (q, 4, cr)
+    substep = lambda name, groups: substep_layout(b, heads[name], variant.head_major, groups)  # noqa: E731
+    per_token = substep if variant.steps > 1 else layout
+    scanned["k"] = (per_token("k", 1), 4, cr)
+    scanned["v"] = (per_token("v", dims.groups), 4, cr)
+    for name in ("erase", "write") if variant.gated else ("beta",):
+        scanned[name] = (per_token(name, dims.groups), 4, cr)
+    masks = {name: b.constant(name, value) for name, value in constants(variant).items()}
+    fragment = scan_fragment(variant, {name: tuple(axis_chunk) for name, (_, *axis_chunk) in scanned.items()}, tuple(masks))
+    batch, steps = heads["q"].shape[0], heads["q"].shape[2 if variant.head_major else 1]
+    shape = (batch, dims.heads, steps, dims.width_v) if variant.head_major else (batch, steps, dims.heads, dims.width_v)
+    y = b.tensor("chunk_y", shape, F32)
+    states = b.tensor("chunk_states", (steps // cr, *s0.shape[1:]), F32)
+    b.multi_op(fragment.name, (*(x for x, *_ in scanned.values()), *masks.values(), s0), (y, states))
+    return y, chunked.final_state(b, s0, states), fragment
+
+
+def substep_layout(b: NnefBuilder, x: NTensor, head_major: bool, groups: int) -> NTensor:
+    """``[B, T, n, H, X]`` (head-major ``[B, H, T, n, X]``; X absent for beta) -> f32 ``[1, B, Hk, G|1, T, n, X|1]``."""
+    x = b.cast(x, F32)
+    if len(x.shape) == 4:
+        x = b.unsqueeze(x, [4])
+    head_axis = 1 if head_major else 3
+    x = b.split_axis(x, head_axis, [x.shape[head_axis] // groups, groups])
+    if not head_major:
+        x = b.transpose(x, [0, 3, 4, 1, 2, 5])  # [B, Hk, G, T, n, X]
+    return b.unsqueeze(x, [0])
+
+
+def cumulative_log_decay(b: NnefBuilder, g: NTensor, chunk: int):
+    """``g [1, B, Hk, G, N*C, X]`` (X = 1 or K) -> cumulative sums inside each chunk (same shape) and each chunk's
+    total ``[.., N, X]``; a matmul by a lower-triangular constant, outside the loop (see chunked.cumulative_decay)."""
+    lead, steps, width = g.shape[:4], g.shape[4], g.shape[5]
+    chunks = b.reshape(g, 4, 1, [-1, chunk], (*lead, steps // chunk, chunk, width))
+    lower = np.tril(np.ones((chunk, chunk), np.float32)).reshape((1,) * 5 + (chunk, chunk))
+    gamma = b.matmul(b.constant("cumsum", lower), chunks)  # [1, B, Hk, G, N, C, X]
+    end = b.op("slice", gamma, shape=(*lead, steps // chunk, 1, width),
+               attribs={"axes": [5], "begin": [chunk - 1], "end": [chunk]})
+    flat = lambda x: b.reshape(x, 4, 2, [-1], (*lead, x.shape[4] * x.shape[5], width))  # noqa: E731
+    return flat(gamma), flat(end)
+
+
+def constants(variant: Variant) -> dict[str, np.ndarray]:
+    """Masks added (log space, before exp) or multiplied in the body, shaped to broadcast at their use."""
+    c = variant.substeps
+    lower = np.tril(np.ones((c, c)))
+    found = {name: value for name, value in chunked.constants(c).items()
+             if name.startswith("join") or name == "identity"}
+    if variant.decay == "channel":
+        s, blocks = SUB_BLOCK, c // SUB_BLOCK
+        sub_lower = np.tril(np.ones((s, s)))
+        found["sub_causal_log"] = np.where(sub_lower > 0, 0.0, MASKED).reshape((1,) * 5 + (s, s, 1))
+        past = np.arange(c)[None, :] < (np.arange(blocks) * s)[:, None]  # token j precedes block I
+        found["past_log"] = np.where(past, 0.0, MASKED).reshape((1,) * 4 + (blocks, c, 1))
+        found["block_eye"] = np.eye(blocks).reshape((1,) * 4 + (blocks, 1, blocks, 1))
+    elif variant.decay == "head":
+        found["causal_log"] = np.where(lower > 0, 0.0, MASKED).reshape((1,) * 4 + (c, c))
+    else:
+        found["causal"] = lower.reshape((1,) * 4 + (c, c))
+    return {name: np.asarray(value, np.float32) for name, value in found.items()}
+
+
+def body(variant: Variant) -> list[str]:
+    """One chunk, every operand ``[1, B, Hk, G|1, steps, X]``; outputs ``s_t`` and ``y_t`` (node layout)."""
+    x = Body()
+    cr, n, c = variant.tokens, variant.steps, variant.substeps
+    # every scan input is first combined with another one (one_t): tract 0.23.9 moves a body op whose only
+    # varying input is one scan input out of the loop (and fails to load some of them)
+    q = x("q_t * one_t")
+
+    def substeps(name: str) -> str:
+        """A per-sub-step input, pinned; ``[.., Cr, n, X]`` merged to ``[.., n*Cr, X]`` (a static reshape)."""
+        pinned = x(f"{name}_t * one_t")
+        return pinned if n == 1 else x(f"reshape({pinned}, shape = [{c}], axis_start = 4, axis_count = 2)")
+
+    k, v = substeps("k"), substeps("v")
+    if variant.l2norm:
+        q, k = (x(f"{t} * rsqrt(sum_reduce({t} * {t}, axes = [5]) + {L2NORM_EPS!r})") for t in (q, k))
+    if variant.scale is not None and variant.scale != 1.0:
+        q = x(f"{q} * {float(variant.scale)!r}")
+    if variant.gated:
+        e, u = x(f"{k} * (erase_t * one_t)"), x(f"{v} * (write_t * one_t)")
+    else:
+        beta = substeps("beta")
+        e, u = x(f"{k} * {beta}"), x(f"{v} * {beta}")
+
+    def per_substep(t: str) -> str:
+        """``[.., Cr, X]`` -> ``[.., n*Cr, X]``, each token's row repeated for its n sub-steps."""
+        if n == 1:
+            return t
+        rows = x(f"reshape({t}, shape = [{cr}, 1], axis_start = 4, axis_count = 1)")
+        return x(f"reshape(concat([{', '.join([rows] * n)}], axis = 5), shape = [{c}], axis_start = 4, axis_count = 2)")
+
+    q = per_substep(q)
+    if variant.decay == "none":
+        a = x(f"matmul({e}, {k}, transposeB = true)")  # only the strictly lower part is read
+        p = x(f"matmul({q}, {k}, transposeB = true) * causal")
+        e_read, q_read, k_end, decayed = e, q, k, "s_prev"
+    else:
+        gamma = per_substep(x("gamma_t * one_t"))  # [.., G, c, 1|K]
+        decay_in = x(f"exp({gamma})")
+        e_read, q_read = x(f"{e} * {decay_in}"), x(f"{q} * {decay_in}")
+        k_end = x(f"{k} * exp(end_t - {gamma})")
+        if variant.decay == "head":
+            pairs = x(f"exp({gamma} - transpose({gamma}, axes = [0, 1, 2, 3, 5, 4]) + causal_log)")
+            a = x(f"matmul({e}, {k}, transposeB = true) * {pairs}")
+            p = x(f"matmul({q}, {k}, transposeB = true) * {pairs}")
+            decayed = x("s_prev * exp(end_t)")
+        else:
+            a, p = channel_decay_pairs(x, e, q, k, gamma, c)
+            decayed = x("s_prev * transpose(exp(end_t), axes = [0, 1, 2, 3, 5, 4])")  # row k of S by exp(G_C[k])
+    residual = x(f"{u} - matmul({e_read}, s_prev)")
+    delta = solve_unit_lower(x, a, residual, c)
+    y = x(f"matmul({q_read}, s_prev) + matmul({p}, {delta})")  # [1, B, Hk, G, c, V]
+    x(f"matmul({k_end}, {delta}, transposeA = true) + {decayed}", "s_t")
+    if n > 1:  # the readout after each token's last sub-step
+        steps = x(f"reshape({y}, shape = [{cr}, {n}], axis_start = 4, axis_count = 1)")
+        y = x(f"reshape(slice({steps}, axes = [5], begin = [{n - 1}], end = [{n}]), shape = [{cr}], axis_start = 4, "
+              "axis_count = 2)")
+    if variant.head_major:  # [B, H, Cr, V]
+        x(f"reshape({y}, shape = [-1, {variant.heads}], axis_start = 0, axis_count = 4)", "y_t")
+    else:  # [B, Cr, H, V]
+        moved = x(f"transpose({y}, axes = [0, 1, 4, 2, 3, 5])")
+        x(f"reshape({moved}, shape = [-1, {cr}, {variant.heads}], axis_start = 0, axis_count = 5)", "y_t")
+    return x.lines
+
+
+def channel_decay_pairs(x: Body, e: str, q: str, k: str, gamma: str, c: int) -> tuple[str, str]:
+    """A and P for a per-channel decay ``gamma [.., G, c, K]``, exactly and without overflow.
+
+    ``exp(G_i - G_j)`` is a [c, c, K] tensor; factoring it as ``exp(G_i) exp(-G_j)`` overflows as soon as the
+    decay inside a chunk passes ~88. So the chunk is cut into blocks of s = SUB_BLOCK tokens:
+    - inside a diagonal block, ``exp(G_i - G_j)`` is formed elementwise ([s, s, K] per block, masked before exp);
+    - for block row I against the earlier tokens j, with ``R_I`` the cumulative decay just before block I:
+      ``exp(G_i - G_j) = exp(G_i - R_I) * exp(R_I - G_j)``, both factors <= 1 since i >= start(I) > j, so one
+      matmul per block row of ``e_i exp(G_i - R_I)`` against ``k_j exp(R_I - G_j)`` (masked to j < start(I)).
+    An underflowing factor bounds the true product below the same tiny value: exact to f32 rounding."""
+    s, blocks = SUB_BLOCK, c // SUB_BLOCK
+    cut = lambda t: x(f"reshape({t}, shape = [{blocks}, {s}], axis_start = 4, axis_count = 1)")  # noqa: E731
+    g_blocks, k_blocks, e_blocks, q_blocks = cut(gamma), cut(k), cut(e), cut(q)  # [.., nb, s, K]
+    rows = lambda t: x(f"reshape({t}, shape = [{s}, 1], axis_start = 5, axis_count = 1)")  # noqa: E731  [.., nb, s, 1, K]
+    columns = lambda t: x(f"reshape({t}, shape = [1, {s}], axis_start = 5, axis_count = 1)")  # noqa: E731
+    inside = x(f"{columns(k_blocks)} * exp({rows(g_blocks)} - {columns(g_blocks)} + sub_causal_log)")  # [.., nb, s, s, K]
+    diagonal = {name: x(f"sum_reduce({rows(t)} * {inside}, axes = [7])") for name, t in (("a", e_blocks), ("p", q_blocks))}
+    ends = x(f"slice({g_blocks}, axes = [5], begin = [{s - 1}], end = [{s}])")  # [.., nb, 1, K]
+    start = x(f"slice({ends}, axes = [4], begin = [0], end = [1]) * 0.0")
+    before = x(f"concat([{start}, slice({ends}, axes = [4], begin = [0], end = [{blocks - 1}])], axis = 4)")  # R_I
+    left = x(f"exp({g_blocks} - {before})")  # [.., nb, s, K]
+    whole = lambda t: x(f"reshape({t}, shape = [1, {c}], axis_start = 4, axis_count = 1)")  # noqa: E731  [.., 1, c, K]
+    right = x(f"{whole(k)} * exp({before} - {whole(gamma)} + past_log)")  # [.., nb, c, K]
+    found = []
+    for name, t in (("a", e_blocks), ("p", q_blocks)):
+        earlier = x(f"matmul({t} * {left}, {right}, transposeB = true)")  # [.., nb, s, c]
+        placed = x(f"reshape({diagonal[name]}, shape = [1, {s}], axis_start = 6, axis_count = 2) * block_eye")
+        both = x(f"{earlier} + reshape({placed}, shape = [{c}], axis_start = 6, axis_count = 2)")
+        found.append(x(f"reshape({both}, shape = [{c}], axis_start = 4, axis_count = 2)"))  # [.., c, c]
+    return found[0], found[1]
+
+
+def scan_fragment(variant: Variant, scanned: dict[str, tuple[int, int]], masks: tuple[str, ...]) -> Fragment:
+    return chunked.scan_over_chunks(variant.name, body(variant), scanned, masks, 2 if variant.head_major else 1,
+                                    variant.tokens)
