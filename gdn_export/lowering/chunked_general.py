@@ -130,7 +130,7 @@ def split_like(b: NnefBuilder, x: NTensor, like: NTensor, axis: int, chunk: int)
 
 
 def chunk_part(b: NnefBuilder, variant: Variant, heads: dict[str, NTensor], s0: NTensor, dims: Dims):
-    cr, c = variant.tokens, variant.substeps
+    cr = variant.tokens
     layout = lambda name, groups: chunked.scan_layout(b, heads[name], variant.head_major, groups)  # noqa: E731
     q = layout("q", 1)  # [1, B, Hk, 1, N*Cr, K]
     first_channel = b.op("slice", q, shape=(*q.shape[:5], 1), attribs={"axes": [5], "begin": [0], "end": [1]})
