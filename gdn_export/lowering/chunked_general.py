@@ -37,7 +37,11 @@ from gdn_export.lowering.layout import L2NORM_EPS, step_operands
 from gdn_export.lowering.nnef_builder import NnefBuilder
 from gdn_export.lowering.operands import Dims
 
-SUB_BLOCK = 16  # tokens per exact [s, s, K] decay block (per-channel decay); see channel_decay_pairs
+# per-channel decay: chunks of 32 tokens cut into exact [4, 4, K] decay blocks (channel_decay_pairs). Measured
+# (KDA, H=16, K=V=128, S=1024, bench_lowerings --variants): chunk 64 with blocks of 32/16/8/4: 619/267/195/223 ms,
+# chunk 32 with blocks of 8/4: 160/142 ms; the scan takes ~480 ms
+CHANNEL_CHUNK = 32
+SUB_BLOCK = 4
 
 SPLIT_LIKE = Fragment(name="gdn_export_chunk_split_like", extensions=EXTENSIONS, definition="""fragment gdn_export_chunk_split_like(
     input: tensor<scalar>, like: tensor<scalar>, axis: integer, chunk: integer
@@ -60,11 +64,12 @@ def refusal(dims: Dims) -> str | None:
     return None
 
 
-def token_chunk(num_householder: int, chunk: int = chunked.CHUNK) -> int:
-    """Real tokens per chunk: ``c = n * Cr`` sub-steps must be a multiple of the solve block, and at least
-    ``chunk`` when n divides it."""
-    unit = SOLVE_BLOCK // math.gcd(SOLVE_BLOCK, num_householder)  # tokens per solve-block multiple
-    return unit * max(1, -(-chunk // (unit * num_householder)))
+def token_chunk(dims: Dims) -> int:
+    """Real tokens per chunk, Cr: ``c = n * Cr`` sub-steps must be a multiple of the solve block, and at least
+    the chunk size when n divides it (64, or ``CHANNEL_CHUNK`` with per-channel decay)."""
+    chunk, n = CHANNEL_CHUNK if dims.channel_decay else chunked.CHUNK, dims.num_householder
+    unit = SOLVE_BLOCK // math.gcd(SOLVE_BLOCK, n)  # tokens per solve-block multiple
+    return unit * max(1, -(-chunk // (unit * n)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +98,9 @@ class Variant:
                 f"_h{self.heads}_k{self.width_k}_v{self.width_v}")
 
 
-def lower(b: NnefBuilder, node, dims: Dims, chunk: int = chunked.CHUNK) -> list:
+def lower(b: NnefBuilder, node, dims: Dims) -> list:
     n = dims.num_householder
-    variant = Variant(token_chunk(n, chunk), n, "channel" if dims.channel_decay else "head" if dims.has_decay else "none",
+    variant = Variant(token_chunk(dims), n, "channel" if dims.channel_decay else "head" if dims.has_decay else "none",
                       dims.gated_writes, node.use_qk_l2norm, node.scale, node.head_major, dims.key_heads, dims.heads,
                       dims.width_k, dims.width_v)
     time_axis = 2 if node.head_major else 1

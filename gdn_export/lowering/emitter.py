@@ -118,7 +118,7 @@ def chunked_refusal(dims: Dims, target) -> str | None:
     """Why the chunked form does not apply: a variant it cannot compute exactly, or a static S that holds
     no whole chunk (nothing to gain, and a scan over zero chunks does not load)."""
     variant = None if chunked.covers(dims) else chunked_general.refusal(dims)
-    tokens = chunked.CHUNK if chunked.covers(dims) else chunked_general.token_chunk(dims.num_householder)
+    tokens = chunked.CHUNK if chunked.covers(dims) else chunked_general.token_chunk(dims)
     if variant is None and not target.seq_may_vary and dims.seq < tokens:
         return f"a static S={dims.seq} holds no chunk of {tokens} tokens"
     return variant
