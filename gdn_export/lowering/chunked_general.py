@@ -106,7 +106,7 @@ def lower(b: NnefBuilder, node, dims: Dims) -> list:
     time_axis = 2 if node.head_major else 1
     raw = {"q": node.q, "k": node.k, "v": node.v, "beta": node.beta, "g": node.g, "erase": node.erase,
            "write": node.write}
-    heads, tails = {}, {}
+    heads, whole, tails = {}, {}, {}
     for name, x in raw.items():
         if x is None:
             continue
@@ -114,9 +114,10 @@ def lower(b: NnefBuilder, node, dims: Dims) -> list:
             # sub-steps on an axis of their own before the cut: tract 0.23.9 gets the length of a reshape of a
             # symbolic tail wrong (S - 64*(S/32) for (2S - 64*(S/32)) / 2)
             x = b.split_axis(x, time_axis, [-1, n])
+        whole[name] = x
         heads[name], tails[name] = split_like(b, x, node.q, time_axis, variant.tokens)
     s0 = b.unsqueeze(b.split_axis(b.cast(node.s0, F32), 1, [dims.key_heads, dims.groups]), [0])  # [1, B, Hk, G, K, V]
-    y_head, state, scan = chunk_part(b, variant, heads, s0, dims)
+    y_head, state, scan = chunk_part(b, variant, heads, whole, s0, dims)
     tail_ops = step_operands(b, dataclasses.replace(node, **tails), dims, substeps_split=n > 1)
     y_tail, final = chunked.token_part(b, tail_ops, state, dims)
     chunked.write_outputs(b, node, dims, y_head, y_tail, final)
@@ -134,18 +135,23 @@ def split_like(b: NnefBuilder, x: NTensor, like: NTensor, axis: int, chunk: int)
     return head, tail
 
 
-def chunk_part(b: NnefBuilder, variant: Variant, heads: dict[str, NTensor], s0: NTensor, dims: Dims):
+def chunk_part(b: NnefBuilder, variant: Variant, heads: dict[str, NTensor], whole: dict[str, NTensor], s0: NTensor,
+               dims: Dims):
+    """The chunk scan, the state after it, and its fragment. The per-chunk inputs (built from the operands cut
+    to whole chunks, ``heads``) come first, so the scan runs one step per whole chunk; the per-token inputs are
+    the uncut operands (``whole``), of which it reads no more (see chunked.chunk_part)."""
     cr = variant.tokens
-    layout = lambda name, groups: chunked.scan_layout(b, heads[name], variant.head_major, groups)  # noqa: E731
-    q = layout("q", 1)  # [1, B, Hk, 1, N*Cr, K]
-    first_channel = b.op("slice", q, shape=(*q.shape[:5], 1), attribs={"axes": [5], "begin": [0], "end": [1]})
+    layout = lambda name, groups: chunked.scan_layout(b, whole[name], variant.head_major, groups)  # noqa: E731
+    q = layout("q", 1)  # [1, B, Hk, 1, T, K]
+    q_head = chunked.scan_layout(b, heads["q"], variant.head_major, 1)  # [1, B, Hk, 1, N*Cr, K]
+    first_channel = b.op("slice", q_head, shape=(*q_head.shape[:5], 1), attribs={"axes": [5], "begin": [0], "end": [1]})
     scanned = {"one": (chunked.chunk_ones(b, first_channel, cr), 4, 1)}  # per chunk first: see chunked.chunk_part
     if variant.decay != "none":
-        gamma, end = cumulative_log_decay(b, layout("g", dims.groups), cr)
+        gamma, end = cumulative_log_decay(b, chunked.scan_layout(b, heads["g"], variant.head_major, dims.groups), cr)
         scanned["end"] = (end, 4, 1)
         scanned["gamma"] = (gamma, 4, cr)
     scanned["q"] = (q, 4, cr)
-    substep = lambda name, groups: substep_layout(b, heads[name], variant.head_major, groups)  # noqa: E731
+    substep = lambda name, groups: substep_layout(b, whole[name], variant.head_major, groups)  # noqa: E731
     per_token = substep if variant.steps > 1 else layout
     scanned["k"] = (per_token("k", 1), 4, cr)
     scanned["v"] = (per_token("v", dims.groups), 4, cr)
