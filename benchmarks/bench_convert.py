@@ -28,6 +28,7 @@ from gdn_export.hf.checkpoint import load_model, read_config  # noqa: E402
 from gdn_export.hf.convert import convert  # noqa: E402
 from gdn_export.hf.families import all_families, family_for  # noqa: E402
 from gdn_export.session import Session  # noqa: E402
+from bench_lowerings import add_allocator_option, apply_allocator_option  # noqa: E402
 
 REALISTIC_QWEN3_5 = dict(
     vocab_size=32000, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
@@ -62,7 +63,7 @@ def measure(name: str, checkpoint: Path, out: Path, prompt: int, decode: int) ->
     convert_s = time.perf_counter() - start
     config = read_config(checkpoint)
     hf_model = load_model(checkpoint, family_for(config["model_type"]), config)
-    session = Session(out)
+    session = Session(out, steady_allocator=False)  # main() applied --glibc-default-allocator
     tokens = sample_tokens(hf_model.config.vocab_size, 1, prompt + decode)
     ids = torch.from_numpy(tokens)
 
@@ -97,7 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--decode", type=int, default=16)
+    add_allocator_option(parser)
     args = parser.parse_args(argv)
+    apply_allocator_option(args)
     if not (args.fixtures or args.realistic):
         args.fixtures = True
     torch.set_num_threads(args.threads)

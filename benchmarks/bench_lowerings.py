@@ -54,6 +54,17 @@ def median_ms(fn, budget_s: float, min_runs: int = 3, max_runs: int = 50) -> flo
     return 1e3 * statistics.median(times)
 
 
+def add_allocator_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--glibc-default-allocator", action="store_true",
+                        help="leave glibc's adaptive mmap/trim thresholds: timings then flip between modes from run to "
+                             "run (see gdn_export.runtime.steady_allocator); by default they are fixed for every row")
+
+
+def apply_allocator_option(args: argparse.Namespace) -> None:
+    if not args.glibc_default_allocator:
+        gdn_export.runtime.steady_allocator()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", type=int, default=16)
@@ -64,7 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", action="store_true",
                         help="one row per delta-rule variant (runtime='cpu' auto lowering) instead of per lowering")
     parser.add_argument("--only", nargs="+", help="with --variants: these variants only")
+    add_allocator_option(parser)
     args = parser.parse_args(argv)
+    apply_allocator_option(args)
     torch.set_num_threads(args.threads)
     if args.variants:
         return bench_variants(args)

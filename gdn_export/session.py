@@ -10,6 +10,7 @@ import numpy as np
 from gdn_export.errors import GdnExportError
 from gdn_export.export import read_metadata
 from gdn_export.runtime import load_tract_model, run_tract
+from gdn_export.runtime import steady_allocator as keep_buffers_mapped
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -21,9 +22,15 @@ class Session:
     both continue from the states the previous call left (conv and recurrent states of GDN layers, key and
     value caches of attention layers); ``reset()`` starts over. The batch size is fixed by the first call
     after a reset.
+
+    ``steady_allocator`` (default on) keeps glibc from unmapping tract's big per-call buffers between calls
+    (``gdn_export.runtime.steady_allocator``: process-wide; without it a decode step measured up to 3.5x slower,
+    depending on the process's allocation history; the cost is that freed memory stays with the process).
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, steady_allocator: bool = True) -> None:
+        if steady_allocator:
+            keep_buffers_mapped()
         self.path = Path(path)
         metadata = read_metadata(self.path) if self.path.is_file() else None
         if not metadata or "states" not in metadata:
