@@ -4,9 +4,10 @@
     python benchmarks/bench_tract_runtimes.py run DIR        # anywhere with tract + numpy, e.g. a GPU host
 
 Graphs: H=16, K=V=128, B=1, one symbolic-S graph per lowering (fused op with f16 and with f32 operands,
-portable scan, matmul-step recurrent, chunked when present). ``run`` times each on every runtime tract
-offers there ("default" CPU and "cuda" when a driver is found) at S in --seq, checks every output against
-the CPU run of the f32 scan graph, and prints median ms with ratios against the fused f16 op on the same
+portable scan, matmul-step recurrent, chunked when present), and a KDA core (per-channel decay: no fused op)
+as scan and chunked. ``run`` times each on every runtime tract offers there ("default" CPU and "cuda" when
+a driver is found) at S in --seq, checks every output against the CPU run of the f32 scan graph of its
+variant, and prints median ms with ratios against the fused f16 op (GDN) or the scan (KDA) on the same
 runtime.
 """
 
@@ -42,20 +43,27 @@ def export(folder: Path) -> None:
                             ("recurrent", torch.float32), ("chunked", torch.float32)]:
         if lowering not in LOWERINGS:
             continue
-        args = [torch.randn(1, 2, HEADS, WIDTH).to(dtype) for _ in range(3)] + [
-            -torch.rand(1, 2, HEADS), torch.rand(1, 2, HEADS).to(dtype), torch.randn(1, HEADS, WIDTH, WIDTH)]
+        args = [torch.from_numpy(x).to(dtype if i in (0, 1, 2, 4) else torch.float32)
+                for i, x in enumerate(inputs(2, "float32", "gdn"))]
         name = f"{lowering}_{str(dtype)[6:]}"
         gdn_export.export(Rule(), args, folder / f"{name}.nnef.tgz", lowering=lowering, input_names=NAMES,
                           output_names=["o", "state"], dynamic_axes={n: {1: "S"} for n in NAMES[:5]})
-        graphs[name] = "float16" if dtype == torch.float16 else "float32"
+        graphs[name] = {"dtype": "float16" if dtype == torch.float16 else "float32", "variant": "gdn"}
+    for lowering in ("scan", "chunked"):
+        name = f"kda_{lowering}_float32"
+        gdn_export.export(Rule(), [torch.from_numpy(x) for x in inputs(2, "float32", "kda")],
+                          folder / f"{name}.nnef.tgz", lowering=lowering, input_names=NAMES,
+                          output_names=["o", "state"], dynamic_axes={n: {1: "S"} for n in NAMES[:5]})
+        graphs[name] = {"dtype": "float32", "variant": "kda"}
     (folder / "graphs.json").write_text(json.dumps(graphs))
     print(f"wrote {', '.join(graphs)} to {folder}")
 
 
-def inputs(seq: int, dtype: str) -> list[np.ndarray]:
+def inputs(seq: int, dtype: str, variant: str) -> list[np.ndarray]:
+    """GDN: g [1, S, H]; KDA: g [1, S, H, K] (per key channel, KDA-like strengths)."""
     rng = np.random.default_rng(seq)
     q, k, v = (rng.standard_normal((1, seq, HEADS, WIDTH)).astype(dtype) for _ in range(3))
-    g = -rng.random((1, seq, HEADS)).astype(np.float32)
+    g = -rng.random((1, seq, HEADS) if variant == "gdn" else (1, seq, HEADS, WIDTH)).astype(np.float32)
     beta = rng.random((1, seq, HEADS)).astype(dtype)
     s0 = rng.standard_normal((1, HEADS, WIDTH, WIDTH)).astype(np.float32)
     return [q, k, v, g, beta, s0]
@@ -74,6 +82,13 @@ def median_ms(fn, budget: float) -> float:
 def run(folder: Path, seqs: list[int], budget: float) -> None:
     import tract
 
+    try:  # fixed allocator thresholds, as every benchmark here (gdn_export.runtime.steady_allocator)
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from gdn_export.runtime import steady_allocator
+
+        steady_allocator()
+    except ImportError:  # a host with tract and numpy only
+        print("(glibc's default allocator thresholds: gdn_export not importable)")
     graphs = json.loads((folder / "graphs.json").read_text())
     runtimes = ["default"]
     try:
@@ -81,30 +96,31 @@ def run(folder: Path, seqs: list[int], budget: float) -> None:
         runtimes.append("cuda")
     except Exception as err:  # no driver here: CPU only
         print(f"(no cuda runtime: {str(err).splitlines()[0]})")
-    reference = tract.nnef().with_tract_transformers().load(str(folder / "scan_float32.nnef.tgz")).into_runnable()
+    references = {variant: tract.nnef().with_tract_transformers().load(str(folder / f"{name}.nnef.tgz")).into_runnable()
+                  for variant, name in (("gdn", "scan_float32"), ("kda", "kda_scan_float32"))}
     table: dict[tuple[str, str], dict[int, str]] = {}
     for runtime in runtimes:
-        for name, dtype in graphs.items():
+        for name, spec in graphs.items():
             model = tract.nnef().with_tract_transformers().load(str(folder / f"{name}.nnef.tgz"))
             runnable = model.into_runnable() if runtime == "default" else tract.runtime_for_name(runtime).prepare(model)
             row = table.setdefault((runtime, name), {})
             for seq in seqs:
-                xs = inputs(seq, dtype)
+                xs = inputs(seq, spec["dtype"], spec["variant"])
                 try:
                     out = [o.to_numpy() for o in runnable.run(xs)]
                 except Exception as err:  # a runtime refusing a graph is a result too
                     row[seq] = (float("nan"), str(err).splitlines()[0][:60])
                     continue
-                ref = [o.to_numpy() for o in reference.run([x.astype(np.float32) for x in xs])]
+                ref = [o.to_numpy() for o in references[spec["variant"]].run([x.astype(np.float32) for x in xs])]
                 err = max(float(np.abs(a.astype(np.float64) - b).max() / np.abs(b).max()) for a, b in zip(out, ref))
                 ms = median_ms(lambda: runnable.run(xs), budget)
                 row[seq] = (ms, err)
             print(f"done {runtime} {name}", file=sys.stderr, flush=True)
-    print(f"H={HEADS}, K=V={WIDTH}, B=1; median ms (x = speed-up over the fused f16 op on the same runtime; "
-          "err = max error relative to the f32 scan on CPU)\n")
+    print(f"H={HEADS}, K=V={WIDTH}, B=1; median ms (x = speed-up over the fused f16 op on the same runtime, for KDA "
+          "over its scan; err = max error relative to the f32 scan on CPU)\n")
     print("| runtime | graph | " + " | ".join(f"S={s}" for s in seqs) + " |\n|---|---|" + "---|" * len(seqs))
     for (runtime, name), row in table.items():
-        base = table.get((runtime, "native_float16"), row)
+        base = table.get((runtime, "kda_scan_float32" if name.startswith("kda") else "native_float16"), row)
         cells = [f"fails: {row[s][1]}" if isinstance(row[s][1], str)
                  else f"{row[s][0]:.3g} ms ({base[s][0] / row[s][0]:.2f}x, err {row[s][1]:.0e})" for s in seqs]
         print(f"| {runtime} | {name} | " + " | ".join(cells) + " |")

@@ -18,8 +18,9 @@ def tract_version() -> str:
     return tract.version()
 
 
-def load_tract_model(path: str | os.PathLike):
-    """Load a ``.nnef.tgz`` (or folder) with the transformers extension and make it runnable."""
+def load_tract_model(path: str | os.PathLike, symbols: dict[str, int] | None = None):
+    """Load a ``.nnef.tgz`` (or folder) with the transformers extension and make it runnable; ``symbols`` fixes
+    symbolic sizes first (e.g. ``{"B": 1}``), so tract plans with them known."""
     import tract
 
     path = Path(path)
@@ -27,6 +28,8 @@ def load_tract_model(path: str | os.PathLike):
         raise TractRuntimeError(f"no model at {path}")
     try:
         model = tract.nnef().with_tract_transformers().load(str(path))
+        if symbols:
+            model.transform(tract.SetSymbols(symbols))
         return model.into_runnable()
     except Exception as err:  # tract raises plain Exceptions with its own message
         raise TractRuntimeError(f"tract could not load {path}: {err}") from err

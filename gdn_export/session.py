@@ -23,23 +23,42 @@ class Session:
     value caches of attention layers); ``reset()`` starts over. The batch size is fixed by the first call
     after a reset.
 
-    ``steady_allocator`` (default on) keeps glibc from unmapping tract's big per-call buffers between calls
-    (``gdn_export.runtime.steady_allocator``: process-wide; without it a decode step measured up to 3.5x slower,
-    depending on the process's allocation history; the cost is that freed memory stays with the process).
+    Speed choices, each exact (the states carry between calls):
+    - the model is planned for the batch size of the first call after a reset (tract's symbol ``B`` fixed):
+      ops over a symbolic batch skip tract's fast kernels (a GDN decode step measured 1.9 ms against 0.5 ms);
+      a later reset to another batch size plans the model again;
+    - ``prefill_piece`` (default 128 tokens; None: one call) splits a long prompt into calls of that many
+      tokens: tract's matmuls over 512 tokens at once measured 1.5x slower per token than over 128
+      (benchmarks/RESULTS.md);
+    - ``steady_allocator`` (default on) keeps glibc from unmapping tract's big per-call buffers between calls
+      (``gdn_export.runtime.steady_allocator``: process-wide; without it a decode step measured up to 3.5x
+      slower, depending on the process's allocation history; the cost is that freed memory stays with the
+      process).
     """
 
-    def __init__(self, path: str | os.PathLike, steady_allocator: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, steady_allocator: bool = True, prefill_piece: int | None = 128) -> None:
         if steady_allocator:
             keep_buffers_mapped()
+        if prefill_piece is not None and prefill_piece < 1:
+            raise GdnExportError(f"prefill_piece must be a positive number of tokens or None, got {prefill_piece}")
         self.path = Path(path)
         metadata = read_metadata(self.path) if self.path.is_file() else None
         if not metadata or "states" not in metadata:
             raise GdnExportError(f"{self.path} was not written by gdn-export convert (no gdn_export.json with states)")
         self.metadata = metadata
         self.state_specs = metadata["states"]
-        self._runnable = load_tract_model(self.path)
+        self.prefill_piece = prefill_piece
+        self._planned: tuple[int, object] | None = None  # (batch size, runnable planned for it)
+        self._runnable(1)  # load now (a broken file fails here), planned for the most common batch size
         self.states: list[np.ndarray] | None = None
         self.position = 0
+
+    def _runnable(self, batch: int):
+        if self._planned is None or self._planned[0] != batch:
+            self._planned = None  # release the previous plan before loading the next
+            batch_is_symbolic = any("B" in spec["shape"] for spec in self.state_specs)
+            self._planned = (batch, load_tract_model(self.path, {"B": batch} if batch_is_symbolic else None))
+        return self._planned[1]
 
     def reset(self) -> None:
         self.states = None
@@ -61,10 +80,14 @@ class Session:
         elif ids.shape[0] != self.states[0].shape[0]:
             raise GdnExportError(f"batch size {ids.shape[0]} differs from this session's {self.states[0].shape[0]}; "
                                  "call reset() first")
-        outputs = run_tract(self._runnable, [ids.astype(np.int64)] + self.states)
-        self.states = outputs[1:]
+        runnable, piece = self._runnable(ids.shape[0]), self.prefill_piece or ids.shape[1]
+        logits = []
+        for begin in range(0, ids.shape[1], piece):
+            outputs = run_tract(runnable, [ids[:, begin:begin + piece].astype(np.int64)] + self.states)
+            self.states = outputs[1:]
+            logits.append(outputs[0])
         self.position += ids.shape[1]
-        return outputs[0]
+        return logits[0] if len(logits) == 1 else np.concatenate(logits, axis=1)
 
     def decode(self, input_ids) -> np.ndarray:
         """Run one new token per sequence (``[B, 1]``); returns logits ``[B, 1, vocab]``."""

@@ -66,6 +66,22 @@ def test_prefill_then_decode_equals_one_prefill(name, converted):
     assert np.abs(stepwise - whole).max() <= 1e-4 * max(1.0, np.abs(whole).max())
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "kimi_linear"])
+def test_prefill_in_pieces_and_replanning_for_another_batch(name, converted):
+    """A prompt fed in pieces of 5 tokens (the states carried between calls) gives the logits of one call; after a
+    reset to batch 1 (the model planned again for it), the first sequence's logits are those it had in batch 2."""
+    path = converted(name, "float32")
+    tokens = sample_tokens(Session(path).metadata["vocab_size"], 2, 37, seed=4)
+    whole = Session(path, prefill_piece=None).prefill(tokens)
+    pieces = Session(path, prefill_piece=5)
+    in_pieces = pieces.prefill(tokens)
+    tolerance = 1e-4 * max(1.0, np.abs(whole).max())
+    assert in_pieces.shape == whole.shape and np.abs(in_pieces - whole).max() <= tolerance
+    pieces.reset()
+    alone = pieces.prefill(tokens[:1])
+    assert alone.shape[0] == 1 and np.abs(alone - whole[:1]).max() <= tolerance
+
+
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_state_names_are_stable(name, converted):
     import tract

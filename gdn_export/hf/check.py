@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,25 +36,33 @@ def sample_tokens(vocab_size: int, batch: int, length: int, seed: int = 0) -> np
     return torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed)).numpy()
 
 
-def transformers_logits(hf_model, tokens: np.ndarray, prompt_len: int) -> np.ndarray:
-    """transformers' eager model on a prefill of prompt_len tokens, then one token at a time with its own cache."""
+def transformers_logits(hf_model, tokens: np.ndarray, prompt_len: int, decode_seconds: list | None = None) -> np.ndarray:
+    """transformers' eager model on a prefill of prompt_len tokens, then one token at a time with its own cache;
+    the decode loop's duration is appended to ``decode_seconds`` when given (for the benchmarks)."""
     ids = torch.from_numpy(tokens)
     with torch.no_grad():
         out = hf_model(input_ids=ids[:, :prompt_len], use_cache=True)
         cache = getattr(out, "cache", None) or out.past_key_values
         logits = [out.logits]
+        start = time.perf_counter()
         for t in range(prompt_len, ids.shape[1]):
             out = hf_model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True)
             cache = getattr(out, "cache", None) or out.past_key_values
             logits.append(out.logits)
+        if decode_seconds is not None:
+            decode_seconds.append(time.perf_counter() - start)
     return torch.cat(logits, dim=1).float().numpy()
 
 
-def session_logits(session, tokens: np.ndarray, prompt_len: int) -> np.ndarray:
+def session_logits(session, tokens: np.ndarray, prompt_len: int, decode_seconds: list | None = None) -> np.ndarray:
+    """The same through a ``Session``."""
     session.reset()
     logits = [session.prefill(tokens[:, :prompt_len])]
+    start = time.perf_counter()
     for t in range(prompt_len, tokens.shape[1]):
         logits.append(session.decode(tokens[:, t : t + 1]))
+    if decode_seconds is not None:
+        decode_seconds.append(time.perf_counter() - start)
     return np.concatenate(logits, axis=1).astype(np.float32)
 
 
