@@ -48,8 +48,7 @@ class Session:
         self.metadata = metadata
         self.state_specs = metadata["states"]
         self.prefill_piece = prefill_piece
-        self._planned: tuple[int, object] | None = None  # (batch size, runnable planned for it)
-        self._runnable(1)  # load now (a broken file fails here), planned for the most common batch size
+        self._planned: tuple[int, object] | None = None  # (batch size, runnable planned for it), at first call
         self.states: list[np.ndarray] | None = None
         self.position = 0
 

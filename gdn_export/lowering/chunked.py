@@ -174,15 +174,17 @@ def final_state(b: NnefBuilder, start: NTensor, states: NTensor) -> NTensor:
 
 
 # --- the chunks -----------------------------------------------------------------------------------
-def scan_layout(b: NnefBuilder, x: NTensor, head_major: bool, groups: int) -> NTensor:
-    """``[B, T, H, X]`` (head-major ``[B, H, T, X]``; X absent for gates) -> f32 ``[1, B, Hk, G|1, T, X|1]``."""
+def scan_layout(b: NnefBuilder, x: NTensor, head_major: bool, groups: int, substeps: bool = False) -> NTensor:
+    """``[B, T, H, X]`` (head-major ``[B, H, T, X]``; X absent for gates) -> f32 ``[1, B, Hk, G|1, T, X|1]``;
+    with ``substeps``, ``[B, T, n, H, X]`` (head-major ``[B, H, T, n, X]``) -> ``[1, B, Hk, G|1, T, n, X|1]``."""
     x = b.cast(x, F32)
-    if len(x.shape) == 3:
-        x = b.unsqueeze(x, [3])
-    head_axis = 1 if head_major else 2
+    rank = 5 if substeps else 4
+    if len(x.shape) == rank - 1:
+        x = b.unsqueeze(x, [rank - 1])
+    head_axis = 1 if head_major else rank - 2
     x = b.split_axis(x, head_axis, [x.shape[head_axis] // groups, groups])
-    if not head_major:
-        x = b.transpose(x, [0, 2, 3, 1, 4])  # [B, Hk, G, T, X]
+    if not head_major:  # [B, Hk, G, T, (n,) X]
+        x = b.transpose(x, [0, head_axis, head_axis + 1, *range(1, head_axis), rank])
     return b.unsqueeze(x, [0])
 
 
@@ -253,18 +255,24 @@ def cumulative_decay(b: NnefBuilder, g: NTensor, chunk: int):
     Computed before the scan: tract 0.23.9 fails to load a body holding a matmul of a constant by a scan
     input (it tries to pull it out of the loop), and a broadcast difference in the body takes its slow
     path. Tiny tensors (one value per token and head): no speed concern here. Assumes finite g."""
-    lead, steps = g.shape[:4], g.shape[4]
-    chunks = b.reshape(g, 4, 1, [-1, chunk], (*lead, steps // chunk, chunk, 1))
-    lower = np.tril(np.ones((chunk, chunk), np.float32)).reshape((1,) * 5 + (chunk, chunk))
-    gamma = b.matmul(b.constant("cumsum", lower), chunks)  # [1, B, Hk, G, N, C, 1]
-    end = b.op("slice", gamma, shape=(*lead, steps // chunk, 1, 1),
-               attribs={"axes": [5], "begin": [chunk - 1], "end": [chunk]})
-    flat = lambda x: b.reshape(x, 4, 2, [-1], (*lead, x.shape[4] * x.shape[5], 1))
-    gamma = flat(gamma)
+    gamma, end = cumulative_log_decay(b, g, chunk)
     ones = b.binary("add", b.binary("mul", gamma, b.scalar(0.0, F32)), b.scalar(1.0, F32))
     left = b.op("concat", [gamma, ones], shape=(*gamma.shape[:5], 2), attribs={"axis": 5})  # [gamma_i, 1]
     right = b.op("concat", [ones, b.unary("neg", gamma)], shape=(*gamma.shape[:5], 2), attribs={"axis": 5})
-    return gamma, flat(end), left, b.transpose(right, [0, 1, 2, 3, 5, 4])  # [1; -gamma_j]
+    return gamma, end, left, b.transpose(right, [0, 1, 2, 3, 5, 4])  # [1; -gamma_j]
+
+
+def cumulative_log_decay(b: NnefBuilder, g: NTensor, chunk: int) -> tuple[NTensor, NTensor]:
+    """``g [1, B, Hk, G, N*C, X]`` (X = 1, or K for per-channel decay) -> the cumulative sums inside each chunk
+    (same shape) and each chunk's total ``[.., N, X]``: a matmul by a lower-triangular constant."""
+    lead, steps, width = g.shape[:4], g.shape[4], g.shape[5]
+    chunks = b.reshape(g, 4, 1, [-1, chunk], (*lead, steps // chunk, chunk, width))
+    lower = np.tril(np.ones((chunk, chunk), np.float32)).reshape((1,) * 5 + (chunk, chunk))
+    gamma = b.matmul(b.constant("cumsum", lower), chunks)  # [1, B, Hk, G, N, C, X]
+    end = b.op("slice", gamma, shape=(*lead, steps // chunk, 1, width),
+               attribs={"axes": [5], "begin": [chunk - 1], "end": [chunk]})
+    flat = lambda x: b.reshape(x, 4, 2, [-1], (*lead, x.shape[4] * x.shape[5], width))  # noqa: E731
+    return flat(gamma), flat(end)
 
 
 def chunk_ones(b: NnefBuilder, beta: NTensor, chunk: int) -> NTensor:

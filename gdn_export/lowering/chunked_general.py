@@ -147,11 +147,11 @@ def chunk_part(b: NnefBuilder, variant: Variant, heads: dict[str, NTensor], whol
     first_channel = b.op("slice", q_head, shape=(*q_head.shape[:5], 1), attribs={"axes": [5], "begin": [0], "end": [1]})
     scanned = {"one": (chunked.chunk_ones(b, first_channel, cr), 4, 1)}  # per chunk first: see chunked.chunk_part
     if variant.decay != "none":
-        gamma, end = cumulative_log_decay(b, chunked.scan_layout(b, heads["g"], variant.head_major, dims.groups), cr)
+        gamma, end = chunked.cumulative_log_decay(b, chunked.scan_layout(b, heads["g"], variant.head_major, dims.groups), cr)
         scanned["end"] = (end, 4, 1)
         scanned["gamma"] = (gamma, 4, cr)
     scanned["q"] = (q, 4, cr)
-    substep = lambda name, groups: substep_layout(b, whole[name], variant.head_major, groups)  # noqa: E731
+    substep = lambda name, groups: chunked.scan_layout(b, whole[name], variant.head_major, groups, True)  # noqa: E731
     per_token = substep if variant.steps > 1 else layout
     scanned["k"] = (per_token("k", 1), 4, cr)
     scanned["v"] = (per_token("v", dims.groups), 4, cr)
@@ -165,31 +165,6 @@ def chunk_part(b: NnefBuilder, variant: Variant, heads: dict[str, NTensor], whol
     states = b.tensor("chunk_states", (steps // cr, *s0.shape[1:]), F32)
     b.multi_op(fragment.name, (*(x for x, *_ in scanned.values()), *masks.values(), s0), (y, states))
     return y, chunked.final_state(b, s0, states), fragment
-
-
-def substep_layout(b: NnefBuilder, x: NTensor, head_major: bool, groups: int) -> NTensor:
-    """``[B, T, n, H, X]`` (head-major ``[B, H, T, n, X]``; X absent for beta) -> f32 ``[1, B, Hk, G|1, T, n, X|1]``."""
-    x = b.cast(x, F32)
-    if len(x.shape) == 4:
-        x = b.unsqueeze(x, [4])
-    head_axis = 1 if head_major else 3
-    x = b.split_axis(x, head_axis, [x.shape[head_axis] // groups, groups])
-    if not head_major:
-        x = b.transpose(x, [0, 3, 4, 1, 2, 5])  # [B, Hk, G, T, n, X]
-    return b.unsqueeze(x, [0])
-
-
-def cumulative_log_decay(b: NnefBuilder, g: NTensor, chunk: int):
-    """``g [1, B, Hk, G, N*C, X]`` (X = 1 or K) -> cumulative sums inside each chunk (same shape) and each chunk's
-    total ``[.., N, X]``; a matmul by a lower-triangular constant, outside the loop (see chunked.cumulative_decay)."""
-    lead, steps, width = g.shape[:4], g.shape[4], g.shape[5]
-    chunks = b.reshape(g, 4, 1, [-1, chunk], (*lead, steps // chunk, chunk, width))
-    lower = np.tril(np.ones((chunk, chunk), np.float32)).reshape((1,) * 5 + (chunk, chunk))
-    gamma = b.matmul(b.constant("cumsum", lower), chunks)  # [1, B, Hk, G, N, C, X]
-    end = b.op("slice", gamma, shape=(*lead, steps // chunk, 1, width),
-               attribs={"axes": [5], "begin": [chunk - 1], "end": [chunk]})
-    flat = lambda x: b.reshape(x, 4, 2, [-1], (*lead, x.shape[4] * x.shape[5], width))  # noqa: E731
-    return flat(gamma), flat(end)
 
 
 def constants(variant: Variant) -> dict[str, np.ndarray]:

@@ -5,13 +5,16 @@ function); this table only ranks the exact ones, from the measurements in benchm
 (``benchmarks/bench_lowerings.py``, H=16, K=V=128):
 
 - "cpu": tract's fused op is the slowest exact form on CPU (one token at a time through a generic
-  kernel); the chunked form runs prefill on packed matmuls and its per-token remainder covers decode.
+  kernel); the chunked form runs prefill on packed matmuls and its per-token remainder covers decode,
+  for every variant (chunked.py for GDN and DeltaNet, chunked_general.py for the rest).
 - "cuda" (benchmarks/results/tract_runtimes_h200.md): the fused op with f16 operands has tract's GPU
-  kernel (0.29 ms a decode step, 29 ms for S=2048); with f32 operands it has none and runs as on CPU
-  (1.7 ms, 1340 ms), still a little ahead of the portable scan on prefill. An f32 model gets the f16 core
+  kernel (0.29-0.36 ms a decode step, 29 ms for S=2048); with f32 operands it has none and runs as on CPU
+  (1.7-1.9 ms, 1340 ms), still a little ahead of the portable scan on prefill. An f32 model gets the f16 core
   only when the caller asks for it (``core_dtype="float16"``): it rounds q/k/v/beta, and the report
-  says so. The chunked form is not offered on cuda: tract 0.23.9's CUDA runtime fails to evaluate it
-  (CudaNeg / CudaSquare on its intermediate tensors).
+  says so. The chunked form is not offered on cuda: tract 0.23.9's CUDA runtime fails on its empty
+  pieces (no whole chunk when S < 64, no remainder when 64 divides S: CudaNeg / CudaSquare); where both
+  pieces are non-empty it runs, exact, at CPU speed (16 ms at S=130, 219 ms at S=2050: 7x behind the
+  f16 fused op, 7x ahead of the f32 one).
 - "any": no back-end known; the fused op where exact (the compact form every back-end names), else the
   portable scan.
 """
