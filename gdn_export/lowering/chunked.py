@@ -374,14 +374,18 @@ def chunk_body(variant: Variant, key_heads: int) -> list[str]:
     else:
         update = x(f"matmul({k}, {scaled}, transposeA = true)")
     x(f"{update} + {decayed}", "s_t")
-    # the node's layout, without the leading 1 (a reshape: a squeeze outside the loop would copy y again);
-    # -1 is the batch, which may be symbolic
-    if variant.head_major:  # [B, H, C, V]
-        x(f"reshape({y}, shape = [-1, {variant.heads}], axis_start = 0, axis_count = 4)", "y_t")
+    write_y(x, y, variant.head_major, c, variant.heads)
+    return x.lines
+
+
+def write_y(x: Body, y: str, head_major: bool, tokens: int, heads: int) -> None:
+    """``y [1, B, Hk, G, C, V]`` into the body's output ``y_t`` in the node's layout, without the leading 1 (a
+    reshape: a squeeze outside the loop would copy y again); -1 is the batch, which may be symbolic."""
+    if head_major:  # [B, H, C, V]
+        x(f"reshape({y}, shape = [-1, {heads}], axis_start = 0, axis_count = 4)", "y_t")
     else:  # [B, C, H, V]
         moved = x(f"transpose({y}, axes = [0, 1, 4, 2, 3, 5])")
-        x(f"reshape({moved}, shape = [-1, {c}, {variant.heads}], axis_start = 0, axis_count = 5)", "y_t")
-    return x.lines
+        x(f"reshape({moved}, shape = [-1, {tokens}, {heads}], axis_start = 0, axis_count = 5)", "y_t")
 
 
 def scaled_factor(x: Body, factor: str | None, constant: float) -> str | None:

@@ -244,11 +244,7 @@ def body(variant: Variant) -> list[str]:
         steps = x(f"reshape({y}, shape = [{cr}, {n}], axis_start = 4, axis_count = 1)")
         y = x(f"reshape(slice({steps}, axes = [5], begin = [{n - 1}], end = [{n}]), shape = [{cr}], axis_start = 4, "
               "axis_count = 2)")
-    if variant.head_major:  # [B, H, Cr, V]
-        x(f"reshape({y}, shape = [-1, {variant.heads}], axis_start = 0, axis_count = 4)", "y_t")
-    else:  # [B, Cr, H, V]
-        moved = x(f"transpose({y}, axes = [0, 1, 4, 2, 3, 5])")
-        x(f"reshape({moved}, shape = [-1, {cr}, {variant.heads}], axis_start = 0, axis_count = 5)", "y_t")
+    chunked.write_y(x, y, variant.head_major, cr, variant.heads)
     return x.lines
 
 
