@@ -62,14 +62,16 @@ MASKED = -1e30  # added to masked log-decay differences: exp gives exactly 0 for
 EXTENSIONS = ("tract_registry tract_core",)
 
 SPLIT = Fragment(name="gdn_export_chunk_split", extensions=EXTENSIONS, definition="""fragment gdn_export_chunk_split(
-    input: tensor<scalar>, axis: integer, chunk: integer
+    input: tensor<scalar>, like: tensor<scalar>, axis: integer, chunk: integer
 ) -> ( head: tensor<scalar>, tail: tensor<scalar> ) {
-    # bounds are shape expressions: a symbolic axis is cut into chunk*(S/chunk) and the rest
-    shape = tract_core_shape_of(input);
-    length = squeeze(slice(shape, axes = [0], begin = [axis], end = [axis + 1]), axes = [0]);
+    # the first chunk*floor(len(like)/chunk) entries of input's axis, and the rest; bounds are shape expressions
+    # (a symbolic axis is cut into chunk*(S/chunk) and the rest), and every operand is cut where q's is, so
+    # tract knows the parts' lengths equal
+    length = squeeze(slice(tract_core_shape_of(like), axes = [0], begin = [axis], end = [axis + 1]), axes = [0]);
+    total = squeeze(slice(tract_core_shape_of(input), axes = [0], begin = [axis], end = [axis + 1]), axes = [0]);
     cut = (length / chunk) * chunk;
     head = slice(input, axes = [axis], begin = [0], end = [cut]);
-    tail = slice(input, axes = [axis], begin = [cut], end = [length]);
+    tail = slice(input, axes = [axis], begin = [cut], end = [total]);
 }
 
 """)
@@ -145,7 +147,7 @@ def lower(b: NnefBuilder, node, dims: Dims, chunk: int = CHUNK) -> list:
     heads, tails = {}, {}
     for name, x in raw.items():
         if x is not None:
-            heads[name], tails[name] = split_time(b, x, time_axis, chunk)
+            heads[name], tails[name] = split_like(b, x, node.q, time_axis, chunk)
     variant = Variant(chunk, node.g is not None, node.use_qk_l2norm, node.scale, node.head_major, dims.heads,
                       dims.width_k, dims.width_v)
     s0 = b.unsqueeze(b.split_axis(b.cast(node.s0, F32), 1, [dims.key_heads, dims.groups]), [0])  # [1, B, Hk, G, K, V]
@@ -156,13 +158,14 @@ def lower(b: NnefBuilder, node, dims: Dims, chunk: int = CHUNK) -> list:
     return [SPLIT, FINAL, PAD, TAKE, scan, tail_fragment(1, tail_ops.log_decay is not None)]
 
 
-def split_time(b: NnefBuilder, x: NTensor, axis: int, chunk: int) -> tuple[NTensor, NTensor]:
-    """Cut the time axis into the first ``chunk * floor(T / chunk)`` steps and the rest (either may be empty)."""
-    whole = x.shape[axis] // chunk * chunk
+def split_like(b: NnefBuilder, x: NTensor, like: NTensor, axis: int, chunk: int) -> tuple[NTensor, NTensor]:
+    """Cut x's time axis where ``like``'s (q's) whole chunks end: ``chunk * floor(T / chunk)`` and the rest
+    (either may be empty)."""
+    whole = like.shape[axis] // chunk * chunk
     shape = list(x.shape)
     head = b.tensor("head", shape[:axis] + [whole] + shape[axis + 1:], x.dtype)
     tail = b.tensor("tail", shape[:axis] + [x.shape[axis] - whole] + shape[axis + 1:], x.dtype)
-    b.multi_op(SPLIT.name, (x,), (head, tail), attribs={"axis": axis, "chunk": chunk})
+    b.multi_op(SPLIT.name, (x, like), (head, tail), attribs={"axis": axis, "chunk": chunk})
     return head, tail
 
 

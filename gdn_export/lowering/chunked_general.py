@@ -32,7 +32,7 @@ from torch_to_nnef.op.fragment import Fragment
 
 from gdn_export.lowering import chunked
 from gdn_export.lowering.capabilities import F32
-from gdn_export.lowering.chunked import EXTENSIONS, MASKED, SOLVE_BLOCK, Body, solve_unit_lower
+from gdn_export.lowering.chunked import MASKED, SOLVE_BLOCK, Body, solve_unit_lower
 from gdn_export.lowering.layout import L2NORM_EPS, step_operands
 from gdn_export.lowering.nnef_builder import NnefBuilder
 from gdn_export.lowering.operands import Dims
@@ -43,22 +43,8 @@ from gdn_export.lowering.operands import Dims
 CHANNEL_CHUNK = 32
 SUB_BLOCK = 4
 
-SPLIT_LIKE = Fragment(name="gdn_export_chunk_split_like", extensions=EXTENSIONS, definition="""fragment gdn_export_chunk_split_like(
-    input: tensor<scalar>, like: tensor<scalar>, axis: integer, chunk: integer
-) -> ( head: tensor<scalar>, tail: tensor<scalar> ) {
-    # the first chunk*floor(len(like)/chunk) entries of input's axis, and the rest: every operand is cut where
-    # q's is, so the tract knows the parts' lengths equal
-    length = squeeze(slice(tract_core_shape_of(like), axes = [0], begin = [axis], end = [axis + 1]), axes = [0]);
-    total = squeeze(slice(tract_core_shape_of(input), axes = [0], begin = [axis], end = [axis + 1]), axes = [0]);
-    cut = (length / chunk) * chunk;
-    head = slice(input, axes = [axis], begin = [0], end = [cut]);
-    tail = slice(input, axes = [axis], begin = [cut], end = [total]);
-}
-
-""")
-
-
 def refusal(dims: Dims) -> str | None:
+    """Why this module's body would not compute the node (None: it does)."""
     if dims.channel_decay and dims.num_householder != 1:
         return "per-channel decay with Householder sub-steps has no chunked form here; use the scan"
     return None
@@ -74,6 +60,8 @@ def token_chunk(dims: Dims) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
+    """What the chunk body computes; one fragment per distinct variant."""
+
     tokens: int  # Cr
     steps: int  # n
     decay: str  # "none", "head", "channel"
@@ -115,24 +103,14 @@ def lower(b: NnefBuilder, node, dims: Dims) -> list:
             # symbolic tail wrong (S - 64*(S/32) for (2S - 64*(S/32)) / 2)
             x = b.split_axis(x, time_axis, [-1, n])
         whole[name] = x
-        heads[name], tails[name] = split_like(b, x, node.q, time_axis, variant.tokens)
+        heads[name], tails[name] = chunked.split_like(b, x, node.q, time_axis, variant.tokens)
     s0 = b.unsqueeze(b.split_axis(b.cast(node.s0, F32), 1, [dims.key_heads, dims.groups]), [0])  # [1, B, Hk, G, K, V]
     y_head, state, scan = chunk_part(b, variant, heads, whole, s0, dims)
     tail_ops = step_operands(b, dataclasses.replace(node, **tails), dims, substeps_split=n > 1)
     y_tail, final = chunked.token_part(b, tail_ops, state, dims)
     chunked.write_outputs(b, node, dims, y_head, y_tail, final)
-    return [SPLIT_LIKE, chunked.FINAL, chunked.PAD, chunked.TAKE, scan,
+    return [chunked.SPLIT, chunked.FINAL, chunked.PAD, chunked.TAKE, scan,
             chunked.tail_fragment(n, tail_ops.log_decay is not None)]
-
-
-def split_like(b: NnefBuilder, x: NTensor, like: NTensor, axis: int, chunk: int):
-    """Cut x's time axis where ``like``'s (q's) whole chunks end: ``chunk * floor(T / chunk)`` and the rest."""
-    whole = like.shape[axis] // chunk * chunk
-    shape = list(x.shape)
-    head = b.tensor("head", shape[:axis] + [whole] + shape[axis + 1:], x.dtype)
-    tail = b.tensor("tail", shape[:axis] + [x.shape[axis] - whole] + shape[axis + 1:], x.dtype)
-    b.multi_op(SPLIT_LIKE.name, (x, like), (head, tail), attribs={"axis": axis, "chunk": chunk})
-    return head, tail
 
 
 def chunk_part(b: NnefBuilder, variant: Variant, heads: dict[str, NTensor], whole: dict[str, NTensor], s0: NTensor,
