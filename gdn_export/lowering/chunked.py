@@ -345,7 +345,10 @@ def chunk_body(variant: Variant, key_heads: int) -> list[str]:
         pairs = lambda a, b: x(f"matmul({a}, {b}, transposeB = true)")
         with_state = x(f"matmul({stacked}, s_prev)")
         written_value = x("v_t * beta_t")
-    key_products, readout = pairs(k, k), pairs(q, k)  # [1, B, Hk, 1, C, C]
+    # k k^T and q k^T in one product of the stacked [k; q] by k (k packed once), cut on a block axis
+    both = x(f"reshape({pairs(stacked, k)}, shape = [2, {c}], axis_start = 4, axis_count = 1)")  # [.., 1, 2, C, C]
+    key_products, readout = (x(f"reshape(slice({both}, axes = [4], begin = [{i}], end = [{i + 1}]), shape = [{c}], "
+                               f"axis_start = 4, axis_count = 2)") for i in (0, 1))  # [1, B, Hk, 1, C, C]
     states = x(f"reshape({with_state}, shape = [2, {c}], axis_start = 4, axis_count = 1)")  # [.., G, 2, C, V]
     key_state, query_state = (x(f"reshape(slice({states}, axes = [4], begin = [{i}], end = [{i + 1}]), shape = [{c}], "
                                 f"axis_start = 4, axis_count = 2)") for i in (0, 1))
