@@ -2,7 +2,7 @@
 
     gdn-export convert CHECKPOINT_DIR -o OUT.nnef.tgz [--dtype float32|float16] [--runtime cpu|cuda|any]
                        [--lowering auto|native|scan|recurrent|chunked] [--core-dtype float16]
-                       [--tract-version V] [--no-check] [--force]
+                       [--chunk-size N] [--tract-version V] [--no-check] [--force]
     gdn-export check OUT.nnef.tgz CHECKPOINT_DIR [--prompt-len N] [--decode-steps M] [--batch B]
     gdn-export info OUT.nnef.tgz
 
@@ -33,7 +33,8 @@ def _convert(args) -> int:
 
     report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
                      tract_version=args.tract_version, check=not args.no_check, force=args.force,
-                     progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype)
+                     progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype,
+                     chunk_size=args.chunk_size)
     print(report)
     return 0
 
@@ -123,6 +124,9 @@ def parser() -> argparse.ArgumentParser:
     convert.add_argument("--core-dtype", choices=["float16"], default=None,
                          help="run the fused op on float16 q/k/v/beta in a float32 model (tract's CUDA kernel is "
                               "f16-only); inexact, reported")
+    convert.add_argument("--chunk-size", type=int, default=None,
+                         help="tokens per chunk of the chunked lowering, a multiple of 16 (default: 64, or 32 with "
+                              "per-channel decay)")
     convert.add_argument("--tract-version", help="tract version to target (default: the installed one)")
     convert.add_argument("--no-check", action="store_true", help="skip the prefill/decode check against transformers")
     convert.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError, LoweringError
+from gdn_export.lowering.chunked import chunk_size_error
 from gdn_export.lowering.emitter import LOWERINGS, Decision
 from gdn_export.lowering.policy import RUNTIMES
 from gdn_export.output_names import keep_output_names
@@ -88,6 +89,7 @@ def export(
     metadata: dict | None = None,
     runtime: str = "any",
     core_dtype: str | None = None,
+    chunk_size: int | None = None,
 ) -> ExportReport:
     """Export ``module(*args)`` to ``path`` (a ``.nnef.tgz``) for tract.
 
@@ -96,7 +98,8 @@ def export(
     cannot be exact), or one portable lowering forced ("scan", "recurrent", "chunked"). ``runtime`` is
     where tract will run: "any" (fused op where exact, else the scan), "cpu" or "cuda".
     ``core_dtype="float16"`` lets the fused op take f16 q/k/v/beta in an f32 model (tract's CUDA kernel
-    exists for f16 only): inexact, never chosen unless asked, and stated in the report.
+    exists for f16 only): inexact, never chosen unless asked, and stated in the report. ``chunk_size`` sets the
+    tokens per chunk of the chunked lowering (a multiple of 16; None: 64, or 32 with per-channel decay).
     The file appears only once complete. ``metadata`` (JSON-serializable) is stored in the archive as
     ``gdn_export.json`` beside the graph, with the lowering decisions added. With ``check``, the file is run in tract on ``args`` and every
     output compared with torch; beyond tolerance ParityError is raised (the file stays, for inspection).
@@ -110,12 +113,14 @@ def export(
         raise LoweringError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
     if core_dtype not in (None, "float16"):
         raise LoweringError(f"core_dtype {core_dtype!r}: only 'float16' (or None, the model's own) is supported")
+    if chunk_size is not None and chunk_size_error(chunk_size):
+        raise LoweringError(f"chunk_size: {chunk_size_error(chunk_size)}")
     path = nnef_tgz_path(path)
     args = tuple(args)
     version = tract_version or installed_tract_version()
     input_names = list(input_names) if input_names else [f"input_{i}" for i in range(len(args))]
     target = OfflineTractTarget(version, lowering=lowering, dynamic_axes=dynamic_axes, runtime=runtime,
-                                core_dtype=core_dtype)
+                                core_dtype=core_dtype, chunk_size=chunk_size)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".gdn_export_", dir=path.parent) as tmp:

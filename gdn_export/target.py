@@ -50,13 +50,14 @@ class OfflineTractTarget(TractNNEF):
 
     Attributes read by the emitter: ``gdn_lowering`` (one of emitter.LOWERINGS), ``gdn_runtime`` (where
     tract will run: "any", "cpu", "cuda"), ``gdn_core_dtype`` ("float16" to run the fused op on f16
-    operands whatever the model's dtype, an explicit, inexact choice), ``tract_version`` (a tuple),
+    operands whatever the model's dtype, an explicit, inexact choice), ``gdn_chunk_size`` (tokens per chunk of
+    the chunked form, None: each body's default), ``tract_version`` (a tuple),
     ``seq_may_vary`` (dynamic axes were declared, so traced extents may be symbolic) and
     ``gdn_decisions`` (the emitter appends one Decision per node).
     """
 
     def __init__(self, version: str, *, lowering: str = "auto", dynamic_axes: dict | None = None,
-                 runtime: str = "any", core_dtype: str | None = None) -> None:
+                 runtime: str = "any", core_dtype: str | None = None, chunk_size: int | None = None) -> None:
         with _CONSTRUCTION_LOCK, _no_download():
             super().__init__(
                 version, check_io=False, dynamic_axes=dynamic_axes, dump_identity_properties=False,
@@ -67,6 +68,7 @@ class OfflineTractTarget(TractNNEF):
         self.gdn_decisions: list = []
         self.gdn_runtime = runtime
         self.gdn_core_dtype = core_dtype
+        self.gdn_chunk_size = chunk_size
 
     @property
     def seq_may_vary(self) -> bool:
@@ -81,6 +83,7 @@ def policy_of(target) -> OfflineTractTarget:
         target.gdn_lowering = "auto"
         target.gdn_runtime = "any"
         target.gdn_core_dtype = None
+        target.gdn_chunk_size = None
         target.tract_version = parse_version(target.version.to_str())
         target.gdn_decisions = []
         target.seq_may_vary = bool(getattr(target, "dynamic_axes", None))

@@ -222,3 +222,34 @@ def test_symbolic_batch_and_exact_output_lengths(tmp_path):
         ref_o, ref_state = oracle(args, kwargs)
         assert_close(o, ref_o, F32_TOLERANCE, f"B={batch} S={seq} o")
         assert_close(state, ref_state, F32_TOLERANCE, f"B={batch} S={seq} state")
+
+
+@pytest.mark.parametrize("variant", ["gdn", "kda", "product3"])
+def test_chunk_size_is_a_parameter(variant, tmp_path):
+    """``chunk_size=16``: chunks of 16 tokens (48 sub-steps for n=3), the same exactness at lengths around them;
+    the report says the size."""
+    traced_args, traced_kwargs = variant_inputs(variant, seq=3, width_k=32, width_v=16)
+    module, traced, names = graph_inputs(traced_args, traced_kwargs)
+    report = gdn_export.export(module, traced, tmp_path / "c.nnef.tgz", input_names=names, output_names=["o", "state"],
+                               dynamic_axes=symbolic_time(names, traced_kwargs["num_householder"]),
+                               lowering="chunked", check=False, chunk_size=16)
+    assert "chunks of 16 tokens" in report.decisions[0].reason
+    runnable = gdn_export.runtime.load_tract_model(report.path)
+    for seq in [15, 16, 17, 40]:
+        args, kwargs = variant_inputs(variant, seq=seq, width_k=32, width_v=16, seed=seq)
+        _, tensors, _ = graph_inputs(args, kwargs)
+        o, state = gdn_export.run_tract(runnable, [t.numpy() for t in tensors])
+        ref_o, ref_state = oracle(args, kwargs)
+        assert_close(o, ref_o, F32_TOLERANCE, f"{variant} S={seq} o")
+        assert_close(state, ref_state, F32_TOLERANCE, f"{variant} S={seq} state")
+
+
+@pytest.mark.parametrize("size", [0, 24, 8])
+def test_chunk_size_must_be_a_multiple_of_the_solve_block(size, tmp_path):
+    args, kwargs = variant_inputs("gdn", seq=3)
+    module, tensors, names = graph_inputs(args, kwargs)
+    with pytest.raises(gdn_export.LoweringError, match=f"chunk_size: a chunk size must be a positive multiple of 16 "
+                                                       f"tokens, got {size}"):
+        gdn_export.export(module, tensors, tmp_path / "x.nnef.tgz", input_names=names, output_names=["o", "state"],
+                          lowering="chunked", check=False, chunk_size=size)
+    assert not (tmp_path / "x.nnef.tgz").exists()

@@ -79,6 +79,12 @@ def test_config_sizes_disagree_with_weights(tmp_path, capsys):
     assert_refused(*convert(capsys, folder, out), "disagree with config.json sizes", out)
 
 
+def test_bad_chunk_size(tmp_path, capsys):
+    out = tmp_path / "m.nnef.tgz"
+    assert_refused(*convert(capsys, FIXTURES / "qwen3_5", out, "--chunk-size", "24"),
+                   "chunk_size: a chunk size must be a positive multiple of 16 tokens, got 24", out)
+
+
 def test_existing_output_needs_force(tmp_path, capsys):
     out = tmp_path / "m.nnef.tgz"
     out.write_bytes(b"keep me")

@@ -93,6 +93,7 @@ def convert(
     progress: Callable[[str], None] | None = None,
     runtime: str = "cpu",
     core_dtype: str | None = None,
+    chunk_size: int | None = None,
 ) -> ConvertReport:
     """Convert a local checkpoint (config.json + safetensors) into ``out_path`` and check it in tract.
 
@@ -129,7 +130,8 @@ def convert(
     say(f"exporting {family.name} ({len(lm.hf.config.layer_types)} layers, {dtype}) to {out_path}")
     report = export(lm, example_inputs(lm, vocab_size, DTYPES[dtype]), out_path, tract_version=tract_version,
                     lowering=lowering, input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
-                    metadata={**metadata, "runtime": runtime}, check=True, runtime=runtime, core_dtype=core_dtype)
+                    metadata={**metadata, "runtime": runtime}, check=True, runtime=runtime, core_dtype=core_dtype,
+                    chunk_size=chunk_size)
     seconds["export"] = time.perf_counter() - start
     result = ConvertReport(out_path, family.name, config["model_type"], dtype, report.tract_version,
                            layers=_layer_reports(lm, report.decisions), seconds=seconds, reference=family.reference)

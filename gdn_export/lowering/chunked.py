@@ -138,10 +138,17 @@ class Variant:
                 f"_s{scale}_{'hm' if self.head_major else 'sm'}_h{self.heads}_k{self.width_k}_v{self.width_v}")
 
 
+def chunk_size_error(chunk: int) -> str | None:
+    """Why ``chunk`` cannot be a chunk size (None: it can): the solve cuts chunks into blocks of SOLVE_BLOCK."""
+    if not isinstance(chunk, int) or chunk < SOLVE_BLOCK or chunk % SOLVE_BLOCK:
+        return f"a chunk size must be a positive multiple of {SOLVE_BLOCK} tokens, got {chunk!r}"
+    return None
+
+
 def lower(b: NnefBuilder, node, dims: Dims, chunk: int = CHUNK) -> list:
-    """Write the chunked lowering of ``node`` (which ``refusal`` accepted); return the fragments it uses."""
-    if chunk % SOLVE_BLOCK:
-        raise ValueError(f"chunk {chunk} must be a multiple of {SOLVE_BLOCK}")
+    """Write the chunked lowering of ``node`` (which ``covers``); return the fragments it uses."""
+    if chunk_size_error(chunk):
+        raise ValueError(chunk_size_error(chunk))
     time_axis = 2 if node.head_major else 1
     raw = {"q": node.q, "k": node.k, "v": node.v, "beta": node.beta, "g": node.g}
     heads, tails = {}, {}
@@ -334,7 +341,7 @@ def chunk_body(variant: Variant, key_heads: int) -> list[str]:
         cut = x(f"slice({view}, axes = [{token_axis}], begin = [{index}], end = [{index + 1}])")
         return x(f"reshape({cut}, shape = [{c}], axis_start = {token_axis}, axis_count = 2)")
 
-    k, q = half(0), half(1)
+    k = half(0)  # q is only read stacked with k
     if seq_major:  # [B, C, Hk, K] read in place
         pairs = lambda a, b: x(f"reshape(reshape(tract_core_einsum([{a}, {b}], expr = \"bihk,bjhk->bhij\", "
                                "acc = \"f32\"), shape = [1, -1], axis_start = 0, axis_count = 1), "

@@ -50,10 +50,11 @@ def refusal(dims: Dims) -> str | None:
     return None
 
 
-def token_chunk(dims: Dims) -> int:
+def token_chunk(dims: Dims, chunk: int | None = None) -> int:
     """Real tokens per chunk, Cr: ``c = n * Cr`` sub-steps must be a multiple of the solve block, and at least
-    the chunk size when n divides it (64, or ``CHANNEL_CHUNK`` with per-channel decay)."""
-    chunk, n = CHANNEL_CHUNK if dims.channel_decay else chunked.CHUNK, dims.num_householder
+    the chunk size when n divides it (``chunk``, by default 64, or ``CHANNEL_CHUNK`` with per-channel decay)."""
+    chunk = chunk or (CHANNEL_CHUNK if dims.channel_decay else chunked.CHUNK)
+    n = dims.num_householder
     unit = SOLVE_BLOCK // math.gcd(SOLVE_BLOCK, n)  # tokens per solve-block multiple
     return unit * max(1, -(-chunk // (unit * n)))
 
@@ -86,9 +87,11 @@ class Variant:
                 f"_h{self.heads}_k{self.width_k}_v{self.width_v}")
 
 
-def lower(b: NnefBuilder, node, dims: Dims) -> list:
+def lower(b: NnefBuilder, node, dims: Dims, chunk: int | None = None) -> list:
+    """Write the chunked lowering of ``node`` (which ``refusal`` accepted), ``chunk`` tokens a chunk (None: this
+    variant's default); return the fragments it uses."""
     n = dims.num_householder
-    variant = Variant(token_chunk(dims), n, "channel" if dims.channel_decay else "head" if dims.has_decay else "none",
+    variant = Variant(token_chunk(dims, chunk), n, "channel" if dims.channel_decay else "head" if dims.has_decay else "none",
                       dims.gated_writes, node.use_qk_l2norm, node.scale, node.head_major, dims.key_heads, dims.heads,
                       dims.width_k, dims.width_v)
     time_axis = 2 if node.head_major else 1

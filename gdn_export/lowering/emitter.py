@@ -118,10 +118,19 @@ def chunked_refusal(dims: Dims, target) -> str | None:
     """Why the chunked form does not apply: a variant it cannot compute exactly, or a static S that holds
     no whole chunk (nothing to gain, and a scan over zero chunks does not load)."""
     variant = None if chunked.covers(dims) else chunked_general.refusal(dims)
-    tokens = chunked.CHUNK if chunked.covers(dims) else chunked_general.token_chunk(dims)
+    tokens = chunk_tokens(dims, target)
     if variant is None and not target.seq_may_vary and dims.seq < tokens:
         return f"a static S={dims.seq} holds no chunk of {tokens} tokens"
     return variant
+
+
+def chunk_tokens(dims: Dims, target) -> int:
+    """Tokens per chunk of the chunked form for this node: the target's ``gdn_chunk_size``, or the default of
+    the body that computes the node."""
+    size = getattr(target, "gdn_chunk_size", None)
+    if chunked.covers(dims):
+        return size or chunked.CHUNK
+    return chunked_general.token_chunk(dims, size)
 
 
 def decide(node: GdnNode, dims: Dims, target) -> Decision:
@@ -136,7 +145,8 @@ def decide(node: GdnNode, dims: Dims, target) -> Decision:
         why_not = chunked_refusal(dims, target)
         if why_not is not None:
             raise LoweringError(f"{node.name}: lowering='chunked' cannot be exact: {why_not}")
-        return Decision(node.name, node.entry, "chunked", "requested (lowering='chunked') and exact", dims)
+        return Decision(node.name, node.entry, "chunked", f"requested (lowering='chunked') and exact; chunks of "
+                        f"{chunk_tokens(dims, target)} tokens", dims)
     core_f16 = getattr(target, "gdn_core_dtype", None) == "float16"
     refusal = fused_refusal(node, dims, target.tract_version, target.seq_may_vary, core_f16)
     rounding = "; q/k/v/beta rounded to float16 (core_dtype='float16' requested: not exact)" if core_f16 else ""
@@ -151,6 +161,8 @@ def decide(node: GdnNode, dims: Dims, target) -> Decision:
         if why_not is None:
             chosen = ("fused op is exact for this node on this tract" + rounding if candidate == "native"
                       else policy.basis(runtime, candidate))
+            if candidate == "chunked":
+                chosen += f"; chunks of {chunk_tokens(dims, target)} tokens"
             # with no runtime the fallback needs no justification beyond why the fused op was refused
             reason = "; ".join(skipped) if runtime == "any" and skipped else "; ".join([chosen] + skipped)
             return Decision(node.name, node.entry, candidate, reason, dims)
@@ -174,6 +186,9 @@ def emit(graph: NGraph, node: GdnNode, target) -> list:
         core_f16 = getattr(target, "gdn_core_dtype", None) == "float16"
         operand_dtype = fused_operand_dtype(node, fused_capability(target.tract_version).operand_dtypes, core_f16)
         return fused.lower(builder, node, dims, operand_dtype)
-    if decision.lowering == "chunked" and not chunked.covers(dims):
-        return chunked_general.lower(builder, node, dims)
+    if decision.lowering == "chunked":
+        size = getattr(target, "gdn_chunk_size", None)
+        if chunked.covers(dims):
+            return chunked.lower(builder, node, dims, size or chunked.CHUNK)
+        return chunked_general.lower(builder, node, dims, size)
     return {"scan": scan, "recurrent": recurrent, "chunked": chunked}[decision.lowering].lower(builder, node, dims)
