@@ -6,6 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import gdn_export
+
 from gdn_export.cli import main as cli
 from gdn_export.hf.check import compare_logits, session_logits, sample_tokens, transformers_logits
 from gdn_export.hf.checkpoint import load_model, read_config
@@ -80,6 +82,20 @@ def test_prefill_in_pieces_and_replanning_for_another_batch(name, converted):
     pieces.reset()
     alone = pieces.prefill(tokens[:1])
     assert alone.shape[0] == 1 and np.abs(alone - whole[:1]).max() <= tolerance
+
+
+def test_session_refuses_a_bad_prefill_piece(converted):
+    with pytest.raises(gdn_export.GdnExportError, match="prefill_piece must be a positive number of tokens or None, "
+                                                        "got 0"):
+        Session(converted("qwen3_5", "float32"), prefill_piece=0)
+
+
+def test_steady_allocator_applies_on_glibc():
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    assert gdn_export.runtime.steady_allocator() is True
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
