@@ -122,13 +122,13 @@ def per_head_decay(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) 
     return -a_log.float().exp()[:, None] * F.softplus(f.float() + dt_bias.float().view(heads, -1))
 
 
-def init_decay_parameters(a_log: torch.Tensor, dt_bias: torch.Tensor, a_low: float, a_high: float) -> None:
-    """FLA's gate init: ``A_log = log U(a_low, a_high)``; ``dt_bias`` = inv-softplus of dt log-uniform in
-    [1e-3, 0.1] (floor 1e-4). Only for standalone use: checkpoints overwrite both."""
+def decay_parameters(a_count: int, dt_count: int, a_low: float, a_high: float) -> tuple[nn.Parameter, nn.Parameter]:
+    """``A_log [a_count]`` and ``dt_bias [dt_count]`` with FLA's gate init: ``A_log = log U(a_low, a_high)``;
+    ``dt_bias`` = inv-softplus of dt log-uniform in [1e-3, 0.1] (floor 1e-4). Checkpoints overwrite both."""
     with torch.no_grad():
-        a_log.copy_(torch.empty_like(a_log).uniform_(a_low, a_high).log())
-        dt = torch.exp(torch.rand_like(dt_bias) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
-        dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        a_log = torch.empty(a_count).uniform_(a_low, a_high).log()
+        dt = torch.exp(torch.rand(dt_count) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+        return nn.Parameter(a_log), nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
 
 
 def split_heads(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ from torch import nn
 
 from gdn_export.hf.blocks import gdn_decay
 from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
-from gdn_export.layers.common import init_decay_parameters, split_heads
+from gdn_export.layers.common import decay_parameters, split_heads
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
 
 
@@ -30,9 +30,7 @@ class GatedDeltaNet(DeltaLayer):
                       value_dim=value_dim)
         self.a_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
         self.b_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
-        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
-        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
-        init_decay_parameters(self.A_log, self.dt_bias, 0.0, 16.0)
+        self.A_log, self.dt_bias = decay_parameters(self.num_v_heads, self.num_v_heads, 0.0, 16.0)
 
     def forward(self, x: torch.Tensor, conv_states: ConvStates, recurrent_state: torch.Tensor) -> LayerOutput:
         q, k, v, conv_states = self.project_qkv(x, conv_states)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
-from gdn_export.layers.common import init_decay_parameters, per_head_decay, split_heads
+from gdn_export.layers.common import decay_parameters, per_head_decay, split_heads
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
 
 
@@ -30,9 +30,7 @@ class GatedDeltaNet2(DeltaLayer):
                                     nn.Linear(self.head_v_dim, key_dim, bias=False))
         self.b_proj = nn.Linear(hidden_size, key_dim, bias=False)
         self.w_proj = nn.Linear(hidden_size, value_dim, bias=False)
-        self.A_log = nn.Parameter(torch.empty(num_heads))
-        self.dt_bias = nn.Parameter(torch.empty(key_dim))
-        init_decay_parameters(self.A_log, self.dt_bias, 1.0, 16.0)
+        self.A_log, self.dt_bias = decay_parameters(num_heads, key_dim, 1.0, 16.0)
 
     def forward(self, x: torch.Tensor, conv_states: ConvStates, recurrent_state: torch.Tensor) -> LayerOutput:
         q, k, v, conv_states = self.project_qkv(x, conv_states)

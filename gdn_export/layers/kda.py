@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
-from gdn_export.layers.common import init_decay_parameters, per_head_decay, split_heads
+from gdn_export.layers.common import decay_parameters, per_head_decay, split_heads
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
 
 
@@ -35,9 +35,7 @@ class KimiDeltaAttention(DeltaLayer):
         self.f_proj = nn.Sequential(nn.Linear(hidden_size, self.head_v_dim, bias=False),
                                     nn.Linear(self.head_v_dim, gate_dim, bias=False))
         self.b_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
-        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
-        self.dt_bias = nn.Parameter(torch.empty(gate_dim))
-        init_decay_parameters(self.A_log, self.dt_bias, 1.0, 16.0)
+        self.A_log, self.dt_bias = decay_parameters(self.num_v_heads, gate_dim, 1.0, 16.0)
         if safe_gate:
             nn.init.zeros_(self.A_log)
 

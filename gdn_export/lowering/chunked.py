@@ -54,7 +54,7 @@ from gdn_export.lowering.capabilities import F32
 from gdn_export.lowering.layout import L2NORM_EPS, step_operands, write_state
 from gdn_export.lowering.nnef_builder import NnefBuilder
 from gdn_export.lowering.operands import Dims
-from gdn_export.lowering.scan import scan_fragment
+from gdn_export.lowering.scan import elementwise_step_fragment, step_inputs
 
 CHUNK = 64
 SOLVE_BLOCK = 16  # tokens per forward-substitution block: 16 and 32 equally accurate in f32 (16 ~5% faster), 64 (pure doubling) 2x worse
@@ -222,15 +222,15 @@ def chunk_part(b: NnefBuilder, variant: Variant, heads: dict[str, NTensor], whol
                dims: Dims):
     """The chunk scan: (y ``[B, N*C, H, V]`` or head-major ``[B, H, N*C, V]``, state after the chunks, fragment).
 
-    ``heads`` are the operands cut to their whole chunks, ``whole`` the uncut ones. Seq-major q, k, v enter
-    uncut, as they are ([B, T, H, X], scanned 64 tokens at a time along T): the scan runs as many steps as its
+    ``heads`` are the operands cut to their whole chunks, ``whole`` the uncut ones. q, k, v enter uncut (seq-major
+    ones as they are, [B, T, H, X], scanned 64 tokens at a time along T): the scan runs as many steps as its
     first input (per chunk, N = floor(T/64)) has, and reads nothing past them, so no copy of the first N*64
     tokens is made (a big symbolic-length copy runs ~10x slower in tract 0.23.9 than the body's chunk reads)."""
     c = variant.chunk
     f32 = lambda x: b.cast(x, F32)
     if variant.head_major:
-        scanned = {name: (scan_layout(b, heads[name], True, 1), 4, c) for name in ("q", "k")}
-        scanned["v"] = (scan_layout(b, heads["v"], True, dims.groups), 4, c)
+        scanned = {name: (scan_layout(b, whole[name], True, 1), 4, c) for name in ("q", "k")}
+        scanned["v"] = (scan_layout(b, whole["v"], True, dims.groups), 4, c)
     else:
         scanned = {name: (f32(whole[name]), 1, c) for name in ("q", "k", "v")}
         scanned["vbeta"] = (b.unsqueeze(f32(heads["beta"]), [3]), 1, c)
@@ -496,17 +496,9 @@ fragment {scan}(
 
 # --- the tail, token by token ---------------------------------------------------------------------
 def tail_fragment(num_householder: int, has_decay: bool) -> Fragment:
-    """The elementwise per-token step of ``scan.py`` (the fastest per-token form measured), under its own
-    name; its state leaves as a "last" output, so the tail always runs at least one step (see ``pad_step``)."""
-    names = ["q"] + [f"{name}{j}" for j in range(num_householder) for name in ("k", "e", "u")]
-    names += ["decay"] if has_decay else []
-    return scan_fragment(
-        "chunk_tail", num_householder, has_decay,
-        prologue=[f"    {name} = squeeze({name}_t, axes = [0]);" for name in names],
-        update=lambda state, j: f"{state} + k{j} * (u{j} - sum_reduce({state} * e{j}, axes = [3]))",
-        readout="sum_reduce(s_t * q, axes = [3])",
-        y_axis=3,
-    )
+    """The elementwise per-token step of ``scan.py`` under its own name; its state leaves as a "last" output,
+    so the tail always runs at least one step (see ``pad_step``)."""
+    return elementwise_step_fragment("chunk_tail", num_householder, has_decay)
 
 
 def pad_step(b: NnefBuilder, x: NTensor) -> NTensor:
@@ -522,13 +514,7 @@ def pad_step(b: NnefBuilder, x: NTensor) -> NTensor:
 def token_part(b: NnefBuilder, ops, state: NTensor, dims: Dims):
     """The last ``R = S mod C`` tokens from ``state [1, B, Hk, G, K, V]``: (y ``[B, Hk, G, R, V]``, final state
     ``[B, Hk, G, K, V]``)."""
-    column = lambda x: b.unsqueeze(pad_step(b, x), [5])  # noqa: E731
-    row = lambda x: b.unsqueeze(pad_step(b, x), [4])  # noqa: E731
-    operands = [column(ops.q)]
-    for key, erase, write in zip(ops.keys, ops.erases, ops.writes):
-        operands += [column(key), column(erase), row(write)]
-    if ops.log_decay is not None:
-        operands.append(b.unary("exp", column(ops.log_decay)))  # exp(0) = 1 on the zero step
+    operands = step_inputs(b, ops, lambda x: pad_step(b, x))  # the zero step's decay is exp(0) = 1
     count = max(ops.q.shape[0], 1)
     y = b.tensor("tail_y", (dims.batch, dims.key_heads, dims.groups, count, dims.width_v), F32)
     final = b.tensor("tail_state", state.shape[1:], F32)

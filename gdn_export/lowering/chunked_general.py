@@ -87,11 +87,11 @@ class Variant:
                 f"_h{self.heads}_k{self.width_k}_v{self.width_v}")
 
 
-def lower(b: NnefBuilder, node, dims: Dims, chunk: int | None = None) -> list:
-    """Write the chunked lowering of ``node`` (which ``refusal`` accepted), ``chunk`` tokens a chunk (None: this
-    variant's default); return the fragments it uses."""
+def lower(b: NnefBuilder, node, dims: Dims, tokens: int) -> list:
+    """Write the chunked lowering of ``node`` (which ``refusal`` accepted), ``tokens`` (``token_chunk``) real
+    tokens a chunk; return the fragments it uses."""
     n = dims.num_householder
-    variant = Variant(token_chunk(dims, chunk), n, "channel" if dims.channel_decay else "head" if dims.has_decay else "none",
+    variant = Variant(tokens, n, "channel" if dims.channel_decay else "head" if dims.has_decay else "none",
                       dims.gated_writes, node.use_qk_l2norm, node.scale, node.head_major, dims.key_heads, dims.heads,
                       dims.width_k, dims.width_v)
     time_axis = 2 if node.head_major else 1

@@ -187,8 +187,6 @@ def emit(graph: NGraph, node: GdnNode, target) -> list:
         operand_dtype = fused_operand_dtype(node, fused_capability(target.tract_version).operand_dtypes, core_f16)
         return fused.lower(builder, node, dims, operand_dtype)
     if decision.lowering == "chunked":
-        size = getattr(target, "gdn_chunk_size", None)
-        if chunked.covers(dims):
-            return chunked.lower(builder, node, dims, size or chunked.CHUNK)
-        return chunked_general.lower(builder, node, dims, size)
-    return {"scan": scan, "recurrent": recurrent, "chunked": chunked}[decision.lowering].lower(builder, node, dims)
+        body = chunked if chunked.covers(dims) else chunked_general
+        return body.lower(builder, node, dims, chunk_tokens(dims, target))
+    return {"scan": scan, "recurrent": recurrent}[decision.lowering].lower(builder, node, dims)

@@ -14,10 +14,11 @@ which is the recurrence of ``gdn_export.ops.naive.delta_rule_recurrence``.
 
 from __future__ import annotations
 
+from nnef_tools.model import Tensor as NTensor
 from torch_to_nnef.op.fragment import Fragment
 
 from gdn_export.lowering.capabilities import F32
-from gdn_export.lowering.layout import step_operands, write_outputs
+from gdn_export.lowering.layout import StepOperands, step_operands, write_outputs
 from gdn_export.lowering.nnef_builder import NnefBuilder
 from gdn_export.lowering.operands import Dims
 
@@ -70,26 +71,38 @@ fragment {scan}(
     return Fragment(name=scan, extensions=("tract_registry tract_core",), definition=definition)
 
 
-def lower(b: NnefBuilder, node, dims: Dims) -> list:
-    ops = step_operands(b, node, dims)
-    n, has_decay = dims.num_householder, ops.log_decay is not None
-    names = ["q"] + [f"{name}{j}" for j in range(n) for name in ("k", "e", "u")] + (["decay"] if has_decay else [])
-    fragment = scan_fragment(
-        "delta", n, has_decay,
+def elementwise_step_fragment(kind: str, num_householder: int, has_decay: bool) -> Fragment:
+    """The elementwise per-token step (the fastest per-token form measured) over ``step_inputs``; ``kind`` names
+    the fragment (the chunked lowering's tail runs it under its own name)."""
+    names = ["q"] + [f"{name}{j}" for j in range(num_householder) for name in ("k", "e", "u")]
+    names += ["decay"] if has_decay else []
+    return scan_fragment(
+        kind, num_householder, has_decay,
         prologue=[f"    {name} = squeeze({name}_t, axes = [0]);" for name in names],
         update=lambda s, j: f"{s} + k{j} * (u{j} - sum_reduce({s} * e{j}, axes = [3]))",
         readout="sum_reduce(s_t * q, axes = [3])",
         y_axis=3,
     )
-    column = lambda x: b.unsqueeze(x, [5])  # noqa: E731  [T, B, Hk, G|1, K] -> [.., K, 1]
-    row = lambda x: b.unsqueeze(x, [4])  # noqa: E731  [T, B, Hk, G, V] -> [.., 1, V]
-    operands = [column(ops.q)]
+
+
+def step_inputs(b: NnefBuilder, ops: StepOperands, prepare=lambda x: x) -> list[NTensor]:
+    """The elementwise step's scan inputs: q and keys/erases as columns ``[T, B, Hk, G|1, K, 1]``, writes as rows
+    ``[.., 1, V]``, the decay factor ``exp(g)`` as a column; ``prepare`` is applied to each operand first."""
+    column = lambda x: b.unsqueeze(prepare(x), [5])  # noqa: E731
+    row = lambda x: b.unsqueeze(prepare(x), [4])  # noqa: E731
+    inputs = [column(ops.q)]
     for key, erase, write in zip(ops.keys, ops.erases, ops.writes):
-        operands += [column(key), column(erase), row(write)]
-    if has_decay:
-        operands.append(column(b.unary("exp", ops.log_decay)))
+        inputs += [column(key), column(erase), row(write)]
+    if ops.log_decay is not None:
+        inputs.append(b.unary("exp", column(ops.log_decay)))
+    return inputs
+
+
+def lower(b: NnefBuilder, node, dims: Dims) -> list:
+    ops = step_operands(b, node, dims)
+    fragment = elementwise_step_fragment("delta", dims.num_householder, ops.log_decay is not None)
     y = b.tensor("scan_y", (dims.batch, dims.key_heads, dims.groups, dims.seq, dims.width_v), F32)
     state = b.tensor("scan_state", ops.s0.shape, F32)
-    b.multi_op(fragment.name, (*operands, ops.s0), (y, state))
+    b.multi_op(fragment.name, (*step_inputs(b, ops), ops.s0), (y, state))
     write_outputs(b, node, dims, b.transpose(y, [3, 0, 1, 2, 4]), state)
     return [fragment]
