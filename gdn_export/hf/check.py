@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gdn_export.errors import GdnExportError
+
 F32_TOLERANCE = 1e-4
 F16_TOLERANCE = 5e-2
 
@@ -83,3 +85,18 @@ def compare_logits(actual: np.ndarray, expected: np.ndarray, dtype: str) -> Logi
     same = actual.argmax(-1) == expected.argmax(-1)
     agreement = float(same[decisive].mean()) if decisive.any() else 1.0
     return LogitCheck(error, max_logit, agreement, tolerance, need_top1=half, ambiguous=int((~decisive).sum()))
+
+
+def check_against_transformers(path, hf_model, prompt_len: int = 16, decode_steps: int = 8,
+                               batch: int = 1) -> LogitCheck:
+    """Prefill ``prompt_len`` tokens then ``decode_steps`` single-token steps of the archive at ``path`` in tract and
+    in ``hf_model`` (transformers' eager model, or the family's eager reference); compare the logits."""
+    from gdn_export.session import Session
+
+    session = Session(path)
+    if prompt_len < 1 or decode_steps < 0:
+        raise GdnExportError(f"prompt length must be >= 1 and decode steps >= 0, got {prompt_len} and {decode_steps}")
+    tokens = sample_tokens(hf_model.config.vocab_size, batch, prompt_len + decode_steps)
+    expected = transformers_logits(hf_model, tokens, prompt_len)
+    actual = session_logits(session, tokens, prompt_len)
+    return compare_logits(actual, expected, session.metadata["dtype"])

@@ -167,3 +167,17 @@ def _shape_mismatches(checkpoint_dir, model_class, hf_config) -> list[str]:
 def _first_line(err: Exception) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def copy_in_dtype(hf_model, dtype: torch.dtype):
+    """The model in ``dtype``, except rotary frequency tables: transformers keeps ``inv_freq`` in f32 in a
+    half model (rounded to f16, cos/sin drift by ~0.5 at position 4096 with head_dim 128)."""
+    import copy
+
+    model = copy.deepcopy(hf_model)
+    kept = {name: buffer.clone() for name, buffer in model.named_buffers() if name.endswith("inv_freq")}
+    model = model.to(dtype)
+    for name, buffer in kept.items():
+        owner = model.get_submodule(name.rpartition(".")[0])
+        setattr(owner, name.rpartition(".")[2], buffer)
+    return model

@@ -12,8 +12,8 @@ import torch
 
 from gdn_export.errors import GdnExportError, ParityError
 from gdn_export.export import export, nnef_tgz_path
-from gdn_export.hf.check import LogitCheck, compare_logits, session_logits, sample_tokens, transformers_logits
-from gdn_export.hf.checkpoint import CheckpointError, load_model, read_config
+from gdn_export.hf.check import LogitCheck, check_against_transformers
+from gdn_export.hf.checkpoint import CheckpointError, copy_in_dtype, load_model, read_config
 from gdn_export.hf.families import family_for
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -117,7 +117,7 @@ def convert(
     seconds["load"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    export_model = hf_model if dtype == "float32" else _copy_in_dtype(hf_model, DTYPES[dtype])
+    export_model = hf_model if dtype == "float32" else copy_in_dtype(hf_model, DTYPES[dtype])
     lm = family.exportable(export_model, DTYPES[dtype])
     inputs, outputs, dynamic = state_names(lm)
     vocab_size = hf_model.config.vocab_size
@@ -147,39 +147,12 @@ def convert(
     return result
 
 
-def check_against_transformers(path, hf_model, prompt_len: int = 16, decode_steps: int = 8,
-                               batch: int = 1) -> LogitCheck:
-    from gdn_export.session import Session
-
-    session = Session(path)
-    if prompt_len < 1 or decode_steps < 0:
-        raise GdnExportError(f"prompt length must be >= 1 and decode steps >= 0, got {prompt_len} and {decode_steps}")
-    tokens = sample_tokens(hf_model.config.vocab_size, batch, prompt_len + decode_steps)
-    expected = transformers_logits(hf_model, tokens, prompt_len)
-    actual = session_logits(session, tokens, prompt_len)
-    return compare_logits(actual, expected, session.metadata["dtype"])
-
-
 def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len: int = 16,
           decode_steps: int = 8, batch: int = 1) -> LogitCheck:
     """Re-check an exported model against the checkpoint it came from."""
     config = read_config(checkpoint_dir)
     hf_model = load_model(checkpoint_dir, family_for(config["model_type"]), config)
     return check_against_transformers(path, hf_model, prompt_len, decode_steps, batch)
-
-
-def _copy_in_dtype(hf_model, dtype: torch.dtype):
-    """The model in ``dtype``, except rotary frequency tables: transformers keeps ``inv_freq`` in f32 in a
-    half model (rounded to f16, cos/sin drift by ~0.5 at position 4096 with head_dim 128)."""
-    import copy
-
-    model = copy.deepcopy(hf_model)
-    kept = {name: buffer.clone() for name, buffer in model.named_buffers() if name.endswith("inv_freq")}
-    model = model.to(dtype)
-    for name, buffer in kept.items():
-        owner = model.get_submodule(name.rpartition(".")[0])
-        setattr(owner, name.rpartition(".")[2], buffer)
-    return model
 
 
 def _layer_reports(lm, decisions) -> list[LayerReport]:
