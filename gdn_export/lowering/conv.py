@@ -2,8 +2,8 @@
 
 The fused ``tract_transformers_causal_conv1d_update(x [B, C, S], weight [C, W], state [B, C, W])`` exists
 from tract 0.23.5 and runs any S, symbolic too (probed against numpy: it convolves the last W-1 state
-columns and x, applies SiLU, and returns the last W inputs as the new state). The portable form is W
-shifted slices of ``state ++ x`` multiplied by the weight columns, so a symbolic S never gets baked in.
+columns and x, applies SiLU, and returns the last W inputs as the new state). The portable form (tract
+before 0.23.5) is NNEF's depthwise ``conv`` over ``state[:, :, 1:] ++ x``: no symbolic S is baked in.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ OP_NAME = "tract_transformers_causal_conv1d_update"
 
 
 def decide(target) -> tuple[str, str]:
-    if target.gdn_lowering == "scan":
-        return "portable", "requested portable lowerings (lowering='scan')"
     if target.tract_version >= FUSED_CONV_FIRST_VERSION:
         return "native", f"{OP_NAME} exists on this tract"
     return "portable", f"{OP_NAME} is not in tract before 0.23.5"
@@ -38,28 +36,22 @@ def lower(builder: NnefBuilder, x: NTensor, weight: NTensor, state: NTensor, y: 
         builder.cast(carried, new_state.dtype, out=new_state)
         return ["tract_transformers"]
 
+    # state[:, :, 1:] ++ x holds S + W - 1 columns, so a valid depthwise conv of width W gives exactly S: tract
+    # proves that length, where W shifted slices of state ++ x had lengths it could not equate with S
     dtype = np.dtype(weight.dtype)
-    full_shape = (x.shape[0], x.shape[1], x.shape[2] + width)
-    full = builder.op("concat", [builder.cast(state, x.dtype), x], shape=full_shape, dtype=x.dtype, attribs={"axis": 2},
-                      what="conv_full")
+    tail = builder.op("slice", builder.cast(state, x.dtype), shape=(x.shape[0], x.shape[1], width - 1),
+                      attribs={"axes": [2], "begin": [1], "end": [width]}, what="conv_tail")
+    full_shape = (x.shape[0], x.shape[1], x.shape[2] + width - 1)
+    full = builder.op("concat", [tail, x], shape=full_shape, dtype=x.dtype, attribs={"axis": 2}, what="conv_full")
     full = builder.cast(full, dtype)
-    total = None
-    for i in range(width):
-        # window i is full[:, :, 1 + i : 1 + i + S]; its end counts from the end of full
-        if i < width - 1:
-            window = builder.op("dyn_slice", full, shape=x.shape, dtype=dtype, what=f"conv_window{i}",
-                                attribs={"axis": 2, "begin": 1 + i, "end": i - width + 1, "stride": 1})
-        else:
-            window = builder.op("dyn_slice_begin", full, shape=x.shape, dtype=dtype, what=f"conv_window{i}",
-                                attribs={"axis": 2, "begin": width, "stride": 1})
-        column = builder.unsqueeze(builder.op("slice", weight, shape=(weight.shape[0], 1),
-                                              attribs={"axes": [1], "begin": [i], "end": [i + 1]}), [0])
-        term = builder.binary("mul", window, column)
-        total = term if total is None else builder.binary("add", total, term)
+    kernel = builder.unsqueeze(weight, [1])  # [C, 1, W]: one input channel per group
+    total = builder.op("conv", (full, kernel, builder.scalar(0.0, dtype)), shape=x.shape, dtype=dtype, what="conv",
+                       attribs={"border": "constant", "padding": [(0, 0)], "stride": [1], "dilation": [1],
+                                "groups": 0})
     activated = builder.binary("mul", total, builder.unary("sigmoid", total))
     builder.cast(activated, y.dtype, out=y)
     last = builder.op("dyn_slice_begin", full, shape=(x.shape[0], x.shape[1], width),
                       attribs={"axis": 2, "begin": -width, "stride": 1}, what="conv_last")
     builder.cast(last, new_state.dtype, out=new_state)
-    # torch-to-nnef's fragments: slices whose bounds may count from the end of a symbolic axis
-    return ["dyn_slice", "dyn_slice_begin", "within_bound_index"]
+    # torch-to-nnef's fragment: a slice whose bound counts from the end of a symbolic axis
+    return ["dyn_slice_begin", "within_bound_index"]
