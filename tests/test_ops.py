@@ -7,6 +7,7 @@ import gdn_export
 from conftest import make_rule_inputs
 from gdn_export.errors import GdnExportError
 from gdn_export.ops.registration import define_or_reuse
+from oracle import delta_rule_seq_major, gated_delta_head_major
 
 
 def head_major_inputs(seq=5, key_heads=2, heads=4, width_k=16, width_v=8, dtype=torch.float32):
@@ -56,15 +57,38 @@ def test_gated_delta_rule_defaults():
 
 
 def test_define_reuses_a_matching_op_and_refuses_a_different_one():
-    from gdn_export.ops.gated_delta_scan import SCHEMA
-
     # the same signature (argument names may differ) is reused silently
     define_or_reuse("t2n_extra::gated_delta_scan",
                     "(Tensor a, Tensor b, Tensor c, Tensor d, Tensor e, Tensor f) -> (Tensor, Tensor)",
                     lambda *a: None, lambda *a: None)
     with pytest.raises(GdnExportError, match="already defined by another package"):
         define_or_reuse("t2n_extra::gated_delta_scan", "(Tensor q) -> Tensor", lambda *a: None, lambda *a: None)
-    assert "Tensor s0" in SCHEMA
+    # the reused op still computes the rule (the stand-in implementations above were not installed)
+    operands = head_major_inputs()
+    y, state = torch.ops.t2n_extra.gated_delta_scan(*operands)
+    ref_y, ref_state = gated_delta_head_major(*operands)
+    assert abs(y.double().numpy() - ref_y).max() <= 1e-5 and abs(state.double().numpy() - ref_state).max() <= 1e-5
+
+
+class DeltaNetModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rule = gdn_export.GatedDeltaRule(use_qk_l2norm=True)
+
+    def forward(self, q, k, v, beta, s0):
+        return self.rule(q, k, v, None, beta, s0)
+
+
+def test_module_without_decay_is_delta_net(tmp_path):
+    """GatedDeltaRule with g=None is the DeltaNet rule (no decay), eager and exported to tract."""
+    q, k, v, _, beta, s0 = make_rule_inputs(1, 6, 2, 2, 8, 8)
+    ref_o, ref_state = delta_rule_seq_major(q, k, v, s0, beta=beta, use_qk_l2norm=True)
+    o, state = DeltaNetModule()(q, k, v, beta, s0)
+    assert abs(o.double().numpy() - ref_o).max() <= 1e-5 and abs(state.double().numpy() - ref_state).max() <= 1e-5
+    report = gdn_export.export(DeltaNetModule(), (q, k, v, beta, s0), tmp_path / "m.nnef.tgz", check=False,
+                               input_names=["q", "k", "v", "beta", "s0"], output_names=["o", "state"])
+    o, state = gdn_export.run_tract(report.path, [x.numpy() for x in (q, k, v, beta, s0)])
+    assert abs(o - ref_o).max() <= 1e-5 and abs(state - ref_state).max() <= 1e-5
 
 
 def test_channel_wise_decay_matches_transformers_kimi_kernels():

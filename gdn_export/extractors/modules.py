@@ -16,15 +16,23 @@ from gdn_export.target import policy_of
 class GatedDeltaRuleExtractor(ModuleInfoExtractor):
     MODULE_CLASS = GatedDeltaRule
 
+    @staticmethod
+    def _call_original_mod_with_args(mod, *args):
+        # the tracer keeps tensor arguments only: without a decay (g=None, DeltaNet) five are left
+        return mod(*args[:3], None, *args[3:]) if len(args) == 5 else mod(*args)
+
     def convert_to_nnef(self, g, node, name_to_tensor, null_ref, torch_graph, inference_target, **kwargs):
         _require_tract(inference_target, "GatedDeltaRule")
         tensors = [i for i in node.inputs if isinstance(i, tg.TensorVariable)]
-        if len(tensors) != 6 or len(node.outputs) != 2:
+        if len(tensors) not in (5, 6) or len(node.outputs) != 2:
             raise T2NErrorNotImplemented(
-                f"GatedDeltaRule expects (q, k, v, g, beta, initial_state) -> (o, state), got "
+                f"GatedDeltaRule expects (q, k, v, g or None, beta, initial_state) -> (o, state), got "
                 f"{len(tensors)} tensor inputs and {len(node.outputs)} outputs"
             )
-        q, k, v, gate, beta, s0 = (helper.get_or_add_tensor_variable_in_nnef(g, t, name_to_tensor) for t in tensors)
+        operands = [helper.get_or_add_tensor_variable_in_nnef(g, t, name_to_tensor) for t in tensors]
+        if len(operands) == 5:  # g=None: no decay
+            operands.insert(3, None)
+        q, k, v, gate, beta, s0 = operands
         outputs = list(node.outputs)
         # the tracer lists module outputs in escape order; the state is the one shaped like s0
         if list(outputs[0].shape) == list(s0.shape) and list(outputs[1].shape) != list(s0.shape):

@@ -139,12 +139,12 @@ class GatedDeltaRule(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        g: torch.Tensor,
+        g: torch.Tensor | None,
         beta: torch.Tensor,
         initial_state: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The tracer orders a module's inputs by first use, and the extractor reads them in signature
-        # order: touch them in that order before anything else.
-        q, k, v, g, beta, initial_state = (x.clone() for x in (q, k, v, g, beta, initial_state))
+        # order: touch them in that order before anything else (g is None for DeltaNet: no decay).
+        q, k, v, g, beta, initial_state = (None if x is None else x.clone() for x in (q, k, v, g, beta, initial_state))
         scale = default_scale(k.shape[-1]) if self.scale is None else float(self.scale)
         return reference(q, k, v, g, beta, None, None, initial_state, scale, self.use_qk_l2norm, self.num_householder)
