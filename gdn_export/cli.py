@@ -6,7 +6,8 @@
     gdn-export check OUT.nnef.tgz CHECKPOINT_DIR [--prompt-len N] [--decode-steps M] [--batch B]
     gdn-export info OUT.nnef.tgz
 
-Exit status 0 on success; 1 with a one-line reason on any failure; 2 on a usage error.
+Exit status 0 on success; 1 with a one-line reason on any failure (``--debug``: the traceback too); 2 on a
+usage error (checked before any work); 130 when interrupted (Ctrl-C, SIGTERM), leaving no output behind.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import time
 import warnings
 from typing import Sequence
 
-from gdn_export.errors import GdnExportError
 from gdn_export.lowering.emitter import LOWERINGS
 from gdn_export.lowering.policy import RUNTIMES
 
@@ -29,8 +29,9 @@ def _progress(message: str) -> None:
 
 
 def _convert(args) -> int:
-    from gdn_export.hf.convert import convert
+    from gdn_export.hf.convert import check_output_path, convert
 
+    check_output_path(args.output, args.force, force_hint="--force")
     report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
                      tract_version=args.tract_version, check=not args.no_check, force=args.force,
                      progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype,
@@ -40,6 +41,7 @@ def _convert(args) -> int:
 
 
 def _check(args) -> int:
+    from gdn_export.errors import GdnExportError
     from gdn_export.hf.convert import check
 
     _progress(f"checking {args.model} against {args.checkpoint}: prefill {args.prompt_len} + decode "
@@ -55,8 +57,6 @@ def _info(args) -> int:
     from gdn_export.export import read_metadata
     from gdn_export.runtime import load_tract_model
 
-    if not os.path.isfile(args.model):
-        raise GdnExportError(f"no file at {args.model}")
     metadata = read_metadata(args.model) or {}
     runnable = load_tract_model(args.model)
     print(f"{args.model}")
@@ -109,6 +109,33 @@ def _quiet_transformers() -> None:
     transformers.logging.disable_progress_bar()
 
 
+def _count(minimum: int):
+    """An argparse type: an integer >= ``minimum`` (a usage error otherwise, before any work)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _chunk_size(text: str) -> int:
+    value = _count(1)(text)
+    if value % 16:
+        raise argparse.ArgumentTypeError(f"a chunk size must be a positive multiple of 16 tokens, got {value}")
+    return value
+
+
+def _version(text: str) -> str:
+    parts = text.strip().lstrip("v").split(".")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a tract version of the form MAJOR.MINOR.PATCH")
+    return text
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="gdn-export", description=__doc__.splitlines()[0])
     sub = top.add_subparsers(dest="command", required=True)
@@ -124,24 +151,51 @@ def parser() -> argparse.ArgumentParser:
     convert.add_argument("--core-dtype", choices=["float16"], default=None,
                          help="run the fused op on float16 q/k/v/beta in a float32 model (tract's CUDA kernel is "
                               "f16-only); inexact, reported")
-    convert.add_argument("--chunk-size", type=int, default=None,
+    convert.add_argument("--chunk-size", type=_chunk_size, default=None,
                          help="tokens per chunk of the chunked lowering, a multiple of 16 (default: 64, or 32 with "
                               "per-channel decay)")
-    convert.add_argument("--tract-version", help="tract version to target (default: the installed one)")
+    convert.add_argument("--tract-version", type=_version, help="tract version to target (default: the installed one)")
     convert.add_argument("--no-check", action="store_true", help="skip the prefill/decode check against transformers")
     convert.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
     convert.set_defaults(run=_convert)
+    _add_debug(convert)
     check = sub.add_parser("check", help="compare an exported model with transformers on prefill and decode")
     check.add_argument("model", help="the .nnef.tgz")
     check.add_argument("checkpoint", help="the checkpoint it was converted from")
-    check.add_argument("--prompt-len", type=int, default=16)
-    check.add_argument("--decode-steps", type=int, default=8)
-    check.add_argument("--batch", type=int, default=1)
+    check.add_argument("--prompt-len", type=_count(1), default=16)
+    check.add_argument("--decode-steps", type=_count(0), default=8)
+    check.add_argument("--batch", type=_count(1), default=1)
     check.set_defaults(run=_check)
+    _add_debug(check)
     info = sub.add_parser("info", help="show an exported model's inputs, outputs, lowerings and versions")
     info.add_argument("model", help="the .nnef.tgz")
     info.set_defaults(run=_info)
+    _add_debug(info)
     return top
+
+
+def _add_debug(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="print the full traceback of a failure")
+
+
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM ends the command like Ctrl-C: the cleanup that removes partial output runs."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    if hasattr(signal, "SIGTERM"):
+        signal.signal(signal.SIGTERM, stop)
+
+
+def _fail(message: str, debug: bool) -> int:
+    if debug:
+        import traceback
+
+        traceback.print_exc()
+    print(f"gdn-export: error: {message}", file=sys.stderr)
+    return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -149,14 +203,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("RUST_BACKTRACE", "0")
     logging.basicConfig(level=logging.ERROR)
     warnings.filterwarnings("ignore")
-    _quiet_transformers()
+    _interrupt_on_sigterm()
     try:
+        from gdn_export.errors import GdnExportError  # imports the package (torch): after the arguments parse
+
+        _quiet_transformers()
         return args.run(args)
+    except KeyboardInterrupt:
+        print("gdn-export: interrupted; no output was left behind", file=sys.stderr)
+        return 130
     except GdnExportError as err:
-        print(f"gdn-export: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
-        for line in str(err).splitlines()[1:]:
-            print(f"  {line}", file=sys.stderr)
-        return 1
+        return _fail(_first_line(err) or type(err).__name__, args.debug)
+    except OSError as err:  # a file the user named could not be read or written
+        where = f"{err.filename}: " if err.filename else ""
+        return _fail(f"{where}{err.strerror or err}", args.debug)
+    except Exception as err:  # a defect of gdn_export or of a library: still one line, the rest with --debug
+        return _fail(f"unexpected {type(err).__name__}: {_first_line(err)} (rerun with --debug for the traceback)",
+                     args.debug)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else ""
 
 
 if __name__ == "__main__":

@@ -32,7 +32,11 @@ class ParityError(GdnExportError):
             + ("  <-- over" if not err <= tolerance[name] else "")
             for name, err in errors.items()
         ]
-        super().__init__("tract outputs differ from torch:\n" + "\n".join(lines))
+        over = [name for name, err in errors.items() if not err <= tolerance[name]]
+        worst = max(over or list(errors), key=lambda n: errors[n] / max(tolerance[n], 1e-30))
+        summary = (f"tract outputs differ from the reference beyond tolerance: {worst} max abs error "
+                   f"{errors[worst]:.3e} > {tolerance[worst]:.3e}" + (f" (+{len(over) - 1} more)" if len(over) > 1 else ""))
+        super().__init__(summary + "\n" + "\n".join(lines))
 
 
 class TractRuntimeError(GdnExportError):

@@ -58,13 +58,20 @@ def _pack(folder: Path, archive: Path) -> None:
 
 
 def read_metadata(path: str | os.PathLike) -> dict | None:
-    """The ``gdn_export.json`` stored in an archive by ``export(..., metadata=...)``, or None."""
-    with tarfile.open(path) as tar:
-        try:
-            member = tar.extractfile(METADATA_FILE)
-        except KeyError:
-            return None
-        return json.loads(member.read()) if member is not None else None
+    """The ``gdn_export.json`` stored in an archive by ``export(..., metadata=...)``, or None; GdnExportError when
+    ``path`` is not a readable .nnef.tgz archive."""
+    path = Path(path)
+    if not path.is_file():
+        raise GdnExportError(f"no file at {path} (expected a .nnef.tgz written by gdn-export)")
+    try:
+        with tarfile.open(path) as tar:
+            try:
+                member = tar.extractfile(METADATA_FILE)
+            except KeyError:
+                return None
+            return json.loads(member.read()) if member is not None else None
+    except (tarfile.TarError, EOFError, OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise GdnExportError(f"{path} is not a .nnef.tgz archive that gdn-export wrote ({err})") from None
 
 
 def nnef_tgz_path(path: str | os.PathLike) -> Path:
@@ -73,6 +80,41 @@ def nnef_tgz_path(path: str | os.PathLike) -> Path:
     if not path.name.endswith(".nnef.tgz"):
         raise GdnExportError(f"output path {path} must end with .nnef.tgz")
     return path
+
+
+def validate_options(lowering: str = "auto", runtime: str = "any", core_dtype: str | None = None,
+                     chunk_size: int | None = None) -> None:
+    """Raise LoweringError naming the first export option that is not valid (before any work is done)."""
+    if lowering not in LOWERINGS:
+        raise LoweringError(f"lowering {lowering!r} is not one of {', '.join(LOWERINGS)}")
+    if runtime not in RUNTIMES:
+        raise LoweringError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
+    if core_dtype not in (None, "float16"):
+        raise LoweringError(f"core_dtype {core_dtype!r}: only 'float16' (or None, the model's own) is supported")
+    if chunk_size is not None and chunk_size_error(chunk_size):
+        raise LoweringError(f"chunk_size: {chunk_size_error(chunk_size)}")
+
+
+def validate_dynamic_axes(dynamic_axes: dict | None, input_names: Sequence[str], args: Sequence) -> None:
+    """Every dynamic axis names a traced input and one of its axes, and one symbol never stands for two traced
+    lengths (tract would fail deep in its loader, e.g. "T should be equal to 2*T")."""
+    seen: dict[str, tuple[str, int, int]] = {}  # symbol -> (input, axis, traced length)
+    for name, axes in (dynamic_axes or {}).items():
+        if name not in input_names:
+            raise GdnExportError(f"dynamic_axes names {name!r}, which is not an input (inputs: {', '.join(input_names)})")
+        arg = args[list(input_names).index(name)]
+        rank = arg.dim() if isinstance(arg, torch.Tensor) else 0
+        for axis, symbol in axes.items():
+            if not isinstance(axis, int) or not -rank <= axis < rank:
+                raise GdnExportError(f"dynamic_axes[{name!r}]: axis {axis!r} does not exist on a rank-{rank} input")
+            length = int(arg.shape[axis])
+            if symbol in seen and seen[symbol][2] != length:
+                other, other_axis, other_length = seen[symbol]
+                raise GdnExportError(
+                    f"dynamic_axes: symbol {symbol!r} names axis {other_axis} of {other!r} (traced length {other_length}) "
+                    f"and axis {axis} of {name!r} (traced length {length}); one symbol must have one length "
+                    f"(name the other axis with its own symbol or an expression such as '2*{symbol}')")
+            seen.setdefault(symbol, (name, axis, length))
 
 
 def export(
@@ -97,28 +139,23 @@ def export(
     for ``runtime``: see gdn_export/lowering/policy.py), "native" (the fused op, LoweringError where it
     cannot be exact), or one portable lowering forced ("scan", "recurrent", "chunked"). ``runtime`` is
     where tract will run: "any" (fused op where exact, else the scan), "cpu" or "cuda".
-    ``core_dtype="float16"`` lets the fused op take f16 q/k/v/beta in an f32 model (tract's CUDA kernel
-    exists for f16 only): inexact, never chosen unless asked, and stated in the report. ``chunk_size`` sets the
-    tokens per chunk of the chunked lowering (a multiple of 16; None: 64, or 32 with per-channel decay).
-    The file appears only once complete. ``metadata`` (JSON-serializable) is stored in the archive as
-    ``gdn_export.json`` beside the graph, with the lowering decisions added. With ``check``, the file is run in tract on ``args`` and every
-    output compared with torch; beyond tolerance ParityError is raised (the file stays, for inspection).
+    ``core_dtype="float16"`` lets the fused op take f16 q/k/v/beta in an f32 model (tract's CUDA kernel exists
+    for f16 only): inexact, never chosen unless asked, stated in the report, and checked with the float16
+    tolerance. ``chunk_size`` sets the tokens per chunk of the chunked lowering (a multiple of 16; None: 64, or
+    32 with per-channel decay). ``metadata`` (JSON-serializable) is stored in the archive as ``gdn_export.json``
+    beside the graph, with the lowering decisions added. With ``check``, the file is run in tract on ``args``
+    and every output compared with torch; beyond tolerance ParityError is raised. The file appears at ``path``
+    only once written and checked: on any error or interruption nothing is left there.
     """
     import gdn_export.extractors  # noqa: F401  (handlers must be registered before tracing)
     from torch_to_nnef import export_model_to_nnef
 
-    if lowering not in LOWERINGS:
-        raise LoweringError(f"lowering {lowering!r} is not one of {', '.join(LOWERINGS)}")
-    if runtime not in RUNTIMES:
-        raise LoweringError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
-    if core_dtype not in (None, "float16"):
-        raise LoweringError(f"core_dtype {core_dtype!r}: only 'float16' (or None, the model's own) is supported")
-    if chunk_size is not None and chunk_size_error(chunk_size):
-        raise LoweringError(f"chunk_size: {chunk_size_error(chunk_size)}")
+    validate_options(lowering, runtime, core_dtype, chunk_size)
     path = nnef_tgz_path(path)
     args = tuple(args)
     version = tract_version or installed_tract_version()
     input_names = list(input_names) if input_names else [f"input_{i}" for i in range(len(args))]
+    validate_dynamic_axes(dynamic_axes, input_names, args)
     target = OfflineTractTarget(version, lowering=lowering, dynamic_axes=dynamic_axes, runtime=runtime,
                                 core_dtype=core_dtype, chunk_size=chunk_size)
 
@@ -139,18 +176,22 @@ def export(
             (folder / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
         staged = Path(tmp) / "model.nnef.tgz"
         _pack(folder, staged)
+        report = ExportReport(path=path, tract_version=version, decisions=list(target.gdn_decisions))
+        if check:
+            report.parity = _check_against_torch(module, args, staged, output_names, half=core_dtype == "float16")
+            report.parity.raise_if_failed()
         os.replace(staged, path)
-    report = ExportReport(path=path, tract_version=version, decisions=list(target.gdn_decisions))
-
-    if check:
-        with torch.no_grad():
-            expected = module(*args)
-        expected = [expected] if isinstance(expected, torch.Tensor) else list(expected)
-        names = list(output_names) if output_names else [f"output_{i}" for i in range(len(expected))]
-        actual = run_tract(path, [a.detach().numpy() for a in args])
-        # an output computed from f16 inputs carries f16 rounding, whatever its own dtype (f32 states)
-        half = any(isinstance(a, torch.Tensor) and a.dtype == torch.float16 for a in args)
-        relative = RELATIVE_TOLERANCE[np.dtype(np.float16 if half else np.float32)]
-        report.parity = check_parity(names, [e.detach().numpy() for e in expected], actual, relative)
-        report.parity.raise_if_failed()
     return report
+
+
+def _check_against_torch(module, args: tuple, archive: Path, output_names, half: bool) -> ParityResult:
+    """Every output of the archive run in tract on ``args`` against ``module(*args)`` in torch."""
+    with torch.no_grad():
+        expected = module(*args)
+    expected = [expected] if isinstance(expected, torch.Tensor) else list(expected)
+    names = list(output_names) if output_names else [f"output_{i}" for i in range(len(expected))]
+    actual = run_tract(archive, [a.detach().numpy() for a in args])
+    # an output computed from f16 inputs (or through an f16 core) carries f16 rounding, whatever its own dtype
+    half = half or any(isinstance(a, torch.Tensor) and a.dtype == torch.float16 for a in args)
+    relative = RELATIVE_TOLERANCE[np.dtype(np.float16 if half else np.float32)]
+    return check_parity(names, [e.detach().numpy() for e in expected], actual, relative)

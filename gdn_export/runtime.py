@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
 from gdn_export.errors import TractRuntimeError
+
+T = TypeVar("T")
 
 
 def tract_version() -> str:
@@ -26,13 +29,43 @@ def load_tract_model(path: str | os.PathLike, symbols: dict[str, int] | None = N
     path = Path(path)
     if not path.exists():
         raise TractRuntimeError(f"no model at {path}")
-    try:
+
+    def load():
         model = tract.nnef().with_tract_transformers().load(str(path))
         if symbols:
             model.transform(tract.SetSymbols(symbols))
         return model.into_runnable()
+
+    try:
+        return interruptible(load)
     except Exception as err:  # tract raises plain Exceptions with its own message
         raise TractRuntimeError(f"tract could not load {path}: {err}") from err
+
+
+def interruptible(work: Callable[[], T]) -> T:
+    """``work()``, run so that Ctrl-C and SIGTERM still reach the main thread while it lasts.
+
+    Python runs signal handlers only between bytecodes of the main thread, so a long call into tract (a model's
+    load and optimization takes seconds to minutes) would hold Ctrl-C back until it returns. In the main thread
+    the call runs in a daemon worker (tract releases the GIL) while the main thread waits in short slices; an
+    interruption then raises at once and the caller's cleanup runs. Elsewhere it is a plain call."""
+    if threading.current_thread() is not threading.main_thread():
+        return work()
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as err:  # handed to the caller's thread
+            outcome["error"] = err
+
+    worker = threading.Thread(target=run, name="gdn_export-tract", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["value"]  # type: ignore[return-value]
 
 
 def run_tract(path_or_runnable, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:

@@ -72,8 +72,13 @@ class Session:
     def prefill(self, input_ids) -> np.ndarray:
         """Run S >= 1 new tokens; returns their logits and keeps the updated states."""
         ids = np.asarray(input_ids)
-        if ids.ndim != 2 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise GdnExportError(f"input_ids must be integers of shape [B, S] with S >= 1, got {ids.dtype} {list(ids.shape)}")
+        if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise GdnExportError(f"input_ids must be integers of shape [B, S] with B, S >= 1, got {ids.dtype} "
+                                 f"{list(ids.shape)}")
+        vocab = self.metadata.get("vocab_size")
+        if vocab is not None and (ids.min() < 0 or ids.max() >= vocab):  # tract would abort the process
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            raise GdnExportError(f"token id {bad} is outside this model's vocabulary [0, {vocab})")
         if self.states is None:
             self.states = self._initial_states(ids.shape[0])
         elif ids.shape[0] != self.states[0].shape[0]:

@@ -68,6 +68,27 @@ def test_parity_failure_is_reported_per_output(tmp_path):
 
     with pytest.raises(gdn_export.ParityError, match=r"o: max abs error 1\.000e\+00 .* <-- over"):
         gdn_export.export(Drifting(), _rule_inputs(), tmp_path / "x.nnef.tgz", **NAMES)
+    assert list(tmp_path.iterdir()) == [], "a file that failed its check must not be left"
+    # check=False runs no check at all: the same module exports (and the graph lacks the + 1)
+    report = gdn_export.export(Drifting(), _rule_inputs(), tmp_path / "x.nnef.tgz", check=False, **NAMES)
+    assert report.parity is None and report.path.is_file()
+
+
+def test_dynamic_axes_naming_one_symbol_for_two_lengths(tmp_path):
+    """A Householder k of length 2T named "T" like q's T: refused before export, naming both axes."""
+    inputs = _rule_inputs()
+    dynamic = {name: {1: "T"} for name in ("q", "k", "v", "g", "beta")}
+    inputs[1] = torch.cat([inputs[1], inputs[1]], dim=1)
+    with pytest.raises(gdn_export.GdnExportError, match=r"symbol 'T' names axis 1 of 'q' \(traced length 4\) and "
+                                                        r"axis 1 of 'k' \(traced length 8\)"):
+        gdn_export.export(GatedDeltaRuleModel(), inputs, tmp_path / "x.nnef.tgz", dynamic_axes=dynamic, **NAMES)
+    with pytest.raises(gdn_export.GdnExportError, match=r"dynamic_axes\['q'\]: axis 4 does not exist on a rank-4"):
+        gdn_export.export(GatedDeltaRuleModel(), _rule_inputs(), tmp_path / "x.nnef.tgz", dynamic_axes={"q": {4: "S"}},
+                          **NAMES)
+    with pytest.raises(gdn_export.GdnExportError, match=r"dynamic_axes names 'x', which is not an input"):
+        gdn_export.export(GatedDeltaRuleModel(), _rule_inputs(), tmp_path / "x.nnef.tgz", dynamic_axes={"x": {1: "S"}},
+                          **NAMES)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_gate_errors_name_the_gate(tmp_path):

@@ -39,6 +39,7 @@ def safetensors_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
 
     folder = Path(checkpoint_dir)
     files = sorted(folder.glob("*.safetensors"))
+    _check_index(folder)
     if not files:
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
@@ -56,6 +57,25 @@ def safetensors_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
             raise CheckpointError(f"{path.name} is truncated or not a safetensors file: {err}") from None
         _check_offsets(path)
     return files
+
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _check_index(folder: Path) -> None:
+    """A sharded checkpoint's index must be readable and every shard it names present."""
+    index = folder / INDEX_FILE
+    if not index.is_file():
+        return
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(f"{index} is not a valid safetensors index (expected JSON with a weight_map)") from None
+    missing = [name for name in shards if not (folder / name).is_file()]
+    if missing:
+        raise CheckpointError(f"{folder} is missing {len(missing)} of the {len(shards)} shards named in {INDEX_FILE}: "
+                              f"{', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
 
 
 def _check_offsets(path: Path) -> None:
