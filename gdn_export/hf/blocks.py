@@ -1,137 +1,58 @@
-"""Export-friendly building blocks shared by the Hugging Face families.
+"""Export-friendly versions of transformers submodules that several Hugging Face families share.
 
-Each takes the weights of a transformers submodule and explicit state tensors, and is traceable into one
-S-generic graph: nothing here reads a sequence length into Python, positions and masks come from tensor
-shapes, and the gated delta rule and its short conv are single ``t2n_extra`` nodes.
+Each reads the weights of a transformers submodule (never its forward, whose loops or caches a trace would
+freeze) and computes with ``gdn_export.models.blocks``; explicit state tensors come in and go out.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from gdn_export.ops.causal_conv1d import causal_conv1d_update
-from gdn_export.ops.gated_delta_rule import gated_delta_rule
+from gdn_export.models import blocks
 
 
-def positions(input_ids: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
-    """Absolute positions ``[1, S]`` of the new tokens: the past length (axis 2 of a cache) plus 0..S-1.
+def rope_tables(rotary_emb: nn.Module, positions: torch.Tensor, dtype: torch.dtype):
+    """transformers' default rope (a ``*RotaryEmbedding``) at ``positions``: cos/sin ``[1, S, R]`` in ``dtype``."""
+    return blocks.rope_cos_sin(rotary_emb.inv_freq, positions, rotary_emb.attention_scaling, dtype)
 
-    One row for the whole batch (every sequence of a batch shares its past length): no batch axis enters
-    the position arithmetic, which keeps tract's symbolic shapes simple.
+
+def gated_attention(module: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_rotary,
+                    past_key: torch.Tensor, past_value: torch.Tensor, mask) -> tuple:
+    """Qwen3.5's ``*Attention`` with its output gate: per-head q/k norms, rotary, cache, sigmoid-gated ``o_proj``.
+
+    ``q_proj`` yields ``[q | gate]`` per head; ``mask(key, dtype)`` gives the additive mask over the extended key
+    cache. Returns (output ``[B, S, D]``, key cache, value cache).
     """
-    # input_ids[0] (a select, not a [:1] slice): tract would carry a slice's extent as min(B, 1) - min(B, 0)
-    offsets = (torch.ones_like(input_ids[0]).cumsum(-1) - 1)[None]
-    return offsets + past.shape[2]
+    batch, seq = x.shape[:2]
+    hidden_shape = (batch, seq, -1, module.head_dim)
+    query, gate = torch.chunk(module.q_proj(x).view(batch, seq, -1, module.head_dim * 2), 2, dim=-1)
+    gate = gate.reshape(batch, seq, -1)
+    query = module.q_norm(query.reshape(hidden_shape)).transpose(1, 2)
+    key = module.k_norm(module.k_proj(x).view(hidden_shape)).transpose(1, 2)
+    value = module.v_proj(x).view(hidden_shape).transpose(1, 2)
+    query, key = apply_rotary(query, key, cos, sin)
+    key, value = blocks.extend_cache(past_key, key), blocks.extend_cache(past_value, value)
+    out = blocks.attend(query, key, value, mask(key, query.dtype), module.scaling).reshape(batch, seq, -1)
+    return module.o_proj(out * torch.sigmoid(gate)), key, value
 
 
-def causal_mask(query_positions: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype,
-                sliding_window: int | None = None) -> torch.Tensor:
-    """Additive mask ``[1, 1, S, P+S]``: 0 where key position j <= query position i (and within the window).
+def routed_experts(experts: nn.Module, flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """A transformers ``*Experts`` module (fused ``gate_up_proj``, ``down_proj``) on every token, mixed by ``weights``
+    ``[N, E]``."""
+    return blocks.dense_experts(flat, weights, experts.gate_up_proj, experts.down_proj, experts.act_fn)
 
-    ``keys`` is any tensor with the P+S key positions on axis 2 (a layer's extended key cache): the mask
-    takes its length from there, so a symbolic past stays symbolic.
+
+def sparse_moe(block: nn.Module, x: torch.Tensor, normalize_topk: bool) -> torch.Tensor:
+    """transformers' Qwen ``*SparseMoeBlock``: top-k softmax experts plus a shared expert scaled by a sigmoid gate.
+
+    Reads only the block's weights: its own forward loops over the experts a batch happens to hit, which a
+    trace would freeze.
     """
-    key_positions = (torch.ones_like(keys[0, 0, :, 0], dtype=torch.int64).cumsum(-1) - 1)[None]  # [1, P+S]
-    allowed = key_positions[:, None, :] <= query_positions[:, :, None]
-    if sliding_window is not None:
-        allowed = allowed & (key_positions[:, None, :] > query_positions[:, :, None] - sliding_window)
-    zero = torch.zeros((), dtype=dtype)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, scaling: float, dtype: torch.dtype):
-    """Standard rotary tables ``[B, S, 2*len(inv_freq)]`` (transformers' default rope)."""
-    freqs = position_ids[..., None].float() * inv_freq.float()
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
-
-
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float):
-    """transformers' eager attention: q ``[B, H, S, D]``, k/v ``[B, Hkv, P+S, D]`` (GQA by repeat_interleave)."""
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling + mask
-    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(weights, value).transpose(1, 2)  # [B, S, H, Dv]
-
-
-def extend_cache(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    return torch.cat([past.to(new.dtype), new], dim=2)
-
-
-def gated_delta_mixer(
-    mixed_qkv: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    recurrent_state: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    key_heads: int,
-    heads: int,
-    width_k: int,
-    width_v: int,
-):
-    """Short conv + SiLU over ``[q|k|v]`` channels, then the gated delta rule with in-kernel q/k L2 norm.
-
-    mixed_qkv ``[B, S, 2*Hk*K + H*V]`` (pre-conv, model dtype); g, beta ``[B, S, H]``.
-    Returns (core output ``[B, S, H, V]``, new conv state, new recurrent state).
-    """
-    batch_seq = mixed_qkv.shape[:2]
-    convolved, conv_state = causal_conv1d_update(mixed_qkv.transpose(1, 2), conv_weight, conv_state)
-    convolved = convolved.transpose(1, 2)
-    key_dim = key_heads * width_k
-    query, key, value = torch.split(convolved, [key_dim, key_dim, heads * width_v], dim=-1)
-    query = query.reshape(*batch_seq, key_heads, width_k)
-    key = key.reshape(*batch_seq, key_heads, width_k)
-    value = value.reshape(*batch_seq, heads, width_v)
-    core, recurrent_state = gated_delta_rule(query, key, value, g, beta, recurrent_state, use_qk_l2norm=True)
-    return core, conv_state, recurrent_state
-
-
-def gdn_decay(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    """g = -exp(A_log) * softplus(a + dt_bias), in f32 (FAMILY.md section 1)."""
-    return -a_log.float().exp() * F.softplus(a.float() + dt_bias)
-
-
-def cached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: torch.Tensor,
-                     past_value: torch.Tensor, query_positions: torch.Tensor, scaling: float,
-                     sliding_window: int | None = None):
-    """Ungated attention over an explicit cache: q ``[B, H, S, D]``, new k/v ``[B, Hkv, S, D]`` after rotary.
-
-    Returns (output ``[B, S, H*Dv]`` ready for the output projection, extended key cache, extended value cache).
-    The whole past is kept and out-of-window keys are masked: transformers' sliding cache drops them instead,
-    which leaves the same softmax since masked weights are exactly zero.
-    """
-    key, value = extend_cache(past_key, key), extend_cache(past_value, value)
-    mask = causal_mask(query_positions, key, query.dtype, sliding_window)
-    out = attend(query, key, value, mask, scaling)
-    return out.flatten(2), key, value
-
-
-def top_k_routing(router_logits: torch.Tensor, top_k: int, normalize: bool) -> torch.Tensor:
-    """Dense routing weights ``[N, E]``: the top-k softmax probabilities (renormalized if asked), zeros elsewhere.
-
-    The scatter names its axis as 1, not -1: torch_to_nnef passes the axis to tract's scatter_elements
-    unnormalized, and tract 0.23 panics (index out of bounds) on a negative one.
-    """
-    probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
-    top_values, top_index = torch.topk(probs, top_k, dim=-1)
-    if normalize:
-        top_values = top_values / top_values.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(probs).scatter(1, top_index, top_values).to(router_logits.dtype)
-
-
-def dense_experts(x: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                  act) -> torch.Tensor:
-    """Every expert on every token, mixed by dense ``weights`` ``[N, E]`` (zero for unselected experts).
-
-    x ``[N, D]``; gate_up_proj ``[E, 2I, D]``; down_proj ``[E, D, I]``; the weights are cast to x's dtype before
-    mixing, as transformers casts its routing scores.
-    """
-    gate, up = torch.einsum("nd,eid->nei", x, gate_up_proj).chunk(2, dim=-1)
-    expert_out = torch.einsum("nei,edi->ned", act(gate) * up, down_proj)  # [N, E, D]
-    return (expert_out * weights[..., None].to(expert_out.dtype)).sum(1)
+    router = block.gate
+    flat = x.reshape(-1, router.hidden_dim)
+    weights = blocks.top_k_routing(F.linear(flat, router.weight), router.top_k, normalize_topk)
+    routed = routed_experts(block.experts, flat, weights)
+    shared = torch.sigmoid(block.shared_expert_gate(flat)) * block.shared_expert(flat)
+    return (routed + shared).view_as(x)

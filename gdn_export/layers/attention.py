@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gdn_export.hf import blocks
-from gdn_export.hf.families.base import StateSpec
 from gdn_export.layers.common import RMSNorm, split_heads
+from gdn_export.models import blocks
+from gdn_export.models.state import StateSpec, attention_states
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -65,9 +65,7 @@ class Attention(nn.Module):
         return self.o_proj(out), key, value
 
     def state_specs(self, layer: int, dtype: torch.dtype) -> list[StateSpec]:
-        shape = ("B", self.num_kv_heads, "P", self.head_dim)
-        return [StateSpec(f"key_{layer}", shape, dtype, layer, "key"),
-                StateSpec(f"value_{layer}", shape, dtype, layer, "value")]
+        return attention_states(layer, self.num_kv_heads, self.head_dim, dtype)
 
     def forward_states(self, x: torch.Tensor, states: list[torch.Tensor],
                        positions: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:

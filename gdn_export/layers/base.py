@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gdn_export.hf.families.base import StateSpec
 from gdn_export.layers.common import FusedRMSNormGated, RMSNorm, ShortConvolution, split_heads
+from gdn_export.models.state import StateSpec, conv_state, recurrent_state
 
 ConvStates = tuple[torch.Tensor, ...]
 # (out [B, S, D], new conv states, new recurrent state [B, Hv, K, V] f32): every delta layer's forward
@@ -107,11 +107,9 @@ class DeltaLayer(nn.Module):
 
     def state_specs(self, layer: int, dtype: torch.dtype) -> list[StateSpec]:
         """``conv_q_<i>``, ``conv_k_<i>``, ``conv_v_<i>`` (model dtype) then ``state_<i>`` (f32), graph order."""
-        specs = [StateSpec(f"conv_{part}_{layer}", ("B", channels, self.conv_size), dtype, layer, "conv")
+        specs = [conv_state(f"conv_{part}_{layer}", layer, channels, self.conv_size, dtype)
                  for part, channels in zip("qkv", self.conv_channels())]
-        specs.append(StateSpec(f"state_{layer}", ("B", self.num_v_heads, self.head_k_dim, self.head_v_dim),
-                               torch.float32, layer, "recurrent"))
-        return specs
+        return [*specs, recurrent_state(layer, self.num_v_heads, self.head_k_dim, self.head_v_dim)]
 
     def initial_states(self, batch: int, dtype: torch.dtype = torch.float32) -> tuple[ConvStates, torch.Tensor]:
         """Zero ``(conv_states, recurrent_state)`` for a fresh sequence."""

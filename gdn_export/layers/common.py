@@ -115,13 +115,6 @@ def mlp_width(hidden_size: int, hidden_ratio: int | None, intermediate_size: int
     return 256 * ((width + 255) // 256)
 
 
-def per_head_decay(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    """``-exp(A_log[h]) · softplus(f + dt_bias)`` per key channel, f32: f ``[B, S, H, K]``, A_log ``[H]``,
-    dt_bias ``[H·K]`` (FLA's KDA gate ``naive_kda_gate`` and GDN-2's inline gate)."""
-    heads = f.shape[-2]
-    return -a_log.float().exp()[:, None] * F.softplus(f.float() + dt_bias.float().view(heads, -1))
-
-
 def decay_parameters(a_count: int, dt_count: int, a_low: float, a_high: float) -> tuple[nn.Parameter, nn.Parameter]:
     """``A_log [a_count]`` and ``dt_bias [dt_count]`` with FLA's gate init: ``A_log = log U(a_low, a_high)``;
     ``dt_bias`` = inv-softplus of dt log-uniform in [1e-3, 0.1] (floor 1e-4). Checkpoints overwrite both."""

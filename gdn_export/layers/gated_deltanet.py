@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gdn_export.hf.blocks import gdn_decay
 from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
 from gdn_export.layers.common import decay_parameters, split_heads
+from gdn_export.models.blocks import delta_beta, gdn_decay
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
 
 
@@ -35,9 +35,7 @@ class GatedDeltaNet(DeltaLayer):
     def forward(self, x: torch.Tensor, conv_states: ConvStates, recurrent_state: torch.Tensor) -> LayerOutput:
         q, k, v, conv_states = self.project_qkv(x, conv_states)
         # FLA's kernel applies the gate and the sigmoid itself (use_gate_in_kernel, use_beta_sigmoid_in_kernel)
-        beta = self.b_proj(x).sigmoid()
-        if self.allow_neg_eigval:
-            beta = beta * 2.0
+        beta = delta_beta(self.b_proj(x), self.allow_neg_eigval)
         g = gdn_decay(self.a_proj(x), self.A_log, self.dt_bias)
         o, recurrent_state = gated_delta_rule(split_heads(q, self.head_k_dim), split_heads(k, self.head_k_dim),
                                               split_heads(v, self.head_v_dim), g, beta, recurrent_state,

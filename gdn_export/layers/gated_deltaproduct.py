@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gdn_export.hf.blocks import gdn_decay
 from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
 from gdn_export.layers.common import decay_parameters, split_heads
+from gdn_export.models.blocks import delta_beta, gdn_decay
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
 
 
@@ -45,9 +45,7 @@ class GatedDeltaProduct(DeltaLayer):
         # '... t (n h d) -> ... (t n) h d': a row-major reshape, sub-steps of a token stay adjacent
         k = k.reshape(batch, -1, self.num_heads, self.head_k_dim)
         v = v.reshape(batch, -1, self.num_v_heads, self.head_v_dim)
-        beta = self.b_proj(x).sigmoid()
-        if self.allow_neg_eigval:
-            beta = beta * 2.0
+        beta = delta_beta(self.b_proj(x), self.allow_neg_eigval)
         beta = beta.reshape(batch, -1, self.num_v_heads)
         g = gdn_decay(self.a_proj(x), self.A_log, self.dt_bias) if self.use_forget_gate else None
         o, recurrent_state = gated_delta_rule(split_heads(q, self.head_k_dim), k, v, g, beta, recurrent_state,

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
-from gdn_export.layers.common import decay_parameters, per_head_decay, split_heads
+from gdn_export.layers.common import decay_parameters, split_heads
+from gdn_export.models.blocks import per_head_decay
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
 
 

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
-from gdn_export.layers.common import decay_parameters, per_head_decay, split_heads
+from gdn_export.layers.common import decay_parameters, split_heads
+from gdn_export.models.blocks import delta_beta, per_head_decay
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
 
 
@@ -48,9 +49,7 @@ class KimiDeltaAttention(DeltaLayer):
 
     def forward(self, x: torch.Tensor, conv_states: ConvStates, recurrent_state: torch.Tensor) -> LayerOutput:
         q, k, v, conv_states = self.project_qkv(x, conv_states)
-        beta = self.b_proj(x).sigmoid()
-        if self.allow_neg_eigval:
-            beta = beta * 2.0
+        beta = delta_beta(self.b_proj(x), self.allow_neg_eigval)
         o, recurrent_state = gated_delta_rule(split_heads(q, self.head_k_dim), split_heads(k, self.head_k_dim),
                                               split_heads(v, self.head_v_dim), self.decay(x), beta, recurrent_state,
                                               use_qk_l2norm=True)

@@ -2,7 +2,8 @@
 
 ``model.embeddings`` → blocks (pre-norm: ``attn_norm`` → mixer → residual, ``mlp_norm`` → GatedMLP → residual)
 → ``model.norm`` → ``lm_head`` (tied to the embeddings with ``tie_word_embeddings``). Every FLA model type of
-this family (gated_deltanet, gated_deltaproduct, kda, delta_net) has this block; only the mixer differs.
+this family (gated_deltanet, gated_deltaproduct, kda, delta_net) has this block; only the mixer differs. The loop
+is ``gdn_export.models.decoder``'s, which every Hugging Face family runs too.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gdn_export.hf import blocks
-from gdn_export.hf.families.base import StateSpec
-from gdn_export.layers.attention import Attention
 from gdn_export.layers.common import GatedMLP, RMSNorm
+from gdn_export.models.decoder import Decoder
+from gdn_export.models.state import StateSpec
 
 
 @dataclass
@@ -34,6 +34,8 @@ class LMConfig:
 
 
 class Block(nn.Module):
+    """One layer's modules (FLA's names); ``FlaForCausalLM``'s decoder loop runs them."""
+
     def __init__(self, config: LMConfig, mixer: nn.Module) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
@@ -41,11 +43,10 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.hidden_ratio, config.intermediate_size, config.hidden_act)
 
-    def forward(self, x: torch.Tensor, states: list[torch.Tensor],
-                positions: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        h, states = self.attn.forward_states(self.attn_norm(x), states, positions)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x)), states
+    def forward(self, step, *args):
+        """``step(*args)``: the decoder loop's layer step, run inside this module's call so that the trace names
+        the layer's nodes by its index (``_0__attn__...``)."""
+        return step(*args)
 
 
 class Backbone(nn.Module):
@@ -69,8 +70,8 @@ class StateCache:
     states: list[torch.Tensor]
 
 
-class FlaForCausalLM(nn.Module):
-    """``model.*`` + ``lm_head`` with FLA's parameter names.
+class FlaForCausalLM(Decoder, nn.Module):
+    """``model.*`` + ``lm_head`` with FLA's parameter names, run by the decoder loop of ``gdn_export.models``.
 
     ``step(input_ids, states)`` is the export-friendly call (explicit states, one S-generic graph);
     ``forward(input_ids, past_key_values=None)`` is the eager one with a cache object, as transformers'
@@ -95,23 +96,36 @@ class FlaForCausalLM(nn.Module):
 
     def step(self, input_ids: torch.Tensor, states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids ``[B, S]`` and the flat states -> (logits ``[B, S, vocab]``, new flat states)."""
-        x = self.model.embeddings(input_ids)
-        counts = [len(layer.attn.state_specs(0, x.dtype)) for layer in self.model.layers]
-        per_layer, start = [], 0
-        for count in counts:
-            per_layer.append(list(states[start:start + count]))
-            start += count
-        if start != len(states):
-            raise ValueError(f"expected {start} state tensors, got {len(states)}")
-        positions = None
-        keys = [s[0] for layer, s in zip(self.model.layers, per_layer) if isinstance(layer.attn, Attention)]
-        if keys:  # every attention layer has seen the same past: its cache length gives the positions
-            positions = blocks.positions(input_ids, keys[0])
-        new_states = []
-        for layer, layer_states in zip(self.model.layers, per_layer):
-            x, layer_states = layer(x, layer_states, positions)
-            new_states += layer_states
-        return self.lm_head(self.model.norm(x)), new_states
+        return self.decode(input_ids, states, self.state_specs(self.lm_head.weight.dtype))
+
+    # --- the decoder's hooks ----------------------------------------------------------------------------------
+
+    @property
+    def layer_types(self) -> list[str]:
+        return self.config.layer_types
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embeddings(input_ids)
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def run_layer(self, layer, step, *args):
+        return layer(step, *args)
+
+    def mixer(self, index, layer, x, states, context):
+        # delta-rule and attention layers alike take (x, their states, positions)
+        out, states = layer.attn.forward_states(x, states, context.positions)
+        return (out, *states)
+
+    def feed_forward(self, index, layer, x):
+        return layer.mlp(x)
+
+    def norms(self, index, layer, part):
+        return (layer.attn_norm if part == "mixer" else layer.mlp_norm), None
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(x))
 
     def forward(self, input_ids: torch.Tensor, past_key_values: StateCache | None = None,
                 cache: StateCache | None = None, use_cache: bool = True, **unused) -> LMOutput:

@@ -1,41 +1,34 @@
-"""What every Hugging Face family provides: its transformers classes and an exportable decoder over them."""
+"""What every Hugging Face family provides: its transformers classes and an exportable decoder over them.
+
+A new family is one module defining ``FAMILY`` (listed in ``FAMILY_MODULES``): a ``Family`` naming its
+transformers classes, and a ``TransformersLM`` subclass that writes its mixers (``delta_mixer`` returning
+``(out, conv, state)``, ``attention`` returning ``(out, key, value)``), its states where they differ from the
+defaults (``delta_states``, ``attention_states``), and any other hook of ``gdn_export.models.decoder`` that
+differs (norm placement, residual, rotary tables, feed-forward, head).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import nn
 
+from gdn_export.hf.blocks import rope_tables
+from gdn_export.hf.checkpoint import CheckpointError
+from gdn_export.models.decoder import Decoder
+from gdn_export.models.state import StateSpec, attention_states, delta_states
 
-@dataclass(frozen=True)
-class StateSpec:
-    """One state tensor carried between calls: graph input ``in_<name>``, output ``out_<name>``.
-
-    shape entries are ints or the symbols "B" (batch) and "P" (past length, attention caches only); the
-    output of a cache has P+S along that axis.
-    """
-
-    name: str
-    shape: tuple
-    dtype: torch.dtype
-    layer: int
-    kind: str  # "conv", "recurrent", "key", "value"
-
-    def zeros(self, batch: int, dtype_override: torch.dtype | None = None) -> torch.Tensor:
-        shape = [batch if d == "B" else 0 if d == "P" else d for d in self.shape]
-        return torch.zeros(shape, dtype=dtype_override or self.dtype)
-
-    @property
-    def dynamic_axes(self) -> dict[int, str]:
-        return {i: d for i, d in enumerate(self.shape) if isinstance(d, str)}
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 
 class ExportableLM(nn.Module):
     """``forward(input_ids [B, S], *states) -> (logits [B, S, vocab], *new_states)`` over a transformers model.
 
-    Subclasses implement ``forward``; ``states`` lists the StateSpecs in graph order.
+    Subclasses implement ``forward`` (``TransformersLM``: the shared decoder loop); ``states`` lists the StateSpecs
+    in graph order.
     """
 
     states: Sequence[StateSpec]
@@ -46,6 +39,70 @@ class ExportableLM(nn.Module):
 
     def initial_states(self, batch: int) -> list[torch.Tensor]:
         return [spec.zeros(batch) for spec in self.states]
+
+
+class TransformersLM(Decoder, ExportableLM):
+    """The decoder loop (``gdn_export.models.decoder``) over a transformers ``*ForCausalLM``.
+
+    Defaults follow the submodule names transformers' hybrids share: ``model.embed_tokens``, ``model.layers``
+    with ``input_layernorm`` before the mixer and ``post_attention_layernorm`` before ``mlp`` (pre-norm),
+    ``model.norm`` then ``lm_head``; ``config.layer_types`` says which layers are linear attention. A family
+    supplies its mixers (``delta_mixer``, ``attention``) and the states they carry (``delta_states``,
+    ``attention_states``), and overrides any other hook that differs.
+    """
+
+    def __init__(self, hf_model: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__(hf_model)
+        self.config = hf_model.config
+        self.layer_types = self.config.layer_types
+        self.states = []
+        for i, layer in enumerate(self.decoder_layers()):
+            if self.layer_types[i] == "linear_attention":
+                self.states += self.delta_states(i, layer, dtype)
+            else:
+                self.states += self.attention_states(i, layer, dtype)
+
+    def delta_states(self, index: int, layer: nn.Module, dtype: torch.dtype) -> list[StateSpec]:
+        """A GDN layer's ``conv_<i>`` over ``[q|k|v]`` and ``state_<i>``, sized by the config's ``linear_*`` fields."""
+        config = self.config
+        key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+        channels = 2 * key_dim + config.linear_num_value_heads * config.linear_value_head_dim
+        return delta_states(index, channels, config.linear_conv_kernel_dim, config.linear_num_value_heads,
+                            config.linear_key_head_dim, config.linear_value_head_dim, dtype)
+
+    def attention_states(self, index: int, layer: nn.Module, dtype: torch.dtype) -> list[StateSpec]:
+        """``key_<i>``, ``value_<i>`` with the attention module's key/value heads and head width."""
+        # the config may carry no head_dim: the attention module derives it
+        return attention_states(index, self.config.num_key_value_heads, layer.self_attn.head_dim, dtype)
+
+    def forward(self, input_ids: torch.Tensor, *states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits, new_states = self.decode(input_ids, states, self.states)
+        return (logits, *new_states)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.hf.model.embed_tokens(input_ids)
+
+    def decoder_layers(self) -> Sequence[nn.Module]:
+        return self.hf.model.layers
+
+    def rotary_tables(self, x: torch.Tensor, positions: torch.Tensor):
+        """cos/sin of ``model.rotary_emb`` in the model dtype, for every attention layer."""
+        return rope_tables(self.hf.model.rotary_emb, positions, x.dtype)
+
+    def feed_forward(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return layer.mlp(x)
+
+    def norms(self, index: int, layer: nn.Module, part: str):
+        return (layer.input_layernorm if part == "mixer" else layer.post_attention_layernorm), None
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hf.lm_head(self.hf.model.norm(x))
+
+
+def require_silu_conv(config: PreTrainedConfig) -> None:
+    """transformers runs the GDN short conv with ``hidden_act``; the exported conv op always applies SiLU."""
+    if config.hidden_act != "silu":
+        raise CheckpointError(f"hidden_act {config.hidden_act!r}: the gated delta net conv is exported with SiLU only")
 
 
 @dataclass(frozen=True)
@@ -67,8 +124,6 @@ class Family:
         try:
             import transformers
         except ImportError:
-            from gdn_export.hf.checkpoint import CheckpointError
-
             raise CheckpointError(f"converting {self.name} checkpoints needs transformers 5.24: "
                                   "pip install 'gdn_export[hf]'") from None
 

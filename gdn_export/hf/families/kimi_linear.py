@@ -1,6 +1,6 @@
 """Kimi Linear (``kimi_linear``): KDA layers, NoPE multi-head latent attention, DeepSeek-style grouped MoE.
 
-KDA is the gated delta rule with a per-key-channel decay, which ``blocks.gated_delta_mixer`` passes through
+KDA is the gated delta rule with a per-key-channel decay, which ``models.blocks.gated_delta_mixer`` passes through
 to the op unchanged. The MLA layers apply no rotary embedding: transformers splits the compressed key into
 ``kv_nope`` and ``k_rot`` but only concatenates ``k_rot`` (shared by every head) after the per-head ``k_nope``.
 """
@@ -11,18 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gdn_export.hf import blocks
-from gdn_export.hf.families.base import ExportableLM, Family, StateSpec
-from gdn_export.hf.families.olmo_hybrid import require_silu_conv
-from gdn_export.hf.families.qwen3_5 import attention_states
-
-
-def kda_states(layer: int, config, dtype: torch.dtype) -> list[StateSpec]:
-    heads, width = config.linear_num_heads, config.linear_head_dim
-    return [
-        StateSpec(f"conv_{layer}", ("B", 3 * heads * width, config.linear_conv_kernel_dim), dtype, layer, "conv"),
-        StateSpec(f"state_{layer}", ("B", heads, width, width), torch.float32, layer, "recurrent"),
-    ]
+from gdn_export.hf.blocks import routed_experts
+from gdn_export.hf.families.base import Family, TransformersLM, require_silu_conv
+from gdn_export.models import blocks
+from gdn_export.models.state import attention_states, delta_states
 
 
 def grouped_sigmoid_routing(router_logits: torch.Tensor, score_bias: torch.Tensor, *, top_k: int, groups: int,
@@ -54,23 +46,28 @@ def grouped_sigmoid_routing(router_logits: torch.Tensor, score_bias: torch.Tenso
     return torch.zeros_like(scores).scatter(1, top_index, top_weights * scaling)
 
 
-class KimiLinearLM(ExportableLM):
+class KimiLinearLM(TransformersLM):
     def __init__(self, hf_model: nn.Module, dtype: torch.dtype) -> None:
-        super().__init__(hf_model)
-        config = hf_model.config
-        require_silu_conv(config)  # transformers' KDA conv runs hidden_act
-        self.config = config
-        self.states = []
-        for i, kind in enumerate(config.layer_types):
-            if kind == "linear_attention":
-                self.states += kda_states(i, config, dtype)
-            else:
-                # per-head keys [k_nope | k_rot] and values after kv_b_proj: decode then needs no re-expansion
-                # of the latent cache (transformers caches the latents and re-expands them every step)
-                self.states += attention_states(i, config.num_attention_heads, config.qk_nope_head_dim +
-                                                config.qk_rope_head_dim, dtype, value_dim=config.v_head_dim)
+        require_silu_conv(hf_model.config)  # transformers' KDA conv runs hidden_act
+        super().__init__(hf_model, dtype)
 
-    def kda(self, module: nn.Module, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor):
+    def delta_states(self, index, layer, dtype):
+        heads, width = self.config.linear_num_heads, self.config.linear_head_dim
+        return delta_states(index, 3 * heads * width, self.config.linear_conv_kernel_dim, heads, width, width, dtype)
+
+    def attention_states(self, index, layer, dtype):
+        # per-head keys [k_nope | k_rot] and values after kv_b_proj: decode then needs no re-expansion of the
+        # latent cache (transformers caches the latents and re-expands them every step)
+        config = self.config
+        return attention_states(index, config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim,
+                                dtype, value_dim=config.v_head_dim)
+
+    def rotary_tables(self, x, positions):
+        return None  # NoPE: only the attention masks need positions
+
+    def delta_mixer(self, index, layer, x, states):
+        module = layer.self_attn
+        conv_state, recurrent_state = states
         batch, seq = x.shape[:2]
         # the checkpoint's separate q/k/v convs are one depthwise conv over [q|k|v] in transformers
         mixed = torch.cat([module.q_proj(x), module.k_proj(x), module.v_proj(x)], dim=-1)
@@ -83,8 +80,8 @@ class KimiLinearLM(ExportableLM):
         out = module.o_norm(core, gate).reshape(batch, seq, -1)  # o_norm is sigmoid-gated and all f32
         return module.o_proj(out), conv_state, recurrent_state
 
-    def attention(self, module: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, past_key: torch.Tensor,
-                  past_value: torch.Tensor):
+    def attention(self, index, layer, x, states, context):
+        module = layer.self_attn
         batch, seq = x.shape[:2]
         if module.q_lora_rank is None:
             query = module.q_proj(x)
@@ -99,42 +96,20 @@ class KimiLinearLM(ExportableLM):
         # no rotary: k_rot enters as computed, one copy per head
         k_rot = k_rot[:, None].expand(-1, module.num_heads, -1, -1)
         key = torch.cat([k_nope, k_rot], dim=-1)
-        out, key, value = blocks.cached_attention(query, key, value, past_key, past_value, position_ids,
-                                                  module.scaling)
+        out, key, value = blocks.cached_attention(query, key, value, *states, context.positions, module.scaling)
         return module.o_proj(out), key, value
 
-    def moe(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        router, experts = block.gate, block.experts
+    def feed_forward(self, index, layer, x):
+        if self.config.mlp_layer_types[index] != "sparse":
+            return layer.mlp(x)
+        block = layer.mlp
+        router = block.gate
         flat = x.reshape(-1, router.hidden_dim)
         router_logits = F.linear(flat.float(), router.weight.float())  # the router runs in f32 whatever the dtype
         weights = grouped_sigmoid_routing(
             router_logits, router.e_score_correction_bias, top_k=router.top_k, groups=router.num_group,
             top_groups=router.topk_group, normalize=router.norm_topk_prob, scaling=router.routed_scaling_factor)
-        routed = blocks.dense_experts(flat, weights, experts.gate_up_proj, experts.down_proj, experts.act_fn)
-        return routed.view_as(x) + block.shared_experts(x)
-
-    def forward(self, input_ids: torch.Tensor, *states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        model = self.hf.model
-        config = self.config
-        x = model.embed_tokens(input_ids)
-        by_name = dict(zip((s.name for s in self.states), states))
-        caches = [s for spec, s in zip(self.states, states) if spec.kind == "key"]
-        # only the attention masks need positions (NoPE), and only attention layers have a past length to read
-        position_ids = blocks.positions(input_ids, caches[0]) if caches else None
-        new_states = []
-        for i, layer in enumerate(model.layers):
-            h = layer.input_layernorm(x)
-            if config.layer_types[i] == "linear_attention":
-                h, *layer_states = self.kda(layer.self_attn, h, by_name[f"conv_{i}"], by_name[f"state_{i}"])
-            else:
-                h, *layer_states = self.attention(layer.self_attn, h, position_ids, by_name[f"key_{i}"],
-                                                  by_name[f"value_{i}"])
-            new_states += layer_states
-            x = x + h
-            h = layer.post_attention_layernorm(x)
-            x = x + (self.moe(layer.mlp, h) if config.mlp_layer_types[i] == "sparse" else layer.mlp(h))
-        logits = self.hf.lm_head(model.norm(x))
-        return (logits, *new_states)
+        return routed_experts(block.experts, flat, weights).view_as(x) + block.shared_experts(x)
 
 
 FAMILY = Family(

@@ -8,26 +8,11 @@ feed-forward, which ``SparseMoeLM`` (shared with Qwen3.5-MoE) runs with dense ro
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from gdn_export.hf import blocks
+from gdn_export.hf.blocks import sparse_moe
 from gdn_export.hf.families.base import Family
 from gdn_export.hf.families.qwen3_5 import Qwen3_5LM
-
-
-def sparse_moe(block: nn.Module, x: torch.Tensor, normalize_topk: bool) -> torch.Tensor:
-    """transformers' ``*SparseMoeBlock``: top-k softmax experts plus a shared expert scaled by a sigmoid gate.
-
-    Reads only the block's weights: its own forward loops over the experts a batch happens to hit, which a
-    trace would freeze.
-    """
-    router, experts = block.gate, block.experts
-    flat = x.reshape(-1, router.hidden_dim)
-    weights = blocks.top_k_routing(F.linear(flat, router.weight), router.top_k, normalize_topk)
-    routed = blocks.dense_experts(flat, weights, experts.gate_up_proj, experts.down_proj, experts.act_fn)
-    shared = torch.sigmoid(block.shared_expert_gate(flat)) * block.shared_expert(flat)
-    return (routed + shared).view_as(x)
 
 
 class SparseMoeLM(Qwen3_5LM):
@@ -41,10 +26,10 @@ class SparseMoeLM(Qwen3_5LM):
         super().__init__(hf_model, dtype)
         self.normalize_topk = normalize_topk
 
-    def feed_forward(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(mlp, "experts"):
-            return sparse_moe(mlp, x, self.normalize_topk)
-        return mlp(x)
+    def feed_forward(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(layer.mlp, "experts"):
+            return sparse_moe(layer.mlp, x, self.normalize_topk)
+        return layer.mlp(x)
 
 
 def _frozen_linear(weight: torch.Tensor) -> nn.Linear:
@@ -92,8 +77,8 @@ class Qwen3NextLM(SparseMoeLM):
             for i, layer in enumerate(hf_model.model.layers) if layer.block_type == "linear_attention"
         })
 
-    def gdn(self, module, x, conv_state, recurrent_state):
-        return super().gdn(self.unfused[str(module.layer_idx)], x, conv_state, recurrent_state)
+    def delta_mixer(self, index, layer, x, states):
+        return self.gdn(self.unfused[str(index)], x, *states)
 
 
 FAMILY = Family(

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gdn_export.hf import blocks
+from gdn_export.hf.blocks import gated_attention, rope_tables, sparse_moe
 from gdn_export.hf.checkpoint import CheckpointError
-from gdn_export.hf.families.base import Family, StateSpec
+from gdn_export.hf.families.base import Family
 from gdn_export.hf.families.qwen3_5 import Qwen3_5LM
-from gdn_export.hf.families.qwen3_next import sparse_moe
+from gdn_export.models.state import StateSpec
 
 # scores are sums of ReLUs (>= 0), so this marks "not a candidate block" without an infinity in the graph
 NOT_CANDIDATE = -1.0
@@ -87,7 +87,7 @@ def window_keys(indexer: nn.Module, keys: torch.Tensor, rotary) -> tuple[torch.T
         total = total + F.pad(wide, (0, 0, ratio - 1 - i, i))
     pooled = indexer.k_layernorm((total / ratio).to(keys.dtype))
     first = token_positions(total) - (ratio - 1)
-    cos, sin = blocks.rope_cos_sin(rotary.inv_freq, first[None], rotary.attention_scaling, keys.dtype)
+    cos, sin = rope_tables(rotary, first[None], keys.dtype)
     return apply_rotary_pos_emb(pooled[:, :, None], cos=cos, sin=sin, unsqueeze_dim=2)[:, :, 0], first
 
 
@@ -153,65 +153,38 @@ def indexer_mask(indexer: nn.Module, query: torch.Tensor, index_keys: torch.Tens
 class Qwen4ExpLM(Qwen3_5LM):
     """Qwen3.5's GDN mixer and gated attention, with the QSA indexer, hyper-connections and MoE around them."""
 
-    def __init__(self, hf_model: nn.Module, dtype: torch.dtype) -> None:
-        super().__init__(hf_model, dtype)  # GDN conv/recurrent states and attention key/value caches
-        states = []
-        for spec in self.states:
-            states.append(spec)
-            if spec.kind == "value":
-                states.append(indexer_key_state(spec.layer, self.config, dtype))
-        self.states = states
+    def attention_states(self, index, layer, dtype):
+        return [*super().attention_states(index, layer, dtype), indexer_key_state(index, self.config, dtype)]
 
-    def indexed_attention(self, module: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          position_ids: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor,
-                          past_index_keys: torch.Tensor):
+    def embed(self, input_ids):
+        return super().embed(input_ids).repeat(1, 1, self.config.hc_count)  # the hc_count streams side by side
+
+    def attention(self, index, layer, x, states, context):
         from transformers.models.qwen4_exp.modeling_qwen4_exp import apply_rotary_pos_emb
 
+        module = layer.self_attn
+        past_key, past_value, past_index_keys = states
         indexer = module.indexer
-        batch, seq = x.shape[:2]
         index_query, new_index_keys = torch.split(
             indexer.index_qk_proj(x), [indexer.index_n_heads * indexer.index_head_dim, indexer.index_head_dim], -1)
         index_keys = torch.cat([past_index_keys.to(x.dtype), new_index_keys], dim=1)
-        mask = indexer_mask(indexer, index_query, index_keys, position_ids, cos, sin, self.hf.model.rotary_emb,
-                            x.dtype)
+        mask = indexer_mask(indexer, index_query, index_keys, context.positions, *context.rotary,
+                            self.hf.model.rotary_emb, x.dtype)
+        return (*gated_attention(module, x, *context.rotary, apply_rotary_pos_emb, past_key, past_value,
+                                 lambda key, dtype: mask), index_keys)
 
-        hidden_shape = (batch, seq, -1, module.head_dim)
-        query, gate = torch.chunk(module.q_proj(x).view(batch, seq, -1, module.head_dim * 2), 2, dim=-1)
-        query = module.q_norm(query.reshape(hidden_shape)).transpose(1, 2)
-        key = module.k_norm(module.k_proj(x).view(hidden_shape)).transpose(1, 2)
-        value = module.v_proj(x).view(hidden_shape).transpose(1, 2)
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        key, value = blocks.extend_cache(past_key, key), blocks.extend_cache(past_value, value)
-        out = blocks.attend(query, key, value, mask, module.scaling).reshape(batch, seq, -1)
-        return module.o_proj(out * torch.sigmoid(gate.reshape(batch, seq, -1))), key, value, index_keys
+    def residual(self, index, layer, part, x, branch):
+        """Every mixer and MoE reads a learned mix of the streams and writes back through per-stream gates."""
+        connection = layer.attn_hyper_connection if part == "mixer" else layer.mlp_hyper_connection
+        h, streams, inject = connection(x)
+        out, *states = branch(h)
+        return (streams + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2), *states)
 
-    def forward(self, input_ids: torch.Tensor, *states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        model = self.hf.model
-        by_name = dict(zip((s.name for s in self.states), states))
-        x = model.embed_tokens(input_ids)
-        caches = [s for spec, s in zip(self.states, states) if spec.kind == "key"]
-        if caches:
-            position_ids = blocks.positions(input_ids, caches[0])
-            rotary = model.rotary_emb
-            # the interleaved mRoPE reduces to the plain table for text, where all three position axes agree
-            cos, sin = blocks.rope_cos_sin(rotary.inv_freq, position_ids, rotary.attention_scaling, x.dtype)
-        x = x.repeat(1, 1, self.config.hc_count)
-        new_states = []
-        for i, layer in enumerate(model.layers):
-            h, streams, inject = layer.attn_hyper_connection(x)
-            if layer.layer_type == "linear_attention":
-                h, *layer_states = self.gdn(layer.linear_attn, h, by_name[f"conv_{i}"], by_name[f"state_{i}"])
-            else:
-                h, *layer_states = self.indexed_attention(
-                    layer.self_attn, h, cos, sin, position_ids, by_name[f"key_{i}"], by_name[f"value_{i}"],
-                    by_name[f"indexer_key_{i}"])
-            new_states += layer_states
-            x = streams + (h.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
-            h, streams, inject = layer.mlp_hyper_connection(x)
-            h = sparse_moe(layer.mlp, h, layer.mlp.gate.norm_topk_prob)
-            x = streams + (h.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
-        logits = self.hf.lm_head(model.hyper_connection_mixer(x))
-        return (logits, *new_states)
+    def feed_forward(self, index, layer, x):
+        return sparse_moe(layer.mlp, x, layer.mlp.gate.norm_topk_prob)
+
+    def head(self, x):
+        return self.hf.lm_head(self.hf.model.hyper_connection_mixer(x))  # a last mix of the streams, no final norm
 
 
 class Qwen4ExpFamily(Family):

@@ -1,0 +1,137 @@
+"""The one decoder loop of every family: embed, per layer a token mixer and a feed-forward, head.
+
+``Decoder.decode(input_ids, states, specs)`` runs
+
+    x = embed(input_ids)
+    context = positions of the new tokens (from the first key cache) and rotary_tables(x, positions)
+    for each layer i (layer_step, inside run_layer):
+        x, new states of i = residual(i, layer, "mixer", x, mixer on its carried states)
+        x, _ = residual(i, layer, "feed_forward", x, feed_forward)
+    logits = head(x)
+
+A family overrides only the hooks that differ:
+
+| hook | default |
+|---|---|
+| ``embed(input_ids)`` | required |
+| ``decoder_layers()`` | required: the layer modules, in order |
+| ``layer_types`` | required: per layer, ``"linear_attention"`` (a delta-rule mixer) or an attention kind |
+| ``rotary_tables(x, positions)`` | None (no tables shared by the layers) |
+| ``mixer(i, layer, x, states, context)`` | ``delta_mixer`` on linear-attention layers, ``attention`` on the others |
+| ``delta_mixer(i, layer, x, states)``, ``attention(i, layer, x, states, context)`` | required unless ``mixer`` is |
+| ``feed_forward(i, layer, x)`` | required |
+| ``norms(i, layer, part)`` | required unless ``residual`` is: (norm of the branch input, of its output), either None |
+| ``residual(i, layer, part, x, branch)`` | ``x + after(branch(before(x)))`` with ``norms``' pair (pre- or post-norm) |
+| ``head(x)`` | required: final norm and LM head |
+| ``run_layer(layer, step, *args)`` | ``step(*args)`` (a hook for the trace's node names only) |
+
+Mixers return ``(out, *new states)``: the layer's new states, in the order of its specs, which is the order
+they take among the graph's outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from gdn_export.models import blocks
+from gdn_export.models.state import StateSpec
+
+# a sublayer's branch: its input -> (output, *new states)
+Branch = Callable[[torch.Tensor], tuple]
+
+
+@dataclass
+class Context:
+    """What the layers of one call share, computed once before the loop."""
+
+    positions: torch.Tensor | None  # [1, S] absolute positions of the new tokens; None without an attention cache
+    rotary: Any = None  # rotary_tables' result (None where the family shares none)
+
+
+class Decoder:
+    """The decoder loop and its hooks (see the module docstring); mixed into an ``nn.Module``."""
+
+    layer_types: Sequence[str]
+
+    def decode(self, input_ids: torch.Tensor, states: Sequence[torch.Tensor],
+               specs: Sequence[StateSpec]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids ``[B, S]`` and the flat states (``specs`` order) -> (logits ``[B, S, vocab]``, new flat states)."""
+        layers = list(self.decoder_layers())
+        per_layer = split_states(states, specs, len(layers))
+        x = self.embed(input_ids)
+        # every attention layer has seen the same past: the first key cache's length gives the positions
+        first_key = next((s for spec, s in zip(specs, states) if spec.kind == "key"), None)
+        positions = None if first_key is None else blocks.positions(input_ids, first_key)
+        context = Context(positions, None if positions is None else self.rotary_tables(x, positions))
+        new_states = []
+        for i, layer in enumerate(layers):
+            x, *layer_states = self.run_layer(layer, self.layer_step, i, layer, x, per_layer[i], context)
+            new_states += layer_states
+        return self.head(x), new_states
+
+    def layer_step(self, index: int, layer: nn.Module, x: torch.Tensor, states: list[torch.Tensor],
+                   context: Context) -> tuple:
+        """One layer: ``(new x, *its new states)``."""
+        x, *new_states = self.residual(index, layer, "mixer", x,
+                                       lambda h: self.mixer(index, layer, h, states, context))
+        x, *_ = self.residual(index, layer, "feed_forward", x, lambda h: (self.feed_forward(index, layer, h),))
+        return (x, *new_states)
+
+    # --- hooks ------------------------------------------------------------------------------------------------
+
+    def run_layer(self, layer: nn.Module, step: Callable[..., tuple], *args) -> tuple:
+        """Calls ``step(*args)``; a family whose layer modules accept it may call ``layer(step, *args)`` instead,
+        so that the trace scopes the layer's nodes under the layer's name (FLA's ``_0__attn__...``)."""
+        return step(*args)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decoder_layers(self) -> Sequence[nn.Module]:
+        raise NotImplementedError
+
+    def rotary_tables(self, x: torch.Tensor, positions: torch.Tensor):
+        return None
+
+    def mixer(self, index: int, layer: nn.Module, x: torch.Tensor, states: list[torch.Tensor],
+              context: Context) -> tuple:
+        if self.layer_types[index] == "linear_attention":
+            return self.delta_mixer(index, layer, x, states)
+        return self.attention(index, layer, x, states, context)
+
+    def delta_mixer(self, index: int, layer: nn.Module, x: torch.Tensor, states: list[torch.Tensor]) -> tuple:
+        raise NotImplementedError
+
+    def attention(self, index: int, layer: nn.Module, x: torch.Tensor, states: list[torch.Tensor],
+                  context: Context) -> tuple:
+        raise NotImplementedError
+
+    def feed_forward(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def norms(self, index: int, layer: nn.Module, part: str) -> tuple[nn.Module | None, nn.Module | None]:
+        """(norm of the branch input, norm of the branch output) of ``part`` ("mixer" or "feed_forward")."""
+        raise NotImplementedError
+
+    def residual(self, index: int, layer: nn.Module, part: str, x: torch.Tensor, branch: Branch) -> tuple:
+        """The residual stream through one sublayer: ``(new x, *the branch's new states)``."""
+        before, after = self.norms(index, layer, part)
+        out, *states = branch(x if before is None else before(x))
+        return (x + (out if after is None else after(out)), *states)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def split_states(states: Sequence[torch.Tensor], specs: Sequence[StateSpec], layers: int) -> list[list[torch.Tensor]]:
+    """The flat states as one list per layer (by each spec's layer), graph order kept within a layer."""
+    if len(states) != len(specs):
+        raise ValueError(f"expected {len(specs)} state tensors, got {len(states)}")
+    per_layer: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+    for spec, state in zip(specs, states):
+        per_layer[spec.layer].append(state)
+    return per_layer
