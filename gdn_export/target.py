@@ -1,4 +1,4 @@
-"""The tract inference target gdn_export hands to torch-to-nnef: offline, and carrying the lowering policy.
+"""The tract inference target gdn_export hands to torch-to-nnef: offline, and carrying the lowering options.
 
 torch-to-nnef's ``TractNNEF`` downloads a tract command-line binary in its constructor and checks
 outputs with it. gdn_export checks with tract's Python bindings instead (``gdn_export.runtime``), so
@@ -8,6 +8,7 @@ answers the version, and with torch-to-nnef's own I/O check off.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +18,7 @@ from torch_to_nnef.inference_target.tract import TractCli, TractNNEF
 from torch_to_nnef.utils import SemanticVersion
 
 from gdn_export.lowering.capabilities import parse_version
+from gdn_export.lowering.options import LoweringOptions
 
 _CONSTRUCTION_LOCK = threading.Lock()
 
@@ -43,18 +45,12 @@ def _no_download() -> Iterator[None]:
 
 
 class OfflineTractTarget(TractNNEF):
+    """``TractNNEF`` without a binary, carrying what the emitter reads: ``gdn_options`` (a
+    ``LoweringOptions``, validated here: LoweringError on a bad value) and ``gdn_decisions`` (the emitter
+    appends one Decision per node)."""
+
     # the versions gdn_export's tests run (torch-to-nnef warns beyond its own list)
     OFFICIAL_SUPPORTED_VERSIONS = [SemanticVersion.from_str(v) for v in ("0.23.9", "0.22.1")]
-
-    """``TractNNEF`` without a binary, plus what the emitter needs to decide.
-
-    Attributes read by the emitter: ``gdn_lowering`` (one of emitter.LOWERINGS), ``gdn_runtime`` (where
-    tract will run: "any", "cpu", "cuda"), ``gdn_core_dtype`` ("float16" to run the fused op on f16
-    operands whatever the model's dtype, an explicit, inexact choice), ``gdn_chunk_size`` (tokens per chunk of
-    the chunked form, None: each body's default), ``tract_version`` (a tuple),
-    ``seq_may_vary`` (dynamic axes were declared, so traced extents may be symbolic) and
-    ``gdn_decisions`` (the emitter appends one Decision per node).
-    """
 
     def __init__(self, version: str, *, lowering: str = "auto", dynamic_axes: dict | None = None,
                  runtime: str = "any", core_dtype: str | None = None, chunk_size: int | None = None) -> None:
@@ -63,28 +59,23 @@ class OfflineTractTarget(TractNNEF):
                 version, check_io=False, dynamic_axes=dynamic_axes, dump_identity_properties=False,
                 native_gated_delta_op=False,
             )
-        self.gdn_lowering = lowering
-        self.tract_version = parse_version(version)
+        self.gdn_options = LoweringOptions(tract_version=parse_version(version), lowering=lowering, runtime=runtime,
+                                           core_dtype=core_dtype, chunk_size=chunk_size,
+                                           seq_may_vary=bool(self.dynamic_axes))
         self.gdn_decisions: list = []
-        self.gdn_runtime = runtime
-        self.gdn_core_dtype = core_dtype
-        self.gdn_chunk_size = chunk_size
 
-    @property
-    def seq_may_vary(self) -> bool:
-        return bool(self.dynamic_axes)
+    def with_dynamic_axes(self, dynamic_axes):
+        """torch-to-nnef's copy with other dynamic axes; whether traced extents may be symbolic follows them."""
+        copy = super().with_dynamic_axes(dynamic_axes)
+        copy.gdn_options = dataclasses.replace(copy.gdn_options, seq_may_vary=bool(dynamic_axes))
+        return copy
 
 
-def policy_of(target) -> OfflineTractTarget:
-    """The emitter's view of any TractNNEF: a plain one (torch-to-nnef's own export) gets the defaults."""
-    if isinstance(target, OfflineTractTarget):
-        return target
-    if not hasattr(target, "gdn_decisions"):
-        target.gdn_lowering = "auto"
-        target.gdn_runtime = "any"
-        target.gdn_core_dtype = None
-        target.gdn_chunk_size = None
-        target.tract_version = parse_version(target.version.to_str())
+def policy_of(target) -> TractNNEF:
+    """The target with the emitter's state (``gdn_options``, ``gdn_decisions``): a plain TractNNEF
+    (torch-to-nnef's own export) gets the default options for its version, once."""
+    if not hasattr(target, "gdn_options"):
+        target.gdn_options = LoweringOptions(tract_version=parse_version(target.version.to_str()),
+                                             seq_may_vary=bool(getattr(target, "dynamic_axes", None)))
         target.gdn_decisions = []
-        target.seq_may_vary = bool(getattr(target, "dynamic_axes", None))
     return target

@@ -204,7 +204,8 @@ def test_strong_decay_masks_before_exp(variant, tmp_path):
 
 def test_symbolic_batch_and_exact_output_lengths(tmp_path):
     """Batch and time both symbolic: the outputs' facts are exactly [B, S, H, V] and [B, H, K, V], so a model
-    around the node can prove its lengths equal (a chunk count of (63 + 64*(S/64))/64 would not simplify)."""
+    around the node can prove its lengths equal (a chunk count of (63 + 64*(S/64))/64, with chunks of 64, would
+    not simplify)."""
     import tract
 
     traced_args, traced_kwargs = variant_inputs("gdn", seq=3, width_k=32, width_v=16)

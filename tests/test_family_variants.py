@@ -1,4 +1,4 @@
-"""Every variant of the delta-rule family exported and run in tract against the float64 oracle (FAMILY.md §6)."""
+"""Every variant of the delta-rule family exported and run in tract against the float64 oracle (docs/MATH.md)."""
 
 import numpy as np
 import pytest

@@ -14,8 +14,9 @@ from torch_to_nnef.inference_target import TractNNEF
 from torch_to_nnef.op import extras
 
 from gdn_export.lowering import conv
-from gdn_export.lowering.emitter import Decision, GdnNode, emit
+from gdn_export.lowering.emitter import Decision, emit
 from gdn_export.lowering.nnef_builder import NnefBuilder
+from gdn_export.lowering.node import GdnNode
 from gdn_export.ops.causal_conv1d import check_conv_operands
 from gdn_export.target import policy_of
 
@@ -43,6 +44,12 @@ def _require_tract(inference_target, kind):
         raise T2NErrorNotImplemented(f"{kind} exports only to tract (got {type(inference_target).__name__})")
 
 
+def emit_for(g, gdn: GdnNode, inference_target) -> list:
+    """Hand the node to the emitter with the target's options, recording the decision on the target."""
+    target = policy_of(inference_target)
+    return emit(g, gdn, target.gdn_options, target.gdn_decisions)
+
+
 def handle_gated_delta_scan(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
     """Head-major node with q/k normalized and scaled by the caller."""
     _require_tract(inference_target, node.kind)
@@ -50,7 +57,7 @@ def handle_gated_delta_scan(g, node, name_to_tensor, op_helper, inference_target
     y, s_final = output_tensors(op_helper, node, name_to_tensor)
     gdn = GdnNode(name=y.name, q=q, k=k, v=v, g=gate, beta=beta, s0=s0, y=y, s_final=s_final, head_major=True,
                   use_qk_l2norm=False, scale=None, entry="t2n_extra::gated_delta_scan")
-    return emit(g, gdn, policy_of(inference_target))
+    return emit_for(g, gdn, inference_target)
 
 
 def handle_gated_delta_rule(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
@@ -63,7 +70,7 @@ def handle_gated_delta_rule(g, node, name_to_tensor, op_helper, inference_target
         head_major=False, use_qk_l2norm=bool(use_qk_l2norm), scale=float(scale), entry="gated_delta_rule",
         num_householder=int(num_householder),
     )
-    return emit(g, gdn, policy_of(inference_target))
+    return emit_for(g, gdn, inference_target)
 
 
 def handle_causal_conv1d_update(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
@@ -73,7 +80,7 @@ def handle_causal_conv1d_update(g, node, name_to_tensor, op_helper, inference_ta
     check_conv_operands(x.shape, weight.shape, state.shape)
     y, new_state = output_tensors(op_helper, node, name_to_tensor)
     target = policy_of(inference_target)
-    lowering, reason = conv.decide(target)
+    lowering, reason = conv.decide(target.gdn_options)
     target.gdn_decisions.append(Decision(y.name, "t2n_extra::causal_conv1d_update", lowering, reason, None))
     return conv.lower(NnefBuilder(g, y.name), x, weight, state, y, new_state, lowering)
 

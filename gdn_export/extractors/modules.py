@@ -7,10 +7,9 @@ from torch_to_nnef.exceptions import T2NErrorNotImplemented
 from torch_to_nnef.op import helper
 from torch_to_nnef.op.custom_extractors.base import ModuleInfoExtractor
 
-from gdn_export.extractors.custom_ops import _require_tract
-from gdn_export.lowering.emitter import GdnNode, emit
+from gdn_export.extractors.custom_ops import _require_tract, emit_for
+from gdn_export.lowering.node import GdnNode
 from gdn_export.ops.gated_delta_rule import GatedDeltaRule, default_scale
-from gdn_export.target import policy_of
 
 
 class GatedDeltaRuleExtractor(ModuleInfoExtractor):
@@ -48,4 +47,4 @@ class GatedDeltaRuleExtractor(ModuleInfoExtractor):
             use_qk_l2norm=module.use_qk_l2norm, scale=scale, entry="GatedDeltaRule module",
             num_householder=module.num_householder,
         )
-        return emit(g, gdn, policy_of(inference_target))
+        return emit_for(g, gdn, inference_target)

@@ -1,7 +1,8 @@
 """What tract's fused ``tract_transformers_gdn_recurrent`` accepts, per tract version.
 
-Measured with one hand-written graph per case against a numpy reference (``../shared/docs/TRACT.md``).
-Anything a row does not allow, the emitter lowers to the portable scan instead.
+Measured with one hand-written graph per case against a numpy reference (``docs/TRACT.md``).
+Anything a row does not allow, the fused lowering refuses (``fused.refusal``): ``lowering="auto"`` then takes
+the next exact lowering of the runtime's order (policy.py).
 """
 
 from __future__ import annotations

@@ -8,17 +8,23 @@ before 0.23.5) is NNEF's depthwise ``conv`` over ``state[:, :, 1:] ++ x``: no sy
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from nnef_tools.model import Tensor as NTensor
 
 from gdn_export.lowering.nnef_builder import NnefBuilder
 
+if TYPE_CHECKING:
+    from gdn_export.lowering.options import LoweringOptions
+
 FUSED_CONV_FIRST_VERSION = (0, 23, 5)
 OP_NAME = "tract_transformers_causal_conv1d_update"
 
 
-def decide(target) -> tuple[str, str]:
-    if target.tract_version >= FUSED_CONV_FIRST_VERSION:
+def decide(options: LoweringOptions) -> tuple[str, str]:
+    """(lowering, reason) for the short conv on the target version: "native" (the fused op) or "portable"."""
+    if options.tract_version >= FUSED_CONV_FIRST_VERSION:
         return "native", f"{OP_NAME} exists on this tract"
     return "portable", f"{OP_NAME} is not in tract before 0.23.5"
 

@@ -1,4 +1,4 @@
-"""Bringing a node's operands to the scan layouts shared by the portable lowerings.
+"""Bringing a node's operands to the per-token scan layout (the scan, the recurrent step, the chunked tail).
 
 Every per-token operand becomes f32 ``[T, B, Hk, G|1, ...]``: time first (the scan axis), value heads
 split into (key head, group) so key-head tensors broadcast over their G value heads instead of being
@@ -16,7 +16,7 @@ from nnef_tools.model import Tensor as NTensor
 
 from gdn_export.lowering.capabilities import F32
 from gdn_export.lowering.nnef_builder import NnefBuilder
-from gdn_export.lowering.operands import Dims
+from gdn_export.ops.operands import Dims
 
 L2NORM_EPS = 1e-6
 
@@ -35,7 +35,7 @@ class StepOperands:
 
 def step_operands(b: NnefBuilder, node, dims: Dims, substeps_split: bool = False) -> StepOperands:
     """``substeps_split``: the node's k, v and beta come with their sub-steps on an axis of their own, right
-    after the time axis (``[B, T, n, H, X]``, head-major ``[B, H, T, n, X]``), as ``chunked_general`` cuts them."""
+    after the time axis (``[B, T, n, H, X]``, head-major ``[B, H, T, n, X]``), as the chunked form cuts them."""
     seq_axis = 2 if node.head_major else 1
     n = dims.num_householder
 

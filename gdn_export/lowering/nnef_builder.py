@@ -110,7 +110,7 @@ class NnefBuilder:
         data = np.array(value, dtype=np.dtype(dtype))
         return NTensor(self.graph, name=None, shape=(), dtype=data.dtype.type, data=data)
 
-    # --- helpers for the chunked lowering (appended) ----------------------------------------------
+    # --- constants and matmuls (the chunked lowering) ---------------------------------------------
     def constant(self, what: str, value: np.ndarray) -> NTensor:
         """A constant tensor stored as an NNEF variable (a .dat file), for masks too big to write inline."""
         data = np.ascontiguousarray(value)

@@ -4,16 +4,30 @@ Where the portable scan broadcasts elementwise over the ``[K, V]`` state and red
 through matmuls tract runs on its packed kernels: ``r = e S`` (row times state), the rank-1 update
 ``S += k (u - r)`` as a ``[K, 1] x [1, V]`` product, and the readout ``y = q S``. The state keeps its
 size-1 scan axis (rank 6): tract 0.23.9 never finishes loading a scan body that squeezes and also
-multiplies the state by a matrix.
+multiplies the state by a matrix. Measured slower than the scan on tract's CPU kernels (benchmarks/RESULTS.md):
+no runtime's policy picks it, it is an explicit choice.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gdn_export.lowering.capabilities import F32
 from gdn_export.lowering.layout import StepOperands, step_operands, write_outputs
 from gdn_export.lowering.nnef_builder import NnefBuilder
-from gdn_export.lowering.operands import Dims
-from gdn_export.lowering.scan import scan_fragment
+from gdn_export.lowering.steps import scan_fragment
+from gdn_export.ops.operands import Dims
+
+if TYPE_CHECKING:
+    from gdn_export.lowering.node import GdnNode
+    from gdn_export.lowering.options import LoweringOptions
+
+NAME = "recurrent"
+ALWAYS_EXACT = True
+
+
+def refusal(node: GdnNode, dims: Dims, options: LoweringOptions) -> str | None:
+    return None  # the reference recurrence itself, step by step
 
 
 def matmul_step_fragment(num_householder: int, has_decay: bool):
@@ -42,7 +56,7 @@ def lower_steps(b: NnefBuilder, ops: StepOperands, dims: Dims, state):
     return b.squeeze(y, [4]), b.squeeze(final, [0]), fragment
 
 
-def lower(b: NnefBuilder, node, dims: Dims) -> list:
+def lower(b: NnefBuilder, node: GdnNode, dims: Dims, options: LoweringOptions) -> list:
     ops = step_operands(b, node, dims)
     y, state, fragment = lower_steps(b, ops, dims, ops.s0)
     write_outputs(b, node, dims, y, state)

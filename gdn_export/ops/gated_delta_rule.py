@@ -20,7 +20,7 @@ import warnings
 import torch
 from torch import nn
 
-from gdn_export.lowering.operands import validate_operands
+from gdn_export.ops.operands import validate_operands
 from gdn_export.ops.naive import delta_rule_recurrence, l2norm
 from gdn_export.ops.registration import define_or_reuse
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from gdn_export.lowering.operands import validate_operands
+from gdn_export.ops.operands import validate_operands
 from gdn_export.ops.naive import gated_delta_recurrence
 from gdn_export.ops.registration import define_or_reuse
 

@@ -1,6 +1,6 @@
 """The reference math of the delta-rule family: the one implementation every other form is checked against.
 
-Head-major layout (time on axis 2). One recurrence covers the family (``../shared/docs/FAMILY.md`` §6):
+Head-major layout (time on axis 2). One recurrence covers the family (``docs/MATH.md``):
 
     S_t = (I - k_t (b_t * k_t)^T) Diag(exp g_t) S_{t-1} + k_t (w_t * v_t)^T,    y_t = S_t^T q_t
 

@@ -1,8 +1,7 @@
-"""Prefill lowering for the rest of the family: the chunked form of FAMILY.md section 6 in general.
+"""The general chunk body: the rest of the family, in the chunked form of docs/MATH.md's generalized recurrence.
 
-``chunked.py`` holds the tuned body for scalar decay with beta and one step per token (GDN, DeltaNet);
-this module covers what it does not, with the same outer structure (a scan over chunks of real tokens,
-then the per-token tail of ``chunked.py``, so a decode token is never padded to a chunk):
+gdn.py holds the tuned body for scalar decay with beta and one step per token (GDN, DeltaNet); this body
+covers what it does not, inside the same outer structure (outer.py):
 
 - erase/write gates (GDN2): the erased key ``e = b*k`` and written value ``u = w*v`` replace ``beta*k`` and
   ``beta*v`` (beta is the special case ``b = w = beta``);
@@ -14,7 +13,7 @@ then the per-token tail of ``chunked.py``, so a decode token is never padded to 
 Per chunk, with ``G`` the cumulative log-decay inside the chunk (per head or per key channel):
 
     A_ij = sum_k e_i k_j exp(G_i - G_j)  (i > j)       P_ij = sum_k q_i k_j exp(G_i - G_j)  (i >= j)
-    Delta = (I + A)^-1 (U - (E * exp G) S)                 (forward substitution, ``chunked.solve_unit_lower``)
+    Delta = (I + A)^-1 (U - (E * exp G) S)                 (forward substitution, ``body.solve_unit_lower``)
     Y = (Q * exp G) S + P Delta        S <- exp(G_C) * S + (K * exp(G_C - G))^T Delta
 
 Every exponent is of a difference ``G_i - G_j`` with ``i >= j`` or of ``G`` itself, all <= 0 (g <= 0): no
@@ -24,56 +23,34 @@ factor can overflow, whatever the decay.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 from nnef_tools.model import Tensor as NTensor
-from torch_to_nnef.op.fragment import Fragment
 
-from gdn_export.lowering import chunked
-from gdn_export.lowering.capabilities import F32
-from gdn_export.lowering.chunked import MASKED, SOLVE_BLOCK, Body, solve_unit_lower
-from gdn_export.lowering.layout import L2NORM_EPS, step_operands
+from gdn_export.lowering.chunked import outer
+from gdn_export.lowering.chunked.body import MASKED, Body, solve_masks, solve_unit_lower, write_y
+from gdn_export.lowering.chunked.outer import chunk_ones, cumulative_log_decay, scan_layout
+from gdn_export.lowering.layout import L2NORM_EPS
 from gdn_export.lowering.nnef_builder import NnefBuilder
-from gdn_export.lowering.operands import Dims
+from gdn_export.ops.operands import Dims
 
-# per-channel decay: chunks of 32 tokens cut into exact [4, 4, K] decay blocks (channel_decay_pairs). Measured
-# (KDA, H=16, K=V=128, S=1024, bench_lowerings --variants): chunk 64 with blocks of 32/16/8/4: 619/267/195/223 ms,
-# chunk 32 with blocks of 8/4: 160/142 ms; the scan takes ~480 ms
-CHANNEL_CHUNK = 32
-SUB_BLOCK = 4
+SUB_BLOCK = 4  # tokens per exact per-channel decay block (channel_decay_pairs; measured: outer.CHANNEL_CHUNK)
+
 
 def refusal(dims: Dims) -> str | None:
-    """Why this module's body would not compute the node (None: it does)."""
+    """Why this body would not compute the node (None: it does)."""
     if dims.channel_decay and dims.num_householder != 1:
         return "per-channel decay with Householder sub-steps has no chunked form here; use the scan"
     return None
 
 
-def token_chunk(dims: Dims, chunk: int | None = None) -> int:
-    """Real tokens per chunk, Cr: ``c = n * Cr`` sub-steps must be a multiple of the solve block, and at least
-    the chunk size when n divides it (``chunk``, by default 64, or ``CHANNEL_CHUNK`` with per-channel decay)."""
-    chunk = chunk or (CHANNEL_CHUNK if dims.channel_decay else chunked.CHUNK)
-    n = dims.num_householder
-    unit = SOLVE_BLOCK // math.gcd(SOLVE_BLOCK, n)  # tokens per solve-block multiple
-    return unit * max(1, -(-chunk // (unit * n)))
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Variant(outer.Variant):
+    """What the chunk body computes; one fragment per distinct variant (``tokens`` is Cr)."""
 
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """What the chunk body computes; one fragment per distinct variant."""
-
-    tokens: int  # Cr
     steps: int  # n
     decay: str  # "none", "head", "channel"
     gated: bool  # erase/write gates instead of beta
-    l2norm: bool
-    scale: float | None
-    head_major: bool
-    key_heads: int
-    heads: int
-    width_k: int
-    width_v: int
 
     @property
     def substeps(self) -> int:
@@ -81,79 +58,45 @@ class Variant:
 
     @property
     def name(self) -> str:
-        scale = "none" if self.scale is None else repr(float(self.scale)).replace(".", "p").replace("-", "m").replace("+", "")
         return (f"gdn_export_chunkg_c{self.tokens}_n{self.steps}_{self.decay}{'_gates' if self.gated else ''}"
-                f"{'_l2' if self.l2norm else ''}_s{scale}_{'hm' if self.head_major else 'sm'}_hk{self.key_heads}"
-                f"_h{self.heads}_k{self.width_k}_v{self.width_v}")
+                f"{self.semantics}_hk{self.key_heads}_h{self.heads}_k{self.width_k}_v{self.width_v}")
 
 
-def lower(b: NnefBuilder, node, dims: Dims, tokens: int) -> list:
-    """Write the chunked lowering of ``node`` (which ``refusal`` accepted), ``tokens`` (``token_chunk``) real
-    tokens a chunk; return the fragments it uses."""
-    n = dims.num_householder
-    variant = Variant(tokens, n, "channel" if dims.channel_decay else "head" if dims.has_decay else "none",
-                      dims.gated_writes, node.use_qk_l2norm, node.scale, node.head_major, dims.key_heads, dims.heads,
-                      dims.width_k, dims.width_v)
-    time_axis = 2 if node.head_major else 1
-    raw = {"q": node.q, "k": node.k, "v": node.v, "beta": node.beta, "g": node.g, "erase": node.erase,
-           "write": node.write}
-    heads, whole, tails = {}, {}, {}
-    for name, x in raw.items():
-        if x is None:
-            continue
-        if n > 1 and name in ("k", "v", "beta"):
-            # sub-steps on an axis of their own before the cut: tract 0.23.9 gets the length of a reshape of a
-            # symbolic tail wrong (S - 64*(S/32) for (2S - 64*(S/32)) / 2)
-            x = b.split_axis(x, time_axis, [-1, n])
-        whole[name] = x
-        heads[name], tails[name] = chunked.split_like(b, x, node.q, time_axis, variant.tokens)
-    s0 = b.unsqueeze(b.split_axis(b.cast(node.s0, F32), 1, [dims.key_heads, dims.groups]), [0])  # [1, B, Hk, G, K, V]
-    y_head, state, scan = chunk_part(b, variant, heads, whole, s0, dims)
-    tail_ops = step_operands(b, dataclasses.replace(node, **tails), dims, substeps_split=n > 1)
-    y_tail, final = chunked.token_part(b, tail_ops, state, dims)
-    chunked.write_outputs(b, node, dims, y_head, y_tail, final)
-    return [chunked.SPLIT, chunked.FINAL, chunked.PAD, chunked.TAKE, scan,
-            chunked.tail_fragment(n, tail_ops.log_decay is not None)]
+def variant(node, dims: Dims, tokens: int) -> Variant:
+    """``tokens`` (outer.tokens_per_chunk) real tokens a chunk."""
+    decay = "channel" if dims.channel_decay else "head" if dims.has_decay else "none"
+    return Variant.of(node, dims, tokens, steps=dims.num_householder, decay=decay, gated=dims.gated_writes)
 
 
-def chunk_part(b: NnefBuilder, variant: Variant, heads: dict[str, NTensor], whole: dict[str, NTensor], s0: NTensor,
-               dims: Dims):
-    """The chunk scan, the state after it, and its fragment. The per-chunk inputs (built from the operands cut
-    to whole chunks, ``heads``) come first, so the scan runs one step per whole chunk; the per-token inputs are
-    the uncut operands (``whole``), of which it reads no more (see chunked.chunk_part)."""
+def scan_inputs(b: NnefBuilder, variant: Variant, heads: dict[str, NTensor], whole: dict[str, NTensor], dims: Dims):
+    """The scan's inputs, ``name: (tensor, axis, step)``: the per-chunk ones (built from the operands cut to whole
+    chunks, ``heads``) first, so the scan runs one step per whole chunk, then the uncut per-token operands
+    (``whole``), of which it reads no more (outer.chunk_scan)."""
     cr = variant.tokens
-    layout = lambda name, groups: chunked.scan_layout(b, whole[name], variant.head_major, groups)  # noqa: E731
+    layout = lambda name, groups: scan_layout(b, whole[name], variant.head_major, groups)  # noqa: E731
     q = layout("q", 1)  # [1, B, Hk, 1, T, K]
-    q_head = chunked.scan_layout(b, heads["q"], variant.head_major, 1)  # [1, B, Hk, 1, N*Cr, K]
+    q_head = scan_layout(b, heads["q"], variant.head_major, 1)  # [1, B, Hk, 1, N*Cr, K]
     first_channel = b.op("slice", q_head, shape=(*q_head.shape[:5], 1), attribs={"axes": [5], "begin": [0], "end": [1]})
-    scanned = {"one": (chunked.chunk_ones(b, first_channel, cr), 4, 1)}  # per chunk first: see chunked.chunk_part
+    scanned = {"one": (chunk_ones(b, first_channel, cr), 4, 1)}
     if variant.decay != "none":
-        gamma, end = chunked.cumulative_log_decay(b, chunked.scan_layout(b, heads["g"], variant.head_major, dims.groups), cr)
+        gamma, end = cumulative_log_decay(b, scan_layout(b, heads["g"], variant.head_major, dims.groups), cr)
         scanned["end"] = (end, 4, 1)
         scanned["gamma"] = (gamma, 4, cr)
     scanned["q"] = (q, 4, cr)
-    substep = lambda name, groups: chunked.scan_layout(b, whole[name], variant.head_major, groups, True)  # noqa: E731
+    substep = lambda name, groups: scan_layout(b, whole[name], variant.head_major, groups, True)  # noqa: E731
     per_token = substep if variant.steps > 1 else layout
     scanned["k"] = (per_token("k", 1), 4, cr)
     scanned["v"] = (per_token("v", dims.groups), 4, cr)
     for name in ("erase", "write") if variant.gated else ("beta",):
         scanned[name] = (per_token(name, dims.groups), 4, cr)
-    masks = {name: b.constant(name, value) for name, value in constants(variant).items()}
-    fragment = scan_fragment(variant, {name: tuple(axis_chunk) for name, (_, *axis_chunk) in scanned.items()}, tuple(masks))
-    batch, steps = heads["q"].shape[0], heads["q"].shape[2 if variant.head_major else 1]
-    shape = (batch, dims.heads, steps, dims.width_v) if variant.head_major else (batch, steps, dims.heads, dims.width_v)
-    y = b.tensor("chunk_y", shape, F32)
-    states = b.tensor("chunk_states", (steps // cr, *s0.shape[1:]), F32)
-    b.multi_op(fragment.name, (*(x for x, *_ in scanned.values()), *masks.values(), s0), (y, states))
-    return y, chunked.final_state(b, s0, states), fragment
+    return scanned
 
 
-def constants(variant: Variant) -> dict[str, np.ndarray]:
+def masks(variant: Variant) -> dict[str, np.ndarray]:
     """Masks added (log space, before exp) or multiplied in the body, shaped to broadcast at their use."""
     c = variant.substeps
     lower = np.tril(np.ones((c, c)))
-    found = {name: value for name, value in chunked.constants(c).items()
-             if name.startswith("join") or name == "identity"}
+    found = solve_masks()
     if variant.decay == "channel":
         s, blocks = SUB_BLOCK, c // SUB_BLOCK
         sub_lower = np.tril(np.ones((s, s)))
@@ -168,7 +111,7 @@ def constants(variant: Variant) -> dict[str, np.ndarray]:
     return {name: np.asarray(value, np.float32) for name, value in found.items()}
 
 
-def body(variant: Variant) -> list[str]:
+def lines(variant: Variant) -> list[str]:
     """One chunk, every operand ``[1, B, Hk, G|1, steps, X]``; outputs ``s_t`` and ``y_t`` (node layout)."""
     x = Body()
     cr, n, c = variant.tokens, variant.steps, variant.substeps
@@ -225,7 +168,7 @@ def body(variant: Variant) -> list[str]:
         steps = x(f"reshape({y}, shape = [{cr}, {n}], axis_start = 4, axis_count = 1)")
         y = x(f"reshape(slice({steps}, axes = [5], begin = [{n - 1}], end = [{n}]), shape = [{cr}], axis_start = 4, "
               "axis_count = 2)")
-    chunked.write_y(x, y, variant.head_major, cr, variant.heads)
+    write_y(x, y, variant.head_major, cr, variant.heads)
     return x.lines
 
 
@@ -259,8 +202,3 @@ def channel_decay_pairs(x: Body, e: str, q: str, k: str, gamma: str, c: int) -> 
         both = x(f"{earlier} + reshape({placed}, shape = [{c}], axis_start = 6, axis_count = 2)")
         found.append(x(f"reshape({both}, shape = [{c}], axis_start = 4, axis_count = 2)"))  # [.., c, c]
     return found[0], found[1]
-
-
-def scan_fragment(variant: Variant, scanned: dict[str, tuple[int, int]], masks: tuple[str, ...]) -> Fragment:
-    return chunked.scan_over_chunks(variant.name, body(variant), scanned, masks, 2 if variant.head_major else 1,
-                                    variant.tokens)

@@ -1,4 +1,5 @@
-"""The operands of one delta-rule node and their validation, shared by the torch ops and the emitter."""
+"""The operands of one delta-rule node and their validation: the torch ops (``gdn_export.ops``) check their
+arguments with it, and the lowerings (``gdn_export.lowering``) read the sizes it returns (``Dims``)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,126 @@
+"""The lowering interface: the registry, the runtime policy over it, the typed options, the one-way layering."""
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+import gdn_export
+from gdn_export.lowering import policy, registry
+from gdn_export.lowering.options import LoweringOptions, validate_options
+
+PACKAGE = Path(gdn_export.__file__).parent
+
+
+def test_every_registered_lowering_has_the_interface():
+    assert registry.LOWERINGS == ("auto", "native", "scan", "recurrent", "chunked")
+    for name, lowering in registry.REGISTRY.items():
+        assert lowering.name == lowering.module.NAME == name
+        assert callable(lowering.refusal) and callable(lowering.note) and callable(lowering.lower)
+    assert registry.get("native").label == "fused op" and registry.get("chunked").label == "chunked"
+    assert [name for name, lowering in registry.REGISTRY.items() if lowering.always_exact] == ["scan", "recurrent"]
+
+
+def test_a_lowering_module_needs_a_name_a_refusal_and_a_lower():
+    import types
+
+    module = types.ModuleType("gdn_export.lowering.half_done")
+    module.NAME, module.lower = "half_done", lambda builder, node, dims, options: []
+    with pytest.raises(TypeError, match="half_done is registered as a lowering but has no refusal"):
+        registry.Lowering.of(module)
+    module.refusal = lambda node, dims, options: None
+    lowering = registry.Lowering.of(module)
+    assert (lowering.label, lowering.always_exact, lowering.note(None, None, None)) == ("half_done", False, "")
+
+
+def test_the_emitter_and_export_see_the_registry():
+    from gdn_export.lowering.emitter import LOWERINGS
+
+    assert LOWERINGS is registry.LOWERINGS
+
+
+def test_every_runtime_orders_registered_lowerings_and_ends_with_one_that_always_applies():
+    assert policy.RUNTIMES == ("any", "cpu", "cuda")
+    for runtime in policy.RUNTIMES:
+        order = policy.candidates(runtime)
+        assert set(order) <= set(registry.REGISTRY), runtime
+        assert registry.get(order[-1]).always_exact, runtime  # "no lowering fits" cannot happen
+
+
+def test_options_are_frozen_with_defaults():
+    options = LoweringOptions(tract_version=(0, 23, 9))
+    assert (options.lowering, options.runtime, options.core_dtype, options.chunk_size, options.seq_may_vary) == (
+        "auto", "any", None, None, False)
+    assert not options.core_f16 and LoweringOptions(tract_version=(0, 23, 9), core_dtype="float16").core_f16
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.lowering = "scan"
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"lowering": "fast"}, "lowering 'fast' is not one of auto, native, scan, recurrent, chunked"),
+    ({"runtime": "tpu"}, "runtime 'tpu' is not one of any, cpu, cuda"),
+    ({"core_dtype": "bfloat16"}, "core_dtype 'bfloat16': only 'float16' (or None, the model's own) is supported"),
+    ({"chunk_size": 24}, "chunk_size: a chunk size must be a positive multiple of 16 tokens, got 24"),
+    ({"chunk_size": 0}, "chunk_size: a chunk size must be a positive multiple of 16 tokens, got 0"),
+])
+def test_option_values_are_validated_where_the_options_are_made(values, message):
+    with pytest.raises(gdn_export.LoweringError) as raised:
+        validate_options(**values)
+    assert str(raised.value) == message
+    positional = [values.get(name, default) for name, default in
+                  (("lowering", "auto"), ("runtime", "any"), ("core_dtype", None), ("chunk_size", None))]
+    with pytest.raises(gdn_export.LoweringError, match=re.escape(message)):
+        validate_options(*positional)  # as export.py and hf/convert.py call it
+    with pytest.raises(gdn_export.LoweringError) as raised:
+        LoweringOptions(tract_version=(0, 23, 9), **values)
+    assert str(raised.value) == message
+
+
+def test_the_offline_target_carries_the_options():
+    from gdn_export.target import OfflineTractTarget
+
+    target = OfflineTractTarget("0.23.7", lowering="chunked", dynamic_axes={"q": {1: "S"}}, runtime="cpu",
+                                core_dtype="float16", chunk_size=32)
+    assert target.gdn_options == LoweringOptions(tract_version=(0, 23, 7), lowering="chunked", runtime="cpu",
+                                                 core_dtype="float16", chunk_size=32, seq_may_vary=True)
+    assert target.gdn_decisions == []
+    assert not target.with_dynamic_axes({}).gdn_options.seq_may_vary
+    with pytest.raises(gdn_export.LoweringError, match="runtime 'tpu'"):
+        OfflineTractTarget("0.23.9", runtime="tpu")
+
+
+def test_a_plain_torch_to_nnef_target_gets_the_defaults():
+    from torch_to_nnef.inference_target.tract import TractNNEF
+
+    from gdn_export.target import _no_download, policy_of
+
+    with _no_download():
+        plain = TractNNEF("0.23.9", check_io=False, dynamic_axes={"q": {1: "S"}})
+    assert policy_of(plain) is plain
+    assert plain.gdn_options == LoweringOptions(tract_version=(0, 23, 9), seq_may_vary=True)
+    decisions = plain.gdn_decisions
+    assert policy_of(plain).gdn_decisions is decisions  # given once
+
+
+def imported_modules(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+@pytest.mark.parametrize("layer,forbidden", [
+    ("ops", ("gdn_export.lowering", "gdn_export.extractors", "gdn_export.export", "gdn_export.target")),
+    ("lowering", ("gdn_export.extractors", "gdn_export.export", "gdn_export.target", "gdn_export.hf",
+                  "gdn_export.cli", "gdn_export.session")),
+])
+def test_layers_depend_one_way(layer, forbidden):
+    """ops <- lowering <- export: a layer imports nothing from the layers built on it."""
+    for path in sorted((PACKAGE / layer).rglob("*.py")):
+        bad = {m for m in imported_modules(path) if m.startswith(forbidden)}
+        assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"
