@@ -15,11 +15,11 @@ from typing import Any
 
 from gdn_export.errors import GdnExportError, LoweringError, OperandError, ParityError, TractRuntimeError
 from gdn_export.ops import GatedDeltaRule, gated_delta_recurrence, gated_delta_rule, gated_delta_scan, l2norm
-from gdn_export.export import ExportReport, export  # TODO(lead): module rename so this can be lazy
 
 __version__ = "0.1.0"
 
 _LAZY = {
+    "ExportReport": "gdn_export.exporter", "export": "gdn_export.exporter",
     "CheckpointError": "gdn_export.hf.checkpoint",
     "ConvertReport": "gdn_export.hf.convert", "check": "gdn_export.hf.convert", "convert": "gdn_export.hf.convert",
     "run_tract": "gdn_export.runtime", "Session": "gdn_export.session",

@@ -20,8 +20,8 @@ import time
 import warnings
 from typing import Sequence
 
-from gdn_export.lowering.emitter import LOWERINGS
-from gdn_export.lowering.policy import RUNTIMES
+from gdn_export.lowering.policy import RUNTIMES  # both light: --help imports no torch
+from gdn_export.lowering.registry import LOWERINGS
 
 
 def _progress(message: str) -> None:
@@ -54,7 +54,7 @@ def _check(args) -> int:
 
 
 def _info(args) -> int:
-    from gdn_export.export import read_metadata
+    from gdn_export.archive import read_metadata
     from gdn_export.runtime import load_tract_model
 
     metadata = read_metadata(args.model) or {}

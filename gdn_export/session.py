@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from gdn_export.errors import GdnExportError
-from gdn_export.export import read_metadata
+from gdn_export.archive import read_metadata
 from gdn_export.runtime import load_tract_model, run_tract
 from gdn_export.runtime import steady_allocator as keep_buffers_mapped
 

@@ -12,7 +12,9 @@ from typing import Callable
 import torch
 
 from gdn_export.errors import GdnExportError, ParityError
-from gdn_export.export import export, nnef_tgz_path, read_metadata, validate_options
+from gdn_export.archive import nnef_tgz_path, read_metadata
+from gdn_export.exporter import export
+from gdn_export.lowering.options import validate_options
 from gdn_export.lowering.capabilities import parse_version
 from gdn_export.hf.check import LogitCheck, check_against_transformers
 from gdn_export.hf.checkpoint import CheckpointError, copy_in_dtype, load_model, read_config

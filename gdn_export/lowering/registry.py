@@ -15,18 +15,20 @@ and, where the defaults do not fit,
 
 ``node`` is a ``node.GdnNode``, ``dims`` its ``ops.operands.Dims``, ``options`` the export's
 ``options.LoweringOptions``, ``builder`` an ``nnef_builder.NnefBuilder``. To add a lowering: write its module,
-add its name to ``REGISTERED``, and, for ``lowering="auto"`` to pick it, place it in ``policy.ORDER``.
+add its NAME and module to ``REGISTERED``, and, for ``lowering="auto"`` to pick it, place it in ``policy.ORDER``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
 
-# modules of gdn_export.lowering, in the order LOWERINGS lists them (the CLI's choices, error messages)
-REGISTERED = ("fused", "scan", "recurrent", "chunked")
+# NAME -> module of gdn_export.lowering, in the order LOWERINGS lists them (the CLI's choices, error messages);
+# the names are spelled here so that LOWERINGS needs no import (``gdn-export --help`` imports no torch)
+REGISTERED = {"native": "fused", "scan": "scan", "recurrent": "recurrent", "chunked": "chunked"}
 
 
 def _nothing_to_note(node, dims, options) -> str:
@@ -54,13 +56,18 @@ class Lowering:
                    module.refusal, getattr(module, "note", _nothing_to_note), module.lower, module)
 
 
-REGISTRY: dict[str, Lowering] = {
-    lowering.name: lowering
-    for lowering in (Lowering.of(importlib.import_module(f"{__package__}.{name}")) for name in REGISTERED)
-}
-LOWERINGS = ("auto", *REGISTRY)
+LOWERINGS = ("auto", *REGISTERED)
 
 
+@functools.cache
 def get(name: str) -> Lowering:
-    """The lowering registered under ``name``."""
-    return REGISTRY[name]
+    """The lowering registered under ``name`` (its module imported on first use)."""
+    lowering = Lowering.of(importlib.import_module(f"{__package__}.{REGISTERED[name]}"))
+    if lowering.name != name:
+        raise TypeError(f"{lowering.module.__name__} is registered as {name!r} but its NAME is {lowering.name!r}")
+    return lowering
+
+
+def registry() -> dict[str, Lowering]:
+    """Every registered lowering, by name."""
+    return {name: get(name) for name in REGISTERED}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tarfile
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,10 +13,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from gdn_export.errors import GdnExportError, LoweringError
-from gdn_export.lowering.chunked import chunk_size_error
-from gdn_export.lowering.emitter import LOWERINGS, Decision
-from gdn_export.lowering.policy import RUNTIMES
+from gdn_export.archive import METADATA_FILE, nnef_tgz_path, pack
+from gdn_export.errors import GdnExportError
+from gdn_export.lowering.emitter import Decision
+from gdn_export.lowering.options import validate_options
 from gdn_export.output_names import keep_output_names
 from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
 from gdn_export.runtime import run_tract, tract_version as installed_tract_version
@@ -45,54 +44,6 @@ class ExportReport:
         if self.parity is not None:
             lines.append(str(self.parity))
         return "\n".join(lines)
-
-
-METADATA_FILE = "gdn_export.json"
-
-
-def _pack(folder: Path, archive: Path) -> None:
-    """tar.gz the folder's files at the archive root (what tract loads), fast compression."""
-    with tarfile.open(archive, "w:gz", compresslevel=1) as tar:
-        for file in sorted(folder.iterdir()):
-            tar.add(file, arcname=file.name)
-
-
-def read_metadata(path: str | os.PathLike) -> dict | None:
-    """The ``gdn_export.json`` stored in an archive by ``export(..., metadata=...)``, or None; GdnExportError when
-    ``path`` is not a readable .nnef.tgz archive."""
-    path = Path(path)
-    if not path.is_file():
-        raise GdnExportError(f"no file at {path} (expected a .nnef.tgz written by gdn-export)")
-    try:
-        with tarfile.open(path) as tar:
-            try:
-                member = tar.extractfile(METADATA_FILE)
-            except KeyError:
-                return None
-            return json.loads(member.read()) if member is not None else None
-    except (tarfile.TarError, EOFError, OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise GdnExportError(f"{path} is not a .nnef.tgz archive that gdn-export wrote ({err})") from None
-
-
-def nnef_tgz_path(path: str | os.PathLike) -> Path:
-    """``path`` as a Path, refused unless it names a ``.nnef.tgz`` (what tract loads as an archive)."""
-    path = Path(path)
-    if not path.name.endswith(".nnef.tgz"):
-        raise GdnExportError(f"output path {path} must end with .nnef.tgz")
-    return path
-
-
-def validate_options(lowering: str = "auto", runtime: str = "any", core_dtype: str | None = None,
-                     chunk_size: int | None = None) -> None:
-    """Raise LoweringError naming the first export option that is not valid (before any work is done)."""
-    if lowering not in LOWERINGS:
-        raise LoweringError(f"lowering {lowering!r} is not one of {', '.join(LOWERINGS)}")
-    if runtime not in RUNTIMES:
-        raise LoweringError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
-    if core_dtype not in (None, "float16"):
-        raise LoweringError(f"core_dtype {core_dtype!r}: only 'float16' (or None, the model's own) is supported")
-    if chunk_size is not None and chunk_size_error(chunk_size):
-        raise LoweringError(f"chunk_size: {chunk_size_error(chunk_size)}")
 
 
 def validate_dynamic_axes(dynamic_axes: dict | None, input_names: Sequence[str], args: Sequence) -> None:
@@ -175,7 +126,7 @@ def export(
             metadata = {**metadata, "output_names_kept": renamed, "decisions": [d.summary() for d in target.gdn_decisions]}
             (folder / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
         staged = Path(tmp) / "model.nnef.tgz"
-        _pack(folder, staged)
+        pack(folder, staged)
         report = ExportReport(path=path, tract_version=version, decisions=list(target.gdn_decisions))
         if check:
             report.parity = _check_against_torch(module, args, staged, output_names, half=core_dtype == "float16")
