@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,11 +9,95 @@ os.environ.setdefault("RUST_BACKTRACE", "0")  # tract's errors carry a Rust back
 
 import gdn_export  # noqa: E402,F401  (registers the ops)
 
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+# the fixtures' models are tiny: a second torch thread only waits (a conversion took 3.2 s on one, 3.8-6.2 s on two),
+# and under pytest-xdist (one worker per core) it would contend with the other worker
+torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "xdist_group(name): tests run by one pytest-xdist worker under --dist "
+                                       "loadgroup (those of one fixture: its conversions and Sessions made once)")
+
+
+def by_fixture(*names):
+    """Parameters for tests over fixtures/<name>: grouped by fixture, so that under ``-n 2 --dist loadgroup`` one
+    worker converts each fixture, plans its Sessions and loads its reference, and the other never waits for it."""
+    return [pytest.param(name, marks=pytest.mark.xdist_group(name), id=name) for name in names]
+
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
     np.random.seed(0)
+
+
+# --- fixtures converted once per test run, shared by every module (and every pytest-xdist worker) --------------
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """``converted(name, dtype="float32") -> Path``: fixtures/<name> converted through the CLI (``gdn-export convert
+    ... --no-check``) once per test run. Under pytest-xdist the workers share one folder (the parent of their
+    base temp folders) and a lock per archive, so each archive is converted once, by whichever worker asks first;
+    the CLI writes an archive under its final name only once complete."""
+    from filelock import FileLock
+
+    from gdn_export.cli import main as cli
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker's base temp folder lies in this run's folder
+        root = root.parent
+    folder = root / "converted"
+    folder.mkdir(exist_ok=True)
+
+    def get(name: str, dtype: str = "float32") -> Path:
+        out = folder / f"{name}-{dtype}.nnef.tgz"
+        with FileLock(str(out) + ".lock"):
+            if not out.is_file():
+                status = cli(["convert", str(FIXTURES / name), "-o", str(out), "--dtype", dtype, "--no-check"])
+                assert status == 0, f"gdn-export convert {name} --dtype {dtype} failed"
+        return out
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def shared_session(converted):
+    """``shared_session(name, dtype="float32", batch=1) -> Session`` over ``converted(name, dtype)``, one per process
+    and batch size (a Session plans tract's model for the batch size of its first call: one per batch plans once).
+    Its states are the caller's: start with ``reset()`` (``session_logits`` and the checks do)."""
+    from gdn_export.session import Session
+
+    cache = {}
+
+    def get(name: str, dtype: str = "float32", batch: int = 1):
+        if (name, dtype, batch) not in cache:
+            cache[name, dtype, batch] = Session(converted(name, dtype))
+        return cache[name, dtype, batch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_model():
+    """``reference_model(name, dtype="float32")``: the eager model of fixtures/<name> (transformers', or the family's
+    reference for FLA checkpoints), loaded once per process; in float16 through ``copy_in_dtype``. Read only."""
+    from gdn_export.hf.checkpoint import copy_in_dtype, load_model, read_config
+    from gdn_export.hf.families import family_for
+
+    cache = {}
+
+    def get(name: str, dtype: str = "float32"):
+        if (name, dtype) not in cache:
+            if dtype == "float32":
+                config = read_config(FIXTURES / name)
+                cache[name, dtype] = load_model(FIXTURES / name, family_for(config["model_type"]), config)
+            else:
+                cache[name, dtype] = copy_in_dtype(get(name), getattr(torch, dtype))
+        return cache[name, dtype]
+
+    return get
 
 
 def make_rule_inputs(batch, seq, key_heads, heads, width_k, width_v, dtype=torch.float32, seed=0):

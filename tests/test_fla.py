@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import by_fixture
 from gdn_export.cli import main as cli
 from gdn_export.hf.check import compare_logits, sample_tokens, session_logits, transformers_logits
 from gdn_export.hf.checkpoint import CheckpointError, load_model, read_config
@@ -20,7 +21,6 @@ from gdn_export.hf.families import family_for
 from gdn_export.hf.families.fla import FAMILY, build_model
 from gdn_export.layers import DeltaNet, GatedDeltaNet, GatedDeltaNet2, GatedDeltaProduct, KimiDeltaAttention
 from gdn_export.layers.common import GatedMLP
-from gdn_export.session import Session
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 NAMES = ["fla_gated_deltanet", "fla_gated_deltaproduct", "fla_kda", "fla_delta_net"]
@@ -309,31 +309,17 @@ def test_fla_layer_defaults():
 
 # --- the FLA checkpoints through the CLI and tract --------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            out = tmp_path_factory.mktemp(name) / f"{name}.nnef.tgz"
-            assert cli(["convert", str(FIXTURES / name), "-o", str(out), "--no-check"]) == 0
-            cache[name] = out
-        return cache[name]
-
-    return get
-
-
 def eager_model(name):
     config = read_config(FIXTURES / name)
     return load_model(FIXTURES / name, family_for(config["model_type"]), config)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_fixture_session_matches_eager_model(name, converted):
-    model = eager_model(name)
+@pytest.mark.parametrize("name", by_fixture(*NAMES))
+def test_fixture_session_matches_eager_model(name, shared_session, reference_model):
+    model = reference_model(name)
     tokens = sample_tokens(model.config.vocab_size, 2, 16 + 8, seed=7)
     expected = transformers_logits(model, tokens, 16)  # the eager model, called as transformers models are
-    session = Session(converted(name))
+    session = shared_session(name, "float32", 2)
     actual = session_logits(session, tokens, 16)
     check = compare_logits(actual, expected, "float32")
     assert check.max_abs_logit > 1.0, "fixture logits are too flat to test anything"
@@ -356,13 +342,13 @@ def test_eager_prefill_equals_stepwise():
 
 @pytest.mark.skipif(not GOLDEN.exists(), reason="fixtures/fla_golden.npz not found: it is written on a CUDA machine "
                     "with flash-linear-attention installed by `python fixtures/make_fla_golden.py`")
-@pytest.mark.parametrize("name", NAMES)
-def test_eager_model_matches_fla_golden(name):
+@pytest.mark.parametrize("name", by_fixture(*NAMES))
+def test_eager_model_matches_fla_golden(name, reference_model):
     golden = np.load(GOLDEN)
     if f"{name}/logits" not in golden.files:
         pytest.skip(f"{GOLDEN.name} has no logits for {name}")
     tokens, info = golden["tokens"], json.loads(str(golden["info"]))
-    model = eager_model(name)
+    model = reference_model(name)
     actual = transformers_logits(model, tokens, info["prompt"])
     for key, got in ((f"{name}/logits", actual), (f"{name}/full_logits", None)):
         if key not in golden.files:
@@ -431,16 +417,14 @@ def test_loading_ties_embeddings_and_casts_bfloat16():
         "linear_attention", "full_attention", "linear_attention"]
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_converted_model_in_tract_matches_fla_golden(name, tmp_path):
+@pytest.mark.parametrize("name", by_fixture(*NAMES))
+def test_converted_model_in_tract_matches_fla_golden(name, shared_session):
     """The CLI's .nnef.tgz, run by Session in tract, against FLA's own model classes (prefill 16 + decode 8)."""
     if not GOLDEN.exists():
         pytest.skip(f"{GOLDEN.name} not found: write it on a GPU with `python fixtures/make_fla_golden.py`")
     golden = np.load(GOLDEN)
     tokens, info = golden["tokens"], json.loads(str(golden["info"]))
-    out = tmp_path / f"{name}.nnef.tgz"
-    assert cli(["convert", str(FIXTURES / name), "-o", str(out), "--no-check"]) == 0
-    actual = session_logits(Session(out), tokens, info["prompt"])
+    actual = session_logits(shared_session(name, "float32", tokens.shape[0]), tokens, info["prompt"])
     expected = golden[f"{name}/logits"]
     error = float(np.abs(actual - expected).max())
     assert error <= GOLDEN_TOLERANCE * max(1.0, float(np.abs(expected).max())), f"{name}: {error:.2e} vs FLA {info}"
