@@ -24,7 +24,7 @@ class LoweringError(GdnExportError):
 class ParityError(GdnExportError):
     """tract's outputs differ from torch's beyond tolerance."""
 
-    def __init__(self, errors: dict[str, float], tolerance: dict[str, float]) -> None:
+    def __init__(self, errors: dict[str, float], tolerance: dict[str, float], summary: str | None = None) -> None:
         self.errors = errors
         self.tolerance = tolerance
         lines = [
@@ -34,7 +34,7 @@ class ParityError(GdnExportError):
         ]
         over = [name for name, err in errors.items() if not err <= tolerance[name]]
         worst = max(over or list(errors), key=lambda n: errors[n] / max(tolerance[n], 1e-30))
-        summary = (f"tract outputs differ from the reference beyond tolerance: {worst} max abs error "
+        summary = summary or (f"tract outputs differ from the reference beyond tolerance: {worst} max abs error "
                    f"{errors[worst]:.3e} > {tolerance[worst]:.3e}" + (f" (+{len(over) - 1} more)" if len(over) > 1 else ""))
         super().__init__(summary + "\n" + "\n".join(lines))
 

@@ -17,9 +17,9 @@ from gdn_export.archive import METADATA_FILE, nnef_tgz_path, pack
 from gdn_export.errors import GdnExportError
 from gdn_export.lowering.emitter import Decision
 from gdn_export.lowering.options import validate_options
-from gdn_export.output_names import keep_output_names
+from gdn_export.output_names import declared_outputs, keep_output_names
 from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
-from gdn_export.runtime import run_tract, tract_version as installed_tract_version
+from gdn_export.runtime import load_tract_model, run_tract, tract_version as installed_tract_version
 from gdn_export.target import OfflineTractTarget
 
 LOGGER = logging.getLogger(__name__)
@@ -129,19 +129,20 @@ def export(
         pack(folder, staged)
         report = ExportReport(path=path, tract_version=version, decisions=list(target.gdn_decisions))
         if check:
-            report.parity = _check_against_torch(module, args, staged, output_names, half=core_dtype == "float16")
+            declared = declared_outputs(folder)
+            report.parity = _check_against_torch(module, args, staged, declared, half=core_dtype == "float16")
             report.parity.raise_if_failed()
         os.replace(staged, path)
     return report
 
 
-def _check_against_torch(module, args: tuple, archive: Path, output_names, half: bool) -> ParityResult:
-    """Every output of the archive run in tract on ``args`` against ``module(*args)`` in torch."""
+def _check_against_torch(module, args: tuple, archive: Path, names: list[str], half: bool) -> ParityResult:
+    """Every output of the archive run in tract on ``args`` against ``module(*args)`` in torch; tract must report
+    the declared output ``names``."""
     with torch.no_grad():
         expected = module(*args)
     expected = [expected] if isinstance(expected, torch.Tensor) else list(expected)
-    names = list(output_names) if output_names else [f"output_{i}" for i in range(len(expected))]
-    actual = run_tract(archive, [a.detach().numpy() for a in args])
+    actual = run_tract(load_tract_model(archive, expect_outputs=names), [a.detach().numpy() for a in args])
     # an output computed from f16 inputs (or through an f16 core) carries f16 rounding, whatever its own dtype
     half = half or any(isinstance(a, torch.Tensor) and a.dtype == torch.float16 for a in args)
     relative = RELATIVE_TOLERANCE[np.dtype(np.float16 if half else np.float32)]

@@ -21,9 +21,11 @@ def tract_version() -> str:
     return tract.version()
 
 
-def load_tract_model(path: str | os.PathLike, symbols: dict[str, int] | None = None):
+def load_tract_model(path: str | os.PathLike, symbols: dict[str, int] | None = None, *,
+                     expect_outputs: Sequence[str] | None = None):
     """Load a ``.nnef.tgz`` (or folder) with the transformers extension and make it runnable; ``symbols`` fixes
-    symbolic sizes first (e.g. ``{"B": 1}``), so tract plans with them known."""
+    symbolic sizes first (e.g. ``{"B": 1}``), so tract plans with them known. With ``expect_outputs``, tract must
+    report exactly those output names (TractRuntimeError otherwise)."""
     import tract
 
     path = Path(path)
@@ -32,12 +34,20 @@ def load_tract_model(path: str | os.PathLike, symbols: dict[str, int] | None = N
 
     def load():
         model = tract.nnef().with_tract_transformers().load(str(path))
+        if expect_outputs is not None:
+            reported = [model.output_name(i) for i in range(model.output_count())]
+            if reported != list(expect_outputs):
+                wrong = [(e, r) for e, r in zip(expect_outputs, reported) if e != r]
+                raise TractRuntimeError(f"tract reports outputs {reported} where {list(expect_outputs)} were "
+                                        f"declared (declared, reported: {wrong})")
         if symbols:
             model.transform(tract.SetSymbols(symbols))
         return model.into_runnable()
 
     try:
         return interruptible(load)
+    except TractRuntimeError:
+        raise
     except Exception as err:  # tract raises plain Exceptions with its own message
         raise TractRuntimeError(f"tract could not load {path}: {err}") from err
 

@@ -45,7 +45,7 @@ OUTPUT_NAMED_AFTER_PRODUCER = Quirk(
          "'y = add(x, x)' reports 'y_1'.",
     workaround="after writing the graph, every output tract would rename is re-declared as "
                "'NAME = select(NAME__c, NAME__raw, NAME__raw)' (one copy of that output per call)",
-    applied_in=("gdn_export/output_names.py", "gdn_export/export.py"),
+    applied_in=("gdn_export/output_names.py", "gdn_export/exporter.py"),
     when_fixed="output_names.keep_output_names and the select wrappers can go",
     canary="test_output_named_after_producer",
 )

@@ -16,20 +16,6 @@ def convert(capsys, source, out, *extra):
     return status, capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):  # TEMPORARY until conftest's session-scoped one lands
-    cache = {}
-
-    def get(name, dtype="float32"):
-        if (name, dtype) not in cache:
-            out = tmp_path_factory.mktemp(name) / f"{name}-{dtype}.nnef.tgz"
-            assert cli(["convert", str(FIXTURES / name), "-o", str(out), "--dtype", dtype, "--no-check"]) == 0
-            cache[name, dtype] = out
-        return cache[name, dtype]
-
-    return get
-
-
 def copy_fixture(tmp_path, name="qwen3_5"):
     folder = tmp_path / "ckpt"
     shutil.copytree(FIXTURES / name, folder)
@@ -140,6 +126,7 @@ def test_existing_output_needs_force(tmp_path, capsys):
     assert "not checked (check=False / --no-check)" in capsys.readouterr().out
 
 
+@pytest.mark.xdist_group("qwen3_5")
 def test_info_and_check_commands(tmp_path, capsys, converted):
     out = converted("qwen3_5")
     assert cli(["info", str(out)]) == 0
@@ -156,6 +143,7 @@ def test_info_and_check_commands(tmp_path, capsys, converted):
     assert f"gdn-export: error: {not_an_archive} is not a .nnef.tgz archive" in err and "Traceback" not in err
 
 
+@pytest.mark.xdist_group("qwen3_5")
 def test_check_refuses_an_archive_of_another_model(tmp_path, capsys, converted):
     out = converted("qwen3_5")
     assert cli(["check", str(out), str(FIXTURES / "kimi_linear")]) == 1
@@ -167,6 +155,7 @@ def test_check_refuses_an_archive_of_another_model(tmp_path, capsys, converted):
     assert f"has a vocabulary of {config['vocab_size']} tokens" in capsys.readouterr().err
 
 
+@pytest.mark.xdist_group("qwen3_5")
 def test_token_ids_outside_the_vocabulary_are_refused(converted):
     import numpy as np
 

@@ -179,10 +179,13 @@ def convert(
             start = time.perf_counter()
             say(f"checking {out_path} in tract: prefill {prompt_len} + decode {decode_steps} against "
                 f"{family.reference}")
-            result.check = check_against_transformers(staged, hf_model, prompt_len, decode_steps)
+            result.check = check_against_transformers(
+                staged, hf_model, prompt_len, decode_steps,
+                half_model=export_model if export_model is not hf_model else None)
             seconds["check"] = time.perf_counter() - start
             if not result.check.ok:
-                raise ParityError({"logits": result.check.max_abs_error}, {"logits": result.check.tolerance})
+                raise ParityError({"logits": result.check.error}, {"logits": result.check.tolerance},
+                                  f"{out_path} does not match {family.reference}: {result.check}")
         os.replace(staged, out_path)
     finally:
         staged.unlink(missing_ok=True)
