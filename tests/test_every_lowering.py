@@ -1,90 +1,115 @@
 """Every fixture converts under every explicit lowering, and its logits are checked, within a time budget.
 
-Each case is `gdn-export convert` in a subprocess (so a lowering whose load never finishes fails the test when
-the budget runs out instead of hanging the suite), with the CLI's own check: the export against the torch module,
-then prefill + decode in tract against transformers' eager model (or, for FLA checkpoints, the eager FLA model).
-``lowering="auto"`` picks one of these graphs per runtime (tests/test_decisions.py covers which), so the
-explicit lowerings are the distinct graphs; the chunked one is what the CLI's default (auto on cpu) writes, which
-tests/test_hf_families.py and tests/test_fla.py convert and check for every fixture, so here it is only confirmed
-from those archives. lowering="native" refuses every fixture but one for the same two reasons (K != V, or a
-variant the fused op does not compute): one fixture per reason. tract 0.22.1 as a target adds the portable conv.
+Each case converts a fixture (in-process: a subprocess per case cost half the suite in Python and torch imports)
+under a time budget enforced by SIGALRM, which reaches the main thread even while tract loads (tract's loads run
+in a worker thread, ``runtime.interruptible``): a lowering that never finishes fails its case instead of hanging
+the suite. The archive's logits are then checked against the eager reference model (float32 rule), prefill +
+decode. ``lowering="auto"`` picks one of these graphs per runtime (tests/test_decisions.py covers which), so the
+explicit lowerings are the distinct graphs:
+- chunked: what the CLI's default (auto on cpu) writes, which tests/test_hf_families.py and tests/test_fla.py convert
+  and check for every fixture; here it is only confirmed from those archives;
+- scan (the always-exact fallback): every fixture;
+- recurrent (explicit only, never auto's choice): one fixture per kind of gated delta-rule layer (grouped-head GDN,
+  KDA with its MLA model, Gated DeltaProduct, DeltaNet), its step being the same for every model of that kind;
+  tests/test_family_variants.py runs it on every variant;
+- native: refused by every fixture but one for one of two reasons (K != V, or a variant the fused op does not
+  compute): that one and one fixture per reason;
+- tract 0.22.1 as a target adds the portable conv (neither fused op exists).
 """
 
 from __future__ import annotations
 
 import json
-import re
-import subprocess
-import sys
+import signal
+import tarfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from conftest import by_fixture
 
+from gdn_export.cli import main as cli
+from gdn_export.hf.check import check_against_transformers
+from gdn_export.hf.convert import convert
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
 BUDGET_SECONDS = 300  # a conversion of a fixture takes seconds; one that does not finish in minutes is a defect
+RECURRENT = ["qwen3_5", "kimi_linear", "fla_gated_deltaproduct", "fla_delta_net"]
 # fixture -> None where tract's fused op computes its layers exactly (plain GDN, K = V), else the refusal's reason
 NATIVE_CASES = {"fla_gated_deltanet": None, "qwen3_5": "K=16 != V=8", "kimi_linear": "channel-wise decay"}
 
 
-def run_convert(tmp_path: Path, name: str, *options: str) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path / f"{name}.nnef.tgz"
-    command = [sys.executable, "-m", "gdn_export.cli", "convert", str(FIXTURES / name), "-o", str(out), *options]
+@contextmanager
+def within_budget(what: str):
+    def out_of_time(signum, frame):
+        raise TimeoutError(f"{what} did not finish in {BUDGET_SECONDS} s")
+
+    previous = signal.signal(signal.SIGALRM, out_of_time)
+    signal.setitimer(signal.ITIMER_REAL, BUDGET_SECONDS)
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=BUDGET_SECONDS,
-                              env={**__import__("os").environ, "RUST_BACKTRACE": "0"})
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"`gdn-export convert {name} {' '.join(options)}` did not finish in {BUDGET_SECONDS} s")
-    return done, out
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
-def gdn_layer_lowerings(report: str) -> list[str]:
-    return re.findall(r"^  layer \d+: (\w+) - ", report, re.M)
+def converted_and_checked(tmp_path: Path, name: str, reference_model, **options) -> tuple[Path, list[dict]]:
+    out = tmp_path / f"{name}.nnef.tgz"
+    with within_budget(f"converting {name} with {options}"):
+        convert(FIXTURES / name, out, check=False, **options)
+        check = check_against_transformers(out, reference_model(name), prompt_len=16, decode_steps=4)
+    assert check.ok, f"{name} {options}: {check}"
+    with tarfile.open(out) as tar:
+        return out, json.loads(tar.extractfile("gdn_export.json").read())["decisions"]
 
 
-@pytest.mark.parametrize("lowering", ["scan", "recurrent"])
-@pytest.mark.parametrize("name", NAMES)
-def test_portable_lowering_converts_and_checks(name, lowering, tmp_path):
-    done, out = run_convert(tmp_path, name, "--lowering", lowering)
-    assert done.returncode == 0, done.stderr
-    layers = gdn_layer_lowerings(done.stdout)
-    assert layers and set(layers) == {lowering}, done.stdout
-    assert "check vs " in done.stdout and out.is_file()
+def rule_lowerings(decisions: list[dict]) -> set[str]:
+    return {d["lowering"] for d in decisions if "causal_conv1d" not in d["entry"]}
+
+
+@pytest.mark.parametrize("name", by_fixture(*NAMES))
+def test_scan_converts_and_checks(name, tmp_path, reference_model):
+    _, decisions = converted_and_checked(tmp_path, name, reference_model, lowering="scan")
+    assert rule_lowerings(decisions) == {"scan"}
+    # the short conv keeps tract's fused op: lowering= chooses the gated delta rule's lowering only
+    assert {d["lowering"] for d in decisions if "causal_conv1d" in d["entry"]} <= {"native"}
+
+
+@pytest.mark.parametrize("name", by_fixture(*RECURRENT))
+def test_recurrent_converts_and_checks(name, tmp_path, reference_model):
+    _, decisions = converted_and_checked(tmp_path, name, reference_model, lowering="recurrent")
+    assert rule_lowerings(decisions) == {"recurrent"}
 
 
 @pytest.mark.parametrize("name", by_fixture(*NAMES))
 def test_default_cpu_conversion_is_chunked(name, converted):
     """The archives the family tests check were written with the chunked lowering in every GDN layer."""
-    import tarfile
-
     with tarfile.open(converted(name)) as tar:
         decisions = json.loads(tar.extractfile("gdn_export.json").read())["decisions"]
-    assert {d["lowering"] for d in decisions if "causal_conv1d" not in d["entry"]} == {"chunked"}
+    assert rule_lowerings(decisions) == {"chunked"}
 
 
-@pytest.mark.parametrize("name", list(NATIVE_CASES))
-def test_native_converts_where_exact_and_refuses_elsewhere(name, tmp_path):
-    done, out = run_convert(tmp_path, name, "--lowering", "native")
+@pytest.mark.parametrize("name", by_fixture(*NATIVE_CASES))
+def test_native_converts_where_exact_and_refuses_elsewhere(name, tmp_path, capsys, reference_model):
     if NATIVE_CASES[name] is None:
-        assert done.returncode == 0, done.stderr
-        assert set(gdn_layer_lowerings(done.stdout)) == {"native"} and out.is_file()
+        _, decisions = converted_and_checked(tmp_path, name, reference_model, lowering="native")
+        assert rule_lowerings(decisions) == {"native"}
         return
-    reasons = [line for line in done.stderr.splitlines() if line.startswith("gdn-export: error: ")]
-    assert done.returncode == 1 and len(reasons) == 1, done.stderr
+    out = tmp_path / f"{name}.nnef.tgz"
+    with within_budget(f"converting {name} with lowering='native'"):
+        status = cli(["convert", str(FIXTURES / name), "-o", str(out), "--lowering", "native", "--no-check"])
+    reasons = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gdn-export: error: ")]
+    assert status == 1 and len(reasons) == 1
     assert "lowering='native' cannot be exact: " in reasons[0] and NATIVE_CASES[name] in reasons[0]
     assert not out.exists() and not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "fla_kda"])
-def test_portable_conv_for_tract_before_0_23_5(name, tmp_path):
+@pytest.mark.parametrize("name", by_fixture("qwen3_5", "fla_kda"))
+def test_portable_conv_for_tract_before_0_23_5(name, tmp_path, reference_model):
     """tract 0.22.1 has neither fused op: the short conv is plain NNEF (a depthwise conv), the rule a scan."""
-    done, out = run_convert(tmp_path, name, "--tract-version", "0.22.1", "--lowering", "scan")
-    assert done.returncode == 0, done.stderr
-    import tarfile
-
+    out, decisions = converted_and_checked(tmp_path, name, reference_model, tract_version="0.22.1", lowering="scan")
     with tarfile.open(out) as tar:
         graph = tar.extractfile("graph.nnef").read().decode()
-        decisions = json.loads(tar.extractfile("gdn_export.json").read())["decisions"]
     assert "tract_transformers_causal_conv1d_update" not in graph
     assert {d["lowering"] for d in decisions if "causal_conv1d" in d["entry"]} == {"portable"}
