@@ -64,7 +64,7 @@ graph step(q, e, k, u, decay, s) -> (y, s_new) {{
 
 
 def step_reference(q, e, k, u, decay, s):
-    """FAMILY.md's step with q, k normalized and e = beta k, u = beta v given; float64."""
+    """The per-token step of docs/MATH.md with q, k normalized and e = beta k, u = beta v given; float64."""
     q, e, k, u, decay, s = (np.asarray(x, np.float64) for x in (q, e, k, u, decay, s))
     sd = s * decay
     s_new = sd + np.swapaxes(k, 2, 3) * (u - e @ sd)

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def bench_variants(args) -> None:
-    """Each variant of the family (FAMILY.md section 6) through the lowering runtime='cpu' picks for it,
+    """Each variant of the family (docs/MATH.md) through the lowering runtime='cpu' picks for it,
     against gdn_export's eager reference on the same inputs."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_family_variants import VARIANTS, graph_inputs, variant_inputs

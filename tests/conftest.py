@@ -101,7 +101,7 @@ def reference_model():
 
 
 def make_rule_inputs(batch, seq, key_heads, heads, width_k, width_v, dtype=torch.float32, seed=0):
-    """Seq-major operands of gated_delta_rule with gates from the real formulas (FAMILY.md section 1)."""
+    """Seq-major operands of gated_delta_rule with gates from the real formulas (docs/MATH.md)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, seq, key_heads, width_k, generator=gen)
     k = torch.randn(batch, seq, key_heads, width_k, generator=gen)

@@ -9,9 +9,7 @@ explicit lowerings are the distinct graphs:
 - chunked: what the CLI's default (auto on cpu) writes, which tests/test_hf_families.py and tests/test_fla.py convert
   and check for every fixture; here it is only confirmed from those archives;
 - scan (the always-exact fallback): every fixture;
-- recurrent (explicit only, never auto's choice): one fixture per kind of gated delta-rule layer (grouped-head GDN,
-  KDA with its MLA model, Gated DeltaProduct, DeltaNet), its step being the same for every model of that kind;
-  tests/test_family_variants.py runs it on every variant;
+- recurrent (explicit only, never auto's choice): every fixture;
 - native: refused by every fixture but one for one of two reasons (K != V, or a variant the fused op does not
   compute): that one and one fixture per reason;
 - tract 0.22.1 as a target adds the portable conv (neither fused op exists).
@@ -35,7 +33,6 @@ from gdn_export.hf.convert import convert
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
 BUDGET_SECONDS = 300  # a conversion of a fixture takes seconds; one that does not finish in minutes is a defect
-RECURRENT = ["qwen3_5", "kimi_linear", "fla_gated_deltaproduct", "fla_delta_net"]
 # fixture -> None where tract's fused op computes its layers exactly (plain GDN, K = V), else the refusal's reason
 NATIVE_CASES = {"fla_gated_deltanet": None, "qwen3_5": "K=16 != V=8", "kimi_linear": "channel-wise decay"}
 
@@ -68,18 +65,13 @@ def rule_lowerings(decisions: list[dict]) -> set[str]:
     return {d["lowering"] for d in decisions if "causal_conv1d" not in d["entry"]}
 
 
+@pytest.mark.parametrize("lowering", ["scan", "recurrent"])
 @pytest.mark.parametrize("name", by_fixture(*NAMES))
-def test_scan_converts_and_checks(name, tmp_path, reference_model):
-    _, decisions = converted_and_checked(tmp_path, name, reference_model, lowering="scan")
-    assert rule_lowerings(decisions) == {"scan"}
+def test_portable_lowering_converts_and_checks(name, lowering, tmp_path, reference_model):
+    _, decisions = converted_and_checked(tmp_path, name, reference_model, lowering=lowering)
+    assert rule_lowerings(decisions) == {lowering}
     # the short conv keeps tract's fused op: lowering= chooses the gated delta rule's lowering only
     assert {d["lowering"] for d in decisions if "causal_conv1d" in d["entry"]} <= {"native"}
-
-
-@pytest.mark.parametrize("name", by_fixture(*RECURRENT))
-def test_recurrent_converts_and_checks(name, tmp_path, reference_model):
-    _, decisions = converted_and_checked(tmp_path, name, reference_model, lowering="recurrent")
-    assert rule_lowerings(decisions) == {"recurrent"}
 
 
 @pytest.mark.parametrize("name", by_fixture(*NAMES))

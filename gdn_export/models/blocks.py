@@ -99,7 +99,7 @@ def delta_beta(b: torch.Tensor, allow_neg_eigval: bool) -> torch.Tensor:
 
 
 def gdn_decay(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    """g = -exp(A_log) * softplus(a + dt_bias), in f32 (FAMILY.md section 1): one decay per head, a ``[B, S, H]``."""
+    """g = -exp(A_log) * softplus(a + dt_bias), in f32 (docs/MATH.md): one decay per head, a ``[B, S, H]``."""
     return -a_log.float().exp() * F.softplus(a.float() + dt_bias)
 
 

@@ -42,7 +42,7 @@ class UnfusedGatedDeltaNet(nn.Module):
     """A ``Qwen3NextGatedDeltaNet`` with Qwen3.5's separate projections, the interface ``Qwen3_5LM.gdn`` reads.
 
     The fused rows are grouped per key head h as ``[q_h | k_h | v_{hG..hG+G-1} | z_{same}]`` and ``[b | a]``
-    (FAMILY.md, "Qwen3-Next fused layout"). Un-grouping them is a row permutation of the weights, done once
+    (transformers' ``fix_query_key_value_ordering``). Un-grouping them is a row permutation of the weights, done once
     here, so the graph holds Qwen3.5's plain splits rather than per-step reshapes of the fused output.
     Everything else (conv, norm, out_proj, A_log, dt_bias) is borrowed from the original module.
     """
