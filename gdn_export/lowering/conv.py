@@ -38,7 +38,7 @@ def lower(builder: NnefBuilder, x: NTensor, weight: NTensor, state: NTensor, y: 
         out = builder.tensor("conv_y", x.shape, x.dtype)
         carried = builder.tensor("conv_state", state.shape, x.dtype)
         builder.multi_op(OP_NAME, (x, weight, state_in), (out, carried))
-        builder.cast(out, y.dtype, out=y)  # one more op: tract renames tensors a fused op writes directly
+        builder.cast(out, y.dtype, out=y)  # see fused.py: outputs of a fused op share one name
         builder.cast(carried, new_state.dtype, out=new_state)
         return ["tract_transformers"]
 

@@ -2,7 +2,7 @@
 
 Both entry points (the ``t2n_extra`` custom-op handlers and the module extractor) describe their node
 as a :class:`GdnNode` and call :func:`emit`. It validates the operands, decides between the registered
-lowerings (registry.py: native, scan, recurrent, chunked): the requested one where it can be exact, or for
+lowerings (registry.py: native (module fused.py), scan, recurrent, chunked): the requested one where it can be exact, or for
 ``lowering="auto"`` the first exact one in the order of the runtime's policy (policy.py); it records the
 decision and has the chosen lowering write the node.
 """

@@ -87,7 +87,9 @@ def lower(builder: NnefBuilder, node: GdnNode, dims: Dims, options: LoweringOpti
     y = builder.tensor("fused_y", (dims.batch, dims.seq, dims.heads, dims.width_v), dtype)
     state = builder.tensor("fused_state", s0.shape, F32)
     builder.multi_op(OP_NAME, (q, k, v, log_decay, beta, s0), (y, state))
-    # Every output leaves through one more op: tract renames tensors that a fused op writes directly.
+    # Every output leaves through one more op (a cast where dtypes differ; a same-dtype copy, which tract removes):
+    # tract reports both outputs of a fused op under its first name, and export's output_names.py re-declares
+    # any output tract still renames (tract_quirks.py).
     if node.head_major:
         y = builder.transpose(y, HEAD_MAJOR_TO_SEQ_MAJOR[4])
     builder.cast(y, node.y.dtype, out=node.y)

@@ -93,7 +93,9 @@ def write_outputs(b: NnefBuilder, node, dims: Dims, y_time_first: NTensor, state
 
 def write_state(b: NnefBuilder, dims: Dims, state: NTensor, out: NTensor) -> None:
     """``[B, Hk, G, K, V]`` f32 into the node's state output. Without grouped heads a squeeze written straight
-    into the output keeps the output's name in tract (no copy, no renaming wrapper needed downstream)."""
+    into the output: no copy, and for the scan and chunked lowerings tract keeps the output's name (for the
+    recurrent one, whose state is already squeezed, tract merges the two squeezes and output_names.py re-declares
+    the name)."""
     if dims.groups == 1 and np.dtype(out.dtype) == np.dtype(F32):
         b.op("squeeze", state, shape=out.shape, attribs={"axes": [2]}, out=out)
     else:

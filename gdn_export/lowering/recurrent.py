@@ -3,8 +3,8 @@
 Where the portable scan broadcasts elementwise over the ``[K, V]`` state and reduces, this step reads it
 through matmuls tract runs on its packed kernels: ``r = e S`` (row times state), the rank-1 update
 ``S += k (u - r)`` as a ``[K, 1] x [1, V]`` product, and the readout ``y = q S``. The state keeps its
-size-1 scan axis (rank 6): tract 0.23.9 never finishes loading a scan body that squeezes and also
-multiplies the state by a matrix. Measured slower than the scan on tract's CPU kernels (benchmarks/RESULTS.md):
+size-1 scan axis (rank 6): tract 0.23.9 never finishes loading a scan body of that kind that squeezes
+(tract_quirks.py; a rank-5 variant loaded in a probe and may be worth measuring). Measured slower than the scan on tract's CPU kernels (benchmarks/RESULTS.md):
 no runtime's policy picks it, it is an explicit choice.
 """
 

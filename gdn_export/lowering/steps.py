@@ -9,8 +9,9 @@ which is the recurrence of ``gdn_export.ops.naive.delta_rule_recurrence``.
 
 The elementwise step squeezes the scan axis and works on a rank-5 state ``[B, Hk, G, K, V]`` (keeping the
 size-1 scan axis on the state measured 4x slower in tract 0.23.9). It is elementwise arithmetic and
-reductions only: tract 0.23.9 never finishes loading a scan body that mixes squeeze/unsqueeze with a matmul
-on the state.
+reductions only: tract 0.23.9 never finishes loading one scan body that squeezes its inputs and multiplies
+the state by a matrix (``tract_quirks.SCAN_SQUEEZE_MATMUL_NEVER_LOADS``, canary in tests/test_tract_quirks.py; not every
+such body: a rank-5 recurrent body loaded in 20 ms in a probe, so the rule here is conservative).
 """
 
 from __future__ import annotations

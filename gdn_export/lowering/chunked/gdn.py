@@ -106,7 +106,7 @@ def lines(variant: Variant) -> list[str]:
     ``s_prev [1, B, Hk, G, K, V]``. Outputs ``s_t`` and ``y_t`` (in the node's layout).
 
     k and q are stacked along the tokens first, so one RMS norm normalizes both (``l2norm(x) =
-    rms_norm(x, eps / K) / sqrt(K)``, exact scaling for power-of-two K) and one matmul reads the state for
+    rms_norm(x, eps / K) / sqrt(K)``, exact scaling where sqrt(K) is a power of two, K a power of four) and one matmul reads the state for
     ``k S`` and ``q S``; the stack is cut on a block axis of a reshaped view (tract 0.23.9 pushes a slice of the
     token axis back through the norm onto the scan input and pulls it out of the loop). Every constant factor
     (1/sqrt(K), q's scale) rides on a per-token column or on the C x C decay matrix, so no [C, K] tensor is
