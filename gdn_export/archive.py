@@ -33,7 +33,8 @@ def read_metadata(path: str | os.PathLike) -> dict | None:
                 return None
             return json.loads(member.read()) if member is not None else None
     except (tarfile.TarError, EOFError, OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise GdnExportError(f"{path} is not a .nnef.tgz archive that gdn-export wrote ({err})") from None
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise GdnExportError(f"{path} is not a .nnef.tgz archive that gdn-export wrote ({reason.rstrip(':')})") from None
 
 
 def nnef_tgz_path(path: str | os.PathLike) -> Path:
