@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from gdn_export.layers.common import GatedMLP, RMSNorm
-from gdn_export.models.decoder import Decoder
+from gdn_export.models.decoder import Decoder, vocab_projection
 from gdn_export.models.state import StateSpec
 
 
@@ -125,7 +125,8 @@ class FlaForCausalLM(Decoder, nn.Module):
         return (layer.attn_norm if part == "mixer" else layer.mlp_norm), None
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(x))
+        # tied: two slices of the embedding table, so that tract packs the head once (see vocab_projection)
+        return vocab_projection(self.model.norm(x), self.lm_head, self.config.tie_word_embeddings)
 
     def forward(self, input_ids: torch.Tensor, past_key_values: StateCache | None = None,
                 cache: StateCache | None = None, use_cache: bool = True, **unused) -> LMOutput:

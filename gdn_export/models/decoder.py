@@ -22,8 +22,11 @@ A family overrides only the hooks that differ:
 | ``feed_forward(i, layer, x)`` | required |
 | ``norms(i, layer, part)`` | required unless ``residual`` is: (norm of the branch input, of its output), either None |
 | ``residual(i, layer, part, x, branch)`` | ``x + after(branch(before(x)))`` with ``norms``' pair (pre- or post-norm) |
-| ``head(x)`` | required: final norm and LM head |
+| ``head(x)`` | required: final norm and LM head (``vocab_projection``: a head tied to the embedding table) |
 | ``run_layer(layer, step, *args)`` | ``step(*args)`` (a hook for the trace's node names only) |
+
+A head tied to the embedding table goes through ``vocab_projection``, which reads the table as two row slices
+(see there: tract then packs the head once at load instead of on every call).
 
 Mixers return ``(out, *new states)``: the layer's new states, in the order of its specs, which is the order
 they take among the graph's outputs.
@@ -135,3 +138,29 @@ def split_states(states: Sequence[torch.Tensor], specs: Sequence[StateSpec], lay
     for spec, state in zip(specs, states):
         per_layer[spec.layer].append(state)
     return per_layer
+
+
+def vocab_projection(x: torch.Tensor, lm_head: nn.Linear, tied: bool) -> torch.Tensor:
+    """``lm_head(x)``; with ``tied`` (``lm_head``'s weight is the embedding table: ``tie_word_embeddings``) the same
+    logits as two products over row slices of the table, concatenated: ``[x W[:V/2]^T | x W[V/2:]^T]``.
+
+    Why (tract 0.23.9; benchmarks/results/cpu_tied_head.md): tract packs a constant matmul operand once, at load,
+    by constant-folding its packing; but it folds no op whose constant input has several consumers once that
+    input is over 4 MiB (``PropConst`` against ``CONST_FOLD_MEM_BUDGET``, so as not to copy a big weight once per
+    consumer). A tied table feeds both the embedding's gather and the head, so the head (622 MB for vocab 151936
+    x 1024) was packed again on every call: a decode step ~8x slower than with an untied head. A second copy of
+    the table in the file does not help: tract merges constants of equal value (``add_const``). A ``Slice`` is
+    the one op that budget exempts: each slice of the shared table becomes a constant of its own that only its
+    matmul reads, packed once at load. Costs: no extra byte on disk (one variable, read by the gather and the
+    two slices); in memory the packed head, as an untied head has too; per call one copy of the logits (the
+    concatenation). Every logit is the same dot product as before.
+
+    Written ``x @ slice.t()`` on ``Tensor.split``'s pieces: torch-to-nnef then emits NNEF ``slice`` ops on the
+    table's variable (``F.linear`` on a slice would write the slice out as a new variable: the table twice on
+    disk)."""
+    rows = lm_head.out_features  # an int (the weight is a traced tensor under export)
+    if not tied or rows < 2:
+        return lm_head(x)
+    first, second = lm_head.weight.split([rows // 2, rows - rows // 2])
+    logits = torch.cat([x @ first.t(), x @ second.t()], dim=-1)
+    return logits if lm_head.bias is None else logits + lm_head.bias

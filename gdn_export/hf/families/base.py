@@ -17,7 +17,7 @@ from torch import nn
 
 from gdn_export.hf.blocks import rope_tables
 from gdn_export.hf.checkpoint import CheckpointError
-from gdn_export.models.decoder import Decoder
+from gdn_export.models.decoder import Decoder, vocab_projection
 from gdn_export.models.state import StateSpec, attention_states, delta_states
 
 if TYPE_CHECKING:
@@ -55,6 +55,8 @@ class TransformersLM(Decoder, ExportableLM):
         super().__init__(hf_model)
         self.config = hf_model.config
         self.layer_types = self.config.layer_types
+        # tie_word_embeddings: lm_head's weight is the embedding table itself (see lm_head)
+        self.tied_head = self.hf.lm_head.weight is self.hf.model.embed_tokens.weight
         self.states = []
         for i, layer in enumerate(self.decoder_layers()):
             if self.layer_types[i] == "linear_attention":
@@ -96,7 +98,12 @@ class TransformersLM(Decoder, ExportableLM):
         return (layer.input_layernorm if part == "mixer" else layer.post_attention_layernorm), None
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hf.lm_head(self.hf.model.norm(x))
+        return self.lm_head(self.hf.model.norm(x))
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """``hf.lm_head(x)``, through ``vocab_projection``: a head tied to ``model.embed_tokens`` reads the table
+        as two slices, so that tract packs it once."""
+        return vocab_projection(x, self.hf.lm_head, self.tied_head)
 
 
 def require_silu_conv(config: PreTrainedConfig) -> None:

@@ -184,7 +184,7 @@ class Qwen4ExpLM(Qwen3_5LM):
         return sparse_moe(layer.mlp, x, layer.mlp.gate.norm_topk_prob)
 
     def head(self, x):
-        return self.hf.lm_head(self.hf.model.hyper_connection_mixer(x))  # a last mix of the streams, no final norm
+        return self.lm_head(self.hf.model.hyper_connection_mixer(x))  # a last mix of the streams, no final norm
 
 
 class Qwen4ExpFamily(Family):
