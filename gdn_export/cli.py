@@ -20,7 +20,8 @@ import time
 import warnings
 from typing import Sequence
 
-from gdn_export.lowering.policy import RUNTIMES  # both light: --help imports no torch
+from gdn_export.lowering.capabilities import parse_version  # these three are light: --help imports no torch
+from gdn_export.lowering.policy import RUNTIMES
 from gdn_export.lowering.registry import LOWERINGS
 
 
@@ -123,16 +124,19 @@ def _count(minimum: int):
 
 
 def _chunk_size(text: str) -> int:
+    from gdn_export.lowering.chunked import chunk_size_error  # the rule itself; imported only when the option is given
+
     value = _count(1)(text)
-    if value % 16:
-        raise argparse.ArgumentTypeError(f"a chunk size must be a positive multiple of 16 tokens, got {value}")
+    if chunk_size_error(value):
+        raise argparse.ArgumentTypeError(chunk_size_error(value))
     return value
 
 
 def _version(text: str) -> str:
-    parts = text.strip().lstrip("v").split(".")
-    if len(parts) != 3 or not all(p.isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a tract version of the form MAJOR.MINOR.PATCH")
+    try:
+        parse_version(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     return text
 
 

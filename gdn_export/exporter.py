@@ -22,8 +22,6 @@ from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
 from gdn_export.runtime import load_tract_model, run_tract, tract_version as installed_tract_version
 from gdn_export.target import OfflineTractTarget
 
-LOGGER = logging.getLogger(__name__)
-
 
 @dataclass
 class ExportReport:

@@ -212,6 +212,12 @@ def _in_dtype(hf_model, dtype: torch.dtype):
     return copy_in_dtype(copy.deepcopy(hf_model, {id(t): plain(t) for t in wrapped}), dtype)
 
 
+def validate_check(prompt_len: int, decode_steps: int, batch: int = 1) -> None:
+    if prompt_len < 1 or decode_steps < 0 or batch < 1:
+        raise GdnExportError(f"the check needs a prompt length >= 1, decode steps >= 0 and a batch >= 1, got "
+                             f"{prompt_len}, {decode_steps} and {batch}")
+
+
 def check_against_transformers(path, hf_model, prompt_len: int = 16, decode_steps: int = 8, batch: int = 1, *,
                                seed: int = 0, half_model=None) -> LogitCheck:
     """Prefill ``prompt_len`` tokens then ``decode_steps`` single-token steps of the archive at ``path`` (or an open
@@ -221,8 +227,7 @@ def check_against_transformers(path, hf_model, prompt_len: int = 16, decode_step
     reference in that dtype (``half_model``, or ``copy_in_dtype(hf_model, dtype)``), and the float16 rule judges."""
     from gdn_export.session import Session
 
-    if prompt_len < 1 or decode_steps < 0:
-        raise GdnExportError(f"prompt length must be >= 1 and decode steps >= 0, got {prompt_len} and {decode_steps}")
+    validate_check(prompt_len, decode_steps, batch)
     session = path if isinstance(path, Session) else Session(path)
     # the precision judged: the archive's dtype, or a float32 archive's reduced core (--core-dtype float16)
     dtype = session.metadata["dtype"]

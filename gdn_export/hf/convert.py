@@ -16,7 +16,7 @@ from gdn_export.archive import nnef_tgz_path, read_metadata
 from gdn_export.exporter import export
 from gdn_export.lowering.options import validate_options
 from gdn_export.lowering.capabilities import parse_version
-from gdn_export.hf.check import LogitCheck, check_against_transformers
+from gdn_export.hf.check import LogitCheck, check_against_transformers, validate_check
 from gdn_export.hf.checkpoint import CheckpointError, copy_in_dtype, load_model, read_config
 from gdn_export.hf.families import family_for
 
@@ -43,7 +43,6 @@ class ConvertReport:
     check: LogitCheck | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     reference: str = "transformers"
-    checked: bool = True
 
     def __str__(self) -> str:
         gdn = sum(1 for layer in self.layers if layer.kind == "gated delta rule")
@@ -54,7 +53,7 @@ class ConvertReport:
                 lines.append(f"  layer {layer.index}: {layer.lowering} - {layer.reason}")
         if self.check is not None:
             lines.append(f"  check vs {self.reference}: {self.check}")
-        elif not self.checked:
+        else:  # a report is returned only once its check passed: no check means check=False
             lines.append("  not checked (check=False / --no-check): tract's logits were not compared with anything")
         lines.append("  time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items()))
         return "\n".join(lines)
@@ -96,12 +95,6 @@ def check_output_path(out_path: str | os.PathLike, force: bool, force_hint: str 
     except OSError as err:
         raise GdnExportError(f"cannot write {out_path}: no file can be created in {folder} ({err.strerror})") from None
     return out_path
-
-
-def validate_check(prompt_len: int, decode_steps: int, batch: int = 1) -> None:
-    if prompt_len < 1 or decode_steps < 0 or batch < 1:
-        raise GdnExportError(f"the check needs a prompt length >= 1, decode steps >= 0 and a batch >= 1, got "
-                             f"{prompt_len}, {decode_steps} and {batch}")
 
 
 def convert(
@@ -174,7 +167,7 @@ def convert(
         seconds["export"] = time.perf_counter() - start
         result = ConvertReport(out_path, family.name, config["model_type"], dtype, report.tract_version,
                                layers=_layer_reports(lm, report.decisions), seconds=seconds,
-                               reference=family.reference, checked=check)
+                               reference=family.reference)
         if check:
             start = time.perf_counter()
             say(f"checking {out_path} in tract: prefill {prompt_len} + decode {decode_steps} against "
