@@ -34,9 +34,9 @@ def _convert(args) -> int:
 
     check_output_path(args.output, args.force, force_hint="--force")
     report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
-                     tract_version=args.tract_version, check=not args.no_check, force=args.force,
-                     progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype,
-                     chunk_size=args.chunk_size)
+                     tract_version=args.tract_version, check=False if args.no_check else args.check,
+                     force=args.force, progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype,
+                     chunk_size=args.chunk_size, streamed=not args.in_memory)
     print(report)
     return 0
 
@@ -47,7 +47,7 @@ def _check(args) -> int:
 
     _progress(f"checking {args.model} against {args.checkpoint}: prefill {args.prompt_len} + decode "
               f"{args.decode_steps}, batch {args.batch}")
-    result = check(args.model, args.checkpoint, args.prompt_len, args.decode_steps, args.batch)
+    result = check(args.model, args.checkpoint, args.prompt_len, args.decode_steps, args.batch, kind=args.kind)
     print(f"{args.model}: {result}")
     if not result.ok:
         raise GdnExportError(f"{args.model} does not match {args.checkpoint}: {result}")
@@ -159,7 +159,13 @@ def parser() -> argparse.ArgumentParser:
                          help="tokens per chunk of the chunked lowering, a multiple of 16 (default: 64, or 32 with "
                               "per-channel decay)")
     convert.add_argument("--tract-version", type=_version, help="tract version to target (default: the installed one)")
-    convert.add_argument("--no-check", action="store_true", help="skip the prefill/decode check against transformers")
+    convert.add_argument("--check", choices=["auto", "full", "layerwise"], default="auto",
+                         help="the check's reference: transformers' whole model in memory (full), one decoder "
+                              "layer in memory at a time (layerwise), or full where it fits (auto)")
+    convert.add_argument("--no-check", action="store_true", help="run no check at all")
+    convert.add_argument("--in-memory", action="store_true",
+                         help="load the whole model in memory before exporting (default: every weight is written "
+                              "straight from the checkpoint's files; the same archive)")
     convert.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
     convert.set_defaults(run=_convert)
     _add_debug(convert)
@@ -169,6 +175,8 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--prompt-len", type=_count(1), default=16)
     check.add_argument("--decode-steps", type=_count(0), default=8)
     check.add_argument("--batch", type=_count(1), default=1)
+    check.add_argument("--kind", choices=["auto", "full", "layerwise"], default="auto",
+                       help="the reference: whole model in memory, layer by layer, or full where it fits")
     check.set_defaults(run=_check)
     _add_debug(check)
     info = sub.add_parser("info", help="show an exported model's inputs, outputs, lowerings and versions")

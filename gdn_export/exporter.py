@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -19,6 +21,7 @@ from gdn_export.lowering.emitter import Decision
 from gdn_export.lowering.options import validate_options
 from gdn_export.output_names import declared_outputs, keep_output_names
 from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
+from gdn_export.streamed_weights import StreamedWeights, check_all_written, streamed_writes
 from gdn_export.runtime import load_tract_model, run_tract, tract_version as installed_tract_version
 from gdn_export.target import OfflineTractTarget
 
@@ -31,6 +34,7 @@ class ExportReport:
     tract_version: str
     decisions: list[Decision] = field(default_factory=list)
     parity: ParityResult | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # trace (torch-to-nnef), write (streamed weights), pack
 
     def lowerings(self) -> list[str]:
         return [d.lowering for d in self.decisions]
@@ -81,6 +85,8 @@ def export(
     runtime: str = "any",
     core_dtype: str | None = None,
     chunk_size: int | None = None,
+    weights: StreamedWeights | None = None,
+    extra_files: Mapping[str, Path] | None = None,
 ) -> ExportReport:
     """Export ``module(*args)`` to ``path`` (a ``.nnef.tgz``) for tract.
 
@@ -95,11 +101,19 @@ def export(
     beside the graph, with the lowering decisions added. With ``check``, the file is run in tract on ``args``
     and every output compared with torch; beyond tolerance ParityError is raised. The file appears at ``path``
     only once written and checked: on any error or interruption nothing is left there.
+
+    ``weights`` (``gdn_export.streamed_weights``): writers of the parameters' variables by parameter name, for a
+    ``module`` traced with placeholder parameters; ``check`` must then be False (the module's values are not the
+    model's) and the caller checks the archive against its own reference. ``extra_files`` (archive name -> file)
+    are stored beside the graph (a tokenizer, a chat template: tract ignores them).
     """
     import gdn_export.extractors  # noqa: F401  (handlers must be registered before tracing)
     from torch_to_nnef import export_model_to_nnef
 
     validate_options(lowering, runtime, core_dtype, chunk_size)
+    if weights is not None and check:
+        raise GdnExportError("an export with streamed weights cannot be checked against its module (its parameters "
+                             "are placeholders): pass check=False and check the archive against the model")
     path = nnef_tgz_path(path)
     args = tuple(args)
     version = tract_version or installed_tract_version()
@@ -111,21 +125,32 @@ def export(
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".gdn_export_", dir=path.parent) as tmp:
         folder = Path(tmp) / "model.nnef"
-        with torch.no_grad():
+        start = time.perf_counter()
+        with torch.no_grad(), streamed_writes(weights) as written:
             export_model_to_nnef(
                 model=module, args=args, file_path_export=folder, inference_target=target,
                 input_names=input_names, output_names=list(output_names) if output_names else None,
                 compression_level=None, log_level=logging.ERROR,
             )
+        if weights is not None:
+            check_all_written(weights, written)
+        seconds = {"trace": time.perf_counter() - start - written["seconds"], "write": written["seconds"]}
         if not (folder / "graph.nnef").is_file():
             raise GdnExportError(f"torch-to-nnef wrote no graph for {path}")
         renamed = keep_output_names(folder)
         if metadata is not None:
             metadata = {**metadata, "output_names_kept": renamed, "decisions": [d.summary() for d in target.gdn_decisions]}
             (folder / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
+        for name, source in (extra_files or {}).items():
+            if (folder / name).exists() or "/" in name:
+                raise GdnExportError(f"extra file {name!r} would overwrite a file of the graph or leave the archive root")
+            shutil.copyfile(source, folder / name)
         staged = Path(tmp) / "model.nnef.tgz"
+        start = time.perf_counter()
         pack(folder, staged)
-        report = ExportReport(path=path, tract_version=version, decisions=list(target.gdn_decisions))
+        seconds["pack"] = time.perf_counter() - start
+        report = ExportReport(path=path, tract_version=version, decisions=list(target.gdn_decisions),
+                              seconds=seconds)
         if check:
             declared = declared_outputs(folder)
             report.parity = _check_against_torch(module, args, staged, declared, half=core_dtype == "float16")

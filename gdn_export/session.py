@@ -49,8 +49,54 @@ class Session:
         self.state_specs = metadata["states"]
         self.prefill_piece = prefill_piece
         self._planned: tuple[int, object] | None = None  # (batch size, runnable planned for it), at first call
+        self._generation: dict | None = None
         self.states: list[np.ndarray] | None = None
         self.position = 0
+
+    def _generation_files(self) -> dict[str, bytes]:
+        """The checkpoint files for generation the archive carries (``metadata["generation_files"]``), read once."""
+        if self._generation is None:
+            import tarfile
+
+            names = self.metadata.get("generation_files", [])
+            with tarfile.open(self.path) as tar:
+                self._generation = {name: tar.extractfile(name).read() for name in names}
+        return self._generation
+
+    @property
+    def tokenizer(self):
+        """The checkpoint's tokenizer (a ``tokenizers.Tokenizer``), or None when the archive carries none."""
+        data = self._generation_files().get("tokenizer.json")
+        if data is None:
+            return None
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise GdnExportError("reading the archive's tokenizer needs the tokenizers package: pip install tokenizers") from None
+        return Tokenizer.from_str(data.decode())
+
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's chat template (chat_template.jinja, or tokenizer_config.json's), or None."""
+        import json
+
+        files = self._generation_files()
+        if "chat_template.jinja" in files:
+            return files["chat_template.jinja"].decode()
+        for name in ("chat_template.json", "tokenizer_config.json"):
+            if name in files:
+                template = json.loads(files[name]).get("chat_template")
+                if template:
+                    return template
+        return None
+
+    @property
+    def generation_config(self) -> dict | None:
+        """The checkpoint's generation_config.json (sampling defaults, stop tokens), or None."""
+        import json
+
+        data = self._generation_files().get("generation_config.json")
+        return json.loads(data) if data is not None else None
 
     def _runnable(self, batch: int):
         if self._planned is None or self._planned[0] != batch:

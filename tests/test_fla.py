@@ -387,7 +387,7 @@ def copy_fixture(tmp_path, name="fla_delta_net", **changes):
 def test_bad_configs_are_clear_errors(tmp_path, changes, message):
     folder, config = copy_fixture(tmp_path, **changes)
     with pytest.raises(CheckpointError, match=message):
-        FAMILY.load(folder, config)
+        load_model(folder, FAMILY, config)
 
 
 def test_weights_must_match_config(tmp_path, capsys):
@@ -395,15 +395,15 @@ def test_weights_must_match_config(tmp_path, capsys):
 
     folder, config = copy_fixture(tmp_path, num_hidden_layers=3)
     with pytest.raises(CheckpointError, match="missing from the checkpoint: model.layers.2"):
-        FAMILY.load(folder, config)
+        load_model(folder, FAMILY, config)
     folder, config = copy_fixture(tmp_path / "b", "fla_kda", head_dim=8)
     with pytest.raises(CheckpointError, match="disagree with config.json sizes"):
-        FAMILY.load(folder, config)
+        load_model(folder, FAMILY, config)
     folder, config = copy_fixture(tmp_path / "c")
     tensors = load_file(folder / "model.safetensors")
     save_file({**tensors, "model.layers.0.attn.extra": torch.zeros(2)}, folder / "model.safetensors")
     with pytest.raises(CheckpointError, match="does not describe: model.layers.0.attn.extra"):
-        FAMILY.load(folder, config)
+        load_model(folder, FAMILY, config)
     assert cli(["convert", str(folder), "-o", str(tmp_path / "x.nnef.tgz")]) == 1
     assert "does not describe" in capsys.readouterr().err
 

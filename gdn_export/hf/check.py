@@ -225,6 +225,20 @@ def check_against_transformers(path, hf_model, prompt_len: int = 16, decode_step
     compare the logits. For a reduced-precision archive (``session.metadata["dtype"]``, or a float32 one whose
     gated delta-rule core takes float16 operands, ``metadata["core_dtype"]``) the same tokens also run through the
     reference in that dtype (``half_model``, or ``copy_in_dtype(hf_model, dtype)``), and the float16 rule judges."""
+
+    def half_logits(dtype: torch.dtype, tokens: np.ndarray) -> np.ndarray:
+        return transformers_logits(half_model if half_model is not None else _in_dtype(hf_model, dtype), tokens,
+                                   prompt_len)
+
+    return check_archive(path, hf_model.config.vocab_size, prompt_len, decode_steps, batch, seed,
+                         lambda tokens: transformers_logits(hf_model, tokens, prompt_len), half_logits)
+
+
+def check_archive(path, vocab_size: int, prompt_len: int, decode_steps: int, batch: int, seed: int,
+                  reference, half_reference) -> LogitCheck:
+    """The check of ``path`` (a .nnef.tgz or an open Session) on random tokens against ``reference(tokens)`` (float32
+    logits [B, S, vocab]) and, for a reduced-precision archive, ``half_reference(dtype, tokens)`` (the reference
+    framework's own model in that dtype)."""
     from gdn_export.session import Session
 
     validate_check(prompt_len, decode_steps, batch)
@@ -235,15 +249,13 @@ def check_against_transformers(path, hf_model, prompt_len: int = 16, decode_step
         dtype = session.metadata["core_dtype"]
     if dtype != "float32" and dtype not in HALF_DTYPES:
         raise GdnExportError(f"{session.path} has dtype {dtype!r}; the check knows float32 and float16")
-    tokens = sample_tokens(hf_model.config.vocab_size, batch, prompt_len + decode_steps, seed)
-    expected = transformers_logits(hf_model, tokens, prompt_len)
+    tokens = sample_tokens(vocab_size, batch, prompt_len + decode_steps, seed)
+    expected = reference(tokens)
     actual = session_logits(session, tokens, prompt_len)
     baseline = None
     if dtype != "float32":
-        if half_model is None:
-            half_model = _in_dtype(hf_model, HALF_DTYPES[dtype])
         try:
-            baseline = transformers_logits(half_model, tokens, prompt_len)
+            baseline = half_reference(HALF_DTYPES[dtype], tokens)
         except Exception as err:  # e.g. an op without a CPU float16 kernel in this torch
             raise GdnExportError(f"the reference's own {dtype} model could not run, so a {dtype} export cannot be "
                                  f"judged: {type(err).__name__}: {err}") from err

@@ -1,20 +1,32 @@
-"""Reading a local Hugging Face checkpoint: config.json and safetensors only, never code, never pickle."""
+"""Reading a local Hugging Face checkpoint: config.json and safetensors only, never code, never pickle.
+
+A checkpoint is matched against the family's model *before* any weight is read: the model is built with its
+parameters on torch's meta device (no memory; buffers such as rotary tables are computed as usual), and every
+parameter is paired with the checkpoint tensor that holds it (``CheckpointWeights``): renamed through the
+published layout (``gdn_export.hf.layout``), strictly (a tensor missing, unknown or of another shape is a
+CheckpointError). Weights are then read one tensor at a time: into a float32 model that fits in memory
+(``load_model``, for the check), into one layer while it runs (the layer-by-layer check), or straight into the
+export's ``.dat`` files (``gdn_export.hf.convert``) without a model in memory at all.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
+from torch import nn
 
-from gdn_export.errors import GdnExportError
+from gdn_export.hf.layout import Layout, resolve_layout
+from gdn_export.hf.tensors import CheckpointError, TensorEntry, TensorIndex
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
-class CheckpointError(GdnExportError):
-    """The checkpoint folder is missing, malformed, unsupported or inconsistent."""
+__all__ = ["CheckpointError", "CheckpointWeights", "copy_in_dtype", "empty_model", "load_model", "open_checkpoint",
+           "read_config"]
 
 
 def read_config(checkpoint_dir: str | os.PathLike) -> dict:
@@ -33,171 +45,173 @@ def read_config(checkpoint_dir: str | os.PathLike) -> dict:
     return config
 
 
-def safetensors_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
-    """The checkpoint's safetensors files, each checked to open and to hold whole tensors."""
-    from safetensors import safe_open
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (shapes only) and their buffers as usual."""
+    register = nn.Module.register_parameter
 
-    folder = Path(checkpoint_dir)
-    files = sorted(folder.glob("*.safetensors"))
-    _check_index(folder)
-    if not files:
-        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        if pickles:
-            raise CheckpointError(
-                f"{folder} holds only pickle weights ({', '.join(pickles)}); gdn_export reads safetensors only "
-                "(pickle files can run code when loaded). Convert them to safetensors first."
-            )
-        raise CheckpointError(f"{folder} has no *.safetensors weights")
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                for key in handle.keys():
-                    handle.get_slice(key)  # the header's offsets must fit the file
-        except Exception as err:  # safetensors raises its own error types
-            raise CheckpointError(f"{path.name} is truncated or not a safetensors file: {err}") from None
-        _check_offsets(path)
-    return files
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-
-INDEX_FILE = "model.safetensors.index.json"
-
-
-def _check_index(folder: Path) -> None:
-    """A sharded checkpoint's index must be readable and every shard it names present."""
-    index = folder / INDEX_FILE
-    if not index.is_file():
-        return
+    nn.Module.register_parameter = on_meta
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        shards = sorted(set(weight_map.values()))
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-        raise CheckpointError(f"{index} is not a valid safetensors index (expected JSON with a weight_map)") from None
-    missing = [name for name in shards if not (folder / name).is_file()]
-    if missing:
-        raise CheckpointError(f"{folder} is missing {len(missing)} of the {len(shards)} shards named in {INDEX_FILE}: "
-                              f"{', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
-def _check_offsets(path: Path) -> None:
-    """safetensors opens lazily: compare the header's data end with the file size to catch truncation."""
-    with path.open("rb") as handle:
-        header_len = int.from_bytes(handle.read(8), "little")
-        try:
-            header = json.loads(handle.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise CheckpointError(f"{path.name} has a malformed safetensors header") from None
-    data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    actual = path.stat().st_size - 8 - header_len
-    if actual < data_end:
-        raise CheckpointError(f"{path.name} is truncated: its header needs {data_end} bytes of data, the file has {actual}")
-
-
-def load_model(checkpoint_dir: str | os.PathLike, family, config: dict) -> torch.nn.Module:
-    """Build the family's transformers model from config.json and load the safetensors weights into it (f32).
-
-    Every weight must be present with the shape the config implies: a missing or mis-shaped tensor is an
-    error, never a random initialization.
-    """
-    safetensors_files(checkpoint_dir)
-    own_loader = getattr(family, "load", None)
-    if own_loader is not None:  # families with no transformers classes (FLA) build their model themselves
-        return own_loader(checkpoint_dir, config)
-    config_class, model_class = family.classes()
-    fields = {k: v for k, v in config.items() if k not in ("auto_map",)}
-    try:
-        hf_config = config_class(**fields)
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"config.json does not describe a {family.name} model: {err}") from None
-    try:
-        model, info = model_class.from_pretrained(
-            str(checkpoint_dir), config=hf_config, dtype=torch.float32, use_safetensors=True,
-            trust_remote_code=False, output_loading_info=True, local_files_only=True,
-        )
-    except (RuntimeError, ValueError, OSError) as err:
-        mismatched = _shape_mismatches(checkpoint_dir, model_class, hf_config)
-        if mismatched:
-            raise CheckpointError(f"weights disagree with config.json sizes: {', '.join(mismatched[:3])}") from None
-        raise CheckpointError(f"the weights do not match config.json: {_first_line(err)}") from None
-    missing = [k for k in info.get("missing_keys", []) if "rotary" not in k]
-    mismatched = info.get("mismatched_keys", [])
-    if mismatched:
-        shown = ", ".join(f"{m[0]} {tuple(m[1])} vs {tuple(m[2])}" if len(m) == 3 else str(m) for m in mismatched[:3])
-        raise CheckpointError(f"weights disagree with config.json sizes: {shown}")
-    if missing:
-        raise CheckpointError(f"weights missing from the checkpoint: {', '.join(sorted(missing)[:5])}")
+def empty_model(family, layout: Layout) -> nn.Module:
+    """The family's model for ``layout``'s config, parameters on meta: nothing read, nothing allocated."""
+    with parameters_on_meta():
+        model = family.build(layout.config)
     return model.eval()
 
 
-def read_safetensors(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint's safetensors files (one or several shards), by name."""
-    from safetensors import safe_open
+@dataclass
+class CheckpointWeights:
+    """The checkpoint tensor of every parameter of a model (by the model's parameter name), and what was left out.
 
-    tensors: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(checkpoint_dir):
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                if key in tensors:
-                    raise CheckpointError(f"tensor {key} appears in more than one safetensors file")
-                tensors[key] = handle.get_tensor(key)
-    return tensors
-
-
-def assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ignore: tuple[str, ...] = ()) -> None:
-    """Copy ``tensors`` into ``model``'s parameters and buffers by name, cast to their dtype.
-
-    Strict: a missing, unexpected or mis-shaped tensor is a CheckpointError (the config then describes
-    another model than the weights). Names in ``ignore`` may be present or not (tied weights).
+    ``skipped`` counts the checkpoint's tensors not converted, by reason (vision tower, ignored by transformers,
+    tied head). Tied parameters (one tensor under two names) are listed once, under the model's first name.
     """
-    expected = model.state_dict()
-    missing = sorted(k for k in expected if k not in tensors and k not in ignore)
-    unexpected = sorted(k for k in tensors if k not in expected)
-    if missing:
-        raise CheckpointError(f"weights missing from the checkpoint: {', '.join(missing[:5])}"
-                              + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
-    if unexpected:
-        raise CheckpointError(f"the checkpoint has weights config.json does not describe: {', '.join(unexpected[:5])}"
-                              + (f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else ""))
-    mismatched = [f"{k} {tuple(tensors[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-                  if k in tensors and k not in ignore and tensors[k].shape != v.shape]
-    if mismatched:
-        raise CheckpointError(f"weights disagree with config.json sizes: {', '.join(mismatched[:3])}")
-    with torch.no_grad():
-        for key, target in expected.items():
-            if key in tensors and key not in ignore:
-                target.copy_(tensors[key].to(target.dtype))
+
+    entries: dict[str, object]  # TensorEntry, or a ParameterSource made by a transformers conversion
+    skipped: Counter = field(default_factory=Counter)
+    layout: Layout | None = None
+
+    @classmethod
+    def match(cls, index: TensorIndex, layout: Layout, model: nn.Module) -> "CheckpointWeights":
+        from gdn_export.hf.conversion import parameter_sources
+
+        expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # deduplicated: ties listed once
+        aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(expected)
+        skipped: Counter = Counter()
+        kept: dict[str, TensorEntry] = {}
+        for entry in index:
+            why = layout.left_out(entry.name)
+            if why is not None:
+                skipped[why] += 1
+            else:
+                kept[layout.model_name(entry.name)] = entry
+        sources, unexpected = parameter_sources(model, kept)
+        entries = {}
+        for name, source in sources.items():
+            if name in aliases:  # a tied head stored anyway: transformers reads the table, so do we
+                skipped["tied to the embedding table"] += 1
+            elif name in expected:
+                entries[name] = source
+            # else a stored buffer (e.g. inv_freq): recomputed by the model, as transformers does
+        missing = sorted(set(expected) - set(entries))
+        if missing:
+            raise CheckpointError(f"weights missing from the checkpoint: {', '.join(missing[:5])}"
+                                  + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
+        if unexpected:
+            raise CheckpointError(f"the checkpoint has weights config.json does not describe: "
+                                  f"{', '.join(sorted(unexpected)[:5])}"
+                                  + (f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else ""))
+        mismatched = [f"{entries[k].name} {list(entries[k].shape)} in the checkpoint vs {list(v)} from config.json"
+                      for k, v in expected.items() if tuple(entries[k].shape) != v]
+        if mismatched:
+            raise CheckpointError(f"weights disagree with config.json sizes: {', '.join(mismatched[:3])}")
+        return cls(entries, skipped, layout)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def source_dtypes(self) -> Counter:
+        return Counter(e.dtype for e in self.entries.values())
+
+    def summary(self) -> str:
+        """'N tensors (bf16 M, f32 K) from ... ; left out: ...' for the report."""
+        dtypes = ", ".join(f"{k} {v}" for k, v in sorted(self.source_dtypes().items()))
+        text = f"{len(self.entries)} tensors ({dtypes}, {self.nbytes / 2 ** 20:.1f} MiB)"
+        if self.layout is not None and self.layout.wrapper:
+            text += f" of the language model of a {self.layout.wrapper} checkpoint"
+        if self.skipped:
+            text += "; left out: " + ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items()))
+        return text
 
 
-def _shape_mismatches(checkpoint_dir, model_class, hf_config) -> list[str]:
-    """'name (checkpoint shape) vs (config shape)' for tensors named alike in the files and the model."""
-    try:
-        with torch.device("meta"):
-            expected = {k: tuple(v.shape) for k, v in model_class(hf_config).state_dict().items()}
-    except Exception:  # a config transformers cannot even build: the caller reports the original error
-        return []
-    mismatched = []
-    for path in safetensors_files(checkpoint_dir):
-        with path.open("rb") as handle:
-            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-        for name, entry in header.items():
-            if name in expected and tuple(entry["shape"]) != expected[name]:
-                mismatched.append(f"{name} {tuple(entry['shape'])} in the checkpoint vs {expected[name]} from config.json")
-    return mismatched
+def open_checkpoint(checkpoint_dir: str | os.PathLike, family=None, config: dict | None = None):
+    """``(family, layout, model, weights)`` for a checkpoint folder: its family, its layout, the empty model
+    (parameters on meta) and every parameter's tensor, all checked; no weight is read."""
+    from gdn_export.hf.families import family_for
+
+    config = read_config(checkpoint_dir) if config is None else config
+    layout = resolve_layout(config)
+    family = family or family_for(layout.model_type)
+    index = TensorIndex(checkpoint_dir)
+    model = empty_model(family, layout)
+    layout = layout.with_ignored(family.ignored_on_load())
+    return family, layout, model, CheckpointWeights.match(index, layout, model)
 
 
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+def materialize(model: nn.Module, weights: CheckpointWeights, dtype: torch.dtype, *,
+                placeholders: bool = False, prefix: str = "") -> nn.Module:
+    """Give ``model``'s meta parameters under ``prefix`` their values in ``dtype``, read from the checkpoint; with
+    ``placeholders``, parameters of ``REAL_BYTES`` or more get uninitialized tensors of the right shape instead
+    (untouched pages: no memory until written), for a trace whose weights are written from the checkpoint
+    (``gdn_export.streamed_weights``). Ties are kept (one tensor)."""
+    from gdn_export.models.derived import PLACEHOLDER
+    from gdn_export.streamed_weights import REAL_BYTES
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    done: dict[int, nn.Parameter] = {}
+    for owner_name, owner in model.named_modules():
+        for local, param in list(owner._parameters.items()):
+            if param is None or param.device.type != "meta":
+                continue
+            name = names[id(param)]
+            if not name.startswith(prefix):
+                continue
+            if id(param) not in done:
+                large = param.numel() * dtype.itemsize >= REAL_BYTES
+                value = torch.empty(param.shape, dtype=dtype) if placeholders and large else \
+                    weights.entries[name].read(dtype)
+                done[id(param)] = nn.Parameter(value, requires_grad=False)
+                if placeholders and large:
+                    setattr(done[id(param)], PLACEHOLDER, True)
+            owner._parameters[local] = done[id(param)]
+    return model
 
 
-def copy_in_dtype(hf_model, dtype: torch.dtype):
-    """The model in ``dtype``, except rotary frequency tables: transformers keeps ``inv_freq`` in f32 in a
+def release(model: nn.Module, prefix: str) -> None:
+    """Put the parameters under ``prefix`` back on meta (the layer-by-layer check frees a layer once it ran)."""
+    for name, owner in model.named_modules():
+        if name == prefix.rstrip(".") or name.startswith(prefix):
+            for local, param in list(owner._parameters.items()):
+                if param is not None:
+                    owner._parameters[local] = nn.Parameter(param.to("meta"), requires_grad=False)
+
+
+def cast_buffers(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Floating buffers in ``dtype``, except rotary frequency tables: transformers keeps ``inv_freq`` in f32 in a
     half model (rounded to f16, cos/sin drift by ~0.5 at position 4096 with head_dim 128)."""
+    for name, owner in model.named_modules():
+        for local, buffer in list(owner._buffers.items()):
+            if buffer is not None and buffer.is_floating_point() and not local.endswith("inv_freq"):
+                owner._buffers[local] = buffer.to(dtype)
+    return model
+
+
+def load_model(checkpoint_dir: str | os.PathLike, family=None, config: dict | None = None,
+               dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The family's eager model with every weight read from the checkpoint, in ``dtype`` (the whole model in
+    memory: the check's reference where it fits)."""
+    _, _, model, weights = open_checkpoint(checkpoint_dir, family, config)
+    return cast_buffers(materialize(model, weights, dtype), dtype)
+
+
+def copy_in_dtype(hf_model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of the model in ``dtype``, rotary frequency tables kept in f32 (see ``cast_buffers``); ties kept."""
     import copy
 
     model = copy.deepcopy(hf_model)
-    kept = {name: buffer.clone() for name, buffer in model.named_buffers() if name.endswith("inv_freq")}
-    model = model.to(dtype)
-    for name, buffer in kept.items():
-        owner = model.get_submodule(name.rpartition(".")[0])
-        setattr(owner, name.rpartition(".")[2], buffer)
-    return model
+    with torch.no_grad():
+        for param in model.parameters():  # deduplicated: a tied tensor is cast once, for both names
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
+    return cast_buffers(model, dtype)

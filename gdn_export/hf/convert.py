@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError, ParityError
@@ -16,8 +18,14 @@ from gdn_export.archive import nnef_tgz_path, read_metadata
 from gdn_export.exporter import export
 from gdn_export.lowering.options import validate_options
 from gdn_export.lowering.capabilities import parse_version
-from gdn_export.hf.check import LogitCheck, check_against_transformers, validate_check
-from gdn_export.hf.checkpoint import CheckpointError, copy_in_dtype, load_model, read_config
+from gdn_export.hf.check import LogitCheck, check_against_transformers, check_archive, validate_check
+from gdn_export.hf.checkpoint import (CheckpointError, cast_buffers, empty_model, materialize, open_checkpoint,
+                                      read_config)
+from gdn_export.hf.layerwise import layerwise_logits
+from gdn_export.hf.layout import resolve_layout
+from gdn_export.hf.tensors import write_nnef_header
+from gdn_export.models.derived import PLACEHOLDER, ROWS_OF
+from gdn_export.streamed_weights import StreamedWeights
 from gdn_export.hf.families import family_for
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -43,6 +51,9 @@ class ConvertReport:
     check: LogitCheck | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     reference: str = "transformers"
+    weights: str = ""  # what was read from the checkpoint, and what was left out
+    generation_files: list[str] = field(default_factory=list)  # tokenizer, chat template... carried in the archive
+    check_kind: str = ""
 
     def __str__(self) -> str:
         gdn = sum(1 for layer in self.layers if layer.kind == "gated delta rule")
@@ -51,8 +62,13 @@ class ConvertReport:
         for layer in self.layers:
             if layer.kind == "gated delta rule":
                 lines.append(f"  layer {layer.index}: {layer.lowering} - {layer.reason}")
+        if self.weights:
+            lines.append(f"  weights: {self.weights}")
+        lines.append("  for generation: " + (", ".join(self.generation_files) if self.generation_files else
+                                             "no tokenizer, chat template or generation config in the checkpoint: "
+                                             "the archive takes token ids"))
         if self.check is not None:
-            lines.append(f"  check vs {self.reference}: {self.check}")
+            lines.append(f"  check vs {self.reference} ({self.check_kind}): {self.check}")
         else:  # a report is returned only once its check passed: no check means check=False
             lines.append("  not checked (check=False / --no-check): tract's logits were not compared with anything")
         lines.append("  time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items()))
@@ -97,6 +113,14 @@ def check_output_path(out_path: str | os.PathLike, force: bool, force_hint: str 
     return out_path
 
 
+CHECKS = ("auto", "full", "layerwise")
+# what a check's reference is, for the report
+CHECK_KINDS = {"full": "whole model in memory", "layerwise": "layer by layer (one decoder layer in memory at a time)"}
+# files of a checkpoint folder that the archive carries, to generate text (tract ignores them)
+GENERATION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "chat_template.json", "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
 def convert(
     checkpoint_dir: str | os.PathLike,
     out_path: str | os.PathLike,
@@ -104,7 +128,7 @@ def convert(
     dtype: str = "float32",
     lowering: str = "auto",
     tract_version: str | None = None,
-    check: bool = True,
+    check: bool | str = True,
     force: bool = False,
     prompt_len: int = 16,
     decode_steps: int = 8,
@@ -112,45 +136,65 @@ def convert(
     runtime: str = "cpu",
     core_dtype: str | None = None,
     chunk_size: int | None = None,
+    streamed: bool = True,
 ) -> ConvertReport:
     """Convert a local checkpoint (config.json + safetensors) into ``out_path`` and check it in tract.
 
     The graph serves prefill and decode (symbolic batch, sequence and past); ``runtime`` ("cpu", "cuda",
-    "any") picks the fastest exact lowering for where tract will run it. With ``check``, the export is first
-    checked against the exportable module in torch, then a prefill of ``prompt_len`` tokens and ``decode_steps``
-    single-token steps run in tract and in transformers' eager model; beyond tolerance ParityError is raised.
-    ``check=False`` runs no check at all. Every argument is validated before any work; ``out_path`` appears
+    "any") picks the fastest exact lowering for where tract will run it. ``streamed`` (the default): the model is
+    traced with placeholder weights and every weight is written to the archive straight from the checkpoint's
+    files, one tensor at a time, so memory stays bounded by the largest tensor; ``streamed=False`` loads the model
+    in memory first (the same archive, byte for byte). ``check``: True or "auto" checks a prefill of
+    ``prompt_len`` tokens and ``decode_steps`` single-token steps in tract against transformers' eager model,
+    whole in memory where it fits ("full") or else one layer at a time ("layerwise"), beyond tolerance
+    ParityError; False runs no check at all. Every argument is validated before any work; ``out_path`` appears
     only once written and checked: on any error or interruption nothing is left, neither it nor a temporary file.
     """
     say = progress or (lambda message: None)
     if dtype not in DTYPES:
         raise GdnExportError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    check_mode = "auto" if check is True else check or None
+    if check_mode is not None and check_mode not in CHECKS:
+        raise GdnExportError(f"check {check!r} is not one of True, False, {', '.join(repr(c) for c in CHECKS)}")
     validate_options(lowering, runtime, core_dtype, chunk_size)
     if tract_version is not None:
         try:
             parse_version(tract_version)
         except ValueError as err:
             raise GdnExportError(str(err)) from None
-    if check:
+    if check_mode:
         validate_check(prompt_len, decode_steps)
     out_path = check_output_path(out_path, force)
     seconds: dict[str, float] = {}
+    export_dtype = DTYPES[dtype]
 
     start = time.perf_counter()
     say(f"reading {checkpoint_dir}")
-    config = read_config(checkpoint_dir)
-    family = family_for(config["model_type"])
-    hf_model = load_model(checkpoint_dir, family, config)
-    seconds["load"] = time.perf_counter() - start
+    family, layout, model, weights = open_checkpoint(checkpoint_dir)
+    say(f"  {weights.summary()}")
+    materialize(model, weights, export_dtype, placeholders=streamed)
+    cast_buffers(model, export_dtype)
+    names = {id(param): name for name, param in model.named_parameters()}
+    seconds["read"] = time.perf_counter() - start
 
-    start = time.perf_counter()
-    export_model = hf_model if dtype == "float32" else copy_in_dtype(hf_model, DTYPES[dtype])
-    lm = family.exportable(export_model, DTYPES[dtype])
+    lm = family.exportable(model, export_dtype)
+    writers = None
+    if streamed:
+        labels: dict[int, list[str]] = {}  # a tied tensor has several names: torch-to-nnef may write it under any
+        for label, param in lm.named_parameters(remove_duplicate=False):
+            labels.setdefault(id(param), []).append(label)
+        params = {id(param): param for param in lm.parameters()}
+        writers = StreamedWeights(
+            {label: _writer(label, params[key], names, weights, export_dtype) for key, group in labels.items()
+             for label in group},
+            tuple(frozenset(group) for key, group in labels.items() if getattr(params[key], PLACEHOLDER, False)))
     inputs, outputs, dynamic = state_names(lm)
-    vocab_size = hf_model.config.vocab_size
+    vocab_size = layout.config["vocab_size"]
+    carried = {name: Path(checkpoint_dir) / name for name in GENERATION_FILES if (Path(checkpoint_dir) / name).is_file()}
     metadata = {
-        "format": FORMAT_VERSION, "family": family.name, "model_type": config["model_type"], "dtype": dtype,
-        "core_dtype": core_dtype, "vocab_size": vocab_size, "inputs": inputs, "outputs": outputs,
+        "format": FORMAT_VERSION, "family": family.name, "model_type": read_config(checkpoint_dir)["model_type"],
+        "text_model_type": layout.model_type, "dtype": dtype, "core_dtype": core_dtype, "vocab_size": vocab_size,
+        "inputs": inputs, "outputs": outputs, "generation_files": sorted(carried),
         "states": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."),
                     "kind": s.kind, "layer": s.layer} for s in lm.states],
     }
@@ -159,22 +203,25 @@ def convert(
     os.close(handle)
     staged = Path(staged_name)
     try:
-        say(f"exporting {family.name} ({len(lm.hf.config.layer_types)} layers, {dtype}) to {out_path}")
-        report = export(lm, example_inputs(lm, vocab_size, DTYPES[dtype]), staged, tract_version=tract_version,
+        say(f"exporting {family.name} ({len(lm.layer_types) if hasattr(lm, 'layer_types') else '?'} layers, {dtype}"
+            f"{', weights streamed from the checkpoint' if streamed else ''}) to {out_path}")
+        report = export(lm, example_inputs(lm, vocab_size, export_dtype), staged, tract_version=tract_version,
                         lowering=lowering, input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
-                        metadata={**metadata, "runtime": runtime}, check=check, runtime=runtime,
-                        core_dtype=core_dtype, chunk_size=chunk_size)
-        seconds["export"] = time.perf_counter() - start
-        result = ConvertReport(out_path, family.name, config["model_type"], dtype, report.tract_version,
+                        metadata={**metadata, "runtime": runtime}, check=bool(check_mode) and not streamed,
+                        runtime=runtime, core_dtype=core_dtype, chunk_size=chunk_size, weights=writers,
+                        extra_files=carried)
+        seconds.update(report.seconds)
+        result = ConvertReport(out_path, family.name, metadata["model_type"], dtype, report.tract_version,
                                layers=_layer_reports(lm, report.decisions), seconds=seconds,
-                               reference=family.reference)
-        if check:
+                               reference=family.reference, weights=weights.summary(), generation_files=sorted(carried))
+        del lm, model  # placeholders (or the in-memory model) are not needed by the check
+        if check_mode:
             start = time.perf_counter()
+            kind = check_mode if check_mode != "auto" else reference_fits(weights, export_dtype)
             say(f"checking {out_path} in tract: prefill {prompt_len} + decode {decode_steps} against "
-                f"{family.reference}")
-            result.check = check_against_transformers(
-                staged, hf_model, prompt_len, decode_steps,
-                half_model=export_model if export_model is not hf_model else None)
+                f"{family.reference}, {CHECK_KINDS[kind]}")
+            result.check = check_with(kind, staged, family, layout, weights, prompt_len, decode_steps)
+            result.check_kind = CHECK_KINDS[kind]
             seconds["check"] = time.perf_counter() - start
             if not result.check.ok:
                 raise ParityError({"logits": result.check.error}, {"logits": result.check.tolerance},
@@ -185,11 +232,67 @@ def convert(
     return result
 
 
+def _writer(label: str, param, names: dict, weights, dtype: torch.dtype):
+    """Writes parameter ``label`` of the exportable model from the checkpoint: a checkpoint parameter's tensor, or
+    rows of one (``gdn_export.models.derived``)."""
+    if id(param) in names:
+        return partial(weights.entries[names[id(param)]].write_nnef, dtype=dtype)
+    recipe = getattr(param, ROWS_OF, None)
+    if recipe is None or id(recipe[0]) not in names:
+        raise GdnExportError(f"the exportable model's parameter {label} is no checkpoint weight and records no recipe "
+                             "(gdn_export.models.derived); it cannot be streamed: convert with streamed=False")
+    source, rows = weights.entries[names[id(recipe[0])]], recipe[1]
+
+    def write(file) -> None:
+        value = source.read(dtype)[rows].contiguous().numpy()
+        write_nnef_header(file, value.shape, value.dtype)
+        file.write(value.tobytes())
+
+    return write
+
+
+def reference_fits(weights, export_dtype: torch.dtype) -> str:
+    """"full" when transformers' float32 model (and its float16 copy for a float16 export) and tract's model fit
+    in half of the memory available now, else "layerwise"."""
+    numel = sum(int(np.prod(source.shape, dtype=np.int64)) for source in weights.entries.values())
+    itemsize = torch.finfo(export_dtype).bits // 8
+    needed = numel * (4 + (itemsize if itemsize < 4 else 0) + 2 * itemsize)  # reference(s) + tract (packed + file)
+    available = _available_memory()
+    return "full" if available is None or needed < available / 2 else "layerwise"
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_with(kind: str, archive, family, layout, weights, prompt_len: int, decode_steps: int,
+               batch: int = 1) -> LogitCheck:
+    """The check of ``archive`` against the checkpoint's model: "full" (the whole model in memory, prefill then
+    decode with its cache) or "layerwise" (``gdn_export.hf.layerwise``: one layer in memory, one causal pass)."""
+    if kind == "full":
+        reference = cast_buffers(materialize(empty_model(family, layout), weights, torch.float32), torch.float32)
+        return check_against_transformers(archive, reference, prompt_len, decode_steps, batch)
+
+    def logits(dtype: torch.dtype, tokens: np.ndarray) -> np.ndarray:
+        return layerwise_logits(empty_model(family, layout), weights, tokens, dtype)
+
+    return check_archive(archive, layout.config["vocab_size"], prompt_len, decode_steps, batch, 0,
+                         partial(logits, torch.float32), logits)
+
+
 def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len: int = 16,
-          decode_steps: int = 8, batch: int = 1) -> LogitCheck:
+          decode_steps: int = 8, batch: int = 1, kind: str = "auto") -> LogitCheck:
     """Re-check an exported model against the checkpoint it came from; an archive converted from another kind of
-    model (model type or vocabulary) is refused before anything runs."""
+    model (model type or vocabulary) is refused before anything runs. ``kind``: see ``convert``'s ``check``."""
     validate_check(prompt_len, decode_steps, batch)
+    if kind not in CHECKS:
+        raise GdnExportError(f"check kind {kind!r} is not one of {', '.join(CHECKS)}")
     metadata = read_metadata(path)
     if not metadata or "states" not in metadata:
         raise GdnExportError(f"{path} was not written by gdn-export convert (no gdn_export.json with states)")
@@ -198,12 +301,13 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
     if metadata.get("model_type") != config["model_type"]:
         raise GdnExportError(f"{path} holds a {metadata.get('family')} model ({metadata.get('model_type')}); "
                              f"{checkpoint_dir} is {family.name} ({config['model_type']})")
-    vocab = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+    vocab = resolve_layout(config).config.get("vocab_size")
     if vocab is not None and metadata.get("vocab_size") != vocab:
         raise GdnExportError(f"{path} has a vocabulary of {metadata.get('vocab_size')} tokens; {checkpoint_dir}'s "
                              f"config.json says {vocab}")
-    hf_model = load_model(checkpoint_dir, family, config)
-    return check_against_transformers(path, hf_model, prompt_len, decode_steps, batch)
+    family, layout, _, weights = open_checkpoint(checkpoint_dir, family, config)
+    kind = kind if kind != "auto" else reference_fits(weights, getattr(torch, metadata.get("dtype", "float32")))
+    return check_with(kind, path, family, layout, weights, prompt_len, decode_steps, batch)
 
 
 def _layer_reports(lm, decisions) -> list[LayerReport]:

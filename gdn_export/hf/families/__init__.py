@@ -26,10 +26,15 @@ def all_families() -> list[Family]:
 
 
 def family_for(model_type: str) -> Family:
+    """The family of config.json's ``model_type``; a published wrapper's (``qwen3_5``) is its language model's."""
+    from gdn_export.hf.layout import WRAPPERS
+
+    if model_type in WRAPPERS:
+        model_type = WRAPPERS[model_type].text_model_type
     for family in all_families():
         if model_type in family.model_types:
             return family
-    known = sorted(t for f in all_families() for t in f.model_types)
+    known = sorted({t for f in all_families() for t in f.model_types} | set(WRAPPERS))
     raise CheckpointError(f"model_type {model_type!r} is not supported; gdn_export converts: {', '.join(known)}")
 
 

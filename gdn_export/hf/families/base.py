@@ -136,5 +136,18 @@ class Family:
 
         return getattr(transformers, self.config_class), getattr(transformers, self.model_class)
 
+    def build(self, config: dict) -> nn.Module:
+        """The model config.json's fields describe, freshly initialized (built under ``parameters_on_meta``)."""
+        config_class, model_class = self.classes()
+        fields = {k: v for k, v in config.items() if k not in ("auto_map",)}
+        try:
+            return model_class(config_class(**fields))
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"config.json does not describe a {self.name} model: {err}") from None
+
+    def ignored_on_load(self) -> tuple[str, ...]:
+        """Regexes of checkpoint tensors transformers ignores when it loads this model (e.g. ``^mtp.*``)."""
+        return tuple(getattr(self.classes()[1], "_keys_to_ignore_on_load_unexpected", None) or ())
+
     def exportable(self, hf_model: nn.Module, state_dtype: torch.dtype) -> ExportableLM:
         return self.lm_class(hf_model, state_dtype)

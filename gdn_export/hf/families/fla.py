@@ -19,7 +19,7 @@ import os
 import torch
 from torch import nn
 
-from gdn_export.hf.checkpoint import CheckpointError, assign_weights, read_safetensors
+from gdn_export.hf.checkpoint import CheckpointError
 from gdn_export.hf.families.base import ExportableLM, Family
 from gdn_export.layers import Attention, DeltaNet, FlaForCausalLM, GatedDeltaNet, GatedDeltaProduct, KimiDeltaAttention
 from gdn_export.layers.lm import LMConfig
@@ -158,12 +158,11 @@ class FlaFamily(Family):
     def classes(self):
         raise CheckpointError("FLA checkpoints have no transformers classes; FlaFamily.load builds them")
 
-    def load(self, checkpoint_dir: str | os.PathLike, config: dict) -> FlaForCausalLM:
-        """Build from config.json and load the safetensors (strictly, cast to float32); never runs checkpoint code."""
-        model = build_model(config)
-        tied = ("lm_head.weight",) if model.config.tie_word_embeddings else ()
-        assign_weights(model, read_safetensors(checkpoint_dir), ignore=tied)
-        return model.eval()
+    def build(self, config: dict) -> FlaForCausalLM:
+        return build_model(config)
+
+    def ignored_on_load(self) -> tuple[str, ...]:
+        return ()
 
 
 FAMILY = FlaFamily(name="FLA", model_types=tuple(MODELS), lm_class=FlaLM,

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from gdn_export.hf.blocks import sparse_moe
+from gdn_export.models.derived import rows_of
 from gdn_export.hf.families.base import Family
 from gdn_export.hf.families.qwen3_5 import Qwen3_5LM
 
@@ -32,9 +33,10 @@ class SparseMoeLM(Qwen3_5LM):
         return layer.mlp(x)
 
 
-def _frozen_linear(weight: torch.Tensor) -> nn.Linear:
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")  # no throwaway init
-    linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+def _frozen_linear(weight: torch.Tensor, rows: torch.Tensor) -> nn.Linear:
+    """A bias-free linear layer over ``weight[rows]``."""
+    linear = nn.Linear(weight.shape[1], len(rows), bias=False, device="meta")  # no throwaway init
+    linear.weight = rows_of(weight, rows)
     return linear
 
 
@@ -57,15 +59,17 @@ class UnfusedGatedDeltaNet(nn.Module):
             object.__setattr__(self, name, getattr(fused, name))
         group_v = fused.num_v_heads // fused.num_k_heads * fused.head_v_dim
         group_heads = fused.num_v_heads // fused.num_k_heads
-        per_head = fused.in_proj_qkvz.weight.detach().view(fused.num_k_heads, -1, fused.hidden_size)
-        q, k, v, z = per_head.split([fused.head_k_dim, fused.head_k_dim, group_v, group_v], dim=1)
-        b, a = fused.in_proj_ba.weight.detach().view(fused.num_k_heads, -1, fused.hidden_size).split(
+        # the permutation as row indices (from the shapes alone), so that a streamed export writes the permuted
+        # weights straight from the checkpoint (gdn_export.models.derived)
+        qkvz_rows = torch.arange(fused.in_proj_qkvz.weight.shape[0]).view(fused.num_k_heads, -1)
+        q, k, v, z = qkvz_rows.split([fused.head_k_dim, fused.head_k_dim, group_v, group_v], dim=1)
+        b, a = torch.arange(fused.in_proj_ba.weight.shape[0]).view(fused.num_k_heads, -1).split(
             [group_heads, group_heads], dim=1)
-        # flatten(0, 1): [Hk, rows per head, D] -> head-major rows, value/gate head h*G+i as repeat_interleave expects
-        self.in_proj_qkv = _frozen_linear(torch.cat([q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)]))
-        self.in_proj_z = _frozen_linear(z.flatten(0, 1))
-        self.in_proj_b = _frozen_linear(b.flatten(0, 1))
-        self.in_proj_a = _frozen_linear(a.flatten(0, 1))
+        # flatten: [Hk, rows per head] -> head-major rows, value/gate head h*G+i as repeat_interleave expects
+        self.in_proj_qkv = _frozen_linear(fused.in_proj_qkvz.weight, torch.cat([q.flatten(), k.flatten(), v.flatten()]))
+        self.in_proj_z = _frozen_linear(fused.in_proj_qkvz.weight, z.flatten())
+        self.in_proj_b = _frozen_linear(fused.in_proj_ba.weight, b.flatten())
+        self.in_proj_a = _frozen_linear(fused.in_proj_ba.weight, a.flatten())
 
 
 class Qwen3NextLM(SparseMoeLM):

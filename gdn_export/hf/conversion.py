@@ -1,0 +1,112 @@
+"""transformers' checkpoint conversions, replayed lazily: which checkpoint tensors make each model parameter.
+
+transformers 5 renames checkpoint tensors and converts some on load (``conversion_mapping.py``): per-expert
+``experts.<e>.gate_proj`` / ``up_proj`` matrices stacked and concatenated into one ``experts.gate_up_proj``,
+Kimi's three short convolutions concatenated, and so on. ``parameter_sources`` groups a checkpoint's tensor names
+exactly as ``convert_and_load_state_dict_in_model`` does (its own ``rename_source_key`` and converters), but
+with loaders in place of tensors: a ``ParameterSource`` reads its checkpoint tensors only when asked, then runs
+transformers' own conversion operations on them. A parameter that is one tensor renamed (most) is that tensor's
+``TensorEntry``, which can also be streamed in slices.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from gdn_export.hf.tensors import TensorEntry
+
+
+@dataclass
+class ParameterSource:
+    """A parameter made by a transformers conversion from several checkpoint tensors."""
+
+    target: str  # the parameter's name in the model
+    first: str  # the name transformers converts the group under
+    mapping: object  # the WeightConverter, its tensors added as loaders
+    entries: list[TensorEntry]
+    model: nn.Module
+    shape: tuple[int, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.target} (from {len(self.entries)} tensors: {self.entries[0].name}, ...)"
+
+    @property
+    def dtype(self) -> str:
+        return self.entries[0].dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.end - e.begin for e in self.entries)
+
+    def _convert(self, load: Callable[[TensorEntry], torch.Tensor]) -> torch.Tensor:
+        mapping = copy.copy(self.mapping)
+        mapping.collected_tensors = {k: [lambda e=e: load(e) for e in v]
+                                     for k, v in self.mapping.collected_tensors.items()}
+        value = mapping.convert(self.first, model=self.model, config=getattr(self.model, "config", None))[self.target]
+        return value[0] if isinstance(value, list) else value
+
+    def read(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self._convert(lambda entry: entry.read(dtype)).contiguous()
+
+    def infer_shape(self) -> tuple[int, ...]:
+        """The converted shape, computed on meta tensors (nothing read)."""
+        return tuple(self._convert(lambda entry: torch.empty(entry.shape, device="meta")).shape)
+
+    def write_nnef(self, file, dtype: torch.dtype) -> None:
+        from gdn_export.hf.tensors import TORCH_TO_NUMPY, write_nnef_header
+
+        value = self.read(dtype).numpy()
+        write_nnef_header(file, value.shape, value.dtype)
+        file.write(value.astype(TORCH_TO_NUMPY[dtype], copy=False).tobytes())
+
+
+def parameter_sources(model: nn.Module, entries: dict[str, TensorEntry]):
+    """``(sources, unexpected)``: the checkpoint source of each model parameter or buffer name that the checkpoint
+    holds (a ``TensorEntry`` or a ``ParameterSource``), and the checkpoint names that make nothing in ``model``.
+    ``entries`` are keyed by the names transformers would see (after the published layout's renaming)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
+                                                     rename_source_key)
+    except ImportError:
+        PreTrainedModel = None
+    state = model.state_dict()  # meta parameters: names and shapes only
+    if PreTrainedModel is None or not isinstance(model, PreTrainedModel):
+        sources = {k: e for k, e in entries.items() if k in state}
+        return sources, sorted(k for k in entries if k not in state)
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    groups: dict[str, object] = {}
+    members: dict[str, list[TensorEntry]] = {}
+    sources: dict[str, object] = {}
+    unexpected = []
+    prefix = model.base_model_prefix
+    for key in sorted(entries, key=dot_natural_key):
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, state)
+        if renamed not in state and key in state:
+            renamed, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=state)
+        if renamed not in state:
+            unexpected.append(key)
+        elif pattern is None:
+            sources[renamed] = entries[key]
+        else:
+            group = groups.setdefault(renamed, copy.deepcopy(by_pattern[pattern]))
+            group.add_tensor(renamed, key, pattern, entries[key])
+            members.setdefault(renamed, []).append(entries[key])
+    for first, group in groups.items():
+        patterns = list(group.target_patterns)
+        for target_pattern in patterns:
+            target = first.replace(patterns[0], target_pattern)
+            source = ParameterSource(target, first, group, members[first], model)
+            source.shape = source.infer_shape()
+            sources[target] = source
+    return sources, unexpected

@@ -1,0 +1,51 @@
+"""The check's reference for a model that does not fit in memory: transformers' model, one layer in memory at a time.
+
+The model is built with its parameters on meta (``checkpoint.empty_model``); the embedding, final norm and head
+are read once, and each decoder layer's weights are read just before transformers runs it and released right
+after (forward hooks on the layers of ``model.layers``). transformers' own ``forward`` runs unmodified, on the
+whole token sequence at once (no cache: prefill and decode positions in one causal pass), so this is the same
+reference as the in-memory check's, computed in bounded memory: the largest layer plus the embedding and head.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from gdn_export.hf.checkpoint import CheckpointWeights, cast_buffers, materialize, release
+from gdn_export.hf.tensors import CheckpointError
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """``(name, layers)`` of the model's decoder layer list (``model.layers`` in transformers' decoders)."""
+    for name, module in model.named_modules():
+        if name.endswith("model.layers") and isinstance(module, nn.ModuleList):
+            return name, module
+    raise CheckpointError("no model.layers in this model: the layer-by-layer check cannot run on it")
+
+
+def layerwise_logits(model: nn.Module, weights: CheckpointWeights, tokens: np.ndarray,
+                     dtype: torch.dtype = torch.float32) -> np.ndarray:
+    """transformers' logits [B, S, vocab] for ``tokens`` with ``model`` (parameters on meta, as ``empty_model``
+    builds it) in ``dtype``, every weight read from ``weights`` when its layer runs."""
+    name, layers = decoder_layers(model)
+    prefix = f"{name}."
+    outside = [n for n, _ in model.named_parameters() if not n.startswith(prefix)]
+    for param_name in outside:
+        materialize(model, weights, dtype, prefix=param_name)
+    cast_buffers(model, dtype)
+    hooks = []
+    for index, layer in enumerate(layers):
+        layer_prefix = f"{prefix}{index}."
+        hooks.append(layer.register_forward_pre_hook(
+            lambda module, args, p=layer_prefix: materialize(model, weights, dtype, prefix=p) and None))
+        hooks.append(layer.register_forward_hook(lambda module, args, out, p=layer_prefix: release(model, p)))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.from_numpy(tokens), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        release(model, "")
+    return out.logits.float().numpy()
