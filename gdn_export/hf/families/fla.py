@@ -14,7 +14,6 @@ caches ``[B, C, W]``, omitted without short convs) and ``state_<i>`` ``[B, Hv, K
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import nn
