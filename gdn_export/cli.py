@@ -36,7 +36,8 @@ def _convert(args) -> int:
     report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
                      tract_version=args.tract_version, check=False if args.no_check else args.check,
                      force=args.force, progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype,
-                     chunk_size=args.chunk_size, streamed=not args.in_memory)
+                     chunk_size=args.chunk_size, streamed=not args.in_memory, prompt_len=args.prompt_len,
+                     decode_steps=args.decode_steps)
     print(report)
     return 0
 
@@ -163,6 +164,8 @@ def parser() -> argparse.ArgumentParser:
                          help="the check's reference: transformers' whole model in memory (full), one decoder "
                               "layer in memory at a time (layerwise), or full where it fits (auto)")
     convert.add_argument("--no-check", action="store_true", help="run no check at all")
+    convert.add_argument("--prompt-len", type=_count(1), default=16, help="the check's prefill length")
+    convert.add_argument("--decode-steps", type=_count(0), default=8, help="the check's single-token decode steps")
     convert.add_argument("--in-memory", action="store_true",
                          help="load the whole model in memory before exporting (default: every weight is written "
                               "straight from the checkpoint's files; the same archive)")

@@ -21,7 +21,7 @@ from gdn_export.lowering.emitter import Decision
 from gdn_export.lowering.options import validate_options
 from gdn_export.output_names import declared_outputs, keep_output_names
 from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
-from gdn_export.streamed_weights import StreamedWeights, check_all_written, streamed_writes
+from gdn_export.streamed_weights import REAL_BYTES, StreamedWeights, check_all_written, streamed_writes
 from gdn_export.runtime import load_tract_model, run_tract, tract_version as installed_tract_version
 from gdn_export.target import OfflineTractTarget
 
@@ -110,6 +110,10 @@ def export(
     import gdn_export.extractors  # noqa: F401  (handlers must be registered before tracing)
     from torch_to_nnef import export_model_to_nnef
 
+    from gdn_export import t2n_patches
+
+    t2n_patches.install()
+
     validate_options(lowering, runtime, core_dtype, chunk_size)
     if weights is not None and check:
         raise GdnExportError("an export with streamed weights cannot be checked against its module (its parameters "
@@ -132,12 +136,12 @@ def export(
                 input_names=input_names, output_names=list(output_names) if output_names else None,
                 compression_level=None, log_level=logging.ERROR,
             )
-        if weights is not None:
-            check_all_written(weights, written)
+        if weights is not None and (folder / "graph.nnef").is_file():
+            check_all_written(weights, written, (folder / "graph.nnef").read_text())
         seconds = {"trace": time.perf_counter() - start - written["seconds"], "write": written["seconds"]}
         if not (folder / "graph.nnef").is_file():
             raise GdnExportError(f"torch-to-nnef wrote no graph for {path}")
-        renamed = keep_output_names(folder)
+        renamed = keep_output_names(folder, inputs_from_bytes=REAL_BYTES)  # the weights are not read
         if metadata is not None:
             metadata = {**metadata, "output_names_kept": renamed, "decisions": [d.summary() for d in target.gdn_decisions]}
             (folder / METADATA_FILE).write_text(json.dumps(metadata, indent=1))

@@ -18,14 +18,66 @@ from pathlib import Path
 RAW_SUFFIX = "__raw"
 
 
-def tract_names(folder: Path) -> tuple[list[str], list[str], list[str]]:
-    """(declared output names, names tract reports, facts) for the graph in ``folder``."""
+def tract_names(folder: Path, inputs_from_bytes: int | None = None) -> tuple[list[str], list[str], list[str]]:
+    """(declared output names, names tract reports, facts) for the graph in ``folder``.
+
+    With ``inputs_from_bytes``, tract loads a copy of the graph in which every variable of rank 2 or more whose
+    ``.dat`` holds at least that many bytes is a graph input of the same shape and type instead: the names come out the same (checked
+    against the plain load on every fixture in tests/test_output_names.py) without reading the weights, which is
+    what lets a model bigger than memory be exported."""
+    import tempfile
+
     import tract
 
+    if inputs_from_bytes is not None:
+        with tempfile.TemporaryDirectory(prefix=".gdn_export_names_", dir=folder.parent) as tmp:
+            shadow = Path(tmp)
+            _weights_as_inputs(folder, shadow, inputs_from_bytes)
+            return tract_names(shadow)
     model = tract.nnef().with_tract_transformers().load(str(folder))
     reported = [model.output_name(i) for i in range(model.output_count())]
     facts = [str(model.output_fact(i)) for i in range(model.output_count())]
     return declared_outputs(folder), reported, facts
+
+
+NNEF_ITEM_TYPES = {(0, 16): "f16", (0, 32): "f32", (0, 64): "f64"}  # (item type, bits) of a .dat header -> tract's
+
+
+def _weights_as_inputs(folder: Path, shadow: Path, min_bytes: int) -> None:
+    """``shadow``: ``folder``'s graph with each variable of ``min_bytes`` or more declared as an input."""
+    import os
+    import shutil
+    import struct
+
+    text = (folder / "graph.nnef").read_text()
+    added: list[str] = []
+    replaced: set[str] = set()
+
+    def replace(match: re.Match) -> str:
+        name, label, shape = match.group(1), match.group(2), match.group(3)
+        path = folder / f"{label}.dat"
+        if not path.is_file() or path.stat().st_size - 128 < min_bytes or shape.count(",") < 1:
+            return match.group(0)  # small ones, and vectors and scalars (some ops need those as constants), stay
+        with path.open("rb") as handle:
+            header = handle.read(128)
+        bits, item = struct.unpack_from("<II", header, 44)
+        datum = NNEF_ITEM_TYPES.get((item, bits))
+        if datum is None:
+            return match.group(0)
+        added.append(name)
+        replaced.add(label)
+        return f"{name} = tract_core_external(shape = [{shape}], datum_type = '{datum}');"
+
+    text = re.sub(r"(\w+)\s*=\s*variable<scalar>\(label\s*=\s*'([^']+)',\s*shape\s*=\s*\[([^\]]*)\]\);", replace, text)
+    if added:
+        text = re.sub(r"(graph\s+\w+\s*\()", lambda m: m.group(1) + ", ".join(added) + ", ", text, count=1)
+    (shadow / "graph.nnef").write_text(text)
+    for entry in folder.iterdir():  # the weights left as variables (and other files), linked, not copied
+        if entry.is_file() and entry.name != "graph.nnef" and entry.name.removesuffix(".dat") not in replaced:
+            try:
+                os.link(entry, shadow / entry.name)
+            except OSError:
+                shutil.copyfile(entry, shadow / entry.name)
 
 
 def declared_outputs(folder: Path) -> list[str]:
@@ -61,13 +113,13 @@ def _condition(raw: str, fact: str) -> str:
     return expr if dtype == "bool" else f"eq({expr}, 0.0)"
 
 
-def keep_output_names(folder: Path) -> list[str]:
+def keep_output_names(folder: Path, inputs_from_bytes: int | None = None) -> list[str]:
     """Rewrite ``folder/graph.nnef`` so tract reports every declared output name; return the names fixed.
 
-    The rewrite is not re-loaded here (a load of a big model costs seconds to minutes): export's check loads the
+    ``inputs_from_bytes``: see ``tract_names`` (the weights are then not read). The rewrite is not re-loaded here (a load of a big model costs seconds to minutes): export's check loads the
     archive once with ``runtime.load_tract_model(..., expect_outputs=...)``, which raises if a name still differs.
     """
-    declared, reported, facts = tract_names(folder)
+    declared, reported, facts = tract_names(folder, inputs_from_bytes)
     renamed = [(name, fact) for name, got, fact in zip(declared, reported, facts) if got != name]
     if not renamed:
         return []

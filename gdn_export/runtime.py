@@ -103,6 +103,19 @@ def steady_allocator() -> bool:
     fused op 3.6 ms against 2.2 ms, of the chunked graph 2.05 against 0.58 ms, from one run to the next. Fixing
     the mmap threshold at its maximum (32 MiB) and never trimming removes that mode. The cost: freed memory
     stays with the process (its resident size keeps its peak). Process-wide; a no-op off glibc."""
+    return _mallopt((M_MMAP_THRESHOLD, 32 * 1024 * 1024), (M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def lean_allocator() -> bool:
+    """Give memory back as soon as it is freed: every allocation of 1 MiB or more its own mmap, unmapped on free;
+    return whether it applied. For a conversion, which allocates and frees copies of each weight in turn
+    (torch-to-nnef's trace clones the tensors an op reads): with glibc's adaptive threshold those copies came from
+    the heap and stayed resident, 1.6 GB held through the trace of a 3.5 GB checkpoint against 0.4 GB with this
+    (benchmarks/RESULTS.md). Process-wide; a no-op off glibc; ``steady_allocator`` (a Session's) undoes it."""
+    return _mallopt((M_MMAP_THRESHOLD, 1024 * 1024),)
+
+
+def _mallopt(*settings: tuple[int, int]) -> bool:
     import ctypes
     import ctypes.util
 
@@ -110,8 +123,7 @@ def steady_allocator() -> bool:
     if name is None:
         return False
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(name).mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    return all(bool(mallopt(option, value)) for option, value in settings)

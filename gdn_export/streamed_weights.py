@@ -11,12 +11,13 @@ Why small parameters are real: torch-to-nnef reads some values while it translat
 a constant that is all ones (``remap_if_neutral_op``: a ``(1 + w)`` norm whose ``w`` is zero) and folds a product
 of two constants. Real small tensors (norm weights, biases, gates, where such values occur) make the same graph as
 an in-memory export. A large placeholder must never take part: ``streamed_writes`` refuses the export if a neutral
-op is dropped on a constant of ``REAL_BYTES`` or more, or if a constant of that size is written that is no
+op is dropped on a constant of ``GUARD_BYTES`` or more, or if a constant of that size is written that is no
 streamed weight (it could only come from a placeholder).
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from contextlib import contextmanager
@@ -36,8 +37,12 @@ class StreamedWeights:
 
     writers: Mapping[str, Callable[[BinaryIO], None]]
     placeholders: tuple[frozenset, ...] = ()
+    storages: frozenset = frozenset()  # data pointers of the placeholders' storages
 
-REAL_BYTES = 1 << 20  # parameters up to this size are traced with their values
+REAL_BYTES = 1 << 20  # parameters below this size are traced with their values
+# a graph constant this large that is no weight can only come from a placeholder (the lowerings' own constants,
+# chunk masks of 64 x 64, are far smaller)
+GUARD_BYTES = 1 << 20
 
 _ACTIVE = threading.local()
 _INSTALLED = threading.Lock()
@@ -49,13 +54,15 @@ def streamed_writes(weights: StreamedWeights | None) -> Iterator[dict]:
     a dict that collects ``{"written": set of labels, "seconds": time spent in the writers}``."""
     from torch_to_nnef.nnef_io import writer
     from torch_to_nnef.op.aten import math
+    from torch_to_nnef.tensor.named import NamedTensor
 
     with _INSTALLED:
         if not getattr(writer.write_nnef_tensor, "gdn_export_dispatch", False):
             writer.write_nnef_tensor = _dispatching(writer.write_nnef_tensor)
             math.remap_if_neutral_op = _guarded_neutral(math.remap_if_neutral_op)
+            NamedTensor.clone = _placeholder_clone(NamedTensor.clone)
     record = {"written": set(), "seconds": 0.0}
-    _ACTIVE.state = (weights.writers, record) if weights is not None else None
+    _ACTIVE.state = (weights.writers, record, weights.storages) if weights is not None else None
     try:
         yield record
     finally:
@@ -66,13 +73,13 @@ def _dispatching(original):
     def write_nnef_tensor(array, filename, quantized):
         state = getattr(_ACTIVE, "state", None)
         label = Path(filename).name.removesuffix(".dat")
-        if state is not None and label not in state[0] and state[0] and array.nbytes >= REAL_BYTES:
+        if state is not None and label not in state[0] and state[0] and array.nbytes >= GUARD_BYTES:
             raise GdnExportError(f"torch-to-nnef wrote a constant {label!r} of {array.nbytes} bytes that is no "
                                  "weight of the model: computed from weight placeholders, it would be wrong; export "
                                  "this model in memory instead (streamed=False)")
         if state is None or label not in state[0]:
             return original(array, filename, quantized)
-        writers, record = state
+        writers, record = state[:2]
         start = time.perf_counter()
         Path(filename).parent.mkdir(parents=True, exist_ok=True)
         with open(filename, "wb") as file:
@@ -84,13 +91,32 @@ def _dispatching(original):
     return write_nnef_tensor
 
 
+def _placeholder_clone(original):
+    """torch-to-nnef runs every op on copies of the module's tensors (``NamedTensor.clone`` on each read, in the jit
+    trace and in the shape inference after it): most of its time, and memory that grows with the largest weight
+    (a 1.2 GB head copied per op). A placeholder's values are not the model's, so its copy need not be one: in the
+    trace it is the placeholder itself (the traced graph reads the parameter, as through a clone), elsewhere a new
+    placeholder of the same shape and strides."""
+
+    def clone(self, *args, **kwargs):
+        state = getattr(_ACTIVE, "state", None)
+        if state is None or args or kwargs or self.untyped_storage().data_ptr() not in state[2]:
+            return original(self, *args, **kwargs)
+        plain = torch.Tensor.as_subclass(self, torch.Tensor)
+        if not torch._C._get_tracing_state():
+            plain = torch.empty_like(plain)
+        return self.__class__(plain, nnef_name=self.nnef_name)
+
+    return clone
+
+
 def _guarded_neutral(original):
     def remap_if_neutral_op(torch_graph, node, a, b):
         state = getattr(_ACTIVE, "state", None)
         if state is None or not state[0] or a.data is None:
             return original(torch_graph, node, a, b)
         data = a.into_tensor_variable().data
-        if isinstance(data, torch.Tensor) and data.numel() * data.element_size() >= REAL_BYTES \
+        if isinstance(data, torch.Tensor) and data.numel() * data.element_size() >= GUARD_BYTES \
                 and bool((data == 1.0).all()):
             raise GdnExportError(f"torch-to-nnef would drop an op by a large all-ones constant (in {getattr(node, 'kind', '?')}), a value "
                                  "of weight placeholders; export this model in memory instead (streamed=False)")
@@ -99,11 +125,13 @@ def _guarded_neutral(original):
     return remap_if_neutral_op
 
 
-def check_all_written(weights: StreamedWeights, record: dict) -> None:
-    """Every placeholder weight must have been written: one that was not means torch-to-nnef dropped or folded it
-    on its placeholder value: a wrong model, refused. (A small weight, traced with its real value, may be dropped
-    as an in-memory export drops it: a multiplication by ones.)"""
-    missing = sorted(min(group) for group in weights.placeholders if not group & record["written"])
+def check_all_written(weights: StreamedWeights, record: dict, graph: str) -> None:
+    """Every placeholder weight that the graph (``graph.nnef``'s text) reads must have been written by its writer:
+    one that was not means torch-to-nnef wrote it another way, from the placeholder: a wrong model, refused. A
+    weight the graph does not read (a family's re-laid copy replaces it, or, traced with its real value, it was
+    dropped as an in-memory export drops it: a multiplication by ones) needs nothing."""
+    read = set(re.findall(r"label\s*=\s*'([^']+)'", graph))
+    missing = sorted(min(group) for group in weights.placeholders if group & read and not group & record["written"])
     if missing:
         raise GdnExportError(f"{len(missing)} streamed weights were not written as variables of their own name "
                              f"(e.g. {missing[0]}): the export would carry placeholder values; export this model "

@@ -479,6 +479,60 @@ T2N_SORTED_TOPK_ONLY = Quirk(
     reproduced=False,
 )
 
+T2N_SET_ORDER_NAMES = Quirk(
+    name="torch-to-nnef's NNEF names and fragment order follow set iteration (PYTHONHASHSEED)",
+    does="nodes made after the trace are re-sorted with key -1 (set order), a tensor with two names (a tied head) "
+         "is named list(names)[0] of a set, fragments come from a set of keys: two conversions of one checkpoint "
+         "gave different graph.nnef files (c26/c57, hf.lm_head.weight or hf.model.embed_tokens.weight)",
+    workaround="those nodes sorted by name, a tensor's names iterated sorted, fragments written sorted",
+    applied_in=("gdn_export/t2n_patches.py",),
+    when_fixed="t2n_patches' deterministic order can go",
+    no_canary="tests/test_checkpoints.py converts under two PYTHONHASHSEEDs and compares the archives",
+    seen_on=TORCH_TO_NNEF_SEEN_ON,
+    library="torch-to-nnef",
+)
+
+T2N_QUADRATIC_SHAPE_INFERENCE = Quirk(
+    name="torch-to-nnef's shape inference is quadratic in the number of ops",
+    does="_infer_missing_shapes_from_ops_outputs filters its work list with 'op not in list', comparing ops field "
+         "by field: a third of a 20-layer conversion (py-spy)",
+    workaround="the same loop with ops compared by identity",
+    applied_in=("gdn_export/t2n_patches.py",),
+    when_fixed="the replacement loop can go",
+    no_canary="a speed effect",
+    seen_on=TORCH_TO_NNEF_SEEN_ON,
+    library="torch-to-nnef",
+    kind="measured",
+)
+
+T2N_CLONES_TENSORS_PER_OP = Quirk(
+    name="torch-to-nnef copies a module tensor each time an op reads it",
+    does="NamedTensor.__torch_function__ clones every module tensor it passes to an op (the jit trace and the "
+         "shape inference after it): a full copy of a 1.2 GB head per op, and a placeholder's pages written",
+    workaround="outside the jit trace, a streamed export's placeholder is 'cloned' as a new placeholder",
+    applied_in=("gdn_export/streamed_weights.py",),
+    when_fixed="the clone wrapper can go",
+    no_canary="a speed and memory effect (benchmarks/RESULTS.md)",
+    seen_on=TORCH_TO_NNEF_SEEN_ON,
+    library="torch-to-nnef",
+    kind="measured",
+)
+
+T2N_READS_WEIGHT_VALUES = Quirk(
+    name="torch-to-nnef decides from weight values",
+    does="a mul or div by a constant of ones is dropped (remap_if_neutral_op), products of constants are folded: "
+         "with placeholder weights a (1 + w) norm lost its multiplication (logit error 4.2)",
+    workaround="streamed exports trace parameters under 1 MiB with their real values; a neutral-op drop on, or a "
+               "written constant of, 1 MiB or more that is no weight stops the export",
+    applied_in=("gdn_export/streamed_weights.py", "gdn_export/hf/checkpoint.py"),
+    when_fixed="reliance: placeholders must stay out of those decisions",
+    no_canary="tests/test_streamed.py compares streamed and in-memory archives, matrices as placeholders",
+    seen_on=TORCH_TO_NNEF_SEEN_ON,
+    library="torch-to-nnef",
+    kind="reliance",
+)
+
+
 QUIRKS: tuple[Quirk, ...] = tuple(value for value in list(globals().values()) if isinstance(value, Quirk))
 
 

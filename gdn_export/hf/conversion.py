@@ -12,13 +12,15 @@ transformers' own conversion operations on them. A parameter that is one tensor 
 from __future__ import annotations
 
 import copy
+import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
-from gdn_export.hf.tensors import TensorEntry
+from gdn_export.hf.tensors import CheckpointError, TensorEntry
 
 
 @dataclass
@@ -51,12 +53,39 @@ class ParameterSource:
         value = mapping.convert(self.first, model=self.model, config=getattr(self.model, "config", None))[self.target]
         return value[0] if isinstance(value, list) else value
 
+    def _missing_members(self) -> list[str]:
+        """Names absent from a group whose members are numbered (experts.<e>.<part>): each part should have every
+        number the others have."""
+        parts: dict[str, set[str]] = {}
+        for entry in self.entries:
+            found = list(re.finditer(r"\.(\d+)\.", entry.name))
+            match = found[-1] if found else None  # the innermost number: the expert's (layers are numbered too)
+            if match:
+                parts.setdefault(entry.name[:match.start()] + ".*." + entry.name[match.end():], set()).add(match.group(1))
+        numbers = set().union(*parts.values()) if parts else set()
+        return sorted(pattern.replace("*", n) for pattern, have in parts.items() for n in numbers - have)
+
     def read(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self._convert(lambda entry: entry.read(dtype)).contiguous()
 
     def infer_shape(self) -> tuple[int, ...]:
-        """The converted shape, computed on meta tensors (nothing read)."""
-        return tuple(self._convert(lambda entry: torch.empty(entry.shape, device="meta")).shape)
+        """The converted shape, computed on meta tensors (nothing read); CheckpointError when transformers'
+        conversion cannot combine the tensors (one of another shape, one missing)."""
+        try:
+            return tuple(self._convert(lambda entry: torch.empty(entry.shape, device="meta")).shape)
+        except (RuntimeError, ValueError, IndexError, KeyError) as err:
+            missing = self._missing_members()
+            if missing:
+                raise CheckpointError(f"the checkpoint tensors that make {self.target} are incomplete: "
+                                      f"{', '.join(missing[:3])} missing" + (" ..." if len(missing) > 3 else ""))
+            shapes = Counter(tuple(e.shape) for e in self.entries)
+            common = shapes.most_common(1)[0][0]
+            odd = [f"{e.name} {list(e.shape)}" for e in self.entries if tuple(e.shape) != common]
+            detail = (f"{', '.join(odd[:3])} where the others are {list(common)}" if odd else
+                      f"{len(self.entries)} tensors, of which transformers' conversion could not make it "
+                      f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__})")
+            raise CheckpointError(f"the checkpoint tensors that make {self.target} do not fit together: "
+                                  f"{detail}") from None
 
     def write_nnef(self, file, dtype: torch.dtype) -> None:
         from gdn_export.hf.tensors import TORCH_TO_NUMPY, write_nnef_header

@@ -25,6 +25,7 @@ from gdn_export.hf.layerwise import layerwise_logits
 from gdn_export.hf.layout import resolve_layout
 from gdn_export.hf.tensors import write_nnef_header
 from gdn_export.models.derived import PLACEHOLDER, ROWS_OF
+from gdn_export.runtime import lean_allocator
 from gdn_export.streamed_weights import StreamedWeights
 from gdn_export.hf.families import family_for
 
@@ -168,6 +169,7 @@ def convert(
     seconds: dict[str, float] = {}
     export_dtype = DTYPES[dtype]
 
+    lean_allocator()  # copies of weights are freed as they come (see its docstring)
     start = time.perf_counter()
     say(f"reading {checkpoint_dir}")
     family, layout, model, weights = open_checkpoint(checkpoint_dir)
@@ -187,7 +189,8 @@ def convert(
         writers = StreamedWeights(
             {label: _writer(label, params[key], names, weights, export_dtype) for key, group in labels.items()
              for label in group},
-            tuple(frozenset(group) for key, group in labels.items() if getattr(params[key], PLACEHOLDER, False)))
+            tuple(frozenset(group) for key, group in labels.items() if getattr(params[key], PLACEHOLDER, False)),
+            frozenset(p.untyped_storage().data_ptr() for p in params.values() if getattr(p, PLACEHOLDER, False)))
     inputs, outputs, dynamic = state_names(lm)
     vocab_size = layout.config["vocab_size"]
     carried = {name: Path(checkpoint_dir) / name for name in GENERATION_FILES if (Path(checkpoint_dir) / name).is_file()}

@@ -1,0 +1,114 @@
+"""torch-to-nnef behaviour gdn_export corrects at export time (each listed in ``gdn_export.tract_quirks``).
+
+``deterministic_node_order``: torch-to-nnef (0.24.12) drops unused nodes in
+``TorchModuleIRGraph._filter_nodes_not_in_trace_between_inputs_and_outputs`` and re-sorts the kept data nodes by
+their index in the traced graph; nodes created after the trace (no index) all get -1 and so keep the iteration
+order of a ``set`` of nodes, which follows ``hash()`` of their names: ``PYTHONHASHSEED`` decides. Their order
+decides the NNEF names torch-to-nnef numbers (``c26`` or ``c57``, a tied table as ``hf.lm_head.weight`` or
+``hf.model.embed_tokens.weight``), so two conversions of one checkpoint differed. The wrapper sorts those nodes by
+name as well. Two more places follow a set's order: ``apply_name_to_tensor_in_module`` names a tensor held under
+several names (a tied head) by ``list(names)[0]`` of a set, and the custom fragments are collected from a set of
+keys. A tensor's names are iterated sorted (``hf.lm_head.weight`` before ``hf.model.embed_tokens.weight``) and the
+fragments are written sorted by name: the same archive from every process.
+
+``linear_shape_inference``: ``TorchModuleIRGraph._infer_missing_shapes_from_ops_outputs`` drops the ops it has
+shaped from its work list with ``op not in ops_to_rm`` on a list, which compares ops field by field (dataclass
+``__eq__``): quadratic in the number of ops, a third of a 20-layer model's conversion (py-spy). The same loop,
+with ops compared by identity, and only over the ops whose outputs still lack a shape (torch-to-nnef re-ran every
+op at every level of the module tree: 39 runs of each gated delta-rule node, in eager torch, in a 4-layer model;
+gdn_export's own ops now run once).
+"""
+
+from __future__ import annotations
+
+import threading
+
+_INSTALLED = threading.Lock()
+OWN_OPS = "t2n_extra::"  # the custom ops of gdn_export.ops
+
+
+def install() -> None:
+    """Apply the corrections (idempotent)."""
+    import torch_to_nnef.export as t2n_export
+    from torch_to_nnef.tensor.updater import ModTensorUpdater
+    from torch_to_nnef.torch_graph.ir_graph import TorchModuleIRGraph
+
+    with _INSTALLED:
+        method = TorchModuleIRGraph._filter_nodes_not_in_trace_between_inputs_and_outputs
+        if getattr(method, "gdn_export_patch", False):
+            return
+        TorchModuleIRGraph._filter_nodes_not_in_trace_between_inputs_and_outputs = _deterministic(method)
+        ModTensorUpdater.__init__ = _sorted_names(ModTensorUpdater.__init__)
+        TorchModuleIRGraph._infer_missing_shapes_from_ops_outputs = _infer_missing_shapes
+        t2n_export._build_nnef_graph_and_fragments = _sorted_fragments(t2n_export._build_nnef_graph_and_fragments)
+
+
+class _SortedSet(set):
+    """A set iterated in sorted order."""
+
+    def __iter__(self):
+        return iter(sorted(set.__iter__(self)))
+
+
+def _sorted_names(original):
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        for key, names in list(self.id_to_names.items()):
+            self.id_to_names[key] = _SortedSet(names)
+
+    return __init__
+
+
+def _sorted_fragments(original):
+    def build(*args, **kwargs):
+        graph, extensions, fragments = original(*args, **kwargs)
+        return graph, extensions, dict(sorted(fragments.items()))
+
+    return build
+
+
+def _deterministic(original):
+    def filter_nodes(self):
+        from torch_to_nnef.utils import ReactiveNamedItemDict
+
+        before = {hash(node): index for index, node in enumerate(self.data_nodes)}
+        original(self)
+        nodes = list(self.data_nodes)
+        # the traced nodes keep their order; the others (-1) come first, by name rather than by hash
+        nodes.sort(key=lambda node: (before.get(hash(node), -1), "" if hash(node) in before else _name(node)))
+        self.data_nodes = ReactiveNamedItemDict(nodes)
+
+    filter_nodes.gdn_export_patch = True
+    return filter_nodes
+
+
+def _name(node) -> str:
+    return str(getattr(node, "export_name", None) or getattr(node, "name", ""))
+
+
+def _infer_missing_shapes(self, raise_error: bool = False):
+    """torch-to-nnef 0.24.12's ``_infer_missing_shapes_from_ops_outputs``, its work list filtered by identity."""
+    from torch_to_nnef.exceptions import T2NErrorNotImplemented
+    from torch_to_nnef.torch_graph.ir_graph import _expand_node_containers_if_exists
+
+    unshaped_data = {node.name: node for node in self.data_nodes if not node.tracable}
+    # torch-to-nnef re-runs every op at every level of the module tree; gdn_export's own ops (a recurrence run
+    # in eager torch: ms each) are not run again once their outputs have shapes. Other ops are: running them also
+    # simplifies the graph (a cast to the same dtype dropped).
+    remaining_ops = [op for op in self.op_nodes
+                     if not op.kind.startswith(OWN_OPS) or any(
+                         node.name in unshaped_data for node in _expand_node_containers_if_exists(op.outputs))]
+    while unshaped_data:
+        done = set()
+        start_len = len(unshaped_data)
+        for op_node in remaining_ops:
+            if op_node.realise_output_type_and_size():
+                done.add(id(op_node))
+                for node in _expand_node_containers_if_exists(op_node.outputs):
+                    unshaped_data.pop(node.name, None)
+        remaining_ops = [op for op in remaining_ops if id(op) not in done]
+        if len(unshaped_data) == start_len:
+            if raise_error:
+                raise T2NErrorNotImplemented(f"missing unshaped_data: {unshaped_data}")
+            break
+    return self

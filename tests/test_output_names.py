@@ -1,0 +1,37 @@
+"""tract's output names are learnt without reading the weights: the graph with its weight matrices declared as
+inputs (``tract_names(..., inputs_from_bytes=...)``) reports the same names as the graph itself, on every fixture."""
+
+import json
+import re
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from conftest import by_fixture
+from gdn_export.output_names import RAW_SUFFIX, tract_names
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
+
+
+def unwrapped(archive: Path, folder: Path) -> list[str]:
+    """The archive's graph in ``folder`` as torch-to-nnef wrote it: the select wrappers of the renamed outputs
+    removed, their ``__raw`` names given back. Returns the names that had been renamed."""
+    with tarfile.open(archive) as tar:
+        tar.extractall(folder)
+    renamed = json.loads((folder / "gdn_export.json").read_text())["output_names_kept"]
+    text = (folder / "graph.nnef").read_text()
+    for name in renamed:
+        text = re.sub(rf"^\s*{re.escape(name)}(__c)? = .*;\n", "", text, flags=re.M)
+        text = re.sub(rf"(?<![\w.]){re.escape(name + RAW_SUFFIX)}(?![\w.])", name, text)
+    (folder / "graph.nnef").write_text(text)
+    return renamed
+
+
+@pytest.mark.parametrize("name", by_fixture(*NAMES))
+def test_names_without_the_weights_are_tracts_names(name, converted, tmp_path):
+    renamed = unwrapped(converted(name), tmp_path)
+    declared, reported, facts = tract_names(tmp_path)
+    assert [d for d, r in zip(declared, reported) if d != r] == renamed  # the unwrapping is right
+    assert tract_names(tmp_path, inputs_from_bytes=0) == (declared, reported, facts)
