@@ -37,7 +37,8 @@ def _convert(args) -> int:
                      tract_version=args.tract_version, check=False if args.no_check else args.check,
                      force=args.force, progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype,
                      chunk_size=args.chunk_size, streamed=not args.in_memory, prompt_len=args.prompt_len,
-                     decode_steps=args.decode_steps)
+                     decode_steps=args.decode_steps, quantize=args.quantize,
+                     quantize_embeddings=args.quantize_embeddings)
     print(report)
     return 0
 
@@ -164,6 +165,10 @@ def parser() -> argparse.ArgumentParser:
                          help="the check's reference: transformers' whole model in memory (full), one decoder "
                               "layer in memory at a time (layerwise), or full where it fits (auto)")
     convert.add_argument("--no-check", action="store_true", help="run no check at all")
+    convert.add_argument("--quantize", choices=["q4_0"], default=None,
+                         help="store every linear layer's weight (inner size a multiple of 32) in tract's Q4_0")
+    convert.add_argument("--quantize-embeddings", action="store_true",
+                         help="with --quantize, the embedding table too (and a head tied to it)")
     convert.add_argument("--prompt-len", type=_count(1), default=16, help="the check's prefill length")
     convert.add_argument("--decode-steps", type=_count(0), default=8, help="the check's single-token decode steps")
     convert.add_argument("--in-memory", action="store_true",

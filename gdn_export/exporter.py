@@ -21,7 +21,9 @@ from gdn_export.lowering.emitter import Decision
 from gdn_export.lowering.options import validate_options
 from gdn_export.output_names import declared_outputs, keep_output_names
 from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
-from gdn_export.streamed_weights import REAL_BYTES, StreamedWeights, check_all_written, streamed_writes
+from gdn_export.weights.casts import fold_weight_casts
+from gdn_export.weights.streamed import (REAL_BYTES, StreamedWeights, annotate_compressed_gathers, check_all_written,
+                                         streamed_writes)
 from gdn_export.runtime import load_tract_model, run_tract, tract_version as installed_tract_version
 from gdn_export.target import OfflineTractTarget
 
@@ -102,7 +104,7 @@ def export(
     and every output compared with torch; beyond tolerance ParityError is raised. The file appears at ``path``
     only once written and checked: on any error or interruption nothing is left there.
 
-    ``weights`` (``gdn_export.streamed_weights``): writers of the parameters' variables by parameter name, for a
+    ``weights`` (``gdn_export.weights.streamed``): writers of the parameters' variables by parameter name, for a
     ``module`` traced with placeholder parameters; ``check`` must then be False (the module's values are not the
     model's) and the caller checks the archive against its own reference. ``extra_files`` (archive name -> file)
     are stored beside the graph (a tokenizer, a chat template: tract ignores them).
@@ -137,13 +139,17 @@ def export(
                 compression_level=None, log_level=logging.ERROR,
             )
         if weights is not None and (folder / "graph.nnef").is_file():
-            check_all_written(weights, written, (folder / "graph.nnef").read_text())
+            graph = (folder / "graph.nnef").read_text()
+            check_all_written(weights, written, graph)
+            if weights.compressed:
+                (folder / "graph.nnef").write_text(annotate_compressed_gathers(graph, weights.compressed))
         seconds = {"trace": time.perf_counter() - start - written["seconds"], "write": written["seconds"]}
         if not (folder / "graph.nnef").is_file():
             raise GdnExportError(f"torch-to-nnef wrote no graph for {path}")
+        folded = fold_weight_casts(folder)
         renamed = keep_output_names(folder, inputs_from_bytes=REAL_BYTES)  # the weights are not read
         if metadata is not None:
-            metadata = {**metadata, "output_names_kept": renamed, "decisions": [d.summary() for d in target.gdn_decisions]}
+            metadata = {**metadata, "output_names_kept": renamed, "weights_stored_as_cast": folded, "decisions": [d.summary() for d in target.gdn_decisions]}
             (folder / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
         for name, source in (extra_files or {}).items():
             if (folder / name).exists() or "/" in name:

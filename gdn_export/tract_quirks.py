@@ -510,7 +510,7 @@ T2N_CLONES_TENSORS_PER_OP = Quirk(
     does="NamedTensor.__torch_function__ clones every module tensor it passes to an op (the jit trace and the "
          "shape inference after it): a full copy of a 1.2 GB head per op, and a placeholder's pages written",
     workaround="outside the jit trace, a streamed export's placeholder is 'cloned' as a new placeholder",
-    applied_in=("gdn_export/streamed_weights.py",),
+    applied_in=("gdn_export/weights/streamed.py",),
     when_fixed="the clone wrapper can go",
     no_canary="a speed and memory effect (benchmarks/RESULTS.md)",
     seen_on=TORCH_TO_NNEF_SEEN_ON,
@@ -524,7 +524,7 @@ T2N_READS_WEIGHT_VALUES = Quirk(
          "with placeholder weights a (1 + w) norm lost its multiplication (logit error 4.2)",
     workaround="streamed exports trace parameters under 1 MiB with their real values; a neutral-op drop on, or a "
                "written constant of, 1 MiB or more that is no weight stops the export",
-    applied_in=("gdn_export/streamed_weights.py", "gdn_export/hf/checkpoint.py"),
+    applied_in=("gdn_export/weights/streamed.py", "gdn_export/hf/checkpoint.py"),
     when_fixed="reliance: placeholders must stay out of those decisions",
     no_canary="tests/test_streamed.py compares streamed and in-memory archives, matrices as placeholders",
     seen_on=TORCH_TO_NNEF_SEEN_ON,

@@ -154,9 +154,9 @@ def materialize(model: nn.Module, weights: CheckpointWeights, dtype: torch.dtype
     """Give ``model``'s meta parameters under ``prefix`` their values in ``dtype``, read from the checkpoint; with
     ``placeholders``, parameters of ``REAL_BYTES`` or more get uninitialized tensors of the right shape instead
     (untouched pages: no memory until written), for a trace whose weights are written from the checkpoint
-    (``gdn_export.streamed_weights``). Ties are kept (one tensor)."""
+    (``gdn_export.weights.streamed``). Ties are kept (one tensor)."""
     from gdn_export.models.derived import PLACEHOLDER
-    from gdn_export.streamed_weights import REAL_BYTES
+    from gdn_export.weights.streamed import REAL_BYTES
 
     names = {id(p): name for name, p in model.named_parameters()}
     done: dict[int, nn.Parameter] = {}

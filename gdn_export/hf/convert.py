@@ -23,10 +23,8 @@ from gdn_export.hf.checkpoint import (CheckpointError, cast_buffers, empty_model
                                       read_config)
 from gdn_export.hf.layerwise import layerwise_logits
 from gdn_export.hf.layout import resolve_layout
-from gdn_export.hf.tensors import write_nnef_header
-from gdn_export.models.derived import PLACEHOLDER, ROWS_OF
+from gdn_export.hf.weight_writers import dequantized_view, plan_writes
 from gdn_export.runtime import lean_allocator
-from gdn_export.streamed_weights import StreamedWeights
 from gdn_export.hf.families import family_for
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -55,6 +53,8 @@ class ConvertReport:
     weights: str = ""  # what was read from the checkpoint, and what was left out
     generation_files: list[str] = field(default_factory=list)  # tokenizer, chat template... carried in the archive
     check_kind: str = ""
+    quantization: str = ""  # what was stored in Q4_0
+    quality: LogitCheck | None = None  # a quantized export against the unquantized reference (reported, not judged)
 
     def __str__(self) -> str:
         gdn = sum(1 for layer in self.layers if layer.kind == "gated delta rule")
@@ -68,10 +68,17 @@ class ConvertReport:
         lines.append("  for generation: " + (", ".join(self.generation_files) if self.generation_files else
                                              "no tokenizer, chat template or generation config in the checkpoint: "
                                              "the archive takes token ids"))
+        if self.quantization:
+            lines.append(f"  quantized: {self.quantization}")
         if self.check is not None:
-            lines.append(f"  check vs {self.reference} ({self.check_kind}): {self.check}")
+            against = " with the same Q4_0 weights" if self.quantization else ""
+            lines.append(f"  check vs {self.reference}{against} ({self.check_kind}): {self.check}")
         else:  # a report is returned only once its check passed: no check means check=False
             lines.append("  not checked (check=False / --no-check): tract's logits were not compared with anything")
+        if self.quality is not None:
+            lines.append(f"  quality vs the unquantized model (reported, not judged): mean KL {self.quality.mean_kl:.2e}"
+                         f" nats, top-1 agreement {100 * self.quality.top1_all:.1f}%, max |logit error| "
+                         f"{self.quality.max_abs_error:.2e}")
         lines.append("  time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items()))
         return "\n".join(lines)
 
@@ -138,6 +145,8 @@ def convert(
     core_dtype: str | None = None,
     chunk_size: int | None = None,
     streamed: bool = True,
+    quantize: str | None = None,
+    quantize_embeddings: bool = False,
 ) -> ConvertReport:
     """Convert a local checkpoint (config.json + safetensors) into ``out_path`` and check it in tract.
 
@@ -145,7 +154,10 @@ def convert(
     "any") picks the fastest exact lowering for where tract will run it. ``streamed`` (the default): the model is
     traced with placeholder weights and every weight is written to the archive straight from the checkpoint's
     files, one tensor at a time, so memory stays bounded by the largest tensor; ``streamed=False`` loads the model
-    in memory first (the same archive, byte for byte). ``check``: True or "auto" checks a prefill of
+    in memory first (the same archive, byte for byte). ``quantize="q4_0"`` stores every linear layer's weight whose
+    inner size is whole blocks of 32 in tract's Q4_0 (``quantize_embeddings``: the embedding table too); the check
+    then compares tract with the reference computing with the same Q4_0 weights (exactness, the float rule), and
+    the report adds the quality against the model as published (mean KL, top-1), which is not judged. ``check``: True or "auto" checks a prefill of
     ``prompt_len`` tokens and ``decode_steps`` single-token steps in tract against transformers' eager model,
     whole in memory where it fits ("full") or else one layer at a time ("layerwise"), beyond tolerance
     ParityError; False runs no check at all. Every argument is validated before any work; ``out_path`` appears
@@ -176,28 +188,20 @@ def convert(
     say(f"  {weights.summary()}")
     materialize(model, weights, export_dtype, placeholders=streamed)
     cast_buffers(model, export_dtype)
-    names = {id(param): name for name, param in model.named_parameters()}
     seconds["read"] = time.perf_counter() - start
 
     lm = family.exportable(model, export_dtype)
-    writers = None
-    if streamed:
-        labels: dict[int, list[str]] = {}  # a tied tensor has several names: torch-to-nnef may write it under any
-        for label, param in lm.named_parameters(remove_duplicate=False):
-            labels.setdefault(id(param), []).append(label)
-        params = {id(param): param for param in lm.parameters()}
-        writers = StreamedWeights(
-            {label: _writer(label, params[key], names, weights, export_dtype) for key, group in labels.items()
-             for label in group},
-            tuple(frozenset(group) for key, group in labels.items() if getattr(params[key], PLACEHOLDER, False)),
-            frozenset(p.untyped_storage().data_ptr() for p in params.values() if getattr(p, PLACEHOLDER, False)))
+    writers, quantization = plan_writes(lm, model, weights, export_dtype, quantize, quantize_embeddings)
+    if not streamed and quantize is None:
+        writers = None  # the in-memory model's own values are written
     inputs, outputs, dynamic = state_names(lm)
     vocab_size = layout.config["vocab_size"]
     carried = {name: Path(checkpoint_dir) / name for name in GENERATION_FILES if (Path(checkpoint_dir) / name).is_file()}
     metadata = {
         "format": FORMAT_VERSION, "family": family.name, "model_type": read_config(checkpoint_dir)["model_type"],
         "text_model_type": layout.model_type, "dtype": dtype, "core_dtype": core_dtype, "vocab_size": vocab_size,
-        "inputs": inputs, "outputs": outputs, "generation_files": sorted(carried),
+        "inputs": inputs, "outputs": outputs, "generation_files": sorted(carried), "quantize": quantize,
+        "quantized": len(quantization.quantized),
         "states": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."),
                     "kind": s.kind, "layer": s.layer} for s in lm.states],
     }
@@ -210,21 +214,25 @@ def convert(
             f"{', weights streamed from the checkpoint' if streamed else ''}) to {out_path}")
         report = export(lm, example_inputs(lm, vocab_size, export_dtype), staged, tract_version=tract_version,
                         lowering=lowering, input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
-                        metadata={**metadata, "runtime": runtime}, check=bool(check_mode) and not streamed,
+                        metadata={**metadata, "runtime": runtime}, check=bool(check_mode) and writers is None,
                         runtime=runtime, core_dtype=core_dtype, chunk_size=chunk_size, weights=writers,
                         extra_files=carried)
         seconds.update(report.seconds)
         result = ConvertReport(out_path, family.name, metadata["model_type"], dtype, report.tract_version,
                                layers=_layer_reports(lm, report.decisions), seconds=seconds,
-                               reference=family.reference, weights=weights.summary(), generation_files=sorted(carried))
+                               reference=family.reference, weights=weights.summary(), generation_files=sorted(carried),
+                               quantization=str(quantization))
         del lm, model  # placeholders (or the in-memory model) are not needed by the check
         if check_mode:
             start = time.perf_counter()
             kind = check_mode if check_mode != "auto" else reference_fits(weights, export_dtype)
             say(f"checking {out_path} in tract: prefill {prompt_len} + decode {decode_steps} against "
                 f"{family.reference}, {CHECK_KINDS[kind]}")
-            result.check = check_with(kind, staged, family, layout, weights, prompt_len, decode_steps)
+            result.check = check_with(kind, staged, family, layout, dequantized_view(weights, quantization),
+                                      prompt_len, decode_steps)
             result.check_kind = CHECK_KINDS[kind]
+            if quantization.quantized:  # quality: against the model as published, on the same tokens
+                result.quality = check_with(kind, staged, family, layout, weights, prompt_len, decode_steps)
             seconds["check"] = time.perf_counter() - start
             if not result.check.ok:
                 raise ParityError({"logits": result.check.error}, {"logits": result.check.tolerance},
@@ -233,25 +241,6 @@ def convert(
     finally:
         staged.unlink(missing_ok=True)
     return result
-
-
-def _writer(label: str, param, names: dict, weights, dtype: torch.dtype):
-    """Writes parameter ``label`` of the exportable model from the checkpoint: a checkpoint parameter's tensor, or
-    rows of one (``gdn_export.models.derived``)."""
-    if id(param) in names:
-        return partial(weights.entries[names[id(param)]].write_nnef, dtype=dtype)
-    recipe = getattr(param, ROWS_OF, None)
-    if recipe is None or id(recipe[0]) not in names:
-        raise GdnExportError(f"the exportable model's parameter {label} is no checkpoint weight and records no recipe "
-                             "(gdn_export.models.derived); it cannot be streamed: convert with streamed=False")
-    source, rows = weights.entries[names[id(recipe[0])]], recipe[1]
-
-    def write(file) -> None:
-        value = source.read(dtype)[rows].contiguous().numpy()
-        write_nnef_header(file, value.shape, value.dtype)
-        file.write(value.tobytes())
-
-    return write
 
 
 def reference_fits(weights, export_dtype: torch.dtype) -> str:

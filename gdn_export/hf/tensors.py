@@ -52,7 +52,7 @@ class TensorEntry:
     def numel(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
-    def _rows(self, start: int, stop: int, target: np.dtype) -> np.ndarray:
+    def rows(self, start: int, stop: int, target: np.dtype) -> np.ndarray:
         """Rows ``start:stop`` (of the first axis) as ``target``, read through a memory map of just those bytes."""
         row = self.numel // self.shape[0] if self.shape and self.shape[0] else self.numel
         item = np.dtype(SOURCE_DTYPES[self.dtype]).itemsize
@@ -73,7 +73,7 @@ class TensorEntry:
 
     def read(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole tensor in ``dtype`` (float32 or float16)."""
-        values = self._rows(0, self.shape[0] if self.shape else 1, np.dtype(TORCH_TO_NUMPY[dtype]))
+        values = self.rows(0, self.shape[0] if self.shape else 1, np.dtype(TORCH_TO_NUMPY[dtype]))
         return torch.from_numpy(values.reshape(self.shape))
 
     def write_nnef(self, file: BinaryIO, dtype: torch.dtype) -> None:
@@ -85,7 +85,7 @@ class TensorEntry:
         row_bytes = max(1, self.numel // max(rows, 1)) * 4
         step = max(1, SLICE_BYTES // row_bytes)
         for start in range(0, rows, step):
-            file.write(self._rows(start, min(rows, start + step), target).tobytes())
+            file.write(self.rows(start, min(rows, start + step), target).tobytes())
 
 
 def write_nnef_header(file: BinaryIO, shape: tuple[int, ...], dtype: np.dtype) -> None:

@@ -21,7 +21,7 @@ import re
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, Mapping
 
@@ -38,6 +38,7 @@ class StreamedWeights:
     writers: Mapping[str, Callable[[BinaryIO], None]]
     placeholders: tuple[frozenset, ...] = ()
     storages: frozenset = frozenset()  # data pointers of the placeholders' storages
+    compressed: Mapping[str, str] = field(default_factory=dict)  # label of a block-quantized weight -> float type
 
 REAL_BYTES = 1 << 20  # parameters below this size are traced with their values
 # a graph constant this large that is no weight can only come from a placeholder (the lowerings' own constants,
@@ -136,3 +137,20 @@ def check_all_written(weights: StreamedWeights, record: dict, graph: str) -> Non
         raise GdnExportError(f"{len(missing)} streamed weights were not written as variables of their own name "
                              f"(e.g. {missing[0]}): the export would carry placeholder values; export this model "
                              "in memory instead")
+
+
+def annotate_compressed_gathers(graph: str, compressed: Mapping[str, str]) -> str:
+    """tract's gather over a block-quantized constant (a Q4_0 embedding table) needs the type of its output
+    (``datum_type``): added to every ``tract_core_gather`` whose table is one of ``compressed`` (label -> type)."""
+    if not compressed:
+        return graph
+    variables = {m.group(1): compressed[m.group(2)] for m in re.finditer(
+        r"^\s*(\w+)\s*=\s*variable<scalar>\(label\s*=\s*'([^']+)'", graph, re.M) if m.group(2) in compressed}
+
+    def annotate(match: re.Match) -> str:
+        datum = variables.get(match.group(2))
+        if datum is None or "datum_type" in match.group(0):
+            return match.group(0)
+        return f"{match.group(1)}tract_core_gather({match.group(2)}{match.group(3)}, datum_type = '{datum}');"
+
+    return re.sub(r"^(\s*\w+\s*=\s*)tract_core_gather\((\w+)([^;]*)\);", annotate, graph, flags=re.M)

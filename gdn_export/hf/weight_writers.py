@@ -1,0 +1,164 @@
+"""How each parameter of the exportable model is written from the checkpoint: in the export dtype, or in Q4_0.
+
+``plan_writes`` pairs every parameter the traced graph may write (under each of its names: a tied tensor has two)
+with a writer that reads the checkpoint: the parameter's own tensor, or rows of one for the weights a family
+re-lays (``gdn_export.models.derived``). With ``quantize="q4_0"`` the weight of every ``nn.Linear`` whose inner
+size is whole blocks of 32 is written in tract's Q4_0 (``gdn_export.weights.q4_0``), and the embedding table too
+with ``quantize_embeddings`` (a tied head follows its table). ``dequantized_view`` gives the check the same
+weights as tract will compute with.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from functools import partial
+
+import numpy as np
+import torch
+from torch import nn
+
+from gdn_export.errors import GdnExportError
+from gdn_export.hf.tensors import write_nnef_header
+from gdn_export.models.derived import PLACEHOLDER, ROWS_OF
+from gdn_export.weights import q4_0
+from gdn_export.weights.streamed import StreamedWeights
+
+QUANTIZATIONS = (q4_0.NAME,)
+DATUM_TYPES = {torch.float32: "f32", torch.float16: "f16"}
+
+
+@dataclass
+class QuantizationReport:
+    """What a quantized export stored in Q4_0, and what it left in the export dtype."""
+
+    scheme: str | None = None
+    quantized: list[str] = field(default_factory=list)  # checkpoint parameter names
+    kept: Counter = field(default_factory=Counter)  # reason -> count of 2-D weights left unquantized
+    bytes_before: int = 0  # of the quantized tensors, in the export dtype
+    bytes_after: int = 0
+
+    def __str__(self) -> str:
+        if self.scheme is None:
+            return ""
+        text = (f"{len(self.quantized)} weights in {self.scheme.upper()} ({_size(self.bytes_before)} -> "
+                f"{_size(self.bytes_after)})")
+        if self.kept:
+            text += "; kept in the export dtype: " + ", ".join(f"{n} {why}" for why, n in sorted(self.kept.items()))
+        return text
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, quantize: str | None = None,
+                quantize_embeddings: bool = False) -> tuple[StreamedWeights, QuantizationReport]:
+    """The writers of ``lm``'s parameters (``model`` is the checkpoint's model inside it) and what was quantized."""
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise GdnExportError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
+    names = {id(param): name for name, param in model.named_parameters()}
+    chosen = _quantized_params(lm, quantize, quantize_embeddings)
+    tables = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Embedding)}
+    heads = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Linear)}
+    if quantize_embeddings and tables & heads & chosen:
+        raise GdnExportError("--quantize-embeddings with a head tied to the embedding table: tract 0.23.9 cannot slice "
+                             "a Q4_0 table (the tied head reads it as two slices, see models/decoder.py); quantize "
+                             "without --quantize-embeddings (the linear layers are still Q4_0)")
+    report = QuantizationReport(scheme=quantize)
+    labels: dict[int, list[str]] = {}  # a tied tensor has several names: torch-to-nnef may write it under any
+    for label, param in lm.named_parameters(remove_duplicate=False):
+        labels.setdefault(id(param), []).append(label)
+    params = {id(param): param for param in lm.parameters()}
+    writers = {}
+    for key, group in labels.items():
+        param = params[key]
+        quantized = key in chosen and q4_0.quantizable(tuple(param.shape))
+        if quantize and key in chosen and not quantized:
+            report.kept[f"with an inner size not a multiple of {q4_0.BLOCK}"] += 1
+        writer = _writer(group[0], param, names, weights, dtype, quantized)
+        if quantized:
+            report.quantized.append(_source_name(param, names))
+            report.bytes_before += param.numel() * dtype.itemsize
+            report.bytes_after += q4_0.nbytes(tuple(param.shape))
+        for label in group:
+            writers[label] = writer
+    if quantize:
+        report.kept["not a linear layer's weight (MoE experts, convolutions, norms)"] += sum(
+            1 for key, p in params.items() if p.dim() >= 2 and key not in chosen)
+    placeholders = tuple(frozenset(group) for key, group in labels.items() if getattr(params[key], PLACEHOLDER, False))
+    storages = frozenset(p.untyped_storage().data_ptr() for p in params.values() if getattr(p, PLACEHOLDER, False))
+    compressed = {label: DATUM_TYPES[dtype] for key in tables & chosen if key in labels
+                  and q4_0.quantizable(tuple(params[key].shape)) for label in labels[key]}
+    return StreamedWeights(writers, placeholders, storages, compressed), report
+
+
+def _quantized_params(lm: nn.Module, quantize: str | None, embeddings: bool) -> set[int]:
+    if quantize is None:
+        return set()
+    kinds = (nn.Linear, nn.Embedding) if embeddings else (nn.Linear,)
+    chosen = {id(module.weight) for module in lm.modules() if isinstance(module, kinds)}
+    if not embeddings:  # a head tied to the table is the table: quantized with it only
+        chosen -= {id(module.weight) for module in lm.modules() if isinstance(module, nn.Embedding)}
+    return chosen
+
+
+def _source_name(param, names: dict) -> str:
+    if id(param) in names:
+        return names[id(param)]
+    return names[id(getattr(param, ROWS_OF)[0])]
+
+
+def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, quantized: bool):
+    """Writes parameter ``label`` from the checkpoint: its tensor, or rows of one; in Q4_0 when ``quantized``."""
+    if id(param) in names:
+        source, rows = weights.entries[names[id(param)]], None
+    else:
+        recipe = getattr(param, ROWS_OF, None)
+        if recipe is None or id(recipe[0]) not in names:
+            raise GdnExportError(f"the exportable model's parameter {label} is no checkpoint weight and records no "
+                                 "recipe (gdn_export.models.derived); it cannot be written from the checkpoint: "
+                                 "convert with streamed=False")
+        source, rows = weights.entries[names[id(recipe[0])]], recipe[1]
+    if rows is None and not quantized:
+        return partial(source.write_nnef, dtype=dtype)
+
+    def whole(float_dtype: torch.dtype) -> np.ndarray:
+        value = source.read(float_dtype)
+        return (value if rows is None else value[rows]).contiguous().numpy()
+
+    def write(file) -> None:
+        if not quantized:
+            value = whole(dtype)
+            write_nnef_header(file, value.shape, value.dtype)
+            file.write(value.tobytes())
+        elif rows is None and hasattr(source, "rows"):  # a checkpoint tensor: streamed a slice at a time
+            q4_0.write_nnef(file, tuple(param.shape), lambda a, b: source.rows(a, b, np.dtype(np.float32)))
+        else:
+            value = whole(torch.float32)
+            q4_0.write_nnef(file, value.shape, lambda a, b: value[a:b])
+
+    return write
+
+
+@dataclass
+class _Dequantized:
+    """A checkpoint tensor read as tract computes with it once stored in Q4_0."""
+
+    source: object
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def read(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return q4_0.round_trip(self.source.read(torch.float32)).to(dtype)
+
+
+def dequantized_view(weights, report: QuantizationReport):
+    """``weights`` with the quantized parameters read through Q4_0 (the check's reference of a quantized export)."""
+    if not report.quantized:
+        return weights
+    entries = dict(weights.entries)
+    for name in report.quantized:
+        entries[name] = _Dequantized(weights.entries[name])
+    return replace(weights, entries=entries)

@@ -1,0 +1,1 @@
+"""How weights reach an archive: streamed from their source (``streamed``), and in which encoding (``q4_0``)."""
