@@ -533,6 +533,30 @@ T2N_READS_WEIGHT_VALUES = Quirk(
 )
 
 
+CAST_WEIGHT_NOT_FOLDED = Quirk(
+    name="tract neither folds a cast of a constant weight nor packs the cast result",
+    does="an f16 weight cast to f32 before a matmul is cast on every call and the matmul runs unpacked: 20-40x "
+         "slower than a packed f32 or f16 matmul (measured by the issue that asked for this test)",
+    workaround="weights the graph only casts are stored in the cast's type (weights/casts.py); "
+               "tests/test_quantized.py fails when a float16 archive still casts a weight matrix",
+    applied_in=("gdn_export/weights/casts.py", "gdn_export/exporter.py"),
+    when_fixed="the stored-as-cast rewrite can go",
+    no_canary="a speed effect; the test checks the graphs instead",
+    kind="measured",
+)
+
+Q4_0_GATHER_NEEDS_DATUM_TYPE = Quirk(
+    name="tract's gather over a Q4_0 table needs an explicit output type, and a Q4_0 table cannot be sliced",
+    does="tract_core_gather on a block-quantized constant fails at load ('requires an explicit datum_type "
+         "attribute'); a slice of one fails in PropConst (BlockQuantStorage::materialize_plain_ram)",
+    workaround="gathers over a Q4_0 embedding table get datum_type; --quantize-embeddings is refused for a head "
+               "tied to its table (read as two slices)",
+    applied_in=("gdn_export/weights/streamed.py", "gdn_export/hf/weight_writers.py"),
+    when_fixed="a tied table could be quantized too",
+    no_canary="tests/test_quantized.py converts a Q4_0 table (untied) and refuses the tied one",
+)
+
+
 QUIRKS: tuple[Quirk, ...] = tuple(value for value in list(globals().values()) if isinstance(value, Quirk))
 
 
