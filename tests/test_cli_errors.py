@@ -189,7 +189,10 @@ def test_interruption_leaves_nothing(tmp_path, signum, stage):
     out = tmp_path / "m.nnef.tgz"
     # a check of many decode steps: it lasts long enough for the signal to arrive during it on a loaded machine
     child = subprocess.Popen([sys.executable, "-m", "gdn_export.cli", "convert", str(FIXTURES / "qwen3_5"), "-o",
-                              str(out), "--decode-steps", "2000"], stderr=subprocess.PIPE, text=True)
+                              str(out), "--decode-steps", "2000"], stderr=subprocess.PIPE, text=True,
+                             # a pytest-xdist worker may ignore SIGINT, and a child inherits that (Python then
+                             # installs no Ctrl-C handler): the child starts with the default, as in a terminal
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in child.stderr:
             if stage in line:
