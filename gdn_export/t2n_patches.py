@@ -8,8 +8,9 @@ decides the NNEF names torch-to-nnef numbers (``c26`` or ``c57``, a tied table a
 ``hf.model.embed_tokens.weight``), so two conversions of one checkpoint differed. The wrapper sorts those nodes by
 name as well. Two more places follow a set's order: ``apply_name_to_tensor_in_module`` names a tensor held under
 several names (a tied head) by ``list(names)[0]`` of a set, and the custom fragments are collected from a set of
-keys. A tensor's names are iterated sorted (``hf.lm_head.weight`` before ``hf.model.embed_tokens.weight``) and the
-fragments are written sorted by name: the same archive from every process.
+keys, and so are the extensions. A tensor's names are iterated sorted (``hf.lm_head.weight`` before
+``hf.model.embed_tokens.weight``); fragments and extension registries are written sorted (symbols keep their declared order): the same archive
+from every process.
 
 ``linear_shape_inference``: ``TorchModuleIRGraph._infer_missing_shapes_from_ops_outputs`` drops the ops it has
 shaped from its work list with ``op not in ops_to_rm`` on a list, which compares ops field by field (dataclass
@@ -62,20 +63,47 @@ def _sorted_names(original):
 def _sorted_fragments(original):
     def build(*args, **kwargs):
         graph, extensions, fragments = original(*args, **kwargs)
-        return graph, extensions, dict(sorted(fragments.items()))
+        # registries sorted; symbols kept in their declared order (tract orders symbolic expressions by it)
+        symbols = [e for e in extensions if str(e).startswith("tract_symbol")]
+        others = sorted(e for e in extensions if not str(e).startswith("tract_symbol"))
+        return graph, others + symbols, dict(sorted(fragments.items()))
 
     return build
 
 
 def _deterministic(original):
     def filter_nodes(self):
+        """torch-to-nnef's pruning of the nodes no output (or input) depends on, as a walk back from them over
+        each node's producers (its own loops test every op against every kept node: quadratic); kept nodes in
+        their traced order, nodes made after the trace by name."""
         from torch_to_nnef.utils import ReactiveNamedItemDict
 
         before = {hash(node): index for index, node in enumerate(self.data_nodes)}
-        original(self)
-        nodes = list(self.data_nodes)
-        # the traced nodes keep their order; the others (-1) come first, by name rather than by hash
-        nodes.sort(key=lambda node: (before.get(hash(node), -1), "" if hash(node) in before else _name(node)))
+        producers: dict[str, list] = {}
+        for op in self.op_nodes:
+            for out in op.outputs:
+                producers.setdefault(out.name, []).append((op, out))
+        used = set(self.outputs) | set(self.inputs)
+        used_ops: set[int] = set()
+        frontier = list(used)
+        while frontier:
+            node = frontier.pop()
+            if node.is_container:
+                for item in node.iter():
+                    if item not in used:
+                        used.add(item)
+                        frontier.append(item)
+            for op, out in producers.get(node.name, ()):
+                if id(op) in used_ops or out != node:
+                    continue
+                used_ops.add(id(op))
+                for item in op.inputs:
+                    if item not in used:
+                        used.add(item)
+                        frontier.append(item)
+        self.op_nodes = [op for op in self.op_nodes if id(op) in used_ops]
+        nodes = sorted(used, key=lambda node: (before.get(hash(node), -1),
+                                               "" if hash(node) in before else _name(node)))
         self.data_nodes = ReactiveNamedItemDict(nodes)
 
     filter_nodes.gdn_export_patch = True
