@@ -168,7 +168,7 @@ def parser() -> argparse.ArgumentParser:
     convert.add_argument("--quantize", choices=["q4_0"], default=None,
                          help="store every linear layer's weight (inner size a multiple of 32) in tract's Q4_0")
     convert.add_argument("--quantize-embeddings", action="store_true",
-                         help="with --quantize, the embedding table too (and a head tied to it)")
+                         help="with --quantize, the embedding table too (refused when the head is tied to it)")
     convert.add_argument("--prompt-len", type=_count(1), default=16, help="the check's prefill length")
     convert.add_argument("--decode-steps", type=_count(0), default=8, help="the check's single-token decode steps")
     convert.add_argument("--in-memory", action="store_true",
