@@ -1,23 +1,22 @@
 """torch-to-nnef behaviour gdn_export corrects at export time (each listed in ``gdn_export.tract_quirks``).
 
-``deterministic_node_order``: torch-to-nnef (0.24.12) drops unused nodes in
-``TorchModuleIRGraph._filter_nodes_not_in_trace_between_inputs_and_outputs`` and re-sorts the kept data nodes by
-their index in the traced graph; nodes created after the trace (no index) all get -1 and so keep the iteration
-order of a ``set`` of nodes, which follows ``hash()`` of their names: ``PYTHONHASHSEED`` decides. Their order
-decides the NNEF names torch-to-nnef numbers (``c26`` or ``c57``, a tied table as ``hf.lm_head.weight`` or
-``hf.model.embed_tokens.weight``), so two conversions of one checkpoint differed. The wrapper sorts those nodes by
-name as well. Two more places follow a set's order: ``apply_name_to_tensor_in_module`` names a tensor held under
-several names (a tied head) by ``list(names)[0]`` of a set, and the custom fragments are collected from a set of
-keys, and so are the extensions. A tensor's names are iterated sorted (``hf.lm_head.weight`` before
-``hf.model.embed_tokens.weight``); fragments and extension registries are written sorted (symbols keep their declared order): the same archive
-from every process.
+Node order and names (torch-to-nnef 0.24.12). ``TorchModuleIRGraph._filter_nodes_not_in_trace_between_inputs_and_
+outputs`` drops unused nodes and re-sorts the kept ones by their index in the traced graph; nodes created after the
+trace (no index) get -1 and keep the iteration order of a ``set``, which follows ``hash()`` of their names:
+``PYTHONHASHSEED`` decides the NNEF names torch-to-nnef numbers (``c26`` or ``c57``), so two conversions of one
+checkpoint differed. ``apply_name_to_tensor_in_module`` names a tensor held under several names (a tied head) by
+``list(names)[0]`` of a set, and the custom fragments and extensions come from sets too. Replaced: the pruning, as a
+walk back from the outputs over each node's producers (torch-to-nnef's loops test every op against every kept
+node: quadratic), the nodes without index sorted by name; a tensor's names iterated sorted (``hf.lm_head.weight``
+before ``hf.model.embed_tokens.weight``); fragments and extension registries sorted (symbols keep their declared
+order, which tract's symbolic expressions follow). The same archive from every process.
 
-``linear_shape_inference``: ``TorchModuleIRGraph._infer_missing_shapes_from_ops_outputs`` drops the ops it has
-shaped from its work list with ``op not in ops_to_rm`` on a list, which compares ops field by field (dataclass
-``__eq__``): quadratic in the number of ops, a third of a 20-layer model's conversion (py-spy). The same loop,
-with ops compared by identity, and only over the ops whose outputs still lack a shape (torch-to-nnef re-ran every
-op at every level of the module tree: 39 runs of each gated delta-rule node, in eager torch, in a 4-layer model;
-gdn_export's own ops now run once).
+Shape inference. ``TorchModuleIRGraph._infer_missing_shapes_from_ops_outputs`` drops the ops it has shaped from its
+work list with ``op not in ops_to_rm`` on a list, which compares ops field by field (dataclass ``__eq__``):
+quadratic in the number of ops, a third of a 20-layer model's conversion (py-spy). Replaced by the same loop with
+ops compared by identity. It also re-runs every op at every level of the module tree (39 runs of each gated
+delta-rule node, in eager torch, in a 4-layer model); the re-runs of other ops are kept, because they simplify the
+graph at outer levels (a cast of a weight dropped), but gdn_export's own ops run once.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ def install() -> None:
         method = TorchModuleIRGraph._filter_nodes_not_in_trace_between_inputs_and_outputs
         if getattr(method, "gdn_export_patch", False):
             return
-        TorchModuleIRGraph._filter_nodes_not_in_trace_between_inputs_and_outputs = _deterministic(method)
+        TorchModuleIRGraph._filter_nodes_not_in_trace_between_inputs_and_outputs = _filter_nodes
         ModTensorUpdater.__init__ = _sorted_names(ModTensorUpdater.__init__)
         TorchModuleIRGraph._infer_missing_shapes_from_ops_outputs = _infer_missing_shapes
         t2n_export._build_nnef_graph_and_fragments = _sorted_fragments(t2n_export._build_nnef_graph_and_fragments)
@@ -71,43 +70,41 @@ def _sorted_fragments(original):
     return build
 
 
-def _deterministic(original):
-    def filter_nodes(self):
-        """torch-to-nnef's pruning of the nodes no output (or input) depends on, as a walk back from them over
-        each node's producers (its own loops test every op against every kept node: quadratic); kept nodes in
-        their traced order, nodes made after the trace by name."""
-        from torch_to_nnef.utils import ReactiveNamedItemDict
+def _filter_nodes(self):
+    """torch-to-nnef's pruning of the nodes no output (or input) depends on, as a walk back from them over each
+    node's producers (its own loops test every op against every kept node: quadratic); kept nodes in their traced
+    order, nodes made after the trace by name."""
+    from torch_to_nnef.utils import ReactiveNamedItemDict
 
-        before = {hash(node): index for index, node in enumerate(self.data_nodes)}
-        producers: dict[str, list] = {}
-        for op in self.op_nodes:
-            for out in op.outputs:
-                producers.setdefault(out.name, []).append((op, out))
-        used = set(self.outputs) | set(self.inputs)
-        used_ops: set[int] = set()
-        frontier = list(used)
-        while frontier:
-            node = frontier.pop()
-            if node.is_container:
-                for item in node.iter():
-                    if item not in used:
-                        used.add(item)
-                        frontier.append(item)
-            for op, out in producers.get(node.name, ()):
-                if id(op) in used_ops or out != node:
-                    continue
+    before = {hash(node): index for index, node in enumerate(self.data_nodes)}
+    producers: dict[str, list] = {}
+    for op in self.op_nodes:
+        for out in op.outputs:
+            producers.setdefault(out.name, []).append((op, out))
+    used = set(self.outputs) | set(self.inputs)
+    used_ops: set[int] = set()
+    frontier = list(used)
+
+    def visit(items) -> None:
+        for item in items:
+            if item not in used:
+                used.add(item)
+                frontier.append(item)
+
+    while frontier:
+        node = frontier.pop()
+        if node.is_container:
+            visit(node.iter())
+        for op, out in producers.get(node.name, ()):
+            if id(op) not in used_ops and out == node:
                 used_ops.add(id(op))
-                for item in op.inputs:
-                    if item not in used:
-                        used.add(item)
-                        frontier.append(item)
-        self.op_nodes = [op for op in self.op_nodes if id(op) in used_ops]
-        nodes = sorted(used, key=lambda node: (before.get(hash(node), -1),
-                                               "" if hash(node) in before else _name(node)))
-        self.data_nodes = ReactiveNamedItemDict(nodes)
+                visit(op.inputs)
+    self.op_nodes = [op for op in self.op_nodes if id(op) in used_ops]
+    nodes = sorted(used, key=lambda node: (before.get(hash(node), -1), "" if hash(node) in before else _name(node)))
+    self.data_nodes = ReactiveNamedItemDict(nodes)
 
-    filter_nodes.gdn_export_patch = True
-    return filter_nodes
+
+_filter_nodes.gdn_export_patch = True
 
 
 def _name(node) -> str:

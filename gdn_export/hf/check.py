@@ -58,6 +58,8 @@ class LogitCheck:
     baseline_max_abs_error: float = float("nan")
     baseline_mean_kl: float = float("nan")
     baseline_top1_all: float = float("nan")
+    # against a second reference (a quantized export's unquantized model): figures reported, not judged
+    quality: "LogitCheck | None" = None
 
     @property
     def ok(self) -> bool:
@@ -225,20 +227,27 @@ def check_against_transformers(path, hf_model, prompt_len: int = 16, decode_step
     compare the logits. For a reduced-precision archive (``session.metadata["dtype"]``, or a float32 one whose
     gated delta-rule core takes float16 operands, ``metadata["core_dtype"]``) the same tokens also run through the
     reference in that dtype (``half_model``, or ``copy_in_dtype(hf_model, dtype)``), and the float16 rule judges."""
+    return check_archive(path, hf_model.config.vocab_size, prompt_len, decode_steps, batch, seed,
+                         *transformers_references(hf_model, prompt_len, half_model))
+
+
+def transformers_references(hf_model, prompt_len: int, half_model=None):
+    """``(reference, half_reference)`` for ``check_archive``: ``hf_model`` prefilling ``prompt_len`` tokens then
+    decoding with its cache, and the same in a reduced dtype (``half_model``, or a copy of ``hf_model``)."""
 
     def half_logits(dtype: torch.dtype, tokens: np.ndarray) -> np.ndarray:
         return transformers_logits(half_model if half_model is not None else _in_dtype(hf_model, dtype), tokens,
                                    prompt_len)
 
-    return check_archive(path, hf_model.config.vocab_size, prompt_len, decode_steps, batch, seed,
-                         lambda tokens: transformers_logits(hf_model, tokens, prompt_len), half_logits)
+    return (lambda tokens: transformers_logits(hf_model, tokens, prompt_len)), half_logits
 
 
 def check_archive(path, vocab_size: int, prompt_len: int, decode_steps: int, batch: int, seed: int,
-                  reference, half_reference) -> LogitCheck:
+                  reference, half_reference, quality_reference=None) -> LogitCheck:
     """The check of ``path`` (a .nnef.tgz or an open Session) on random tokens against ``reference(tokens)`` (float32
     logits [B, S, vocab]) and, for a reduced-precision archive, ``half_reference(dtype, tokens)`` (the reference
-    framework's own model in that dtype)."""
+    framework's own model in that dtype). ``quality_reference(tokens)``: another float32 model (a quantized export's
+    unquantized one), compared with the same tract logits into the result's ``quality``, reported, not judged."""
     from gdn_export.session import Session
 
     validate_check(prompt_len, decode_steps, batch)
@@ -259,4 +268,7 @@ def check_archive(path, vocab_size: int, prompt_len: int, decode_steps: int, bat
         except Exception as err:  # e.g. an op without a CPU float16 kernel in this torch
             raise GdnExportError(f"the reference's own {dtype} model could not run, so a {dtype} export cannot be "
                                  f"judged: {type(err).__name__}: {err}") from err
-    return compare_logits(actual, expected, dtype, baseline, prompt_len)
+    result = compare_logits(actual, expected, dtype, baseline, prompt_len)
+    if quality_reference is not None:
+        result.quality = compare_logits(actual, quality_reference(tokens), "float32")
+    return result

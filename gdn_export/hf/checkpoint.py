@@ -150,8 +150,9 @@ def open_checkpoint(checkpoint_dir: str | os.PathLike, family=None, config: dict
 
 
 def materialize(model: nn.Module, weights: CheckpointWeights, dtype: torch.dtype, *,
-                placeholders: bool = False, prefix: str = "") -> nn.Module:
-    """Give ``model``'s meta parameters under ``prefix`` their values in ``dtype``, read from the checkpoint; with
+                placeholders: bool = False, prefix: str = "", exclude: str | None = None) -> nn.Module:
+    """Give ``model``'s meta parameters under ``prefix`` (and not under ``exclude``) their values in ``dtype``, read
+    from the checkpoint; with
     ``placeholders``, parameters of ``REAL_BYTES`` or more get uninitialized tensors of the right shape instead
     (untouched pages: no memory until written), for a trace whose weights are written from the checkpoint
     (``gdn_export.weights.streamed``). Ties are kept (one tensor)."""
@@ -165,7 +166,7 @@ def materialize(model: nn.Module, weights: CheckpointWeights, dtype: torch.dtype
             if param is None or param.device.type != "meta":
                 continue
             name = names[id(param)]
-            if not name.startswith(prefix):
+            if not name.startswith(prefix) or (exclude is not None and name.startswith(exclude)):
                 continue
             if id(param) not in done:
                 large = param.numel() * dtype.itemsize >= REAL_BYTES
@@ -201,8 +202,13 @@ def load_model(checkpoint_dir: str | os.PathLike, family=None, config: dict | No
                dtype: torch.dtype = torch.float32) -> nn.Module:
     """The family's eager model with every weight read from the checkpoint, in ``dtype`` (the whole model in
     memory: the check's reference where it fits)."""
-    _, _, model, weights = open_checkpoint(checkpoint_dir, family, config)
-    return cast_buffers(materialize(model, weights, dtype), dtype)
+    family, layout, _, weights = open_checkpoint(checkpoint_dir, family, config)
+    return model_in_memory(family, layout, weights, dtype)
+
+
+def model_in_memory(family, layout: Layout, weights: CheckpointWeights, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The family's eager model for ``layout`` with every weight of ``weights`` read, in ``dtype``."""
+    return cast_buffers(materialize(empty_model(family, layout), weights, dtype), dtype)
 
 
 def copy_in_dtype(hf_model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from gdn_export.hf.tensors import CheckpointError, TensorEntry
+from gdn_export.hf.tensors import CheckpointError, TensorEntry, write_nnef_array
 
 
 @dataclass
@@ -88,11 +88,7 @@ class ParameterSource:
                                   f"{detail}") from None
 
     def write_nnef(self, file, dtype: torch.dtype) -> None:
-        from gdn_export.hf.tensors import TORCH_TO_NUMPY, write_nnef_header
-
-        value = self.read(dtype).numpy()
-        write_nnef_header(file, value.shape, value.dtype)
-        file.write(value.astype(TORCH_TO_NUMPY[dtype], copy=False).tobytes())
+        write_nnef_array(file, self.read(dtype).numpy())
 
 
 def parameter_sources(model: nn.Module, entries: dict[str, TensorEntry]):

@@ -18,9 +18,9 @@ from gdn_export.archive import nnef_tgz_path, read_metadata
 from gdn_export.exporter import export
 from gdn_export.lowering.options import validate_options
 from gdn_export.lowering.capabilities import parse_version
-from gdn_export.hf.check import LogitCheck, check_against_transformers, check_archive, validate_check
-from gdn_export.hf.checkpoint import (CheckpointError, cast_buffers, empty_model, materialize, open_checkpoint,
-                                      read_config)
+from gdn_export.hf.check import LogitCheck, check_archive, transformers_references, validate_check
+from gdn_export.hf.checkpoint import (CheckpointError, cast_buffers, empty_model, materialize, model_in_memory,
+                                      open_checkpoint, read_config)
 from gdn_export.hf.layerwise import layerwise_logits
 from gdn_export.hf.layout import resolve_layout
 from gdn_export.hf.weight_writers import dequantized_view, plan_writes
@@ -54,7 +54,11 @@ class ConvertReport:
     generation_files: list[str] = field(default_factory=list)  # tokenizer, chat template... carried in the archive
     check_kind: str = ""
     quantization: str = ""  # what was stored in Q4_0
-    quality: LogitCheck | None = None  # a quantized export against the unquantized reference (reported, not judged)
+
+    @property
+    def quality(self) -> LogitCheck | None:
+        """A quantized export against the unquantized reference (reported, not judged)."""
+        return self.check.quality if self.check is not None else None
 
     def __str__(self) -> str:
         gdn = sum(1 for layer in self.layers if layer.kind == "gated delta rule")
@@ -198,7 +202,7 @@ def convert(
     vocab_size = layout.config["vocab_size"]
     carried = {name: Path(checkpoint_dir) / name for name in GENERATION_FILES if (Path(checkpoint_dir) / name).is_file()}
     metadata = {
-        "format": FORMAT_VERSION, "family": family.name, "model_type": read_config(checkpoint_dir)["model_type"],
+        "format": FORMAT_VERSION, "family": family.name, "model_type": layout.checkpoint_model_type,
         "text_model_type": layout.model_type, "dtype": dtype, "core_dtype": core_dtype, "vocab_size": vocab_size,
         "inputs": inputs, "outputs": outputs, "generation_files": sorted(carried), "quantize": quantize,
         "quantized": len(quantization.quantized),
@@ -228,11 +232,11 @@ def convert(
             kind = check_mode if check_mode != "auto" else reference_fits(weights, export_dtype)
             say(f"checking {out_path} in tract: prefill {prompt_len} + decode {decode_steps} against "
                 f"{family.reference}, {CHECK_KINDS[kind]}")
+            # a quantized export is checked against the same Q4_0 weights; its quality against the model as published
             result.check = check_with(kind, staged, family, layout, dequantized_view(weights, quantization),
-                                      prompt_len, decode_steps)
+                                      prompt_len, decode_steps,
+                                      quality_weights=weights if quantization.quantized else None)
             result.check_kind = CHECK_KINDS[kind]
-            if quantization.quantized:  # quality: against the model as published, on the same tokens
-                result.quality = check_with(kind, staged, family, layout, weights, prompt_len, decode_steps)
             seconds["check"] = time.perf_counter() - start
             if not result.check.ok:
                 raise ParityError({"logits": result.check.error}, {"logits": result.check.tolerance},
@@ -263,19 +267,27 @@ def _available_memory() -> int | None:
     return None
 
 
-def check_with(kind: str, archive, family, layout, weights, prompt_len: int, decode_steps: int,
-               batch: int = 1) -> LogitCheck:
+def check_with(kind: str, archive, family, layout, weights, prompt_len: int, decode_steps: int, batch: int = 1,
+               quality_weights=None) -> LogitCheck:
     """The check of ``archive`` against the checkpoint's model: "full" (the whole model in memory, prefill then
-    decode with its cache) or "layerwise" (``gdn_export.hf.layerwise``: one layer in memory, one causal pass)."""
-    if kind == "full":
-        reference = cast_buffers(materialize(empty_model(family, layout), weights, torch.float32), torch.float32)
-        return check_against_transformers(archive, reference, prompt_len, decode_steps, batch)
+    decode with its cache) or "layerwise" (``gdn_export.hf.layerwise``: one layer in memory, one causal pass).
+    ``quality_weights``: a second set of weights (a quantized export's unquantized ones) compared with the same tract
+    logits, into the result's ``quality``."""
 
-    def logits(dtype: torch.dtype, tokens: np.ndarray) -> np.ndarray:
-        return layerwise_logits(empty_model(family, layout), weights, tokens, dtype)
+    def references(source):
+        if kind == "full":
+            return transformers_references(model_in_memory(family, layout, source), prompt_len)
+
+        def logits(dtype: torch.dtype, tokens: np.ndarray) -> np.ndarray:
+            return layerwise_logits(empty_model(family, layout), source, tokens, dtype)
+
+        return partial(logits, torch.float32), logits
+
+    def quality(tokens: np.ndarray) -> np.ndarray:  # its model is built only once the export's logits are in
+        return references(quality_weights)[0](tokens)
 
     return check_archive(archive, layout.config["vocab_size"], prompt_len, decode_steps, batch, 0,
-                         partial(logits, torch.float32), logits)
+                         *references(weights), quality_reference=quality if quality_weights is not None else None)
 
 
 def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len: int = 16,

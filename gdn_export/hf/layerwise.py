@@ -31,9 +31,7 @@ def layerwise_logits(model: nn.Module, weights: CheckpointWeights, tokens: np.nd
     builds it) in ``dtype``, every weight read from ``weights`` when its layer runs."""
     name, layers = decoder_layers(model)
     prefix = f"{name}."
-    outside = [n for n, _ in model.named_parameters() if not n.startswith(prefix)]
-    for param_name in outside:
-        materialize(model, weights, dtype, prefix=param_name)
+    materialize(model, weights, dtype, exclude=prefix)  # the embedding, final norm and head: resident
     cast_buffers(model, dtype)
     hooks = []
     for index, layer in enumerate(layers):

@@ -12,7 +12,7 @@ left out and counted. Tensors that transformers itself ignores when it loads the
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from gdn_export.hf.tensors import CheckpointError
 
@@ -43,12 +43,15 @@ class Layout:
     wrapper: str | None = None  # the wrapper's model_type, when the checkpoint is one
     text_prefix: str | None = None
     dropped: tuple[tuple[str, str], ...] = ()  # (name prefix, what it is), left out of the conversion
-    ignored: tuple[str, ...] = field(default_factory=tuple)  # regexes of names transformers ignores on load
+    ignored: tuple[str, ...] = ()  # regexes of names transformers ignores on load
 
-    def model_name(self, name: str) -> str | None:
-        """The text model's name for checkpoint tensor ``name``; None for a tensor left out (see ``left_out``)."""
-        if self.left_out(name) is not None:
-            return None
+    @property
+    def checkpoint_model_type(self) -> str:
+        """config.json's own model_type (the wrapper's, for a wrapper)."""
+        return self.wrapper or self.model_type
+
+    def model_name(self, name: str) -> str:
+        """The text model's name for checkpoint tensor ``name`` (one not ``left_out``)."""
         if self.text_prefix is not None and name.startswith(self.text_prefix):
             return "model." + name[len(self.text_prefix):]
         return name
@@ -63,8 +66,6 @@ class Layout:
         return None
 
     def with_ignored(self, patterns) -> "Layout":
-        from dataclasses import replace
-
         return replace(self, ignored=tuple(patterns or ()))
 
 

@@ -88,6 +88,12 @@ class TensorEntry:
             file.write(self.rows(start, min(rows, start + step), target).tobytes())
 
 
+def write_nnef_array(file: BinaryIO, value: np.ndarray) -> None:
+    """A float array as a whole NNEF tensor file (header, then its values)."""
+    write_nnef_header(file, value.shape, value.dtype)
+    file.write(np.ascontiguousarray(value).tobytes())
+
+
 def write_nnef_header(file: BinaryIO, shape: tuple[int, ...], dtype: np.dtype) -> None:
     """The 128-byte header of an NNEF tensor file (the layout ``nnef.write_tensor`` writes) for a float tensor."""
     if len(shape) > 8:

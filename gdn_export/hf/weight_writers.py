@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from gdn_export.errors import GdnExportError
-from gdn_export.hf.tensors import write_nnef_header
+from gdn_export.hf.tensors import write_nnef_array
 from gdn_export.models.derived import PLACEHOLDER, ROWS_OF
 from gdn_export.weights import q4_0
 from gdn_export.weights.streamed import StreamedWeights
@@ -58,49 +58,38 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise GdnExportError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
     names = {id(param): name for name, param in model.named_parameters()}
-    chosen = _quantized_params(lm, quantize, quantize_embeddings)
-    tables = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Embedding)}
-    heads = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Linear)}
-    if quantize_embeddings and tables & heads & chosen:
-        raise GdnExportError("--quantize-embeddings with a head tied to the embedding table: tract 0.23.9 cannot slice "
-                             "a Q4_0 table (the tied head reads it as two slices, see models/decoder.py); quantize "
-                             "without --quantize-embeddings (the linear layers are still Q4_0)")
-    report = QuantizationReport(scheme=quantize)
     labels: dict[int, list[str]] = {}  # a tied tensor has several names: torch-to-nnef may write it under any
     for label, param in lm.named_parameters(remove_duplicate=False):
         labels.setdefault(id(param), []).append(label)
     params = {id(param): param for param in lm.parameters()}
+    tables = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Embedding)}
+    linear = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Linear)}
+    if quantize_embeddings and tables & linear:
+        raise GdnExportError("--quantize-embeddings with a head tied to the embedding table: tract 0.23.9 cannot slice "
+                             "a Q4_0 table (the tied head reads it as two slices, see models/decoder.py); quantize "
+                             "without --quantize-embeddings (the linear layers are still Q4_0)")
+    report = QuantizationReport(scheme=quantize)
+    chosen: set[int] = set()
+    if quantize is not None:  # a head tied to the table is the table: quantized with it only
+        candidates = (linear | tables) if quantize_embeddings else linear - tables
+        chosen = {key for key in candidates if q4_0.quantizable(tuple(params[key].shape))}
+        report.kept[f"with an inner size not a multiple of {q4_0.BLOCK}"] = len(candidates - chosen)
+        report.kept["not a linear layer's weight (embeddings, MoE experts, convolutions)"] = sum(
+            p.dim() >= 2 and key not in candidates for key, p in params.items())
+        report.kept = +report.kept  # without the zero counts
     writers = {}
     for key, group in labels.items():
         param = params[key]
-        quantized = key in chosen and q4_0.quantizable(tuple(param.shape))
-        if quantize and key in chosen and not quantized:
-            report.kept[f"with an inner size not a multiple of {q4_0.BLOCK}"] += 1
-        writer = _writer(group[0], param, names, weights, dtype, quantized)
-        if quantized:
+        writer = _writer(group[0], param, names, weights, dtype, key in chosen)
+        if key in chosen:
             report.quantized.append(_source_name(param, names))
             report.bytes_before += param.numel() * dtype.itemsize
             report.bytes_after += q4_0.nbytes(tuple(param.shape))
-        for label in group:
-            writers[label] = writer
-    if quantize:
-        report.kept["not a linear layer's weight (MoE experts, convolutions, norms)"] += sum(
-            1 for key, p in params.items() if p.dim() >= 2 and key not in chosen)
+        writers.update(dict.fromkeys(group, writer))
     placeholders = tuple(frozenset(group) for key, group in labels.items() if getattr(params[key], PLACEHOLDER, False))
     storages = frozenset(p.untyped_storage().data_ptr() for p in params.values() if getattr(p, PLACEHOLDER, False))
-    compressed = {label: DATUM_TYPES[dtype] for key in tables & chosen if key in labels
-                  and q4_0.quantizable(tuple(params[key].shape)) for label in labels[key]}
+    compressed = {label: DATUM_TYPES[dtype] for key in tables & chosen for label in labels[key]}
     return StreamedWeights(writers, placeholders, storages, compressed), report
-
-
-def _quantized_params(lm: nn.Module, quantize: str | None, embeddings: bool) -> set[int]:
-    if quantize is None:
-        return set()
-    kinds = (nn.Linear, nn.Embedding) if embeddings else (nn.Linear,)
-    chosen = {id(module.weight) for module in lm.modules() if isinstance(module, kinds)}
-    if not embeddings:  # a head tied to the table is the table: quantized with it only
-        chosen -= {id(module.weight) for module in lm.modules() if isinstance(module, nn.Embedding)}
-    return chosen
 
 
 def _source_name(param, names: dict) -> str:
@@ -129,9 +118,7 @@ def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, quantiz
 
     def write(file) -> None:
         if not quantized:
-            value = whole(dtype)
-            write_nnef_header(file, value.shape, value.dtype)
-            file.write(value.tobytes())
+            write_nnef_array(file, whole(dtype))
         elif rows is None and hasattr(source, "rows"):  # a checkpoint tensor: streamed a slice at a time
             q4_0.write_nnef(file, tuple(param.shape), lambda a, b: source.rows(a, b, np.dtype(np.float32)))
         else:

@@ -11,6 +11,7 @@ identity tract removes.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -21,15 +22,15 @@ VARIABLE = re.compile(r"^\s*(\w+)\s*=\s*variable<scalar>\(label\s*=\s*'([^']+)',
 
 def weights_cast_before_use(graph: str) -> dict[str, str]:
     """label -> type, for every variable of rank 2 or more used only through casts to that type."""
+    uses = Counter(re.findall(r"(?<![\w.])\w+(?![\w.])", graph))  # every identifier, once over the text
+    casts: dict[str, list[str]] = {}
+    for match in CAST.finditer(graph):
+        casts.setdefault(match.group(1), []).append(match.group(2))
     out = {}
     for match in VARIABLE.finditer(graph):
         name, label, shape = match.groups()
-        if shape.count(",") < 1:
-            continue
-        uses = re.findall(rf"(?<![\w.]){re.escape(name)}(?![\w.])", graph)
-        casts = [m for m in CAST.finditer(graph) if m.group(1) == name]
-        if casts and len(uses) == 1 + len(casts):  # its definition, then casts only
-            out[label] = casts[0].group(2)
+        if shape.count(",") >= 1 and name in casts and uses[name] == 1 + len(casts[name]):  # defined, then cast only
+            out[label] = casts[name][0]
     return out
 
 

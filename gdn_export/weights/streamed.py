@@ -63,24 +63,29 @@ def streamed_writes(weights: StreamedWeights | None) -> Iterator[dict]:
             math.remap_if_neutral_op = _guarded_neutral(math.remap_if_neutral_op)
             NamedTensor.clone = _placeholder_clone(NamedTensor.clone)
     record = {"written": set(), "seconds": 0.0}
-    _ACTIVE.state = (weights.writers, record, weights.storages) if weights is not None else None
+    _ACTIVE.weights, _ACTIVE.record = weights, record
     try:
         yield record
     finally:
-        _ACTIVE.state = None
+        _ACTIVE.weights = None
+
+
+def _active() -> StreamedWeights | None:
+    """The streamed weights of this thread's export, or None (an ordinary export: the wrappers do nothing)."""
+    return getattr(_ACTIVE, "weights", None)
 
 
 def _dispatching(original):
     def write_nnef_tensor(array, filename, quantized):
-        state = getattr(_ACTIVE, "state", None)
+        weights = _active()
         label = Path(filename).name.removesuffix(".dat")
-        if state is not None and label not in state[0] and state[0] and array.nbytes >= GUARD_BYTES:
-            raise GdnExportError(f"torch-to-nnef wrote a constant {label!r} of {array.nbytes} bytes that is no "
-                                 "weight of the model: computed from weight placeholders, it would be wrong; export "
-                                 "this model in memory instead (streamed=False)")
-        if state is None or label not in state[0]:
+        if weights is None or label not in weights.writers:
+            if weights is not None and weights.writers and array.nbytes >= GUARD_BYTES:
+                raise GdnExportError(f"torch-to-nnef wrote a constant {label!r} of {array.nbytes} bytes that is no "
+                                     "weight of the model: computed from weight placeholders, it would be wrong; "
+                                     "export this model in memory instead (streamed=False)")
             return original(array, filename, quantized)
-        writers, record = state[:2]
+        writers, record = weights.writers, _ACTIVE.record
         start = time.perf_counter()
         Path(filename).parent.mkdir(parents=True, exist_ok=True)
         with open(filename, "wb") as file:
@@ -100,8 +105,8 @@ def _placeholder_clone(original):
     placeholder of the same shape and strides."""
 
     def clone(self, *args, **kwargs):
-        state = getattr(_ACTIVE, "state", None)
-        if state is None or args or kwargs or self.untyped_storage().data_ptr() not in state[2]:
+        weights = _active()
+        if weights is None or args or kwargs or self.untyped_storage().data_ptr() not in weights.storages:
             return original(self, *args, **kwargs)
         plain = torch.Tensor.as_subclass(self, torch.Tensor)
         if not torch._C._get_tracing_state():
@@ -113,14 +118,15 @@ def _placeholder_clone(original):
 
 def _guarded_neutral(original):
     def remap_if_neutral_op(torch_graph, node, a, b):
-        state = getattr(_ACTIVE, "state", None)
-        if state is None or not state[0] or a.data is None:
+        weights = _active()
+        if weights is None or not weights.writers or a.data is None:
             return original(torch_graph, node, a, b)
         data = a.into_tensor_variable().data
         if isinstance(data, torch.Tensor) and data.numel() * data.element_size() >= GUARD_BYTES \
                 and bool((data == 1.0).all()):
-            raise GdnExportError(f"torch-to-nnef would drop an op by a large all-ones constant (in {getattr(node, 'kind', '?')}), a value "
-                                 "of weight placeholders; export this model in memory instead (streamed=False)")
+            raise GdnExportError(f"torch-to-nnef would drop an op by a large all-ones constant (in "
+                                 f"{getattr(node, 'kind', '?')}), a value of weight placeholders; export this model "
+                                 "in memory instead (streamed=False)")
         return original(torch_graph, node, a, b)
 
     return remap_if_neutral_op
