@@ -83,12 +83,19 @@ def run_tract(path_or_runnable, inputs: Sequence[np.ndarray]) -> list[np.ndarray
     runnable = (
         load_tract_model(path_or_runnable) if isinstance(path_or_runnable, (str, os.PathLike)) else path_or_runnable
     )
-    arrays = [np.ascontiguousarray(np.asarray(x)) for x in inputs]
+    return [o.to_numpy() for o in run_tract_tensors(runnable, inputs)]
+
+
+def run_tract_tensors(runnable, inputs: Sequence) -> list:
+    """Run a runnable on positional inputs, numpy arrays or tract tensors (passed as they are, not copied out and
+    back); return its outputs as tract tensors."""
+    import tract
+
+    values = [x if isinstance(x, tract.Tensor) else np.ascontiguousarray(np.asarray(x)) for x in inputs]
     try:
-        outputs = runnable.run(arrays)
+        return list(runnable.run(values))
     except Exception as err:
         raise TractRuntimeError(f"tract failed to run the model: {err}") from err
-    return [o.to_numpy() for o in outputs]
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)

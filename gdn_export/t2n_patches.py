@@ -15,8 +15,12 @@ Shape inference. ``TorchModuleIRGraph._infer_missing_shapes_from_ops_outputs`` d
 work list with ``op not in ops_to_rm`` on a list, which compares ops field by field (dataclass ``__eq__``):
 quadratic in the number of ops, a third of a 20-layer model's conversion (py-spy). Replaced by the same loop with
 ops compared by identity. It also re-runs every op at every level of the module tree (39 runs of each gated
-delta-rule node, in eager torch, in a 4-layer model); the re-runs of other ops are kept, because they simplify the
-graph at outer levels (a cast of a weight dropped), but gdn_export's own ops run once.
+delta-rule node, in eager torch, in a 4-layer model), and at a module's level once more after each of its
+submodule calls is merged: quadratic in the number of layers (24 layers: ~20 s of a 70 s conversion). A re-run
+can change the graph at an outer level (an input found constant there: its output becomes a constant, a cast of a
+weight dropped), so it is kept wherever an input changed since the op last ran, and skipped where nothing it reads
+changed (``_inputs_unchanged``: the same input nodes, holding the same data objects and flags, and the same output
+nodes): such a re-run recomputes and stores exactly what the last one stored. gdn_export's own ops run once.
 """
 
 from __future__ import annotations
@@ -127,7 +131,7 @@ def _infer_missing_shapes(self, raise_error: bool = False):
         done = set()
         start_len = len(unshaped_data)
         for op_node in remaining_ops:
-            if op_node.realise_output_type_and_size():
+            if _realise_unless_unchanged(op_node):
                 done.add(id(op_node))
                 for node in _expand_node_containers_if_exists(op_node.outputs):
                     unshaped_data.pop(node.name, None)
@@ -137,3 +141,39 @@ def _infer_missing_shapes(self, raise_error: bool = False):
                 raise T2NErrorNotImplemented(f"missing unshaped_data: {unshaped_data}")
             break
     return self
+
+
+_LAST_RUN = "_gdn_export_last_run"  # attribute of a TorchOp: (what it read, its result) when it last ran
+
+
+def _reads(op) -> tuple:
+    """What ``realise_output_type_and_size`` reads of ``op``'s inputs, and its output nodes: node and data objects
+    (compared by identity, and kept alive by the memo, so an id is never reused), and the flags."""
+    from torch_to_nnef.torch_graph.ir_graph import _expand_node_containers_if_exists
+
+    state = []
+    for node in _expand_node_containers_if_exists(op.inputs):
+        state += [node, getattr(node, "data", None), getattr(node, "_traced_data", None),
+                  getattr(node, "tracable", None), getattr(node, "is_constant", None),
+                  getattr(node, "module_attr", None), getattr(node, "dtype", None),
+                  tuple(getattr(node, "shape", None) or ())]
+    return tuple(state), tuple(_expand_node_containers_if_exists(op.outputs))
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y or (type(x) in (bool, tuple, type(None)) and x == y) for x, y in zip(a, b))
+
+
+def _inputs_unchanged(op, reads: tuple) -> bool:
+    last = getattr(op, _LAST_RUN, None)
+    return last is not None and _same(last[0][0], reads[0]) and _same(last[0][1], reads[1])
+
+
+def _realise_unless_unchanged(op) -> bool:
+    """``op.realise_output_type_and_size()``, or its last result when nothing it reads changed since it ran."""
+    reads = _reads(op)
+    if _inputs_unchanged(op, reads):
+        return getattr(op, _LAST_RUN)[1]
+    result = op.realise_output_type_and_size()
+    object.__setattr__(op, _LAST_RUN, (_reads(op), result))
+    return result

@@ -557,6 +557,33 @@ Q4_0_GATHER_NEEDS_DATUM_TYPE = Quirk(
 )
 
 
+# --- tract_moe_ffn (gdn_export/ops/moe_ffn.py) ---------------------------------------------------------
+MOE_TIES_LOWEST_INDEX = Quirk(
+    name="tract_moe_ffn breaks exact router ties by the lowest expert index",
+    does="experts with exactly equal router logits at the k-th place: tract_moe_ffn takes the lowest indices "
+         "(8 equal logits, k=3: experts 0, 1, 2), where torch.topk on CPU takes others (6, 5, 4); tract's topk "
+         "in the dense form decides ties its own way too",
+    workaround="none: with continuous logits an exact tie does not happen (an all-zero token ties every logit, but "
+               "its experts' outputs are all zero, so the choice does not matter)",
+    applied_in=("gdn_export/ops/moe_ffn.py",),
+    when_fixed="nothing to change; docs/TRACT.md states the tie rule",
+    no_canary="canary in tests/test_moe.py (test_tied_logits_take_the_lowest_experts), beside the op's other checks",
+    kind="reliance",
+)
+
+MOE_UNUSED_ROUTING_DROPPED = Quirk(
+    name="tract drops the unused dense routing of a sparse MoE at load",
+    does="the routing subgraph (softmax, topk, scatter) that feeds t2n_extra::moe_ffn is translated before the "
+         "node is and stays in graph.nnef when tract_moe_ffn (which routes by itself) replaces the node; tract "
+         "removes it while optimizing (no TopK or scatter node in the optimized model)",
+    workaround="none: the written graph keeps those few unused ops; the archive holds no weight of its own for them",
+    applied_in=("gdn_export/extractors/moe_ffn.py",),
+    when_fixed="reliance: an unused subgraph must cost nothing at run time",
+    no_canary="checked by tests/test_moe.py (test_cpu_export_is_sparse_and_exact: the optimized model's nodes)",
+    kind="reliance",
+)
+
+
 QUIRKS: tuple[Quirk, ...] = tuple(value for value in list(globals().values()) if isinstance(value, Quirk))
 
 

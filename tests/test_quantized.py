@@ -77,6 +77,24 @@ def test_tied_table_is_not_quantized_with_its_slices(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_tied_head_gets_a_q4_0_copy_of_its_own(tmp_path):
+    """A head tied to the table is quantized as any linear layer, through a copy of its own; the gather keeps the
+    table in the export dtype, and the check's reference (the same Q4_0 head, the table as published) agrees."""
+    out = tmp_path / "q.nnef.tgz"
+    report = convert(FIXTURES / "qwen3_5_vl", out, quantize="q4_0")
+    assert report.check.ok, report.check
+    types = dat_item_types(out)
+    config = json.loads((FIXTURES / "qwen3_5_vl" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    assert types["hf.model.embed_tokens.weight.dat"] != Q40_ITEM_TYPE
+    assert types["hf.lm_head.weight.dat"] == Q40_ITEM_TYPE
+    with tarfile.open(out) as tar:
+        graph = tar.extractfile("graph.nnef").read().decode()
+    # the head reads its own variable whole: no slice of a Q4_0 table (tract 0.23.9 cannot slice one)
+    head = re.search(r"^\s*(\w+)\s*=\s*variable<scalar>\(label\s*=\s*'hf.lm_head.weight'", graph, re.M).group(1)
+    assert not re.search(rf"slice\({head}\b", graph)
+
+
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
 
 

@@ -38,21 +38,37 @@ def gated_attention(module: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: 
     return module.o_proj(out * torch.sigmoid(gate)), key, value
 
 
-def routed_experts(experts: nn.Module, flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """A transformers ``*Experts`` module (fused ``gate_up_proj``, ``down_proj``) on every token, mixed by ``weights``
-    ``[N, E]``."""
-    return blocks.dense_experts(flat, weights, experts.gate_up_proj, experts.down_proj, experts.act_fn)
+def is_silu(act) -> bool:
+    """Whether a transformers activation module is SiLU (``ACT2FN["silu"]``), the experts ``moe_ffn`` computes."""
+    from transformers.activations import SiLUActivation
+
+    return isinstance(act, (SiLUActivation, nn.SiLU))
+
+
+def routed_experts(experts: nn.Module, flat: torch.Tensor, weights: torch.Tensor, router_weight: torch.Tensor,
+                   top_k: int, gate: str) -> torch.Tensor:
+    """A transformers ``*Experts`` module (fused ``gate_up_proj``, ``down_proj``) on ``flat`` ``[N, D]``, mixed by the
+    routing ``weights`` ``[N, E]``: one ``t2n_extra::moe_ffn`` node, which the export makes sparse where tract's
+    ``tract_moe_ffn`` computes ``gate`` exactly (``gdn_export/ops/moe_ffn.py``).
+
+    Experts with another activation than SiLU stay plain dense torch code (no MoE decision is reported for them).
+    """
+    if not is_silu(experts.act_fn):
+        return blocks.dense_experts(flat, weights, experts.gate_up_proj, experts.down_proj, experts.act_fn)
+    return blocks.routed_moe(flat, weights, router_weight, experts.gate_up_proj, experts.down_proj, top_k, gate)
 
 
 def sparse_moe(block: nn.Module, x: torch.Tensor, normalize_topk: bool) -> torch.Tensor:
     """transformers' Qwen ``*SparseMoeBlock``: top-k softmax experts plus a shared expert scaled by a sigmoid gate.
 
     Reads only the block's weights: its own forward loops over the experts a batch happens to hit, which a
-    trace would freeze.
+    trace would freeze. The routed experts are one ``moe_ffn`` node (sparse in tract where exact); the shared expert
+    and its gate stay ordinary graph ops.
     """
     router = block.gate
     flat = x.reshape(-1, router.hidden_dim)
     weights = blocks.top_k_routing(F.linear(flat, router.weight), router.top_k, normalize_topk)
-    routed = routed_experts(block.experts, flat, weights)
+    routed = routed_experts(block.experts, flat, weights, router.weight, router.top_k,
+                            blocks.softmax_gate(normalize_topk))
     shared = torch.sigmoid(block.shared_expert_gate(flat)) * block.shared_expert(flat)
     return (routed + shared).view_as(x)

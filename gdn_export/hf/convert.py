@@ -23,9 +23,10 @@ from gdn_export.hf.checkpoint import (CheckpointError, cast_buffers, empty_model
                                       open_checkpoint, read_config)
 from gdn_export.hf.layerwise import layerwise_logits
 from gdn_export.hf.layout import resolve_layout
-from gdn_export.hf.weight_writers import dequantized_view, plan_writes
+from gdn_export.hf.weight_writers import dequantized_view, plan_writes, separate_tied_head, untied_view
 from gdn_export.runtime import lean_allocator
 from gdn_export.hf.families import family_for
+from gdn_export.ops.moe_ffn import moe_report
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 FORMAT_VERSION = 1
@@ -54,6 +55,7 @@ class ConvertReport:
     generation_files: list[str] = field(default_factory=list)  # tokenizer, chat template... carried in the archive
     check_kind: str = ""
     quantization: str = ""  # what was stored in Q4_0
+    moe: list[str] = field(default_factory=list)  # MoE feed-forwards: sparse or dense, and why (ops/moe_ffn.py)
 
     @property
     def quality(self) -> LogitCheck | None:
@@ -67,6 +69,7 @@ class ConvertReport:
         for layer in self.layers:
             if layer.kind == "gated delta rule":
                 lines.append(f"  layer {layer.index}: {layer.lowering} - {layer.reason}")
+        lines.extend(f"  {line}" for line in self.moe)
         if self.weights:
             lines.append(f"  weights: {self.weights}")
         lines.append("  for generation: " + (", ".join(self.generation_files) if self.generation_files else
@@ -194,6 +197,7 @@ def convert(
     cast_buffers(model, export_dtype)
     seconds["read"] = time.perf_counter() - start
 
+    separated = separate_tied_head(model, quantize, quantize_embeddings)
     lm = family.exportable(model, export_dtype)
     writers, quantization = plan_writes(lm, model, weights, export_dtype, quantize, quantize_embeddings)
     if not streamed and quantize is None:
@@ -225,7 +229,7 @@ def convert(
         result = ConvertReport(out_path, family.name, metadata["model_type"], dtype, report.tract_version,
                                layers=_layer_reports(lm, report.decisions), seconds=seconds,
                                reference=family.reference, weights=weights.summary(), generation_files=sorted(carried),
-                               quantization=str(quantization))
+                               quantization=str(quantization), moe=moe_report(report.decisions))
         del lm, model  # placeholders (or the in-memory model) are not needed by the check
         if check_mode:
             start = time.perf_counter()
@@ -233,9 +237,10 @@ def convert(
             say(f"checking {out_path} in tract: prefill {prompt_len} + decode {decode_steps} against "
                 f"{family.reference}, {CHECK_KINDS[kind]}")
             # a quantized export is checked against the same Q4_0 weights; its quality against the model as published
-            result.check = check_with(kind, staged, family, layout, dequantized_view(weights, quantization),
+            published, reference_layout = untied_view(weights, layout, separated) if separated else (weights, layout)
+            result.check = check_with(kind, staged, family, reference_layout, dequantized_view(published, quantization),
                                       prompt_len, decode_steps,
-                                      quality_weights=weights if quantization.quantized else None)
+                                      quality_weights=published if quantization.quantized else None)
             result.check_kind = CHECK_KINDS[kind]
             seconds["check"] = time.perf_counter() - start
             if not result.check.ok:

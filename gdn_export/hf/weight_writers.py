@@ -4,8 +4,9 @@
 with a writer that reads the checkpoint: the parameter's own tensor, or rows of one for the weights a family
 re-lays (``gdn_export.models.derived``). With ``quantize="q4_0"`` the weight of every ``nn.Linear`` whose inner
 size is whole blocks of 32 is written in tract's Q4_0 (``gdn_export.weights.q4_0``), and the embedding table too
-with ``quantize_embeddings`` (a tied head follows its table). ``dequantized_view`` gives the check the same
-weights as tract will compute with.
+with ``quantize_embeddings``. A head tied to the table is a linear layer like any other: ``separate_tied_head``
+gives it a Q4_0 copy of the table of its own. ``dequantized_view`` gives the check the same weights as tract will
+compute with.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import nn
 
 from gdn_export.errors import GdnExportError
 from gdn_export.hf.tensors import write_nnef_array
-from gdn_export.models.derived import PLACEHOLDER, ROWS_OF
+from gdn_export.models.derived import PLACEHOLDER, ROWS_OF, rows_of
 from gdn_export.weights import q4_0
 from gdn_export.weights.streamed import StreamedWeights
 
@@ -52,6 +53,46 @@ def _size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
+def separate_tied_head(model: nn.Module, quantize: str | None, quantize_embeddings: bool) -> tuple[str, str] | None:
+    """With ``quantize``, give a head tied to the embedding table a weight of its own (a copy recorded as derived
+    from the table, so it is written from the checkpoint, in Q4_0 as every linear layer); return the names of the
+    table and of the head when it did.
+
+    Why: decode reads the whole head once per token and only a few rows of the table, so a tied head left in the
+    export dtype (622 MB in f32 for vocab 151936 x 1024) would dominate a Q4_0 model's decode step; its Q4_0 copy
+    costs 4.5 bits a weight more on disk and in memory. Not with ``quantize_embeddings``: the table and the head
+    would then be the same Q4_0 constant, which tract merges into one with two readers and re-packs for the head
+    on every call (see ``models/decoder.py`` ``vocab_projection``), and tract 0.23.9 cannot slice a Q4_0 table to
+    avoid that."""
+    if quantize is None:
+        return None
+    names = {id(param): name for name, param in model.named_parameters()}
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    heads = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and id(module.weight) in tables]
+    if not heads:
+        return None
+    if quantize_embeddings:
+        raise GdnExportError("--quantize-embeddings with a head tied to the embedding table: tract 0.23.9 cannot slice "
+                             "a Q4_0 table (the tied head reads it as two slices, see models/decoder.py); quantize "
+                             "without --quantize-embeddings (the head then gets a Q4_0 copy of its own, the table "
+                             "stays in the export dtype)")
+    (head_name, head), = heads
+    if not q4_0.quantizable(tuple(head.weight.shape)):
+        return None
+    table_name = names[id(head.weight)]
+    head.weight = rows_of(head.weight, None)
+    return table_name, f"{head_name}.weight"
+
+
+def untied_view(weights, layout, names: tuple[str, str]):
+    """``weights`` and ``layout`` for the reference of an export whose tied head got its own copy of the table
+    (``separate_tied_head`` gave ``names``: table, head): the same values, the table's tensor under both names."""
+    table, head = names
+    entries = {**weights.entries, head: weights.entries[table]}
+    return replace(weights, entries=entries), replace(layout, config={**layout.config, "tie_word_embeddings": False})
+
+
 def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, quantize: str | None = None,
                 quantize_embeddings: bool = False) -> tuple[StreamedWeights, QuantizationReport]:
     """The writers of ``lm``'s parameters (``model`` is the checkpoint's model inside it) and what was quantized."""
@@ -64,13 +105,9 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
     params = {id(param): param for param in lm.parameters()}
     tables = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Embedding)}
     linear = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Linear)}
-    if quantize_embeddings and tables & linear:
-        raise GdnExportError("--quantize-embeddings with a head tied to the embedding table: tract 0.23.9 cannot slice "
-                             "a Q4_0 table (the tied head reads it as two slices, see models/decoder.py); quantize "
-                             "without --quantize-embeddings (the linear layers are still Q4_0)")
     report = QuantizationReport(scheme=quantize)
     chosen: set[int] = set()
-    if quantize is not None:  # a head tied to the table is the table: quantized with it only
+    if quantize is not None:  # a head still tied to the table (no block-sized rows) is the table: kept with it
         candidates = (linear | tables) if quantize_embeddings else linear - tables
         chosen = {key for key in candidates if q4_0.quantizable(tuple(params[key].shape))}
         report.kept[f"with an inner size not a multiple of {q4_0.BLOCK}"] = len(candidates - chosen)
@@ -93,17 +130,17 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
 
 
 def _source_name(param, names: dict) -> str:
-    if id(param) in names:
+    if id(param) in names:  # a checkpoint weight, or a whole copy of one under its own name (a separated head)
         return names[id(param)]
     return names[id(getattr(param, ROWS_OF)[0])]
 
 
 def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, quantized: bool):
     """Writes parameter ``label`` from the checkpoint: its tensor, or rows of one; in Q4_0 when ``quantized``."""
-    if id(param) in names:
+    recipe = getattr(param, ROWS_OF, None)
+    if recipe is None and id(param) in names:
         source, rows = weights.entries[names[id(param)]], None
     else:
-        recipe = getattr(param, ROWS_OF, None)
         if recipe is None or id(recipe[0]) not in names:
             raise GdnExportError(f"the exportable model's parameter {label} is no checkpoint weight and records no "
                                  "recipe (gdn_export.models.derived); it cannot be written from the checkpoint: "

@@ -125,8 +125,10 @@ class FlaForCausalLM(Decoder, nn.Module):
         return (layer.attn_norm if part == "mixer" else layer.mlp_norm), None
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        # tied: two slices of the embedding table, so that tract packs the head once (see vocab_projection)
-        return vocab_projection(self.model.norm(x), self.lm_head, self.config.tie_word_embeddings)
+        # tied: two slices of the embedding table, so that tract packs the head once (see vocab_projection); a
+        # quantized export may have given the head a weight of its own (hf/weight_writers.py separate_tied_head)
+        tied = self.lm_head.weight is self.model.embeddings.weight
+        return vocab_projection(self.model.norm(x), self.lm_head, tied)
 
     def forward(self, input_ids: torch.Tensor, past_key_values: StateCache | None = None,
                 cache: StateCache | None = None, use_cache: bool = True, **unused) -> LMOutput:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from gdn_export.ops.causal_conv1d import causal_conv1d_update
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
+from gdn_export.ops.moe_ffn import moe_ffn
 
 
 def positions(input_ids: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
@@ -148,3 +149,17 @@ def dense_experts(x: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Te
     gate, up = torch.einsum("nd,eid->nei", x, gate_up_proj).chunk(2, dim=-1)
     expert_out = torch.einsum("nei,edi->ned", act(gate) * up, down_proj)  # [N, E, D]
     return (expert_out * weights[..., None].to(expert_out.dtype)).sum(1)
+
+
+def routed_moe(x: torch.Tensor, routing: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
+               down_proj: torch.Tensor, top_k: int, gate: str) -> torch.Tensor:
+    """SwiGLU experts ``[N, D] -> [N, D]`` mixed by ``routing`` ``[N, E]`` as one ``t2n_extra::moe_ffn`` node
+    (``gdn_export/ops/moe_ffn.py``), whose torch kernel is ``dense_experts``. ``gate`` states how ``routing`` was
+    computed from ``x @ router_weight.T``: ``"softmax_topk"``/``"softmax_all"`` (``top_k_routing`` with and without
+    renormalization) let the export use tract's sparse ``tract_moe_ffn``; any other name keeps the dense form."""
+    return moe_ffn(x, routing, router_weight, gate_up_proj, down_proj, top_k, gate)
+
+
+def softmax_gate(normalize: bool) -> str:
+    """The ``moe_ffn`` gate of ``top_k_routing(..., normalize)``."""
+    return "softmax_topk" if normalize else "softmax_all"

@@ -14,13 +14,15 @@ PLACEHOLDER = "gdn_placeholder"  # attribute set on a parameter whose values are
 ROWS_OF = "gdn_rows_of"  # attribute: (source parameter, row indices) the parameter's values are
 
 
-def rows_of(source: torch.Tensor, rows: torch.Tensor) -> nn.Parameter:
-    """``source[rows]`` as a frozen parameter that records its recipe; a placeholder of that shape when ``source``
-    is a placeholder."""
+def rows_of(source: torch.Tensor, rows: torch.Tensor | None) -> nn.Parameter:
+    """``source[rows]`` (``rows`` None: every row, a copy of ``source`` the graph holds apart from it) as a frozen
+    parameter that records its recipe; a placeholder of that shape when ``source`` is a placeholder."""
+    count = source.shape[0] if rows is None else len(rows)
     if getattr(source, PLACEHOLDER, False):
-        param = nn.Parameter(torch.empty((len(rows), *source.shape[1:]), dtype=source.dtype), requires_grad=False)
+        param = nn.Parameter(torch.empty((count, *source.shape[1:]), dtype=source.dtype), requires_grad=False)
         setattr(param, PLACEHOLDER, True)
     else:
-        param = nn.Parameter(source.detach()[rows].contiguous(), requires_grad=False)
+        value = source.detach().clone() if rows is None else source.detach()[rows].contiguous()
+        param = nn.Parameter(value, requires_grad=False)
     setattr(param, ROWS_OF, (source, rows))
     return param

@@ -1,7 +1,8 @@
 """Kimi Linear (``kimi_linear``): KDA layers, NoPE multi-head latent attention, DeepSeek-style grouped MoE.
 
 KDA is the gated delta rule with a per-key-channel decay, which ``models.blocks.gated_delta_mixer`` passes through
-to the op unchanged. The MLA layers apply no rotary embedding: transformers splits the compressed key into
+to the op unchanged. The MoE routing has no tract ``tract_moe_ffn`` gate mode, so its ``moe_ffn`` node stays dense
+(the report says why). The MLA layers apply no rotary embedding: transformers splits the compressed key into
 ``kv_nope`` and ``k_rot`` but only concatenates ``k_rot`` (shared by every head) after the per-head ``k_nope``.
 """
 
@@ -109,7 +110,9 @@ class KimiLinearLM(TransformersLM):
         weights = grouped_sigmoid_routing(
             router_logits, router.e_score_correction_bias, top_k=router.top_k, groups=router.num_group,
             top_groups=router.topk_group, normalize=router.norm_topk_prob, scaling=router.routed_scaling_factor)
-        return routed_experts(block.experts, flat, weights).view_as(x) + block.shared_experts(x)
+        # no tract_moe_ffn gate mode computes this routing: the moe_ffn node stays dense, the report says why
+        routed = routed_experts(block.experts, flat, weights, router.weight, router.top_k, "grouped_sigmoid")
+        return routed.view_as(x) + block.shared_experts(x)
 
 
 FAMILY = Family(

@@ -48,7 +48,10 @@ class LaraMiniLM(Qwen3_5LM):
         router_logits = F.linear(flat.float(), router.weight.float())
         weights = blocks.top_k_routing(router_logits, router.top_k, router.norm_topk_prob)
         # the shared expert is added in full, with no gate
-        return (routed_experts(block.experts, flat, weights) + block.shared_expert(flat)).reshape_as(x)
+        # the fused op computes the router in f32 from the f32 weight: the same logits
+        routed = routed_experts(block.experts, flat, weights, router.weight.float(), router.top_k,
+                                blocks.softmax_gate(router.norm_topk_prob))
+        return (routed + block.shared_expert(flat)).reshape_as(x)
 
 
 FAMILY = Family(

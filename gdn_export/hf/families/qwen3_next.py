@@ -2,7 +2,8 @@
 
 Attention, norms, rotary tables and the GDN math are Qwen3.5's, so the decoder reuses ``Qwen3_5LM``; what
 differs is the GDN projection layout (``in_proj_qkvz`` / ``in_proj_ba`` grouped per key head) and the MoE
-feed-forward, which ``SparseMoeLM`` (shared with Qwen3.5-MoE) runs with dense routing.
+feed-forward, which ``SparseMoeLM`` (shared with Qwen3.5-MoE) runs through ``hf.blocks.sparse_moe``: the routing in
+graph ops, the routed experts one ``t2n_extra::moe_ffn`` node (tract's sparse ``tract_moe_ffn`` on the CPU runtime).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ What differs from Qwen3.5 (whose GDN mixer this reuses):
 - attention layers run a token indexer (QSA) that restricts each query to the top ``budget / ratio`` blocks
   of ``ratio`` past tokens plus its own incomplete block; the indexer keeps its raw keys in the cache, so
   they are a carried state here (``indexer_key_<layer>``);
-- every feed-forward is a sparse MoE with a shared expert (``sparse_moe``, routing computed densely).
+- every feed-forward is a sparse MoE with a shared expert (``sparse_moe``: routing in graph ops, the routed experts
+  one ``t2n_extra::moe_ffn`` node, sparse in tract where exact).
 """
 
 from __future__ import annotations

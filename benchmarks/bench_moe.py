@@ -1,0 +1,130 @@
+"""One MoE feed-forward in tract: the sparse ``tract_moe_ffn`` against the dense form, side by side in one run.
+
+    python benchmarks/bench_moe.py [--experts 64] [--top-k 8] [--hidden 2048] [--inner 512] [--tokens 1 128]
+                                   [--dtype float32] [--budget 3]
+
+The layer is what the Qwen families export for their routed experts (``gdn_export.models.blocks.routed_moe``:
+softmax top-k routing renormalized, SwiGLU experts in transformers' fused ``gate_up_proj [E, 2I, D]`` /
+``down_proj [E, D, I]`` layout; the shared expert, the same in both forms, is left out). It is exported twice
+through ``gdn_export.export``: ``runtime="cpu"`` writes ``tract_moe_ffn`` (only the top-k experts of a token run),
+``runtime="any"`` the dense form (every expert on every token, mixed by the routing weights: what every MoE family
+ran before, and what a refused node still gets). Both graphs are planned for the token count N (tract's symbol
+fixed), run on one tract thread (CPU time / wall time is printed to show it), timed as a median, and compared with
+each other and with the op's torch kernel. Random weights, N(0, 1/fan_in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import gdn_export  # noqa: E402
+from gdn_export.models import blocks  # noqa: E402
+from gdn_export.ops.moe_ffn import QUALNAME  # noqa: E402
+from gdn_export.runtime import load_tract_model, steady_allocator  # noqa: E402
+
+
+class RoutedExperts(torch.nn.Module):
+    """x [N, D] -> the routed experts' output [N, D] (Qwen3-Next / Qwen3.5-MoE routing, norm_topk_prob)."""
+
+    def __init__(self, experts: int, hidden: int, inner: int, top_k: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.router = torch.nn.Parameter(torch.randn(experts, hidden, generator=gen).to(dtype) / hidden ** 0.5)
+        self.gate_up_proj = torch.nn.Parameter((torch.randn(experts, 2 * inner, hidden, generator=gen)
+                                                / hidden ** 0.5).to(dtype))
+        self.down_proj = torch.nn.Parameter((torch.randn(experts, hidden, inner, generator=gen)
+                                             / inner ** 0.5).to(dtype))
+        self.top_k = top_k
+
+    def forward(self, x):
+        routing = blocks.top_k_routing(x @ self.router.T, self.top_k, True)
+        return blocks.routed_moe(x, routing, self.router, self.gate_up_proj, self.down_proj, self.top_k,
+                                 "softmax_topk")
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown CPU"
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
+                "unknown CPU")
+
+
+def timed(runnable, x: np.ndarray, budget_s: float, min_runs: int = 5) -> tuple[float, float, np.ndarray]:
+    """(median ms, CPU time / wall time over the timed runs, output)."""
+    out = runnable.run([x])[0].to_numpy()  # warm-up
+    times = []
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    while len(times) < min_runs or time.perf_counter() - wall0 < budget_s:
+        t0 = time.perf_counter()
+        runnable.run([x])
+        times.append(time.perf_counter() - t0)
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    return 1e3 * float(np.median(times)), cpu / wall, out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--inner", type=int, default=512, help="expert intermediate width")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 128], help="N: 1 is a decode step")
+    parser.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    parser.add_argument("--budget", type=float, default=3.0, help="seconds of timing per cell")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    steady_allocator()
+    dtype = getattr(torch, args.dtype)
+    module = RoutedExperts(args.experts, args.hidden, args.inner, args.top_k, dtype).eval()
+    weight_mb = sum(p.numel() * p.element_size() for p in module.parameters()) / 1e6
+    x_example = torch.randn(3, args.hidden).to(dtype)
+
+    with tempfile.TemporaryDirectory() as folder:
+        paths, reasons = {}, {}
+        for form, runtime in (("sparse", "cpu"), ("dense", "any")):
+            paths[form] = Path(folder) / f"{form}.nnef.tgz"
+            t0 = time.perf_counter()
+            report = gdn_export.export(module, (x_example,), paths[form], input_names=["x"], output_names=["y"],
+                                       dynamic_axes={"x": {0: "N"}}, runtime=runtime, check=False)
+            (decision,) = [d for d in report.decisions if d.entry == QUALNAME]
+            reasons[form] = f"{decision.lowering} - {decision.reason}"
+            print(f"exported {form} ({time.perf_counter() - t0:.0f} s): {reasons[form]}", flush=True)
+        print(f"\nOne MoE layer: {args.experts} experts, top-{args.top_k}, hidden {args.hidden}, expert width "
+              f"{args.inner}, {args.dtype} ({weight_mb:.0f} MB of expert weights), tract "
+              f"{gdn_export.runtime.tract_version()} 1 thread, {cpu_name()}\n")
+        header = ("| tokens N | sparse tract_moe_ffn ms | dense ms | dense / sparse | sparse tokens/s | "
+                  "CPU/wall sparse, dense | max rel. diff sparse vs dense | vs torch |")
+        print(header)
+        print("|---" * (header.count("|") - 1) + "|")
+        gen = torch.Generator().manual_seed(1)
+        for tokens in args.tokens:
+            x = torch.randn(tokens, args.hidden, generator=gen).to(dtype)
+            results = {}
+            for form in ("sparse", "dense"):
+                runnable = load_tract_model(paths[form], {"N": tokens})
+                results[form] = timed(runnable, x.numpy(), args.budget)
+                del runnable
+            with torch.no_grad():
+                expected = module(x.float() if dtype == torch.float32 else x).double().numpy()
+            sparse, dense = results["sparse"][2].astype(np.float64), results["dense"][2].astype(np.float64)
+            scale = np.abs(expected).max()
+            print(f"| {tokens} | {results['sparse'][0]:.2f} | {results['dense'][0]:.2f} | "
+                  f"{results['dense'][0] / results['sparse'][0]:.1f}x | {1e3 * tokens / results['sparse'][0]:.0f} | "
+                  f"{results['sparse'][1]:.2f}, {results['dense'][1]:.2f} | "
+                  f"{np.abs(sparse - dense).max() / scale:.1e} | {np.abs(sparse - expected).max() / scale:.1e} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""``t2n_extra::moe_ffn``: a routed mixture-of-experts feed-forward (SwiGLU experts) as one torch custom op.
+
+Contract::
+
+    y = moe_ffn(x, routing, router_weight, gate_up_proj, down_proj, top_k, gate)
+    x [N, D]                   tokens (model dtype)
+    routing [N, E]             the routing weights the caller computed for x: zero for unselected experts
+    router_weight [E, D]       the router (its logits are x @ router_weight.T)
+    gate_up_proj [E, 2I, D]    transformers' fused stack: gate rows 0..I-1, up rows I..2I-1
+    down_proj [E, D, I]
+    y[n] = sum_e routing[n, e] * down_proj[e] @ (silu(gate_e x_n) * (up_e x_n))      (in x's dtype)
+
+The torch kernel is the reference: ``models.blocks.dense_experts`` (every expert on every token, mixed by
+``routing``), the code the dense form always ran. ``gate`` says how ``routing`` was computed from the router, so
+that tract's fused ``tract_moe_ffn`` can compute it again by itself:
+
+- ``"softmax_topk"``: ``top_k_routing(x @ router_weight.T, top_k, normalize=True)`` (the top-k of the softmax,
+  renormalized: Qwen with ``norm_topk_prob``), which is tract's ``gate = 'softmax_topk'`` (softmax over the
+  top-k logits: the same numbers);
+- ``"softmax_all"``: the same without renormalization, tract's ``gate = 'softmax_all'``;
+- anything else names a routing tract has no mode for (``"grouped_sigmoid"``: DeepSeek-V3's, Kimi Linear):
+  only ``routing`` says which experts a token takes, and the node stays dense.
+
+The NNEF emission (``gdn_export/extractors/moe_ffn.py``: ops import no export code) decides per node and records
+the decision with its reason on the target like the gated delta rule's: ``tract_moe_ffn`` where it computes exactly
+this function (``decide``), else ``dense``: the experts as two matmuls over the whole stacks, mixed by ``routing``.
+In the sparse form ``routing`` is unused (the fused op reads the router's weight itself): its few ops stay in
+graph.nnef and tract drops them at load (tract_quirks.MOE_UNUSED_ROUTING_DROPPED).
+
+Measured on tract 0.23.9 (``tests/test_moe.py``, docs/TRACT.md): ``tract_moe_ffn(x, wg, w1, w2, w3, k, activation
+= 'silu', gate, expert_layout = 'linear')`` with w1/w3 ``[E, I, D]`` and w2 ``[E, D, I]`` (nn.Linear layout: the
+checkpoint's stacks as they are; w1/w3 are NNEF slices of gate_up_proj, which tract folds at load) computes
+``sum over the top k of x @ wg.T of weight * w2_e @ (silu(w1_e x) * w3_e x)``, x ``[N, D]`` or ``[B, S, D]``, f32 or
+f16 (output in x's dtype), routing and mixing in f32; on exactly tied logits it takes the lowest expert index.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gdn_export.errors import OperandError
+from gdn_export.ops.registration import define_or_reuse
+
+QUALNAME = "t2n_extra::moe_ffn"
+SCHEMA = ("(Tensor x, Tensor routing, Tensor router_weight, Tensor gate_up_proj, Tensor down_proj, int top_k, "
+          "str gate) -> Tensor")
+
+OP_NAME = "tract_moe_ffn"
+# caller's gate -> tract_moe_ffn's gate mode computing the same routing
+TRACT_GATES = {"softmax_topk": "softmax_topk", "softmax_all": "softmax_all"}
+# routings tract has no mode for, and why
+UNSUPPORTED_GATES = {
+    "grouped_sigmoid": "DeepSeek-V3 routing (sigmoid scores, a correction bias that chooses experts but does not "
+                       "weigh them, top groups, renormalization, a routed scaling factor): none of tract_moe_ffn's "
+                       "gate modes (softmax_topk, softmax_all, sigmoid, raw) computes it",
+}
+# measured exact on this version (tests/test_moe.py); earlier versions were not checked
+FIRST_VERSION = (0, 23, 9)
+
+
+def check_moe_operands(x_shape, routing_shape, router_shape, gate_up_shape, down_shape, top_k: int) -> tuple:
+    """(N, D, E, I) of consistent operands; OperandError names the first that disagrees."""
+    x_shape, routing_shape, router_shape, gate_up_shape, down_shape = (
+        tuple(int(d) for d in s) for s in (x_shape, routing_shape, router_shape, gate_up_shape, down_shape))
+    if len(x_shape) != 2:
+        raise OperandError("x", "rank 2 [N, D]", f"rank {len(x_shape)} {list(x_shape)}")
+    tokens, width = x_shape
+    if len(gate_up_shape) != 3 or gate_up_shape[2] != width or gate_up_shape[1] % 2:
+        raise OperandError("gate_up_proj", f"[E, 2I, D] with D={width}", str(list(gate_up_shape)))
+    experts, inner = gate_up_shape[0], gate_up_shape[1] // 2
+    if down_shape != (experts, width, inner):
+        raise OperandError("down_proj", f"[E, D, I] = {[experts, width, inner]}", str(list(down_shape)))
+    if router_shape != (experts, width):
+        raise OperandError("router_weight", f"[E, D] = {[experts, width]}", str(list(router_shape)))
+    if routing_shape != (tokens, experts):
+        raise OperandError("routing", f"[N, E] = {[tokens, experts]}", str(list(routing_shape)))
+    if not 1 <= top_k <= experts:
+        raise OperandError("top_k", f"1 <= top_k <= E = {experts}", str(top_k))
+    return tokens, width, experts, inner
+
+
+def _reference(x, routing, router_weight, gate_up_proj, down_proj, top_k, gate):
+    from gdn_export.models.blocks import dense_experts
+
+    check_moe_operands(x.shape, routing.shape, router_weight.shape, gate_up_proj.shape, down_proj.shape, top_k)
+    return dense_experts(x, routing, gate_up_proj, down_proj, F.silu).contiguous()
+
+
+def _fake(x, routing, router_weight, gate_up_proj, down_proj, top_k, gate):
+    return torch.empty_like(x)
+
+
+define_or_reuse(QUALNAME, SCHEMA, _reference, _fake)
+
+
+def moe_ffn(x: torch.Tensor, routing: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
+            down_proj: torch.Tensor, top_k: int, gate: str) -> torch.Tensor:
+    """Call ``torch.ops.t2n_extra.moe_ffn`` (see the module docstring for the contract)."""
+    return torch.ops.t2n_extra.moe_ffn(x, routing, router_weight, gate_up_proj, down_proj, top_k, gate)
+
+
+def moe_report(decisions) -> list[str]:
+    """One line per distinct MoE decision of an export (its ``Decision`` list), with how many feed-forwards got it:
+    ``moe (2 feed-forwards): tract_moe_ffn - <reason>``."""
+    counts: dict[tuple[str, str], int] = {}
+    for d in decisions:
+        if d.entry == QUALNAME:
+            counts[d.lowering, d.reason] = counts.get((d.lowering, d.reason), 0) + 1
+    return [f"moe ({n} feed-forward{'s' if n > 1 else ''}): {lowering} - {reason}"
+            for (lowering, reason), n in counts.items()]

@@ -1,0 +1,309 @@
+"""Sparse MoE: tract's ``tract_moe_ffn`` against a float64 reference, and where the export uses it (ops/moe_ffn.py).
+
+1. The fused op, hand-written in the exact form the export writes (w1/w3 slices of the fused gate_up stack, the
+   linear layout), matches float64 numpy for both gate modes the families use, f32 and f16, [N, D] with a symbolic
+   N, 64 experts top-8; on exactly tied logits it takes the lowest expert indices (tract_quirks).
+2. ``t2n_extra::moe_ffn`` exports sparse where ``decide`` allows it and dense elsewhere, the decision and its reason
+   recorded; both forms pass the export's parity check against the op's torch kernel.
+3. The MoE fixtures: the converted graphs hold ``tract_moe_ffn`` where the family's routing is softmax top-k and the
+   dense form for Kimi Linear, with the reason in the report; a Qwen3-Next checkpoint without ``norm_topk_prob``
+   exports ``gate = 'softmax_all'`` and still matches transformers; the streamed archive of the 64-expert fixture is
+   the in-memory one. (Logits of every fixture, f32 and f16, batch 1 and 2: tests/test_hf_families.py.)
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+import tarfile
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tract
+
+import gdn_export
+from conftest import by_fixture
+from gdn_export import tract_quirks as tq
+from gdn_export.hf.convert import convert
+from gdn_export.hf.tensors import write_nnef_array
+from gdn_export.lowering.options import LoweringOptions
+from gdn_export.models import blocks
+from gdn_export.extractors.moe_ffn import decide
+from gdn_export.ops import moe_ffn
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+HEADER = ("version 1.0;\nextension tract_registry tract_core;\nextension tract_registry tract_transformers;\n"
+          "extension tract_symbol N;\n\n")
+
+
+# --- 1. the fused op against float64 --------------------------------------------------------------------------
+def fused_graph(folder: Path, weights: dict[str, np.ndarray], top_k: int, gate: str, dtype: str) -> Path:
+    """``tract_moe_ffn`` over x [N, D] as gdn_export writes it: w1/w3 slices of gate_up [E, 2I, D], w2 [E, D, I]."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, value in weights.items():
+        with (folder / f"{name}.dat").open("wb") as file:
+            write_nnef_array(file, value)
+    experts, rows, width = weights["gate_up"].shape
+    graph = f"""
+        graph net(x) -> (y) {{
+          x = tract_core_external(shape = [N, {width}], datum_type = '{dtype}');
+          wg = variable<scalar>(label = 'wg', shape = {list(weights['wg'].shape)});
+          gate_up = variable<scalar>(label = 'gate_up', shape = {list(weights['gate_up'].shape)});
+          down = variable<scalar>(label = 'down', shape = {list(weights['down'].shape)});
+          w1 = slice(gate_up, axes = [1], begin = [0], end = [{rows // 2}]);
+          w3 = slice(gate_up, axes = [1], begin = [{rows // 2}], end = [{rows}]);
+          y = tract_moe_ffn(x, wg, w1, down, w3, k = {top_k}, activation = 'silu', gate = '{gate}',
+                            expert_layout = 'linear');
+        }}
+        """
+    (folder / "graph.nnef").write_text(HEADER + textwrap.dedent(graph))
+    return folder
+
+
+def run_graph(folder: Path, x: np.ndarray):
+    runnable = tract.nnef().with_tract_transformers().load(str(folder)).into_runnable()
+    ops = [n["op_name"] for n in json.loads(runnable.profile_json(None))["nodes"]]
+    return runnable.run([x])[0].to_numpy(), ops
+
+
+def reference64(x, wg, gate_up, down, top_k, normalize) -> np.ndarray:
+    """The family's math in float64, token by token: softmax, the top k (stable order), renormalized if asked."""
+    x, wg, gate_up, down = (np.asarray(a, np.float64) for a in (x, wg, gate_up, down))
+    inner = gate_up.shape[1] // 2
+    out = np.zeros_like(x)
+    for n, token in enumerate(x):
+        logits = wg @ token
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        chosen = np.argsort(-probs, kind="stable")[:top_k]
+        weights = probs[chosen] / probs[chosen].sum() if normalize else probs[chosen]
+        for e, weight in zip(chosen, weights):
+            gate, up = gate_up[e, :inner] @ token, gate_up[e, inner:] @ token
+            out[n] += weight * (down[e] @ (gate / (1 + np.exp(-gate)) * up))
+    return out
+
+
+def moe_weights(experts=64, width=32, inner=16, dtype=np.float32, seed=0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"wg": rng.standard_normal((experts, width)).astype(dtype),
+            "gate_up": (rng.standard_normal((experts, 2 * inner, width)) / np.sqrt(width)).astype(dtype),
+            "down": (rng.standard_normal((experts, width, inner)) / np.sqrt(inner)).astype(dtype)}
+
+
+@pytest.mark.parametrize("gate", ["softmax_topk", "softmax_all"])
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_fused_op_matches_float64(tmp_path, gate, dtype, tokens):
+    """64 experts, top-8: the family's routing (softmax top-k, renormalized for softmax_topk) to float rounding;
+    the output keeps x's dtype, and tract runs its optimized kernel (OptMoeFfn), the slices folded."""
+    np_dtype = np.float32 if dtype == "f32" else np.float16
+    weights = moe_weights(dtype=np_dtype)
+    x = np.random.default_rng(1).standard_normal((tokens, 32)).astype(np_dtype)
+    y, ops = run_graph(fused_graph(tmp_path, weights, 8, gate, dtype), x)
+    expected = reference64(x, weights["wg"], weights["gate_up"], weights["down"], 8, gate == "softmax_topk")
+    error = np.abs(y.astype(np.float64) - expected).max() / np.abs(expected).max()
+    assert y.dtype == np_dtype and y.shape == x.shape
+    assert error < (4e-6 if dtype == "f32" else 2e-3), f"{gate} {dtype} N={tokens}: relative error {error:.2e}"
+    assert "OptMoeFfn" in ops and not any("Slice" in op for op in ops), ops
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_fused_op_computes_the_op_reference(tmp_path, normalize):
+    """The same graph against ``t2n_extra::moe_ffn``'s torch kernel fed with ``top_k_routing`` (the code the
+    families run), in float64: the op's contract for ``softmax_topk``/``softmax_all`` is what tract computes."""
+    weights = moe_weights(seed=2)
+    x = np.random.default_rng(3).standard_normal((5, 32)).astype(np.float32)
+    y, _ = run_graph(fused_graph(tmp_path, weights, 8, blocks.softmax_gate(normalize), "f32"), x)
+    wg, gate_up, down = (torch.from_numpy(weights[k]).double() for k in ("wg", "gate_up", "down"))
+    xt = torch.from_numpy(x).double()
+    routing = blocks.top_k_routing(xt @ wg.T, 8, normalize)
+    expected = moe_ffn.moe_ffn(xt, routing, wg, gate_up, down, 8, blocks.softmax_gate(normalize)).numpy()
+    np.testing.assert_allclose(y, expected, rtol=0, atol=4e-6 * np.abs(expected).max())
+
+
+def test_tied_logits_take_the_lowest_experts(tmp_path):
+    """Canary of tract_quirks.MOE_TIES_LOWEST_INDEX: every logit equal, expert e writing channel e; tract takes
+    experts 0..k-1, where torch.topk (CPU) takes others."""
+    experts, width, inner = 8, 16, 4
+    gate_up = np.zeros((experts, 2 * inner, width), np.float32)
+    down = np.zeros((experts, width, inner), np.float32)
+    for e in range(experts):
+        gate_up[e, :, 0] = 1.0
+        down[e, e, 0] = 1.0
+    folder = fused_graph(tmp_path, {"wg": np.zeros((experts, width), np.float32), "gate_up": gate_up, "down": down},
+                         3, "softmax_topk", "f32")
+    x = np.zeros((1, width), np.float32)
+    x[0, 0] = 1.0
+    y, _ = run_graph(folder, x)
+    assert list(np.nonzero(y[0, :experts])[0]) == [0, 1, 2], (
+        f"{tq.MOE_TIES_LOWEST_INDEX.name} no longer holds: {tq.MOE_TIES_LOWEST_INDEX.when_fixed}")
+
+
+# --- 2. the export's decision ---------------------------------------------------------------------------------
+class MoeLayer(torch.nn.Module):
+    """A Qwen-style routed MoE (no shared expert) through ``routed_moe``, or a routing tract has no mode for."""
+
+    def __init__(self, experts=16, width=32, inner=8, top_k=4, gate="softmax_topk"):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.router = torch.nn.Parameter(torch.randn(experts, width, generator=gen))
+        self.gate_up = torch.nn.Parameter(torch.randn(experts, 2 * inner, width, generator=gen) / width ** 0.5)
+        self.down = torch.nn.Parameter(torch.randn(experts, width, inner, generator=gen) / inner ** 0.5)
+        self.top_k, self.gate = top_k, gate
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        logits = flat @ self.router.T
+        if self.gate == "grouped_sigmoid":  # any other routing: the given weights only
+            routing = blocks.top_k_routing(logits.sigmoid(), self.top_k, True)
+        else:
+            routing = blocks.top_k_routing(logits, self.top_k, self.gate == "softmax_topk")
+        out = blocks.routed_moe(flat, routing, self.router, self.gate_up, self.down, self.top_k, self.gate)
+        return out.view_as(x)
+
+
+def export_layer(tmp_path, runtime, gate="softmax_topk", dtype=torch.float32):
+    module = MoeLayer(gate=gate).to(dtype)
+    x = torch.randn(2, 5, 32).to(dtype)
+    path = tmp_path / f"moe_{runtime}_{gate}.nnef.tgz"
+    report = gdn_export.export(module, (x,), path, input_names=["x"], output_names=["y"],
+                               dynamic_axes={"x": {0: "B", 1: "S"}}, runtime=runtime)
+    with tarfile.open(path) as tar:
+        graph = tar.extractfile("graph.nnef").read().decode()
+    moe = [d for d in report.decisions if d.entry == moe_ffn.QUALNAME]
+    assert len(moe) == 1
+    return report, moe[0], graph
+
+
+@pytest.mark.parametrize("gate", ["softmax_topk", "softmax_all"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cpu_export_is_sparse_and_exact(tmp_path, gate, dtype):
+    """runtime cpu: one tract_moe_ffn with the family's gate mode, no expert matmul left; the export's own check
+    (every output against the torch kernel, symbolic B and S) passed."""
+    report, decision, graph = export_layer(tmp_path, "cpu", gate, dtype)
+    assert decision.lowering == "tract_moe_ffn" and f"gate={gate}" in decision.reason
+    assert len(re.findall(rf"tract_moe_ffn\(.*gate = '{gate}', expert_layout = 'linear'\)", graph)) == 1
+    assert "matmul(" not in graph.split("tract_moe_ffn(")[1]
+    assert report.parity is not None and report.parity.ok
+    # the unused dense routing (softmax, topk, scatter) is gone from the optimized model (MOE_UNUSED_ROUTING_DROPPED)
+    runnable = tract.nnef().with_tract_transformers().load(str(report.path)).into_runnable()
+    ops = [n["op_name"] for n in json.loads(runnable.profile_json(None))["nodes"]]
+    assert "OptMoeFfn" in ops and not [op for op in ops if "TopK" in op or "Scatter" in op], ops
+
+
+@pytest.mark.parametrize("runtime,gate,why", [
+    ("cuda", "softmax_topk", "verified on tract's CPU runtime only"),
+    ("any", "softmax_topk", "no runtime given"),
+    ("cpu", "grouped_sigmoid", "DeepSeek-V3 routing"),
+])
+def test_refused_exports_are_dense_with_a_reason(tmp_path, runtime, gate, why):
+    """Elsewhere the node is every expert on every token, exact (the parity check passed), and says why."""
+    report, decision, graph = export_layer(tmp_path, runtime, gate)
+    assert decision.lowering == "dense" and why in decision.reason
+    assert "tract_moe_ffn" not in graph
+    assert report.parity is not None and report.parity.ok
+    assert "dense - " in str(report)
+
+
+def test_older_tract_is_dense():
+    lowering, reason = decide("softmax_topk", LoweringOptions(tract_version=(0, 23, 8), runtime="cpu"))
+    assert lowering == "dense" and "0.23.9" in reason
+
+
+def test_operands_are_validated():
+    x, router = torch.zeros(3, 8), torch.zeros(4, 8)
+    with pytest.raises(gdn_export.OperandError, match="down_proj"):
+        moe_ffn.moe_ffn(x, torch.zeros(3, 4), router, torch.zeros(4, 6, 8), torch.zeros(4, 8, 2), 2, "softmax_topk")
+    with pytest.raises(gdn_export.OperandError, match="top_k"):
+        moe_ffn.moe_ffn(x, torch.zeros(3, 4), router, torch.zeros(4, 6, 8), torch.zeros(4, 8, 3), 5, "softmax_topk")
+
+
+# --- 3. the fixtures ------------------------------------------------------------------------------------------
+def graph_of(path: Path) -> str:
+    with tarfile.open(path) as tar:
+        return tar.extractfile("graph.nnef").read().decode()
+
+
+def decisions_of(path: Path) -> list[dict]:
+    with tarfile.open(path) as tar:
+        metadata = json.loads(tar.extractfile("gdn_export.json").read())
+    return [d for d in metadata["decisions"] if d["entry"] == moe_ffn.QUALNAME]
+
+
+# fixture -> (MoE feed-forwards, top k, lowering)
+MOE_FIXTURES = {"qwen3_5_moe_64x8": (2, 8, "tract_moe_ffn"), "qwen3_next": (3, 2, "tract_moe_ffn"),
+                "qwen3_5_moe": (3, 2, "tract_moe_ffn"), "qwen4_exp": (3, 2, "tract_moe_ffn"),
+                "lara_mini": (4, 2, "tract_moe_ffn"), "kimi_linear": (1, 2, "dense")}
+
+
+@pytest.mark.parametrize("name", by_fixture(*MOE_FIXTURES))
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_fixture_graphs_are_sparse_where_exact(name, dtype, converted):
+    count, top_k, lowering = MOE_FIXTURES[name]
+    path = converted(name, dtype)
+    decisions, graph = decisions_of(path), graph_of(path)
+    assert [d["lowering"] for d in decisions] == [lowering] * count
+    fused = re.findall(r"tract_moe_ffn\(.*k = (\d+), activation = 'silu', gate = '(\w+)'", graph)
+    if lowering == "tract_moe_ffn":
+        assert fused == [(str(top_k), "softmax_topk")] * count
+    else:
+        assert fused == [] and "DeepSeek-V3 routing" in decisions[0]["reason"]
+
+
+def test_report_names_each_moe_choice(tmp_path):
+    report = convert(FIXTURES / "kimi_linear", tmp_path / "k.nnef.tgz", check=False)
+    assert "moe (1 feed-forward): dense - DeepSeek-V3 routing" in str(report)
+
+
+def test_softmax_all_checkpoint_matches_transformers(tmp_path):
+    """Qwen3-Next with ``norm_topk_prob`` false (the fixture's weights, its config changed): gate 'softmax_all',
+    and convert's check against transformers passes (f32: 1e-4 x max |logit|)."""
+    folder = tmp_path / "qwen3_next_no_norm"
+    shutil.copytree(FIXTURES / "qwen3_next", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["norm_topk_prob"] = False
+    (folder / "config.json").write_text(json.dumps(config))
+    report = convert(folder, tmp_path / "n.nnef.tgz")
+    assert report.check is not None and report.check.ok
+    assert len(re.findall(r"gate = 'softmax_all'", graph_of(tmp_path / "n.nnef.tgz"))) == 3
+    assert "gate=softmax_all" in str(report)
+
+
+def test_streamed_64_expert_archive_is_the_in_memory_one(tmp_path, monkeypatch):
+    """Every expert stack traced as a placeholder (threshold 4 KiB): the fused op references the stacks without
+    reading them, and the archive is byte for byte the in-memory one."""
+    import gdn_export.weights.streamed
+
+    from test_streamed import members
+
+    convert(FIXTURES / "qwen3_5_moe_64x8", tmp_path / "m.nnef.tgz", check=False, streamed=False)
+    monkeypatch.setattr(gdn_export.weights.streamed, "REAL_BYTES", 4096)
+    convert(FIXTURES / "qwen3_5_moe_64x8", tmp_path / "s.nnef.tgz", check=False)
+    a, b = members(tmp_path / "s.nnef.tgz"), members(tmp_path / "m.nnef.tgz")
+    assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
+    assert "tract_moe_ffn" in a["graph.nnef"].decode()
+
+
+@pytest.mark.xdist_group("qwen3_5_moe_64x8")
+def test_a_wrong_gate_mode_fails_the_check(converted, reference_model, tmp_path):
+    """The check tells the routings apart: the 64-expert archive with tract_moe_ffn's gate switched to softmax_all
+    (no renormalization: every routed output scaled by the top-8 mass) fails the float32 rule."""
+    from gdn_export.hf.check import check_against_transformers
+
+    good = converted("qwen3_5_moe_64x8")
+    bad = tmp_path / "wrong-gate.nnef.tgz"
+    with tarfile.open(good) as src, tarfile.open(bad, "w:gz", compresslevel=0) as dst:
+        for member in src.getmembers():
+            data = src.extractfile(member).read() if member.isfile() else None
+            if member.name == "graph.nnef":
+                data = data.replace(b"gate = 'softmax_topk'", b"gate = 'softmax_all'")
+                member.size = len(data)
+            dst.addfile(member, io.BytesIO(data) if data is not None else None)
+    assert graph_of(bad).count("gate = 'softmax_all'") == 2
+    assert check_against_transformers(good, reference_model("qwen3_5_moe_64x8")).ok
+    assert not check_against_transformers(bad, reference_model("qwen3_5_moe_64x8")).ok
