@@ -7,10 +7,11 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -21,11 +22,13 @@ from gdn_export.lowering.emitter import Decision
 from gdn_export.lowering.options import validate_options
 from gdn_export.output_names import declared_outputs, keep_output_names
 from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
-from gdn_export.weights.casts import fold_weight_casts
+from gdn_export.weights.casts import fold_weight_casts, weights_cast_before_use
 from gdn_export.weights.streamed import (StreamedWeights, annotate_compressed_gathers, check_all_written,
-                                         streamed_writes)
+                                         streamed_writes, write_deferred)
 from gdn_export.runtime import load_tract_model, run_tract, tract_version as installed_tract_version
 from gdn_export.target import OfflineTractTarget
+
+T, F = TypeVar("T"), TypeVar("F")
 
 
 @dataclass
@@ -36,7 +39,8 @@ class ExportReport:
     tract_version: str
     decisions: list[Decision] = field(default_factory=list)
     parity: ParityResult | None = None
-    # trace (torch-to-nnef), write (streamed weights), names (tract's output names), pack
+    # trace (torch-to-nnef), write (streamed weights), names (tract's output names; while most weights are written),
+    # pack
     seconds: dict[str, float] = field(default_factory=dict)
 
     def lowerings(self) -> list[str]:
@@ -147,10 +151,18 @@ def export(
         seconds = {"trace": time.perf_counter() - start - written["seconds"], "write": written["seconds"]}
         if not (folder / "graph.nnef").is_file():
             raise GdnExportError(f"torch-to-nnef wrote no graph for {path}")
+        deferred = written["deferred"]
+        if deferred:  # the weights the cast folding reads first; the others while tract reads the graph
+            cast = weights_cast_before_use((folder / "graph.nnef").read_text())
+            seconds["write"] += write_deferred(weights, [d for d in deferred if d[1] in cast])
+            deferred = [d for d in deferred if d[1] not in cast]
         folded = fold_weight_casts(folder)
-        start = time.perf_counter()
-        renamed = keep_output_names(folder, inputs_from_bytes=0)  # no weight matrix is read (and it loads faster)
-        seconds["names"] = time.perf_counter() - start
+        pending = {label: weights.deferrable[label] for _, label in deferred}
+        # no weight matrix is read (and it loads faster); tract loads in a thread while this one writes the rest
+        (renamed, seconds["names"]), late_writes = _alongside(
+            lambda: keep_output_names(folder, inputs_from_bytes=0, pending=pending),
+            lambda: write_deferred(weights, deferred) if deferred else 0.0)
+        seconds["write"] += late_writes
         if metadata is not None:
             metadata = {**metadata, "output_names_kept": renamed, "weights_stored_as_cast": folded, "decisions": [d.summary() for d in target.gdn_decisions]}
             (folder / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
@@ -170,6 +182,31 @@ def export(
             report.parity.raise_if_failed()
         os.replace(staged, path)
     return report
+
+
+def _alongside(background: Callable[[], T], foreground: Callable[[], F]) -> tuple[tuple[T, float], F]:
+    """((background's result, its seconds), foreground's result): ``background`` runs in a thread (tract releases the
+    GIL) while ``foreground`` runs in this one; an error of either is raised here, after both ended."""
+    outcome: dict = {}
+
+    def run() -> None:
+        start = time.perf_counter()
+        try:
+            outcome["value"] = background()
+        except BaseException as err:  # handed to this thread
+            outcome["error"] = err
+        outcome["seconds"] = time.perf_counter() - start
+
+    worker = threading.Thread(target=run, name="gdn_export-names", daemon=True)
+    worker.start()
+    try:
+        result = foreground()
+    finally:
+        while worker.is_alive():  # short slices: Ctrl-C still reaches this thread
+            worker.join(0.1)
+    if "error" in outcome:
+        raise outcome["error"]
+    return (outcome["value"], outcome["seconds"]), result
 
 
 def _check_against_torch(module, args: tuple, archive: Path, names: list[str], half: bool) -> ParityResult:

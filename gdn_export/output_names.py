@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Mapping
 
 
 RAW_SUFFIX = "__raw"
 
 
-def tract_names(folder: Path, inputs_from_bytes: int | None = None) -> tuple[list[str], list[str], list[str]]:
+def tract_names(folder: Path, inputs_from_bytes: int | None = None,
+                pending: Mapping[str, str] | None = None) -> tuple[list[str], list[str], list[str]]:
     """(declared output names, names tract reports, facts) for the graph in ``folder``.
 
     With ``inputs_from_bytes``, tract loads a copy of the graph in which every variable of rank 2 or more whose
@@ -32,7 +34,7 @@ def tract_names(folder: Path, inputs_from_bytes: int | None = None) -> tuple[lis
     if inputs_from_bytes is not None:
         with tempfile.TemporaryDirectory(prefix=".gdn_export_names_", dir=folder.parent) as tmp:
             shadow = Path(tmp)
-            _weights_as_inputs(folder, shadow, inputs_from_bytes)
+            _weights_as_inputs(folder, shadow, inputs_from_bytes, pending or {})
             return tract_names(shadow)
     model = tract.nnef().with_tract_transformers().load(str(folder))
     reported = [model.output_name(i) for i in range(model.output_count())]
@@ -43,8 +45,10 @@ def tract_names(folder: Path, inputs_from_bytes: int | None = None) -> tuple[lis
 NNEF_ITEM_TYPES = {(0, 16): "f16", (0, 32): "f32", (0, 64): "f64"}  # (item type, bits) of a .dat header -> tract's
 
 
-def _weights_as_inputs(folder: Path, shadow: Path, min_bytes: int) -> None:
-    """``shadow``: ``folder``'s graph with each variable of ``min_bytes`` or more declared as an input."""
+def _weights_as_inputs(folder: Path, shadow: Path, min_bytes: int, pending: Mapping[str, str]) -> None:
+    """``shadow``: ``folder``'s graph with each variable of ``min_bytes`` or more declared as an input; a variable
+    of ``pending`` (label -> tract type: a weight matrix whose file is still being written) is one too, its file
+    not opened."""
     import os
     import shutil
     import struct
@@ -55,6 +59,10 @@ def _weights_as_inputs(folder: Path, shadow: Path, min_bytes: int) -> None:
 
     def replace(match: re.Match) -> str:
         name, label, shape = match.group(1), match.group(2), match.group(3)
+        if label in pending and shape.count(",") >= 1:
+            added.append(name)
+            replaced.add(label)
+            return f"{name} = tract_core_external(shape = [{shape}], datum_type = '{pending[label]}');"
         path = folder / f"{label}.dat"
         if not path.is_file() or path.stat().st_size - 128 < min_bytes or shape.count(",") < 1:
             return match.group(0)  # small ones, and vectors and scalars (some ops need those as constants), stay
@@ -113,13 +121,14 @@ def _condition(raw: str, fact: str) -> str:
     return expr if dtype == "bool" else f"eq({expr}, 0.0)"
 
 
-def keep_output_names(folder: Path, inputs_from_bytes: int | None = None) -> list[str]:
+def keep_output_names(folder: Path, inputs_from_bytes: int | None = None,
+                      pending: Mapping[str, str] | None = None) -> list[str]:
     """Rewrite ``folder/graph.nnef`` so tract reports every declared output name; return the names fixed.
 
-    ``inputs_from_bytes``: see ``tract_names`` (the weights are then not read). The rewrite is not re-loaded here (a load of a big model costs seconds to minutes): export's check loads the
+    ``inputs_from_bytes``, ``pending``: see ``tract_names`` (the weights are then not read). The rewrite is not re-loaded here (a load of a big model costs seconds to minutes): export's check loads the
     archive once with ``runtime.load_tract_model(..., expect_outputs=...)``, which raises if a name still differs.
     """
-    declared, reported, facts = tract_names(folder, inputs_from_bytes)
+    declared, reported, facts = tract_names(folder, inputs_from_bytes, pending)
     renamed = [(name, fact) for name, got, fact in zip(declared, reported, facts) if got != name]
     if not renamed:
         return []

@@ -126,7 +126,9 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
     placeholders = tuple(frozenset(group) for key, group in labels.items() if getattr(params[key], PLACEHOLDER, False))
     storages = frozenset(p.untyped_storage().data_ptr() for p in params.values() if getattr(p, PLACEHOLDER, False))
     compressed = {label: DATUM_TYPES[dtype] for key in tables & chosen for label in labels[key]}
-    return StreamedWeights(writers, placeholders, storages, compressed), report
+    deferrable = {label: DATUM_TYPES[dtype] for key, group in labels.items()
+                  if key not in chosen and params[key].dim() >= 2 for label in group}
+    return StreamedWeights(writers, placeholders, storages, compressed, deferrable), report
 
 
 def _source_name(param, names: dict) -> str:

@@ -39,6 +39,10 @@ class StreamedWeights:
     placeholders: tuple[frozenset, ...] = ()
     storages: frozenset = frozenset()  # data pointers of the placeholders' storages
     compressed: Mapping[str, str] = field(default_factory=dict)  # label of a block-quantized weight -> float type
+    # label -> tract type ("f32", "f16") of each weight matrix (rank >= 2) written in a float type: its file may be
+    # written after the trace (``write_deferred``), while tract reads the graph for its output names, which
+    # declares such weights as inputs of that type and never opens their files (gdn_export/output_names.py)
+    deferrable: Mapping[str, str] = field(default_factory=dict)
 
 REAL_BYTES = 1 << 20  # parameters below this size are traced with their values
 # a graph constant this large that is no weight can only come from a placeholder (the lowerings' own constants,
@@ -52,7 +56,8 @@ _INSTALLED = threading.Lock()
 @contextmanager
 def streamed_writes(weights: StreamedWeights | None) -> Iterator[dict]:
     """Route torch-to-nnef's writes of the variables labelled in ``weights.writers`` to them, in this thread; yields
-    a dict that collects ``{"written": set of labels, "seconds": time spent in the writers}``."""
+    a dict that collects ``{"written": set of labels, "seconds": time spent in the writers, "deferred": [(file,
+    label)]}``: the ``deferrable`` weights are not written yet but listed (``write_deferred`` writes them)."""
     from torch_to_nnef.nnef_io import writer
     from torch_to_nnef.op.aten import math
     from torch_to_nnef.tensor.named import NamedTensor
@@ -62,7 +67,7 @@ def streamed_writes(weights: StreamedWeights | None) -> Iterator[dict]:
             writer.write_nnef_tensor = _dispatching(writer.write_nnef_tensor)
             math.remap_if_neutral_op = _guarded_neutral(math.remap_if_neutral_op)
             NamedTensor.clone = _placeholder_clone(NamedTensor.clone)
-    record = {"written": set(), "seconds": 0.0}
+    record = {"written": set(), "seconds": 0.0, "deferred": []}
     _ACTIVE.weights, _ACTIVE.record = weights, record
     try:
         yield record
@@ -85,16 +90,31 @@ def _dispatching(original):
                                      "weight of the model: computed from weight placeholders, it would be wrong; "
                                      "export this model in memory instead (streamed=False)")
             return original(array, filename, quantized)
-        writers, record = weights.writers, _ACTIVE.record
-        start = time.perf_counter()
-        Path(filename).parent.mkdir(parents=True, exist_ok=True)
-        with open(filename, "wb") as file:
-            writers[label](file)
+        record = _ACTIVE.record
         record["written"].add(label)
+        if label in weights.deferrable:
+            record["deferred"].append((Path(filename), label))
+            return
+        start = time.perf_counter()
+        _write(weights, Path(filename), label)
         record["seconds"] += time.perf_counter() - start
 
     write_nnef_tensor.gdn_export_dispatch = True
     return write_nnef_tensor
+
+
+def _write(weights: StreamedWeights, path: Path, label: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as file:
+        weights.writers[label](file)
+
+
+def write_deferred(weights: StreamedWeights, deferred: list[tuple[Path, str]]) -> float:
+    """Write the files ``streamed_writes`` deferred (``record["deferred"]``); return the seconds it took."""
+    start = time.perf_counter()
+    for path, label in deferred:
+        _write(weights, path, label)
+    return time.perf_counter() - start
 
 
 def _placeholder_clone(original):
