@@ -18,7 +18,8 @@ NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 class Session:
     """An exported gdn_export language model, run in tract.
 
-    ``prefill(input_ids [B, S]) -> logits [B, S, vocab]`` and ``decode(input_ids [B, 1]) -> logits [B, 1, vocab]``
+    ``prefill(input_ids [B, S]) -> logits [B, S, vocab]`` (``[B, 1, vocab]``, the last position's, for an archive
+    converted with ``logits="last"``) and ``decode(input_ids [B, 1]) -> logits [B, 1, vocab]``
     both continue from the states the previous call left (conv and recurrent states of GDN layers, key and
     value caches of attention layers); ``reset()`` starts over. The batch size is fixed by the first call
     after a reset.
@@ -147,7 +148,9 @@ class Session:
             self._states = outputs[1:]
             logits.append(outputs[0].to_numpy())
         self.position += ids.shape[1]
-        return logits[0] if len(logits) == 1 else np.concatenate(logits, axis=1)
+        if len(logits) == 1 or self.metadata.get("logits") == "last":  # an archive of last-position logits
+            return logits[-1]
+        return np.concatenate(logits, axis=1)
 
     def decode(self, input_ids) -> np.ndarray:
         """Run one new token per sequence (``[B, 1]``); returns logits ``[B, 1, vocab]``."""
@@ -157,3 +160,21 @@ class Session:
         if self._states is None:
             raise GdnExportError("decode needs a prefill first (the session has no state)")
         return self.prefill(ids)
+
+    # --- sharing one tract plan (gdn_export.generation's worker pool) -----------------------------------------
+
+    @classmethod
+    def sharing_plan(cls, other: Session, batch: int = 1) -> Session:
+        """A new Session over ``other``'s archive and its tract plan for ``batch`` (planned now if it has none):
+        the weights are loaded once, the states are the new Session's own. tract spawns a fresh execution state
+        for every call of a runnable, so Sessions sharing one may run in different threads at once (tract's calls
+        release the GIL). A later call with another batch size plans anew for that Session alone."""
+        other._runnable(batch)
+        new = cls.__new__(cls)
+        new.path, new.metadata, new.state_specs = other.path, other.metadata, other.state_specs
+        new.prefill_piece = other.prefill_piece
+        new._planned = other._planned
+        new._generation = other._generation_files()  # read-only
+        new._states = None
+        new.position = 0
+        return new

@@ -251,7 +251,14 @@ def check_archive(path, vocab_size: int, prompt_len: int, decode_steps: int, bat
     from gdn_export.session import Session
 
     validate_check(prompt_len, decode_steps, batch)
-    session = path if isinstance(path, Session) else Session(path)
+    if isinstance(path, Session) or hasattr(path, "prefill"):  # an open Session (or gdn_export.onnx's OnnxSession)
+        session = path
+    elif str(path).endswith(".onnx"):  # an ONNX export: run in onnxruntime
+        from gdn_export.onnx.session import OnnxSession
+
+        session = OnnxSession(path)
+    else:
+        session = Session(path)
     # the precision judged: the archive's dtype, or a float32 archive's reduced core (--core-dtype float16)
     dtype = session.metadata["dtype"]
     if dtype == "float32" and session.metadata.get("core_dtype") in HALF_DTYPES:
@@ -259,16 +266,19 @@ def check_archive(path, vocab_size: int, prompt_len: int, decode_steps: int, bat
     if dtype != "float32" and dtype not in HALF_DTYPES:
         raise GdnExportError(f"{session.path} has dtype {dtype!r}; the check knows float32 and float16")
     tokens = sample_tokens(vocab_size, batch, prompt_len + decode_steps, seed)
-    expected = reference(tokens)
+    # an archive of last-position logits gives the prefill's last and each decode step's: compared at those
+    first = prompt_len - 1 if session.metadata.get("logits") == "last" else 0
+    judged_prefill = prompt_len - first
+    expected = reference(tokens)[:, first:]
     actual = session_logits(session, tokens, prompt_len)
     baseline = None
     if dtype != "float32":
         try:
-            baseline = half_reference(HALF_DTYPES[dtype], tokens)
+            baseline = half_reference(HALF_DTYPES[dtype], tokens)[:, first:]
         except Exception as err:  # e.g. an op without a CPU float16 kernel in this torch
             raise GdnExportError(f"the reference's own {dtype} model could not run, so a {dtype} export cannot be "
                                  f"judged: {type(err).__name__}: {err}") from err
-    result = compare_logits(actual, expected, dtype, baseline, prompt_len)
+    result = compare_logits(actual, expected, dtype, baseline, judged_prefill)
     if quality_reference is not None:
-        result.quality = compare_logits(actual, quality_reference(tokens), "float32")
+        result.quality = compare_logits(actual, quality_reference(tokens)[:, first:], "float32")
     return result

@@ -29,6 +29,7 @@ from gdn_export.hf.families import family_for
 from gdn_export.ops.moe_ffn import moe_report
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
+LOGITS = ("all", "last")  # the logits a call returns: of every new position, or of the last one only
 FORMAT_VERSION = 1
 
 
@@ -154,6 +155,7 @@ def convert(
     streamed: bool = True,
     quantize: str | None = None,
     quantize_embeddings: bool = False,
+    logits: str = "all",
 ) -> ConvertReport:
     """Convert a local checkpoint (config.json + safetensors) into ``out_path`` and check it in tract.
 
@@ -162,7 +164,9 @@ def convert(
     traced with placeholder weights and every weight is written to the archive straight from the checkpoint's
     files, one tensor at a time, so memory stays bounded by the largest tensor; ``streamed=False`` loads the model
     in memory first (the same archive, byte for byte). ``quantize="q4_0"`` stores every linear layer's weight whose
-    inner size is whole blocks of 32 in tract's Q4_0 (``quantize_embeddings``: the embedding table too); the check
+    inner size is whole blocks of 32 in tract's Q4_0 (``quantize_embeddings``: the embedding table too). ``logits``:
+    "all" (logits of every new position) or "last" (of the last one only, ``[B, 1, vocab]``: what generation needs;
+    the head then runs once per call). The check
     then compares tract with the reference computing with the same Q4_0 weights (exactness, the float rule), and
     the report adds the quality against the model as published (mean KL, top-1), which is not judged. ``check``: True or "auto" checks a prefill of
     ``prompt_len`` tokens and ``decode_steps`` single-token steps in tract against transformers' eager model,
@@ -177,6 +181,8 @@ def convert(
     if check_mode is not None and check_mode not in CHECKS:
         raise GdnExportError(f"check {check!r} is not one of True, False, {', '.join(repr(c) for c in CHECKS)}")
     validate_options(lowering, runtime, core_dtype, chunk_size)
+    if logits not in LOGITS:
+        raise GdnExportError(f"logits {logits!r} is not one of {', '.join(LOGITS)}")
     if tract_version is not None:
         try:
             parse_version(tract_version)
@@ -199,6 +205,7 @@ def convert(
 
     separated = separate_tied_head(model, quantize, quantize_embeddings)
     lm = family.exportable(model, export_dtype)
+    lm.last_logits_only = logits == "last"
     writers, quantization = plan_writes(lm, model, weights, export_dtype, quantize, quantize_embeddings)
     if not streamed and quantize is None:
         writers = None  # the in-memory model's own values are written
@@ -208,7 +215,7 @@ def convert(
     metadata = {
         "format": FORMAT_VERSION, "family": family.name, "model_type": layout.checkpoint_model_type,
         "text_model_type": layout.model_type, "dtype": dtype, "core_dtype": core_dtype, "vocab_size": vocab_size,
-        "inputs": inputs, "outputs": outputs, "generation_files": sorted(carried), "quantize": quantize,
+        "inputs": inputs, "outputs": outputs, "generation_files": sorted(carried), "quantize": quantize, "logits": logits,
         "quantized": len(quantization.quantized),
         "states": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."),
                     "kind": s.kind, "layer": s.layer} for s in lm.states],

@@ -152,6 +152,15 @@ class FlaLM(ExportableLM):
         logits, new_states = self.hf.step(input_ids, list(states))
         return (logits, *new_states)
 
+    @property
+    def last_logits_only(self) -> bool:
+        """The decoder's (``Decoder.last_logits_only``): the FLA model runs the decoder loop itself."""
+        return self.hf.last_logits_only
+
+    @last_logits_only.setter
+    def last_logits_only(self, value: bool) -> None:
+        self.hf.last_logits_only = value
+
 
 class FlaFamily(Family):
     def classes(self):

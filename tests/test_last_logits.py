@@ -1,0 +1,41 @@
+"""``convert(..., logits="last")``: the graph returns the last position's logits only, against transformers."""
+
+import json
+import tarfile
+
+import numpy as np
+import pytest
+
+from gdn_export.errors import GdnExportError
+from gdn_export.hf.check import sample_tokens
+from gdn_export.hf.convert import convert
+from gdn_export.session import Session
+
+from conftest import FIXTURES, by_fixture
+
+
+@pytest.mark.parametrize("name", by_fixture("qwen3_5", "fla_gated_deltanet"))
+def test_last_position_logits_match_transformers(name, tmp_path, reference_model):
+    out = tmp_path / "last.nnef.tgz"
+    report = convert(FIXTURES / name, out, logits="last")
+    assert report.check.ok, report.check  # prefill's last position and every decode step, against transformers
+    assert json.loads(tarfile.open(out).extractfile("gdn_export.json").read())["logits"] == "last"
+    model = reference_model(name)
+    vocab = model.config.vocab_size
+    tokens = sample_tokens(vocab, 2, 13, seed=3)
+    import torch
+
+    with torch.no_grad():
+        expected = model(input_ids=torch.from_numpy(tokens)).logits[:, -1:].numpy()
+    whole = Session(out, prefill_piece=None).prefill(tokens)
+    pieces = Session(out, prefill_piece=5).prefill(tokens)  # three calls: the last one's logits are the prompt's
+    assert whole.shape == pieces.shape == (2, 1, vocab)
+    tolerance = 1e-4 * max(1.0, float(np.abs(expected).max()))
+    assert np.abs(whole - expected).max() <= tolerance
+    assert np.abs(pieces - expected).max() <= tolerance
+
+
+def test_unknown_logits_choice_is_refused(tmp_path):
+    with pytest.raises(GdnExportError, match="logits 'first' is not one of all, last"):
+        convert(FIXTURES / "qwen3_5", tmp_path / "x.nnef.tgz", logits="first")
+    assert list(tmp_path.iterdir()) == []
