@@ -518,6 +518,20 @@ T2N_CLONES_TENSORS_PER_OP = Quirk(
     kind="measured",
 )
 
+T2N_COMPILES_AT_IMPORT = Quirk(
+    name="torch-to-nnef compiles a function at import",
+    does="tensor/quant/base.py wraps QScalePerGroupF16._dequantize in torch.compile when imported, which imports "
+         "torch's inductor: about 1.2 s of CPU in every process that imports torch-to-nnef",
+    workaround="gdn_export's meta-path finder runs that one module with torch.compile as the identity (its "
+               "quantized tensors, which gdn_export never uses, dequantize eagerly)",
+    applied_in=("gdn_export/__init__.py",),
+    when_fixed="the finder can go",
+    no_canary="an import-time effect, measured in gdn_export/__init__.py's docstring",
+    seen_on=TORCH_TO_NNEF_SEEN_ON,
+    library="torch-to-nnef",
+    kind="measured",
+)
+
 T2N_READS_WEIGHT_VALUES = Quirk(
     name="torch-to-nnef decides from weight values",
     does="a mul or div by a constant of ones is dropped (remap_if_neutral_op), products of constants are folded: "
