@@ -1,12 +1,14 @@
 """Prefill and decode speed of one checkpoint converted at float32, float16 and Q4_0, measured side by side.
 
     python benchmarks/bench_quantized.py CHECKPOINT_DIR [--prompt 128] [--decode 32] [--formats float32,float16,q4_0]
-                                         [--keep DIR]
+                                         [--logits all|last] [--keep DIR]
 
 Each format is converted with `gdn-export convert --no-check` (Q4_0: `--quantize q4_0`, float32 activations), then
 run through `Session` on one thread (tract's Python bindings run one): a prefill of --prompt tokens, then --decode
 single-token steps, each timed after a warm-up. Prints one table with tokens/s and the ratio to float32. Build a
-realistic checkpoint with `python benchmarks/large_checkpoint.py DIR --layers 24 --hidden 1024 --vocab 32000`.
+realistic checkpoint with `python benchmarks/large_checkpoint.py DIR --layers 24 --hidden 1024 --vocab 32000`
+(Qwen3.5 0.8B's text model, tied: `--layers 24 --hidden 1024 --intermediate 3584 --tied`). `--logits last`
+converts with `--logits last` (the head on the last position only, as generation and llama.cpp run it).
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ FORMATS = {"float32": ["--dtype", "float32"], "float16": ["--dtype", "float16"],
            "q4_0": ["--dtype", "float32", "--quantize", "q4_0"]}
 
 
-def convert(checkpoint: Path, out: Path, fmt: str) -> float:
+def convert(checkpoint: Path, out: Path, fmt: str, logits: str = "all") -> float:
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "gdn_export.cli", "convert", str(checkpoint), "-o", str(out), "--force",
-                    "--no-check", *FORMATS[fmt]], check=True, capture_output=True)
+                    "--no-check", "--logits", logits, *FORMATS[fmt]], check=True, capture_output=True)
     return time.perf_counter() - start
 
 
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--formats", default="float32,float16,q4_0")
+    parser.add_argument("--logits", choices=["all", "last"], default="all")
     parser.add_argument("--keep", type=Path, help="write the archives here (default: a temporary folder)")
     args = parser.parse_args(argv)
     import json
@@ -67,11 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for fmt in args.formats.split(","):
         out = folder / f"model-{fmt}.nnef.tgz"
-        seconds = convert(args.checkpoint, out, fmt)
+        seconds = convert(args.checkpoint, out, fmt, args.logits)
         prefill, decode = measure(out, vocab, args.prompt, args.decode)
         rows.append((fmt, out.stat().st_size / 1e9, seconds, prefill, decode))
     base = {r[0]: r for r in rows}.get("float32", rows[0])
-    print(f"{args.checkpoint.name}: prefill {args.prompt} tokens, {args.decode} decode steps, 1 thread")
+    print(f"{args.checkpoint.name}: prefill {args.prompt} tokens, {args.decode} decode steps, 1 thread, logits "
+          f"{args.logits}")
     print("| format | archive GB | convert s | prefill tok/s | x f32 | decode tok/s | x f32 |")
     print("|---|---|---|---|---|---|---|")
     for fmt, size, seconds, prefill, decode in rows:

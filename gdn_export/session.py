@@ -54,6 +54,7 @@ class Session:
         self._planned: tuple[int, object] | None = None  # (batch size, runnable planned for it), at first call
         self._generation: dict | None = None
         self._states: list | None = None  # tract tensors, in the graph's state order
+        self._batch = 0  # the batch size of the states, once there are states
         self.position = 0
 
     @property
@@ -175,6 +176,6 @@ class Session:
         new.prefill_piece = other.prefill_piece
         new._planned = other._planned
         new._generation = other._generation_files()  # read-only
-        new._states = None
+        new._states, new._batch = None, 0
         new.position = 0
         return new
