@@ -3,8 +3,13 @@
     gdn-export convert CHECKPOINT_DIR -o OUT.nnef.tgz [--dtype float32|float16] [--runtime cpu|cuda|any]
                        [--lowering auto|native|scan|recurrent|chunked] [--core-dtype float16]
                        [--chunk-size N] [--tract-version V] [--no-check] [--force]
-    gdn-export check OUT.nnef.tgz CHECKPOINT_DIR [--prompt-len N] [--decode-steps M] [--batch B]
+    gdn-export convert CHECKPOINT_DIR -o OUT.onnx [--format onnx] [--runtime onnxruntime|tract-onnx|any]
+                       [--lowering auto|native|scan] [--dtype float32|float16] [--no-check] [--force]
+    gdn-export check OUT.nnef.tgz|OUT.onnx CHECKPOINT_DIR [--prompt-len N] [--decode-steps M] [--batch B]
     gdn-export info OUT.nnef.tgz
+    gdn-export generate MODEL.nnef.tgz (--prompt TEXT | --prompt-ids 1,2,3) [--chat] [--max-new-tokens N]
+                        [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop TEXT]... [--ignore-eos]
+    gdn-export serve MODEL.nnef.tgz [--host 127.0.0.1] [--port N] [--workers W] [--max-queue Q]
 
 Exit status 0 on success; 1 with a one-line reason on any failure (``--debug``: the traceback too); 2 on a
 usage error (checked before any work); 130 when interrupted (Ctrl-C, SIGTERM), leaving no output behind.
@@ -29,16 +34,62 @@ def _progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+# --format onnx (gdn_export/onnx): where the file will run, and the NNEF options it refuses
+ONNX_RUNTIMES = ("onnxruntime", "tract-onnx", "any")
+ONNX_LOWERINGS = ("auto", "native", "scan")
+
+
+def _output_format(args) -> str:
+    """--format, or the output's suffix (.onnx: onnx); a combination of options the format cannot honour is a usage
+    error, before any work."""
+    fmt = args.format or ("onnx" if args.output.endswith(".onnx") else "nnef")
+    if fmt == "nnef":
+        if args.runtime is not None and args.runtime not in RUNTIMES:
+            raise UsageError(f"--runtime {args.runtime} is for --format onnx; an NNEF archive runs in tract: "
+                             f"{', '.join(RUNTIMES)}")
+        args.runtime = args.runtime or "cpu"
+        return fmt
+    if not args.output.endswith(".onnx"):
+        raise UsageError(f"--format onnx writes a .onnx file; got -o {args.output}")
+    if args.runtime is not None and args.runtime not in ONNX_RUNTIMES:
+        raise UsageError(f"--runtime {args.runtime} is tract's (NNEF); an ONNX file runs in: {', '.join(ONNX_RUNTIMES)}")
+    args.runtime = args.runtime or "onnxruntime"
+    refused = [("--quantize", args.quantize is not None, "tract's Q4_0 format: an ONNX file keeps float weights"),
+               ("--quantize-embeddings", args.quantize_embeddings, "tract's Q4_0 format"),
+               ("--core-dtype", args.core_dtype is not None, "tract's fused op only"),
+               ("--chunk-size", args.chunk_size is not None, "tract's chunked lowering only"),
+               ("--tract-version", args.tract_version is not None, "an ONNX file is not for one tract version"),
+               ("--logits last", args.logits != "all", "the ONNX graph returns every new position's logits"),
+               (f"--lowering {args.lowering}", args.lowering not in ONNX_LOWERINGS,
+                f"ONNX lowerings are {', '.join(ONNX_LOWERINGS)} (native: onnxruntime's contrib op)")]
+    for option, given, why in refused:
+        if given:
+            raise UsageError(f"{option} is not available with --format onnx ({why})")
+    return fmt
+
+
 def _convert(args) -> int:
     from gdn_export.hf.convert import check_output_path, convert
 
+    if _output_format(args) == "onnx":
+        return _convert_onnx(args)
     check_output_path(args.output, args.force, force_hint="--force")
     report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
                      tract_version=args.tract_version, check=False if args.no_check else args.check,
                      force=args.force, progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype,
                      chunk_size=args.chunk_size, streamed=not args.in_memory, prompt_len=args.prompt_len,
                      decode_steps=args.decode_steps, quantize=args.quantize,
-                     quantize_embeddings=args.quantize_embeddings)
+                     quantize_embeddings=args.quantize_embeddings, logits=args.logits)
+    print(report)
+    return 0
+
+
+def _convert_onnx(args) -> int:
+    from gdn_export.hf.convert import convert
+
+    report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
+                     check=False if args.no_check else args.check, force=args.force, progress=_progress,
+                     runtime=args.runtime, prompt_len=args.prompt_len, decode_steps=args.decode_steps, format="onnx")
     print(report)
     return 0
 
@@ -142,6 +193,117 @@ def _version(text: str) -> str:
     return text
 
 
+# --- generate and serve ----------------------------------------------------------------------------------------
+
+class UsageError(Exception):
+    """Bad input found once the model is open (a text prompt for an archive without a tokenizer, a token id outside
+    the vocabulary, --chat without a chat template): exit status 2, like argparse's."""
+
+
+def _existing_archive(text: str) -> str:
+    """An argparse type: a path to an existing file (checked before any work)."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more token ids >= 0, e.g. 1,2,3")
+    return ids
+
+
+def _number(minimum: float, maximum: float | None = None, open_below: bool = False):
+    def parse(text: str) -> float:
+        import math
+
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or (value <= minimum if open_below else value < minimum) or (
+                maximum is not None and value > maximum):
+            low = f"> {minimum}" if open_below else f">= {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {low}" + (f" and <= {maximum}" if maximum is not None else "")
+                                             + f", got {text}")
+        return value
+    return parse
+
+
+def _generate(args) -> int:
+    from gdn_export.generation import RequestError, SamplingError, generate
+    from gdn_export.generation.chat import ChatTemplateError
+    from gdn_export.generation.executor import InlineExecutor
+    from gdn_export.generation.generate import chat_prompt_ids
+    from gdn_export.session import Session
+
+    executor = InlineExecutor(Session(args.model))
+    archive = executor.archive
+    prompt = args.prompt if args.prompt_ids is None else args.prompt_ids
+    try:
+        if args.chat:
+            if args.prompt is None:
+                raise RequestError("--chat takes the user's message as --prompt TEXT")
+            prompt = chat_prompt_ids(archive, [{"role": "user", "content": args.prompt}])
+        stop_token_ids = None if not args.ignore_eos else []
+        tokens = generate(executor, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, stop=args.stop or None, stop_token_ids=stop_token_ids)
+    except (RequestError, SamplingError, ChatTemplateError) as err:
+        raise UsageError(str(err)) from None
+    text_out = archive.tokenizer is not None
+    started, count, last = time.perf_counter(), 0, None
+    try:
+        for token in tokens:
+            if count == 0:
+                first = time.perf_counter() - started
+            count, last = count + 1, token
+            out = token.text if text_out else f"{'' if count == 1 else ' '}{token.token_id}"
+            if out:
+                sys.stdout.write(out)
+                sys.stdout.flush()
+    except BrokenPipeError:  # the reader left (| head): stop quietly
+        tokens.close()
+        sys.stdout = open(os.devnull, "w")
+        return 0
+    except KeyboardInterrupt:
+        tokens.close()
+        print(file=sys.stdout, flush=True)
+        print(f"gdn-export: interrupted after {count} tokens", file=sys.stderr)
+        return 130
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    elapsed = time.perf_counter() - started
+    rate = f", {(count - 1) / (elapsed - first):.1f} tokens/s after the first" if count > 1 and elapsed > first else ""
+    print(f"[{count} tokens, finish: {last.finish_reason}"
+          f"{f' ({last.stop_reason!r})' if last.stop_reason is not None else ''}; first token {first * 1e3:.0f} ms"
+          f"{rate}]", file=sys.stderr)
+    return 0
+
+
+def _serve(args) -> int:
+    from gdn_export.server import model_name_of, serve
+
+    name = args.served_model_name or model_name_of(os.path.basename(args.model))
+
+    def ready(host: str, port: int) -> None:
+        where = f"[{host}]" if ":" in host else host
+        _progress(f"serving {args.model} as '{name}' on http://{where}:{port} ({args.workers} worker"
+                  f"{'s' if args.workers > 1 else ''}, queue {args.max_queue}); Ctrl-C stops")
+
+    _progress(f"loading {args.model}")
+    try:
+        serve(args.model, args.host, args.port, workers=args.workers, max_queue=args.max_queue, model_name=name,
+              log_level=args.log_level, ready=ready)
+    except KeyboardInterrupt:
+        pass
+    _progress("stopped")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="gdn-export", description=__doc__.splitlines()[0])
     sub = top.add_subparsers(dest="command", required=True)
@@ -152,8 +314,12 @@ def parser() -> argparse.ArgumentParser:
     convert.add_argument("--lowering", choices=list(LOWERINGS), default="auto",
                          help="gated delta rule: the fastest exact one for --runtime (auto), the fused tract op "
                               "(native, an error where inexact), or a portable lowering")
-    convert.add_argument("--runtime", choices=list(RUNTIMES), default="cpu",
-                         help="where tract will run the model: auto picks the fastest exact lowering there")
+    convert.add_argument("--format", choices=["nnef", "onnx"], default=None,
+                         help="nnef (.nnef.tgz for tract) or onnx (.onnx; default: from the output's suffix)")
+    convert.add_argument("--runtime", choices=list(RUNTIMES) + [r for r in ONNX_RUNTIMES if r not in RUNTIMES],
+                         default=None,
+                         help="where the model will run: tract cpu (default), cuda, any; with --format onnx "
+                              "onnxruntime (default: its contrib ops where exact), tract-onnx, any (portable Scan)")
     convert.add_argument("--core-dtype", choices=["float16"], default=None,
                          help="run the fused op on float16 q/k/v/beta in a float32 model (tract's CUDA kernel is "
                               "f16-only); inexact, reported")
@@ -169,6 +335,9 @@ def parser() -> argparse.ArgumentParser:
                          help="store every linear layer's weight (inner size a multiple of 32) in tract's Q4_0")
     convert.add_argument("--quantize-embeddings", action="store_true",
                          help="with --quantize, the embedding table too (refused when the head is tied to it)")
+    convert.add_argument("--logits", choices=["all", "last"], default="all",
+                         help="logits of every new position (all: scoring, perplexity) or of the last one only "
+                              "(last: generation; the head then runs once per call, not per prompt token)")
     convert.add_argument("--prompt-len", type=_count(1), default=16, help="the check's prefill length")
     convert.add_argument("--decode-steps", type=_count(0), default=8, help="the check's single-token decode steps")
     convert.add_argument("--in-memory", action="store_true",
@@ -178,7 +347,7 @@ def parser() -> argparse.ArgumentParser:
     convert.set_defaults(run=_convert)
     _add_debug(convert)
     check = sub.add_parser("check", help="compare an exported model with transformers on prefill and decode")
-    check.add_argument("model", help="the .nnef.tgz")
+    check.add_argument("model", help="the .nnef.tgz (or .onnx: checked in onnxruntime)")
     check.add_argument("checkpoint", help="the checkpoint it was converted from")
     check.add_argument("--prompt-len", type=_count(1), default=16)
     check.add_argument("--decode-steps", type=_count(0), default=8)
@@ -191,7 +360,48 @@ def parser() -> argparse.ArgumentParser:
     info.add_argument("model", help="the .nnef.tgz")
     info.set_defaults(run=_info)
     _add_debug(info)
+    gen = sub.add_parser("generate", help="continue a prompt with an exported model, streaming the text")
+    gen.add_argument("model", type=_existing_archive, help="the .nnef.tgz")
+    what = gen.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="the prompt text (through the archive's tokenizer)")
+    what.add_argument("--prompt-ids", type=_token_ids, help="the prompt as token ids, e.g. 1,2,3")
+    gen.add_argument("--chat", action="store_true",
+                     help="--prompt is a user message, rendered through the archive's chat template")
+    gen.add_argument("--max-new-tokens", type=_count(1), default=None,
+                     help="at most this many new tokens (default: generation_config.json's, else 256)")
+    gen.add_argument("--temperature", type=_number(0), default=None,
+                     help="0: greedy (default: generation_config.json's sampling, else greedy)")
+    gen.add_argument("--top-p", type=_number(0, 1, open_below=True), default=None,
+                     help="keep the most probable tokens whose probability reaches P")
+    gen.add_argument("--top-k", type=_count(0), default=None, help="keep the K most probable tokens (0: all)")
+    gen.add_argument("--seed", type=_count(0), default=None, help="seed of the sampling (reproducible draws)")
+    gen.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="do not stop at generation_config.json's eos_token_id")
+    gen.set_defaults(run=_generate)
+    _add_debug(gen)
+    srv = sub.add_parser("serve", help="serve an exported model over OpenAI-compatible HTTP")
+    srv.add_argument("model", type=_existing_archive, help="the .nnef.tgz")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    srv.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0: a free one, printed)")
+    srv.add_argument("--workers", type=_count(1), default=1,
+                     help="requests computed at once, each by a thread over one shared tract plan (default 1)")
+    srv.add_argument("--max-queue", type=_count(0), default=16,
+                     help="requests waiting for a worker; beyond, 503 (default 16)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model's name in the API (default: the file name without .nnef.tgz)")
+    srv.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="warning",
+                     help="uvicorn's log level (info logs every request)")
+    srv.set_defaults(run=_serve)
+    _add_debug(srv)
     return top
+
+
+def _port(text: str) -> int:
+    value = _count(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is at most 65535, got {value}")
+    return value
 
 
 def _add_debug(parser: argparse.ArgumentParser) -> None:
@@ -227,11 +437,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from gdn_export.errors import GdnExportError  # imports the package (torch): after the arguments parse
 
-        _quiet_transformers()
+        if args.command not in ("generate", "serve"):  # those never import transformers: its import takes seconds
+            _quiet_transformers()
         return args.run(args)
     except KeyboardInterrupt:
         print("gdn-export: interrupted; no output was left behind", file=sys.stderr)
         return 130
+    except UsageError as err:
+        print(f"gdn-export {args.command}: error: {_first_line(err)}", file=sys.stderr)
+        return 2
     except GdnExportError as err:
         return _fail(_first_line(err) or type(err).__name__, args.debug)
     except OSError as err:  # a file the user named could not be read or written

@@ -94,6 +94,7 @@ def export(
     chunk_size: int | None = None,
     weights: StreamedWeights | None = None,
     extra_files: Mapping[str, Path] | None = None,
+    format: str = "nnef",
 ) -> ExportReport:
     """Export ``module(*args)`` to ``path`` (a ``.nnef.tgz``) for tract.
 
@@ -114,6 +115,11 @@ def export(
     model's) and the caller checks the archive against its own reference. ``extra_files`` (archive name -> file)
     are stored beside the graph (a tokenizer, a chat template: tract ignores them).
     """
+    if format != "nnef":  # the one seam between the back-ends: format="onnx" is gdn_export/onnx (a ``.onnx`` file)
+        return _export_other_format(format, module, args, path, lowering=lowering, input_names=input_names,
+                                    output_names=output_names, dynamic_axes=dynamic_axes, check=check,
+                                    metadata=metadata, runtime=runtime, core_dtype=core_dtype, chunk_size=chunk_size,
+                                    tract_version=tract_version, weights=weights, extra_files=extra_files)
     import gdn_export.extractors  # noqa: F401  (handlers must be registered before tracing)
     from torch_to_nnef import export_model_to_nnef
 
@@ -182,6 +188,25 @@ def export(
             report.parity.raise_if_failed()
         os.replace(staged, path)
     return report
+
+
+def _export_other_format(format: str, module, args, path, *, lowering, input_names, output_names, dynamic_axes,
+                         check, metadata, runtime, core_dtype, chunk_size, tract_version, weights, extra_files):
+    """``format="onnx"``: ``gdn_export.onnx.export_onnx`` (runtime "onnxruntime", "tract-onnx" or "any"); the NNEF
+    options it has no use for are refused rather than ignored."""
+    if format != "onnx":
+        raise GdnExportError(f"format {format!r} is not one of nnef, onnx")
+    unused = {"core_dtype": core_dtype, "chunk_size": chunk_size, "tract_version": tract_version, "weights": weights,
+              "extra_files": extra_files}
+    for name, value in unused.items():
+        if value is not None:
+            raise GdnExportError(f"{name} is an NNEF option: not available with format='onnx'")
+    from gdn_export.onnx import export_onnx
+
+    validate_dynamic_axes(dynamic_axes, list(input_names) if input_names else
+                          [f"input_{i}" for i in range(len(args))], tuple(args))
+    return export_onnx(module, args, path, input_names=input_names, output_names=output_names,
+                       dynamic_axes=dynamic_axes, check=check, metadata=metadata, runtime=runtime, lowering=lowering)
 
 
 def _alongside(background: Callable[[], T], foreground: Callable[[], F]) -> tuple[tuple[T, float], F]:

@@ -15,8 +15,6 @@ import torch
 
 from gdn_export.errors import GdnExportError, ParityError
 from gdn_export.archive import nnef_tgz_path, read_metadata
-from gdn_export.exporter import export
-from gdn_export.lowering.options import validate_options
 from gdn_export.lowering.capabilities import parse_version
 from gdn_export.hf.check import LogitCheck, check_archive, transformers_references, validate_check
 from gdn_export.hf.checkpoint import (CheckpointError, cast_buffers, empty_model, materialize, model_in_memory,
@@ -156,6 +154,7 @@ def convert(
     quantize: str | None = None,
     quantize_embeddings: bool = False,
     logits: str = "all",
+    format: str = "nnef",
 ) -> ConvertReport:
     """Convert a local checkpoint (config.json + safetensors) into ``out_path`` and check it in tract.
 
@@ -174,6 +173,20 @@ def convert(
     ParityError; False runs no check at all. Every argument is validated before any work; ``out_path`` appears
     only once written and checked: on any error or interruption nothing is left, neither it nor a temporary file.
     """
+    if format != "nnef":  # the ONNX back-end (gdn_export/hf/onnx_convert.py); "cpu", NNEF's default, is onnxruntime
+        if format != "onnx":
+            raise GdnExportError(f"format {format!r} is not one of nnef, onnx")
+        from gdn_export.hf.onnx_convert import convert_onnx
+
+        return convert_onnx(checkpoint_dir, out_path, dtype=dtype, lowering=lowering, check=check, force=force,
+                            prompt_len=prompt_len, decode_steps=decode_steps, progress=progress,
+                            runtime="onnxruntime" if runtime == "cpu" else runtime, quantize=quantize,
+                            quantize_embeddings=quantize_embeddings, core_dtype=core_dtype, chunk_size=chunk_size,
+                            tract_version=tract_version, logits=logits)
+    # here, not at the top: they import torch-to-nnef (seconds), which check() does not need
+    from gdn_export.exporter import export
+    from gdn_export.lowering.options import validate_options
+
     say = progress or (lambda message: None)
     if dtype not in DTYPES:
         raise GdnExportError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -309,7 +322,12 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
     validate_check(prompt_len, decode_steps, batch)
     if kind not in CHECKS:
         raise GdnExportError(f"check kind {kind!r} is not one of {', '.join(CHECKS)}")
-    metadata = read_metadata(path)
+    if str(path).endswith(".onnx"):  # an ONNX export (gdn_export/onnx): its metadata, checked in onnxruntime
+        from gdn_export.onnx.session import read_onnx_metadata
+
+        metadata = read_onnx_metadata(path)
+    else:
+        metadata = read_metadata(path)
     if not metadata or "states" not in metadata:
         raise GdnExportError(f"{path} was not written by gdn-export convert (no gdn_export.json with states)")
     config = read_config(checkpoint_dir)

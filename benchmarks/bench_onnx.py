@@ -1,0 +1,118 @@
+"""Median time of one gated delta-rule core exported to ONNX, per form and runtime (the ONNX rows next to
+bench_lowerings.py's tract NNEF rows).
+
+    python benchmarks/bench_onnx.py [--heads 16] [--width 128] [--seq 1 128 1024] [--threads 1 2]
+    python benchmarks/bench_onnx.py --realistic [--prompt 128] [--decode 16] [--threads 1]
+
+Rows: onnxruntime 1.32 (CPU provider) with the contrib op com.microsoft::GatedDeltaNet (``runtime="onnxruntime"``),
+onnxruntime with the portable ONNX Scan (matmul step, ``runtime="any"``), tract's ONNX loader with the Scan of
+``runtime="tract-onnx"`` (elementwise step); one symbolic-S graph each, exported by gdn_export
+(format="onnx"), checked against torch at export. The same operands as bench_lowerings.py (B=1, f32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gdn_export  # noqa: E402
+from bench_lowerings import NAMES, Rule, inputs, median_ms  # noqa: E402
+
+
+def realistic(args) -> None:
+    """bench_convert.py's realistic Qwen3.5 (hidden 1024, 24 layers, 580M parameters, random weights, f32): convert to
+    ONNX (checked: prefill 8 + decode 2), then prefill and decode tokens/s through OnnxSession, per runtime."""
+    import time
+
+    from bench_convert import realistic_checkpoint, tokens_per_second
+    from gdn_export.hf.check import sample_tokens, session_logits
+    from gdn_export.onnx import OnnxSession
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        checkpoint = realistic_checkpoint(tmp / "qwen3_5_realistic")
+        for runtime, lowering in (("onnxruntime", "auto"), ("onnxruntime", "scan")):
+            out = tmp / f"{runtime}-{lowering}.onnx"
+            start = time.perf_counter()
+            report = gdn_export.convert(checkpoint, out, format="onnx", runtime=runtime, lowering=lowering,
+                                        force=True, prompt_len=8, decode_steps=2)
+            print(report, f"\nconvert {time.perf_counter() - start:.1f} s", flush=True)
+            for threads in args.threads:
+                session = OnnxSession(out, "onnxruntime", threads=threads)
+                tokens = sample_tokens(session.metadata["vocab_size"], 1, args.prompt + args.decode)
+
+                def prefill():
+                    session.reset()
+                    session.prefill(tokens[:, :args.prompt])
+
+                seconds: list[float] = []
+                session_logits(session, tokens, args.prompt)
+                for _ in range(2):
+                    session_logits(session, tokens, args.prompt, decode_seconds=seconds)
+                print(f"| {runtime} {report.layers[0].lowering} | {threads} | prefill {args.prompt}: "
+                      f"{tokens_per_second(prefill, args.prompt):.1f} tok/s | decode: "
+                      f"{args.decode / min(seconds):.1f} tok/s |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--seq", type=int, nargs="+", default=[1, 128, 1024])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--budget", type=float, default=3.0, help="seconds per measurement")
+    parser.add_argument("--realistic", action="store_true", help="end to end on the realistic-size Qwen3.5")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--decode", type=int, default=16)
+    args = parser.parse_args()
+    if args.realistic:
+        return realistic(args)
+    import onnxruntime as ort
+    import tract
+
+    axes = {n: {0: "B", 1: "S"} for n in NAMES[:-1]} | {"s0": {0: "B"}}
+    example = inputs(4, args.heads, args.width)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {}
+        # runtime "any": the Scan with a matmul step (onnxruntime's faster one); "tract-onnx": the elementwise step
+        for runtime, label, lowering in (("onnxruntime", "contrib", "contrib"), ("any", "scan", "scan"),
+                                         ("tract-onnx", "tract scan", "scan")):
+            path = Path(tmp) / f"{runtime}.onnx"
+            report = gdn_export.export(Rule(), example, path, format="onnx", runtime=runtime, input_names=NAMES,
+                                       output_names=["o", "state"], dynamic_axes=axes)
+            assert report.lowerings() == [lowering], report
+            files[label] = path
+        for threads in args.threads:
+            sessions = {}
+            for label, path in files.items():
+                if label == "tract scan":
+                    continue
+                options = ort.SessionOptions()
+                options.intra_op_num_threads = threads
+                options.inter_op_num_threads = 1
+                sessions[f"onnxruntime {label}"] = ort.InferenceSession(str(path), options,
+                                                                        providers=["CPUExecutionProvider"])
+            plan = tract.onnx().load(str(files["tract scan"])).into_model().into_runnable()  # tract: its own threads
+            for seq in args.seq:
+                feed = {n: t.numpy() for n, t in zip(NAMES, inputs(seq, args.heads, args.width))}
+                for label, session in sessions.items():
+                    rows.setdefault((f"onnxruntime {label}" if not label.startswith("onnxruntime") else label, threads), {})[seq] = median_ms(lambda: session.run(None, feed),
+                                                                           args.budget)
+                if threads == args.threads[0]:
+                    values = [feed[n] for n in NAMES]
+                    rows.setdefault(("tract-onnx scan (elementwise step)", "-"), {})[seq] = median_ms(lambda: plan.run(values),
+                                                                                   args.budget)
+    print(f"H={args.heads}, K=V={args.width}, B=1, f32; median ms per call")
+    print("| runtime / form | threads | " + " | ".join(f"S={s}" for s in args.seq) + " |")
+    print("|---|---|" + "---|" * len(args.seq))
+    for (label, threads), values in rows.items():
+        print(f"| {label} | {threads} | " + " | ".join(f"{values[s]:.3g}" for s in args.seq) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""``generate``: text or token ids in, tokens (with their text) out as they are sampled.
+
+    for token in gdn_export.generate(session, "Hello", max_new_tokens=32, temperature=0):
+        print(token.text, end="", flush=True)
+
+It works over anything with the executor interface (``gdn_export.generation.executor``): a ``Session`` (run in
+the calling thread), a ``WorkerPool``, later issue 11's ``Engine``. The text side (``Generation``) is separate from
+the iteration so that the HTTP server drives it from asyncio with the same rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from gdn_export.errors import GdnExportError
+from gdn_export.generation.executor import ArchiveText, InlineExecutor, TokenEvent, TokenRequest
+from gdn_export.generation.sampling import SamplingParams
+from gdn_export.generation.text import Detokenizer, StopStrings
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+class RequestError(GdnExportError):
+    """A request that cannot run as asked (the message says why; ``param`` names the argument at fault)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    """One generated token. ``text`` is the text it completes ("" while held back: part of a UTF-8 character, or
+    text that may begin a stop string; the last token carries what was held). ``finish_reason`` is None until the
+    last token: "stop" (a stop token, which adds no text, or a stop string, cut off with what follows it) or
+    "length"; ``stop_reason`` is the stop token id or stop string matched. ``offset`` is where the token's text
+    begins in the generated text."""
+
+    index: int
+    token_id: int
+    text: str
+    offset: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def sampling_from(generation_config: dict | None, temperature: float | None = None, top_k: int | None = None,
+                  top_p: float | None = None, seed: int | None = None, logprobs: int | None = None) -> SamplingParams:
+    """The request's sampling: what it gives, the rest from the checkpoint's generation_config.json as
+    transformers' ``generate`` reads it (``do_sample`` true: its temperature, top_k, top_p; otherwise greedy).
+    Where the defaults are greedy and the request gives top_k, top_p or a seed but no temperature, it samples at
+    temperature 1 (vLLM's and OpenAI's default temperature)."""
+    config = generation_config or {}
+    sample = bool(config.get("do_sample"))
+    if temperature is None:
+        if sample:
+            temperature = config.get("temperature", 1.0)
+        else:
+            temperature = 1.0 if (top_k not in (None, 0, -1) or top_p not in (None, 1, 1.0) or seed is not None) else 0.0
+    if sample:
+        top_k = config.get("top_k") if top_k is None else top_k
+        top_p = config.get("top_p") if top_p is None else top_p
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, logprobs=logprobs)
+
+
+def prompt_ids_of(archive: ArchiveText, prompt: str | Sequence[int], param: str = "prompt") -> tuple[int, ...]:
+    """A text prompt through the archive's tokenizer (with its special tokens, as transformers' ``tokenizer(text)``),
+    or token ids, checked against the vocabulary."""
+    if isinstance(prompt, str):
+        if archive.tokenizer is None:
+            raise RequestError(f"{archive.path} carries no tokenizer: give the prompt as token ids", param)
+        ids = tuple(archive.tokenizer.encode(prompt, add_special_tokens=True).ids)
+        if not ids:
+            raise RequestError(f"{param} makes no tokens (it is empty, or holds only characters the tokenizer has "
+                               "no token for)", param)
+    else:
+        try:
+            ids = tuple(prompt)
+        except TypeError:
+            raise RequestError(f"{param} must be a string or a list of token ids", param) from None
+        if any(isinstance(i, bool) or not isinstance(i, int) and not hasattr(i, "__index__") for i in ids):
+            raise RequestError(f"{param} must be a string or a list of integer token ids", param)
+        ids = tuple(int(i) for i in ids)
+    if not ids:
+        raise RequestError(f"{param} is empty: at least one token is needed", param)
+    vocab = archive.vocab_size
+    bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
+    if bad:
+        raise RequestError(f"token id {bad[0]} is outside this model's vocabulary [0, {vocab})", param)
+    return ids
+
+
+class Generation:
+    """The text side of one request: built from the request's arguments, fed the executor's events in order.
+
+    ``step(event)`` returns the ``GeneratedToken`` for the event; after one with a finish reason the request is
+    over (``done``); when a stop string ends it, the caller cancels the executor's stream (``generate`` does)."""
+
+    def __init__(self, archive: ArchiveText, prompt: str | Sequence[int], max_new_tokens: int | None = None, *,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, logprobs: int | None = None, stop: str | Sequence[str] | None = None,
+                 stop_token_ids: Sequence[int] | None = None, sampling: SamplingParams | None = None) -> None:
+        self.archive = archive
+        self.prompt_ids = prompt_ids_of(archive, prompt)
+        if max_new_tokens is None:
+            max_new_tokens = archive.generation_config.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}", "max_new_tokens")
+        if sampling is None:
+            sampling = sampling_from(archive.generation_config, temperature, top_k, top_p, seed, logprobs)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not isinstance(s, str) for s in stops):
+            raise RequestError("stop must be a string or a list of strings", "stop")
+        if stops and archive.tokenizer is None:
+            raise RequestError(f"stop strings need a tokenizer and {archive.path} carries none: use stop token ids",
+                               "stop")
+        stop_ids = archive.eos_token_ids if stop_token_ids is None else frozenset(int(i) for i in stop_token_ids)
+        self.request = TokenRequest(self.prompt_ids, max_new_tokens, sampling, stop_ids)
+        tokenizer = archive.tokenizer
+        self._detokenizer = Detokenizer(tokenizer, self.prompt_ids) if tokenizer is not None else None
+        self._stops = StopStrings(stops)
+        self.token_ids: list[int] = []
+        self.text = ""  # the text returned so far
+        self._decoded = 0  # length of the detokenized text so far
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def step(self, event: TokenEvent) -> GeneratedToken:
+        if self.done:
+            raise GdnExportError("this generation is finished")
+        token = event.token_id
+        self.token_ids.append(token)
+        finish, stop_reason = event.finish_reason, token if event.finish_reason == "stop" else None
+        offset = self._decoded
+        if self._detokenizer is None:
+            piece = ""
+        else:
+            new = self._detokenizer.add(token) if finish != "stop" else ""  # a stop token adds no text
+            if finish is not None:
+                new += self._detokenizer.flush()
+            self._decoded += len(new)
+            piece = self._stops.add(new)
+            if self._stops.matched is not None:
+                finish, stop_reason = "stop", self._stops.matched
+            elif finish is not None:
+                piece += self._stops.flush()
+        self.text += piece
+        self.finish_reason, self.stop_reason = finish, stop_reason
+        return GeneratedToken(len(self.token_ids) - 1, token, piece, offset, event.choice.logprob,
+                              event.choice.top_logprobs, finish, stop_reason)
+
+    def token_text(self, token_id: int) -> str:
+        """One token alone as text (for logprobs), or ``token_id:N`` without a tokenizer (vLLM's spelling)."""
+        if self.archive.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.archive.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def as_executor(model):
+    """A ``Session`` becomes an ``InlineExecutor``; anything with ``submit`` and ``archive`` is taken as it is."""
+    from gdn_export.session import Session
+
+    if isinstance(model, Session):
+        return InlineExecutor(model)
+    if hasattr(model, "submit") and hasattr(model, "archive"):
+        return model
+    raise GdnExportError(f"generate takes a Session or an executor, got {type(model).__name__}")
+
+
+def generate(model, prompt: str | Sequence[int], max_new_tokens: int | None = None, *,
+             temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+             seed: int | None = None, logprobs: int | None = None, stop: str | Sequence[str] | None = None,
+             stop_token_ids: Sequence[int] | None = None) -> Iterator[GeneratedToken]:
+    """Continue ``prompt`` (text, through the archive's tokenizer, or token ids) on ``model`` (a ``Session``, whose
+    states it resets, or an executor), yielding each token as it is sampled; the last one has a ``finish_reason``.
+
+    ``max_new_tokens`` defaults to generation_config.json's, else 256. Sampling: ``temperature`` 0 is greedy;
+    ``top_k``, ``top_p``, ``seed`` (reproducible draws); unset ones come from generation_config.json
+    (``sampling_from``). ``logprobs`` N: each token's logprob and the N most probable alternatives'.
+    ``stop_token_ids`` default to generation_config.json's ``eos_token_id``; ``stop`` strings end the text before
+    them (OpenAI's rule). Bad arguments raise here (``RequestError``, ``SamplingError``); closing the iterator
+    early cancels the request."""
+    executor = as_executor(model)
+    generation = Generation(executor.archive, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=seed, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids)
+    stream = executor.submit(generation.request)
+
+    def tokens() -> Iterator[GeneratedToken]:
+        try:
+            for event in stream:
+                token = generation.step(event)
+                yield token
+                if token.finish_reason is not None:
+                    return
+        finally:
+            stream.cancel()
+
+    return tokens()
+
+
+def chat_prompt_ids(archive: ArchiveText, messages) -> tuple[int, ...]:
+    """The prompt ids of a chat: the archive's chat template rendered over ``messages`` with
+    ``add_generation_prompt=True``, tokenized without adding special tokens (transformers'
+    ``apply_chat_template(messages, add_generation_prompt=True)``)."""
+    from gdn_export.generation.chat import render_chat
+
+    if archive.chat_template is None:
+        raise RequestError(f"{archive.path.name} carries no chat template: use a completion with a prompt instead",
+                           "messages")
+    if archive.tokenizer is None:
+        raise RequestError(f"{archive.path.name} carries no tokenizer, which a chat needs", "messages")
+    text = render_chat(archive.chat_template, messages, add_generation_prompt=True,
+                       special_tokens=archive.special_tokens)
+    return prompt_ids_of(archive, archive.tokenizer.encode(text, add_special_tokens=False).ids, "messages")

@@ -1,0 +1,13 @@
+"""The ONNX back-end: the same exportable modules, state inputs/outputs and names as the NNEF graph, written as
+ONNX for onnxruntime (its contrib ops where exact) or any ONNX runtime with ``Scan`` (tract's ONNX loader too).
+
+``export_onnx`` (``gdn_export.export(..., format="onnx")``), ``OnnxSession``, ``run_model``. Per-node decisions:
+``gdn_export.lowering.onnx_decisions``.
+"""
+
+from __future__ import annotations
+
+from gdn_export.onnx.exporter import OnnxExportReport, export_onnx, onnx_path
+from gdn_export.onnx.session import OnnxSession, read_onnx_metadata, run_model
+
+__all__ = ["OnnxExportReport", "OnnxSession", "export_onnx", "onnx_path", "read_onnx_metadata", "run_model"]

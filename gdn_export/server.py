@@ -1,0 +1,433 @@
+"""``gdn-export serve``: an OpenAI-compatible HTTP server over an exported model (starlette on uvicorn).
+
+    POST /v1/completions        prompt (text or token ids), max_tokens, temperature, top_p, top_k, seed, stop,
+                                stream (server-sent events), logprobs, stop_token_ids, ignore_eos
+    POST /v1/chat/completions   messages through the archive's chat template (400 where it has none)
+    GET  /v1/models             the one model served
+    GET  /health                200 and the executor's load (workers, busy, queued)
+
+Every choice carries ``token_ids`` (the generated ids, as vLLM's ``return_token_ids``; an archive without a
+tokenizer is served in token ids) and ``prompt_token_ids``. Bad requests get a 4xx with OpenAI's error body
+``{"error": {"message", "type", "param", "code"}}``; a full executor answers 503. A client that disconnects, mid
+stream or while it waits, cancels its request: its worker is free at the next token.
+
+Requests run on an executor (``gdn_export.generation.executor``): today a ``WorkerPool`` of W threads, each a
+``Session`` of its own over one tract plan; issue 11's batched Engine is to replace it behind the same interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+from gdn_export.errors import GdnExportError
+from gdn_export.generation.chat import ChatTemplateError
+from gdn_export.generation.executor import ExecutorFull
+from gdn_export.generation.generate import Generation, RequestError, chat_prompt_ids, prompt_ids_of, sampling_from
+from gdn_export.generation.sampling import MAX_LOGPROBS, SamplingError
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+DEFAULT_CHAT_TOKENS = 512
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _error_response(err: ApiError):
+    from starlette.responses import JSONResponse
+
+    headers = {"Retry-After": "1"} if err.status == 503 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+# --- reading a request body ---------------------------------------------------------------------------------
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+async def _json_body(request) -> dict:
+    size, chunks = 0, []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks), parse_constant=_refuse_constant)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+_TYPES = {"integer": (int,), "number": (int, float), "boolean": (bool,), "string": (str,), "object": (dict,)}
+
+
+def _field(body: dict, name: str, kind: str, default: Any = None, *, minimum: float | None = None,
+           maximum: float | None = None) -> Any:
+    """``body[name]`` checked against ``kind`` (null or absent: ``default``); a wrong type or range is a 400."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if kind != "boolean" and isinstance(value, bool) or not isinstance(value, _TYPES[kind]):
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise ApiError(400, f"'{name}' must be {article} {kind}, got {json.dumps(value)[:80]}", name)
+    if minimum is not None and value < minimum or maximum is not None and value > maximum:
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ApiError(400, f"'{name}' must be {bounds}, got {value}", name)
+    return value
+
+
+def _refuse_unsupported(body: dict) -> None:
+    n = _field(body, "n", "integer", 1)
+    if n != 1:
+        raise ApiError(400, f"only n=1 is supported (one choice per request), got n={n}", "n")
+    best_of = _field(body, "best_of", "integer", 1)
+    if best_of != 1:
+        raise ApiError(400, f"only best_of=1 is supported, got {best_of}", "best_of")
+    if _field(body, "echo", "boolean", False):
+        raise ApiError(400, "echo is not supported", "echo")
+    if body.get("suffix") is not None:
+        raise ApiError(400, "suffix is not supported", "suffix")
+    if body.get("logit_bias"):
+        raise ApiError(400, "logit_bias is not supported", "logit_bias")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _field(body, name, "number", 0) != 0:
+            raise ApiError(400, f"{name} is not supported (only 0)", name)
+    if _field(body, "repetition_penalty", "number", 1) != 1:
+        raise ApiError(400, "repetition_penalty is not supported (only 1)", "repetition_penalty")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise ApiError(400, f"{name} is not supported", name)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise ApiError(400, "response_format is not supported (only {\"type\": \"text\"})", "response_format")
+
+
+class App:
+    """The HTTP side: requests parsed and checked, run on ``executor``, answered in OpenAI's formats."""
+
+    def __init__(self, executor, model_name: str) -> None:
+        self.executor, self.model_name = executor, model_name
+        self.archive = executor.archive
+        self.created = int(time.time())
+
+    # --- the parts both endpoints share ---
+    def _check_model(self, body: dict) -> None:
+        model = _field(body, "model", "string")
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model '{model}' does not exist (this server serves '{self.model_name}')",
+                           "model", "model_not_found")
+
+    def _generation(self, body: dict, prompt, chat: bool) -> tuple[Generation, int | None]:
+        """The request's Generation and its number of top logprobs (None: none asked)."""
+        _refuse_unsupported(body)
+        if chat:
+            max_tokens = _field(body, "max_completion_tokens", "integer", minimum=1)
+            if max_tokens is None:
+                max_tokens = _field(body, "max_tokens", "integer", DEFAULT_CHAT_TOKENS, minimum=1)
+            if _field(body, "logprobs", "boolean", False):
+                top = _field(body, "top_logprobs", "integer", 0, minimum=0, maximum=MAX_LOGPROBS)
+            else:
+                if _field(body, "top_logprobs", "integer") is not None:
+                    raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+                top = None
+        else:
+            max_tokens = _field(body, "max_tokens", "integer", DEFAULT_COMPLETION_TOKENS, minimum=1)
+            top = _field(body, "logprobs", "integer", minimum=0, maximum=MAX_LOGPROBS)
+        temperature = _field(body, "temperature", "number", minimum=0)
+        top_p = _field(body, "top_p", "number")
+        top_k = _field(body, "top_k", "integer")
+        seed = _field(body, "seed", "integer", minimum=0)
+        stop = body.get("stop")
+        if stop is not None and not isinstance(stop, str) and not (
+                isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
+        stop_ids = body.get("stop_token_ids")
+        if stop_ids is not None and not (isinstance(stop_ids, list) and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in stop_ids)):
+            raise ApiError(400, "'stop_token_ids' must be a list of integers", "stop_token_ids")
+        ignore_eos = _field(body, "ignore_eos", "boolean", False)
+        stop_token_ids = (set() if ignore_eos else set(self.archive.eos_token_ids)) | set(stop_ids or [])
+        try:
+            sampling = sampling_from(self.archive.generation_config, temperature, top_k, top_p, seed, top)
+            generation = Generation(self.archive, prompt, max_tokens, stop=stop, stop_token_ids=stop_token_ids,
+                                    sampling=sampling)
+        except SamplingError as err:
+            raise ApiError(400, str(err), err.param) from None
+        except RequestError as err:
+            raise ApiError(400, str(err), err.param) from None
+        return generation, top
+
+    def _prompt(self, body: dict):
+        if "prompt" not in body or body["prompt"] is None:
+            raise ApiError(400, "'prompt' is required: a string or a list of token ids", "prompt")
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, f"one prompt per request is supported, got {len(prompt)}", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+        if not isinstance(prompt, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in prompt):
+            raise ApiError(400, "'prompt' must be a string or a list of integer token ids", "prompt")
+        try:
+            return prompt_ids_of(self.archive, prompt)
+        except RequestError as err:
+            raise ApiError(400, str(err), err.param) from None
+
+    def _submit(self, generation: Generation):
+        try:
+            return self.executor.submit(generation.request)
+        except ExecutorFull as err:
+            raise ApiError(503, f"the server is full: {err}", None, "server_busy", "server_overloaded") from None
+
+    def _usage(self, generation: Generation) -> dict:
+        prompt, completion = len(generation.prompt_ids), len(generation.token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def _tokens(self, generation: Generation, stream):
+        """The request's GeneratedTokens as its events come; a stop string cancels the rest."""
+        try:
+            async for event in stream:
+                token = generation.step(event)
+                yield token
+                if token.finish_reason is not None:
+                    return
+        finally:
+            stream.cancel()
+
+    async def _collect(self, request, generation: Generation, stream) -> list:
+        """Every token of a request answered at once; the client leaving cancels it."""
+        async def watch():
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    stream.cancel()
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return [token async for token in self._tokens(generation, stream)]
+        except GdnExportError as err:
+            raise ApiError(500, f"the model failed: {err}") from None
+        finally:
+            watcher.cancel()
+
+    def _sse(self, chunks):
+        """Server-sent events: one ``data:`` line per chunk, then ``data: [DONE]``; the stream cancelled when the
+        client leaves (starlette cancels this generator)."""
+        from starlette.responses import StreamingResponse
+
+        async def events():
+            try:
+                async for chunk in chunks:
+                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            except Exception as err:  # the model failed mid-stream: said in the stream, which then ends
+                message = f"the model failed: {err}" if isinstance(err, GdnExportError) else \
+                    f"unexpected {type(err).__name__}: {err}"
+                yield f"data: {json.dumps(ApiError(500, message).body())}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # --- logprobs in the two formats ---
+    def _completion_logprobs(self, generation: Generation, tokens: list, top: int | None, base: int = 0):
+        if top is None:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token in tokens:
+            out["tokens"].append(generation.token_text(token.token_id))
+            out["token_logprobs"].append(token.logprob)
+            out["top_logprobs"].append({generation.token_text(i): lp for i, lp in token.top_logprobs or ()}
+                                       if top else None)
+            out["text_offset"].append(base + token.offset)
+        return out
+
+    def _chat_logprobs(self, generation: Generation, tokens: list, top: int | None):
+        if top is None:
+            return None
+
+        def entry(token_id, logprob):
+            text = generation.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [dict(entry(t.token_id, t.logprob),
+                                 top_logprobs=[entry(i, lp) for i, lp in t.top_logprobs or ()]) for t in tokens]}
+
+    # --- endpoints ---
+    async def completions(self, request):
+        body = await _json_body(request)
+        self._check_model(body)
+        generation, top = self._generation(body, self._prompt(body), chat=False)
+        stream_mode = _field(body, "stream", "boolean", False)
+        usage_in_stream = bool(_field(body, "stream_options", "object", {}).get("include_usage"))
+        stream = self._submit(generation)
+        ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": ident, "object": "text_completion", "created": created, "model": self.model_name}
+        if not stream_mode:
+            tokens = await self._collect(request, generation, stream)
+            choice = {"index": 0, "text": generation.text,
+                      "logprobs": self._completion_logprobs(generation, tokens, top),
+                      "finish_reason": generation.finish_reason, "stop_reason": generation.stop_reason,
+                      "token_ids": list(generation.token_ids), "prompt_token_ids": list(generation.prompt_ids)}
+            return _json(dict(head, choices=[choice], usage=self._usage(generation)))
+
+        async def chunks():
+            first = True
+            async for token in self._tokens(generation, stream):
+                choice = {"index": 0, "text": token.text,
+                          "logprobs": self._completion_logprobs(generation, [token], top),
+                          "finish_reason": token.finish_reason, "stop_reason": token.stop_reason,
+                          "token_ids": [token.token_id]}
+                if first:
+                    choice["prompt_token_ids"], first = list(generation.prompt_ids), False
+                yield dict(head, choices=[choice])
+            if usage_in_stream:
+                yield dict(head, choices=[], usage=self._usage(generation))
+
+        return self._sse(chunks())
+
+    async def chat_completions(self, request):
+        body = await _json_body(request)
+        self._check_model(body)
+        if "messages" not in body:
+            raise ApiError(400, "'messages' is required", "messages")
+        try:
+            prompt = chat_prompt_ids(self.archive, body["messages"])
+        except (ChatTemplateError, RequestError) as err:
+            raise ApiError(400, str(err), err.param) from None
+        generation, top = self._generation(body, prompt, chat=True)
+        stream_mode = _field(body, "stream", "boolean", False)
+        usage_in_stream = bool(_field(body, "stream_options", "object", {}).get("include_usage"))
+        stream = self._submit(generation)
+        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": ident, "object": "chat.completion", "created": created, "model": self.model_name}
+        if not stream_mode:
+            tokens = await self._collect(request, generation, stream)
+            choice = {"index": 0, "message": {"role": "assistant", "content": generation.text},
+                      "logprobs": self._chat_logprobs(generation, tokens, top),
+                      "finish_reason": generation.finish_reason, "stop_reason": generation.stop_reason,
+                      "token_ids": list(generation.token_ids)}
+            return _json(dict(head, choices=[choice], usage=self._usage(generation),
+                              prompt_token_ids=list(generation.prompt_ids)))
+        head["object"] = "chat.completion.chunk"
+
+        async def chunks():
+            yield dict(head, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None, "token_ids": []}],
+                       prompt_token_ids=list(generation.prompt_ids))
+            async for token in self._tokens(generation, stream):
+                delta = {"content": token.text} if token.text or token.finish_reason is None else {}
+                yield dict(head, choices=[{"index": 0, "delta": delta,
+                                           "logprobs": self._chat_logprobs(generation, [token], top),
+                                           "finish_reason": token.finish_reason, "stop_reason": token.stop_reason,
+                                           "token_ids": [token.token_id]}])
+            if usage_in_stream:
+                yield dict(head, choices=[], usage=self._usage(generation))
+
+        return self._sse(chunks())
+
+    async def models(self, request):
+        return _json({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                                  "owned_by": "gdn_export", "root": str(self.archive.path)}]})
+
+    async def health(self, request):
+        return _json(dict(status="ok", **self.executor.stats()))
+
+
+def _json(data: dict):
+    from starlette.responses import Response
+
+    return Response(json.dumps(data, ensure_ascii=False), media_type="application/json")
+
+
+def make_app(executor, model_name: str):
+    """The starlette application serving ``executor`` under ``model_name``."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Route
+
+    app = App(executor, model_name)
+
+    def guarded(endpoint):
+        async def run(request):
+            try:
+                return await endpoint(request)
+            except ApiError as err:
+                return _error_response(err)
+        return run
+
+    async def http_error(request, exc: HTTPException):
+        return _error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                        code="not_found" if exc.status_code == 404 else None))
+
+    async def unexpected(request, exc: Exception):
+        return _error_response(ApiError(500, f"unexpected {type(exc).__name__}: {exc}"))
+
+    routes = [Route("/v1/completions", guarded(app.completions), methods=["POST"]),
+              Route("/v1/chat/completions", guarded(app.chat_completions), methods=["POST"]),
+              Route("/v1/models", guarded(app.models), methods=["GET"]),
+              Route("/health", guarded(app.health), methods=["GET"])]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: unexpected})
+
+
+def model_name_of(path) -> str:
+    name = str(getattr(path, "name", path))
+    for suffix in (".nnef.tgz", ".tgz", ".nnef"):
+        if name.endswith(suffix):
+            return name[:-len(suffix)]
+    return name
+
+
+def listen(host: str, port: int):
+    """A listening TCP socket on ``host``:``port`` (0: a free port), IPv4 or IPv6 as ``host`` is."""
+    import socket
+
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, backlog=128)
+
+
+def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max_queue: int = 16,
+          model_name: str | None = None, log_level: str = "warning", ready=None) -> None:
+    """Serve the archive at ``path`` until interrupted (Ctrl-C, SIGTERM): ``workers`` threads over one tract
+    plan, at most ``max_queue`` requests waiting. ``ready(host, port)`` is called once the socket listens (connections
+    made from then on are served once the model is loaded)."""
+    import uvicorn
+
+    from gdn_export.generation.executor import WorkerPool
+    from gdn_export.session import Session
+
+    session = Session(path)
+    sock = listen(host, port)
+    executor = None
+    try:
+        executor = WorkerPool(session, workers=workers, max_queue=max_queue)  # plans the model: seconds
+        app = make_app(executor, model_name or model_name_of(path))
+        config = uvicorn.Config(app, log_level=log_level, http="h11", lifespan="off", timeout_graceful_shutdown=1)
+        server = uvicorn.Server(config)
+        if ready is not None:
+            bound = sock.getsockname()
+            ready(bound[0], bound[1])
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        if executor is not None:
+            executor.close()

@@ -1,0 +1,375 @@
+"""The HTTP server over real sockets on 127.0.0.1, driven by the ``openai`` client (and the standard library's
+``http.client`` where a body must be malformed or the raw event stream read).
+
+``gdn-export serve`` itself runs as a process of its own once (``test_gdn_export_serve``); the API's behaviour is
+checked on the same server run by uvicorn in a thread of the test process over the test's tract plan (planned once):
+2 workers and a queue of 2, and 1 worker without a queue (a full server, a cancelled stream, an archive read as if it
+carried no tokenizer and no chat template). Every answer is compared with ``gdn_export.generate`` run here."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai  # the test extra installs it
+import pytest
+
+from gdn_export.generation import generate
+from gdn_export.generation.executor import ArchiveText, WorkerPool
+from gdn_export.generation.generate import chat_prompt_ids
+
+NAME = "qwen3_5"
+PROMPT = "Hello world. The"
+pytestmark = pytest.mark.xdist_group(NAME)
+
+
+def wait_for(condition, timeout: float = 30.0, what: str = "the condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@contextlib.contextmanager
+def serving(pool, name: str):
+    """``pool`` served under ``name`` by uvicorn in a thread of this process, on a free port of 127.0.0.1: the
+    base url. (``gdn-export serve`` itself, a process of its own, is driven by ``test_gdn_export_serve``.)"""
+    import uvicorn
+
+    from gdn_export.server import listen, make_app
+
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(make_app(pool, name), log_level="error", lifespan="off", http="h11"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 30, "the server to start")
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+        pool.close()
+
+
+# session-scoped: one server per test process, however pytest-xdist spreads and interleaves this module's tests
+@pytest.fixture(scope="session")
+def server(session):
+    """2 workers, 2 waiting, over the tract plan of ``session``: (base url, pool)."""
+    from gdn_export.session import Session
+
+    pool = WorkerPool(Session.sharing_plan(session), workers=2, max_queue=2)
+    with serving(pool, NAME) as base:
+        yield base, pool
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def session(shared_session):
+    return shared_session(NAME)
+
+
+def raw(base: str, method: str, path: str, body: bytes | str | None = None) -> tuple[int, dict | str]:
+    host, port = base.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        data = response.read().decode()
+    finally:
+        connection.close()
+    try:
+        return response.status, json.loads(data)
+    except ValueError:
+        return response.status, data
+
+
+def expected(session, prompt=PROMPT, max_tokens=16, **kw):
+    tokens = list(generate(session, prompt, max_tokens, **kw))
+    return "".join(t.text for t in tokens), [t.token_id for t in tokens], tokens[-1].finish_reason
+
+
+# --- the endpoints -------------------------------------------------------------------------------------------
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    status, body = raw(server[0], "GET", "/health")
+    assert status == 200 and body == {"status": "ok", "workers": 2, "busy": 0, "queued": 0, "max_queue": 2}
+
+
+def test_completion_equals_generate(client, session):
+    text, ids, finish = expected(session, temperature=0, stop_token_ids=[])
+    answer = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=16, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    choice = answer.choices[0]
+    assert (choice.text, choice.token_ids, choice.finish_reason) == (text, ids, finish)
+    assert choice.prompt_token_ids == session.tokenizer.encode(PROMPT).ids
+    assert answer.usage.prompt_tokens == len(choice.prompt_token_ids) and answer.usage.completion_tokens == 16
+    # a prompt of token ids, and top_k (vLLM's extension) 1 at temperature 1: the same greedy tokens
+    same = client.completions.create(model=NAME, prompt=choice.prompt_token_ids, max_tokens=16, temperature=1.0,
+                                     seed=3, extra_body={"top_k": 1, "ignore_eos": True})
+    assert same.choices[0].token_ids == ids and same.choices[0].text == text
+
+
+def test_seeded_sampling_and_logprobs(client, session):
+    text, ids, _ = expected(session, temperature=0.9, top_p=0.95, seed=42, logprobs=2, stop_token_ids=[])
+    ask = dict(model=NAME, prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.95, seed=42, logprobs=2,
+               extra_body={"ignore_eos": True})
+    first, second = client.completions.create(**ask), client.completions.create(**ask)
+    assert first.choices[0].token_ids == second.choices[0].token_ids == ids
+    assert first.choices[0].text == text
+    logprobs = first.choices[0].logprobs
+    reference = list(generate(session, PROMPT, 16, temperature=0.9, top_p=0.95, seed=42, logprobs=2,
+                              stop_token_ids=[]))
+    assert logprobs.token_logprobs == pytest.approx([t.logprob for t in reference])
+    assert logprobs.tokens == [session.tokenizer.decode([i]) for i in ids]
+    assert [sorted(top.values(), reverse=True) for top in logprobs.top_logprobs] == \
+        [pytest.approx([lp for _, lp in t.top_logprobs]) for t in reference]
+    assert logprobs.text_offset == [t.offset for t in reference]
+
+
+def test_stop_strings_and_stop_token_ids(client, session):
+    full, ids, _ = expected(session, max_tokens=24, temperature=0, stop_token_ids=[])
+    stop = full[9:12]
+    answer = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "\x01"],
+                                       extra_body={"ignore_eos": True})
+    choice = answer.choices[0]
+    assert choice.text == full[:full.find(stop)] and choice.finish_reason == "stop" and choice.stop_reason == stop
+    assert choice.token_ids == ids[:len(choice.token_ids)]
+    answer = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=24, temperature=0,
+                                       extra_body={"stop_token_ids": [ids[4]], "ignore_eos": True})
+    choice = answer.choices[0]
+    assert choice.token_ids == ids[:ids.index(ids[4]) + 1] and choice.finish_reason == "stop"
+    assert choice.stop_reason == ids[4]
+
+
+def test_stream_assembles_to_the_whole_answer(server, client):
+    ask = dict(model=NAME, prompt=PROMPT, max_tokens=20, temperature=0.8, seed=9, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**ask).choices[0]
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **ask))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.text
+    assert [i for c in chunks if c.choices for i in c.choices[0].token_ids] == whole.token_ids
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    # on the wire: server-sent events, each a JSON object, ending with data: [DONE]
+    wire = {"model": NAME, "prompt": PROMPT, "max_tokens": 20, "temperature": 0.8, "seed": 9, "ignore_eos": True,
+            "stream": True}
+    status, body = raw(server[0], "POST", "/v1/completions", json.dumps(wire))
+    events = [line for line in body.split("\n") if line]
+    assert status == 200 and events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]) == whole.text
+
+
+def test_chat_completion_through_the_template(client, session):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hello the cat"}]
+    prompt = chat_prompt_ids(ArchiveText(session), messages)
+    text, ids, finish = expected(session, list(prompt), 12, temperature=0, stop_token_ids=[])
+    answer = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
+                                            logprobs=True, top_logprobs=1, extra_body={"ignore_eos": True})
+    choice = answer.choices[0]
+    assert (choice.message.content, choice.token_ids, choice.finish_reason) == (text, ids, finish)
+    assert choice.message.role == "assistant" and answer.usage.prompt_tokens == len(prompt)
+    assert len(choice.logprobs.content) == 12 and all(len(e.top_logprobs) == 1 for e in choice.logprobs.content)
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_concurrent_clients_get_what_they_get_alone(client):
+    asks = [dict(prompt=PROMPT, temperature=0), dict(prompt="The cat sat", temperature=1.0, seed=1),
+            dict(prompt="and the", temperature=0.7, top_p=0.9, seed=2), dict(prompt=[5, 6, 7], temperature=0),
+            dict(prompt="Hello", temperature=1.2, seed=3)]
+    asks = [dict(a, model=NAME, max_tokens=24, extra_body={"ignore_eos": True}) for a in asks]
+    alone = [client.completions.create(**a).choices[0].token_ids for a in asks]
+    at_once = [None] * len(asks)
+    errors = []
+
+    def ask(i):
+        try:  # 5 clients, 2 workers, 2 waiting: at most one is told the server is full; it asks again
+            for _ in range(200):
+                try:
+                    at_once[i] = client.completions.create(**asks[i]).choices[0].token_ids
+                    return
+                except openai.APIStatusError as err:
+                    if err.status_code != 503:
+                        raise
+                    time.sleep(0.02)
+        except Exception as err:  # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and at_once == alone
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ('{"prompt": "x",', 400, None),
+    ('[1, 2]', 400, None),
+    ('{"prompt": "x", "max_tokens": "many"}', 400, "max_tokens"),
+    ('{"prompt": "x", "temperature": -0.5}', 400, "temperature"),
+    ('{"prompt": "x", "temperature": true}', 400, "temperature"),
+    ('{"prompt": "x", "top_p": 0}', 400, "top_p"),
+    ('{"prompt": "x", "stop": 3}', 400, "stop"),
+    ('{"prompt": "x", "n": 2}', 400, "n"),
+    ('{"prompt": "x", "model": "gpt-4o"}', 404, "model"),
+    ('{"prompt": [1, 2, 500]}', 400, "prompt"),
+    ('{"prompt": [1, 2.5]}', 400, "prompt"),
+    ('{"prompt": ["a", "b"]}', 400, "prompt"),
+    ('{"prompt": ""}', 400, "prompt"),
+    ('{"max_tokens": 3}', 400, "prompt"),
+    ('{"prompt": "x", "logprobs": 50}', 400, "logprobs"),
+    ('{"prompt": "x", "echo": true}', 400, "echo"),
+    ('{"prompt": "x", "stream": "yes"}', 400, "stream"),
+])
+def test_bad_requests_get_an_openai_error(server, body, status, param):
+    got, answer = raw(server[0], "POST", "/v1/completions", body)
+    assert got == status, answer
+    error = answer["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_bad_chat_requests_and_routes(server, client):
+    for body, param in [('{"messages": "hi"}', "messages"), ('{"messages": [{"content": "x"}]}', "messages"),
+                        ('{}', "messages"), ('{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
+                                             "top_logprobs")]:
+        status, answer = raw(server[0], "POST", "/v1/chat/completions", body)
+        assert status == 400 and answer["error"]["param"] == param, answer
+    status, answer = raw(server[0], "GET", "/v1/nowhere")
+    assert status == 404 and answer["error"]["code"] == "not_found"
+    status, answer = raw(server[0], "GET", "/v1/completions")
+    assert status == 405 and "error" in answer
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=NAME, prompt="x", n=3)
+    assert info.value.status_code == 400 and "n=1" in info.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+
+
+# --- a full server, a cancelled stream, an archive without tokenizer or template (in-process) --------------------
+
+@pytest.fixture(scope="session")
+def small_server(session):
+    """One worker, no queue, the archive read as if it carried no tokenizer and no chat template: (base url, pool)."""
+    from gdn_export.session import Session
+
+    pool = WorkerPool(Session.sharing_plan(session), workers=1, max_queue=0)
+    pool.archive.tokenizer, pool.archive.chat_template = None, None
+    with serving(pool, "bare") as base:
+        yield base, pool
+
+
+def test_full_server_answers_503_and_a_cancelled_stream_frees_its_worker(small_server, session):
+    base, pool = small_server
+    bare = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    prompt = session.tokenizer.encode(PROMPT).ids
+    stream = bare.completions.create(model="bare", prompt=prompt, max_tokens=100000, temperature=0, stream=True,
+                                     extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    assert first.choices[0].text == "" and len(first.choices[0].token_ids) == 1  # served in token ids
+    assert pool.stats()["busy"] == 1
+    with pytest.raises(openai.APIStatusError) as info:
+        bare.completions.create(model="bare", prompt=prompt, max_tokens=2)
+    assert info.value.status_code == 503 and info.value.body["code"] == "server_busy"
+    stream.close()  # the client leaves mid-stream: the worker stops at its next token
+    wait_for(lambda: pool.stats()["busy"] == 0, 10, "the worker to be freed")
+    answer = bare.completions.create(model="bare", prompt=prompt, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    _, ids, _ = expected(session, prompt, 8, temperature=0, stop_token_ids=[])
+    assert answer.choices[0].token_ids == ids and answer.choices[0].text == ""
+    # a client that leaves while waiting for a whole answer frees the worker too
+    status = {}
+
+    def leave():
+        host, port = base.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        connection.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": prompt, "max_tokens": 100000, "ignore_eos": True}))
+        wait_for(lambda: pool.stats()["busy"] == 1, 10, "the request to run")
+        status["running"] = True
+        connection.sock.shutdown(2)
+        connection.close()
+
+    leave()
+    wait_for(lambda: pool.stats()["busy"] == 0, 10, "the worker to be freed")
+    assert status["running"]
+
+
+def test_an_archive_without_tokenizer_or_template(small_server):
+    base, _ = small_server
+    status, answer = raw(base, "POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}]}')
+    assert status == 400 and "no chat template" in answer["error"]["message"]
+    status, answer = raw(base, "POST", "/v1/completions", '{"prompt": "text"}')
+    assert status == 400 and "token ids" in answer["error"]["message"]
+    status, answer = raw(base, "POST", "/v1/completions", '{"prompt": [1, 2], "stop": "x"}')
+    assert status == 400 and answer["error"]["param"] == "stop"
+    status, answer = raw(base, "POST", "/v1/completions", '{"prompt": [1, 2], "max_tokens": 3, "logprobs": 1}')
+    assert status == 200 and answer["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
+
+
+def test_cli_serve_refuses_bad_arguments(converted):
+    from gdn_export.cli import main
+
+    for args in (["--port", "70000"], ["--workers", "0"], ["--max-queue", "-1"]):
+        with pytest.raises(SystemExit) as info:
+            main(["serve", str(converted(NAME)), *args])
+        assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        main(["serve", str(Path(converted(NAME)).with_suffix(".none"))])
+    assert info.value.code == 2
+
+
+def test_gdn_export_serve(converted, session, tmp_path):
+    """The command: listens on the port it prints, serves, and stops cleanly (exit 0) on SIGTERM."""
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as err:
+        process = subprocess.Popen([sys.executable, "-m", "gdn_export.cli", "serve", str(converted(NAME)),
+                                    "--host", "127.0.0.1", "--port", "0", "--workers", "2", "--max-queue", "1",
+                                    "--served-model-name", NAME], stdout=subprocess.DEVNULL, stderr=err,
+                                   stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+    def listening():
+        if process.poll() is not None:
+            raise AssertionError(f"gdn-export serve exited with {process.returncode}: {log.read_text()}")
+        for line in log.read_text().splitlines():
+            if " on http://127.0.0.1:" in line:
+                return int(line.split(" on http://127.0.0.1:")[1].split()[0])
+        return None
+
+    try:
+        base = f"http://127.0.0.1:{wait_for(listening, 90, 'gdn-export serve to listen')}"
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == [NAME]
+        assert raw(base, "GET", "/health")[1]["workers"] == 2
+        text, ids, _ = expected(session, temperature=0, stop_token_ids=[])
+        chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks) == text
+        assert [i for c in chunks for i in c.choices[0].token_ids] == ids
+    finally:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0 and "stopped" in log.read_text(), log.read_text()
