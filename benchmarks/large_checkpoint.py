@@ -1,7 +1,7 @@
 """A Qwen3.5-text checkpoint of a chosen size with random bfloat16 weights, written one shard at a time.
 
     python benchmarks/large_checkpoint.py DIR [--size-gb 3.2] [--layers N] [--hidden 2048] [--vocab 151936]
-                                          [--shard-gb 1.0] [--seed 0]
+                                          [--intermediate N] [--tied] [--shard-gb 1.0] [--seed 0]
 
 Real shapes (Qwen3.5 2B-class text model: hidden 2048, intermediate 6144, vocab 151936, 16 linear key / value
 heads of K = V = 128, 8 attention heads of 256 with 2 kv heads, 3 linear_attention layers per full_attention
@@ -11,6 +11,10 @@ tensors are then drawn one by one (N(0, 1/fan_in) matrices, norms near their ide
 float32 as real checkpoints keep it, dt_bias = softplus^-1 of a log-uniform step in [1e-3, 1e-1]) and written
 shard by shard with safetensors, plus model.safetensors.index.json and config.json: the builder holds about
 one shard, never the whole model. bench_convert.py --large converts what this writes.
+
+``--tied`` ties the head to the embedding table (``tie_word_embeddings: true``; no ``lm_head.weight`` is written,
+as in published tied checkpoints) and ``--intermediate`` sets the MLP width: Qwen3.5 0.8B's text model is
+``--layers 24 --hidden 1024 --intermediate 3584 --tied`` (bench_vs_llamacpp.py builds it so).
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ class Built:
                 + ("reused" if self.seconds is None else f"built in {self.seconds:.1f}s"))
 
 
-def make_config(layers: int, hidden: int | None = None, vocab: int | None = None, intermediate: int | None = None):
+def make_config(layers: int, hidden: int | None = None, vocab: int | None = None, intermediate: int | None = None,
+                tied: bool = False):
     """The transformers config; a smaller --hidden scales the MLP with it (3x, as in the real shape)."""
     import transformers
 
@@ -68,6 +73,8 @@ def make_config(layers: int, hidden: int | None = None, vocab: int | None = None
         fields["intermediate_size"] = intermediate
     if vocab is not None:
         fields["vocab_size"] = vocab
+    if tied:
+        fields["tie_word_embeddings"] = True
     layer_types = (PATTERN * math.ceil(layers / len(PATTERN)))[:layers]
     config = transformers.Qwen3_5TextConfig(num_hidden_layers=layers, layer_types=layer_types, **fields)
     config.architectures = ["Qwen3_5ForCausalLM"]
@@ -82,6 +89,8 @@ def parameter_specs(config) -> dict[str, tuple[tuple[int, ...], torch.dtype, str
         model = transformers.Qwen3_5ForCausalLM(config)
     specs = {}
     for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+            continue  # tied: the head is the embedding table, not stored (as transformers saves it)
         module = model.get_submodule(name.rsplit(".", 1)[0])
         dtype = torch.float32 if name.rsplit(".", 1)[-1] in FLOAT32_NAMES else torch.bfloat16
         specs[name] = (tuple(tensor.shape), dtype, type(module).__name__)
@@ -212,13 +221,16 @@ def add_shape_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=None, help="layer count (default: as many as --size-gb needs)")
     parser.add_argument("--hidden", type=int, default=None, help="hidden size (default 2048; the MLP is 3x)")
     parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 151936)")
+    parser.add_argument("--intermediate", type=int, default=None, help="MLP width (default 3x the hidden size)")
+    parser.add_argument("--tied", action="store_true", help="tie the head to the embedding table (none stored)")
     parser.add_argument("--shard-gb", type=float, default=1.0, help="largest shard, GB")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def config_from_args(args: argparse.Namespace):
-    layers = args.layers or layers_for_size(args.size_gb, args.hidden, args.vocab)
-    return make_config(layers, args.hidden, args.vocab)
+    intermediate, tied = getattr(args, "intermediate", None), getattr(args, "tied", False)
+    layers = args.layers or layers_for_size(args.size_gb, args.hidden, args.vocab, intermediate)
+    return make_config(layers, args.hidden, args.vocab, intermediate, tied)
 
 
 def main(argv: list[str] | None = None) -> None:
