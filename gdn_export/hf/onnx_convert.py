@@ -48,8 +48,8 @@ def onnx_output_dims(lm, vocab_size: int) -> dict[str, list]:
 
 # families whose exportable module the TorchScript exporter cannot trace generically, and why
 ONNX_UNSUPPORTED = {
-    "qwen4_exp_text": "its QSA indexer reshapes with query.shape[:2], which the TorchScript exporter bakes in as the "
-                      "traced batch and length (the file would fail at any other shape)",
+    "qwen4_exp_text": "the TorchScript exporter bakes the traced batch and length into some of its reshapes (its QSA "
+                      "indexer's query.shape[:2], and at least one more), so the file would fail at any other shape",
 }
 
 
