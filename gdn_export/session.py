@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -72,9 +73,10 @@ class Session:
                 self._generation = {name: tar.extractfile(name).read() for name in names}
         return self._generation
 
-    @property
+    @functools.cached_property
     def tokenizer(self):
-        """The checkpoint's tokenizer (a ``tokenizers.Tokenizer``), or None when the archive carries none."""
+        """The checkpoint's tokenizer (a ``tokenizers.Tokenizer``, parsed once), or None when the archive carries
+        none."""
         data = self._generation_files().get("tokenizer.json")
         if data is None:
             return None
