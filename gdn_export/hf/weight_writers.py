@@ -77,6 +77,8 @@ def separate_tied_head(model: nn.Module, quantize: str | None, quantize_embeddin
                              "a Q4_0 table (the tied head reads it as two slices, see models/decoder.py); quantize "
                              "without --quantize-embeddings (the head then gets a Q4_0 copy of its own, the table "
                              "stays in the export dtype)")
+    if len(heads) != 1:  # several linear layers read the table: left as it is (its slices stay in --dtype)
+        return None
     (head_name, head), = heads
     if not q4_0.quantizable(tuple(head.weight.shape)):
         return None
