@@ -7,11 +7,10 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence, TypeVar
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -25,10 +24,8 @@ from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
 from gdn_export.weights.casts import fold_weight_casts, weights_cast_before_use
 from gdn_export.weights.streamed import (StreamedWeights, annotate_compressed_gathers, check_all_written,
                                          streamed_writes, write_deferred)
-from gdn_export.runtime import load_tract_model, run_tract, tract_version as installed_tract_version
+from gdn_export.runtime import alongside, load_tract_model, run_tract, tract_version as installed_tract_version
 from gdn_export.target import OfflineTractTarget
-
-T, F = TypeVar("T"), TypeVar("F")
 
 
 @dataclass
@@ -165,12 +162,13 @@ def export(
         folded = fold_weight_casts(folder)
         pending = {label: weights.deferrable[label] for _, label in deferred}
         # no weight matrix is read (and it loads faster); tract loads in a thread while this one writes the rest
-        (renamed, seconds["names"]), late_writes = _alongside(
+        (renamed, seconds["names"]), late_writes = alongside(
             lambda: keep_output_names(folder, inputs_from_bytes=0, pending=pending),
             lambda: write_deferred(weights, deferred) if deferred else 0.0)
         seconds["write"] += late_writes
         if metadata is not None:
-            metadata = {**metadata, "output_names_kept": renamed, "weights_stored_as_cast": folded, "decisions": [d.summary() for d in target.gdn_decisions]}
+            metadata = {**metadata, "output_names_kept": renamed, "weights_stored_as_cast": folded,
+                        "decisions": [d.summary() for d in target.gdn_decisions]}
             (folder / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
         for name, source in (extra_files or {}).items():
             if (folder / name).exists() or "/" in name:
@@ -207,31 +205,6 @@ def _export_other_format(format: str, module, args, path, *, lowering, input_nam
                           [f"input_{i}" for i in range(len(args))], tuple(args))
     return export_onnx(module, args, path, input_names=input_names, output_names=output_names,
                        dynamic_axes=dynamic_axes, check=check, metadata=metadata, runtime=runtime, lowering=lowering)
-
-
-def _alongside(background: Callable[[], T], foreground: Callable[[], F]) -> tuple[tuple[T, float], F]:
-    """((background's result, its seconds), foreground's result): ``background`` runs in a thread (tract releases the
-    GIL) while ``foreground`` runs in this one; an error of either is raised here, after both ended."""
-    outcome: dict = {}
-
-    def run() -> None:
-        start = time.perf_counter()
-        try:
-            outcome["value"] = background()
-        except BaseException as err:  # handed to this thread
-            outcome["error"] = err
-        outcome["seconds"] = time.perf_counter() - start
-
-    worker = threading.Thread(target=run, name="gdn_export-names", daemon=True)
-    worker.start()
-    try:
-        result = foreground()
-    finally:
-        while worker.is_alive():  # short slices: Ctrl-C still reaches this thread
-            worker.join(0.1)
-    if "error" in outcome:
-        raise outcome["error"]
-    return (outcome["value"], outcome["seconds"]), result
 
 
 def _check_against_torch(module, args: tuple, archive: Path, names: list[str], half: bool) -> ParityResult:

@@ -57,21 +57,22 @@ def _weights_as_inputs(folder: Path, shadow: Path, min_bytes: int, pending: Mapp
     added: list[str] = []
     replaced: set[str] = set()
 
-    def replace(match: re.Match) -> str:
-        name, label, shape = match.group(1), match.group(2), match.group(3)
-        if label in pending and shape.count(",") >= 1:
-            added.append(name)
-            replaced.add(label)
-            return f"{name} = tract_core_external(shape = [{shape}], datum_type = '{pending[label]}');"
+    def stored_type(label: str) -> str | None:
+        """The tract type of ``label``'s .dat when it holds ``min_bytes`` or more of a float type, else None."""
         path = folder / f"{label}.dat"
-        if not path.is_file() or path.stat().st_size - 128 < min_bytes or shape.count(",") < 1:
-            return match.group(0)  # small ones, and vectors and scalars (some ops need those as constants), stay
+        if not path.is_file() or path.stat().st_size - 128 < min_bytes:
+            return None
         with path.open("rb") as handle:
             header = handle.read(128)
-        bits, item = struct.unpack_from("<II", header, 44)
-        datum = NNEF_ITEM_TYPES.get((item, bits))
+        return NNEF_ITEM_TYPES.get(struct.unpack_from("<II", header, 44)[::-1])
+
+    def replace(match: re.Match) -> str:
+        name, label, shape = match.group(1), match.group(2), match.group(3)
+        if shape.count(",") < 1:
+            return match.group(0)  # vectors and scalars (some ops need those as constants) stay
+        datum = pending[label] if label in pending else stored_type(label)
         if datum is None:
-            return match.group(0)
+            return match.group(0)  # small ones, and block-quantized ones, stay
         added.append(name)
         replaced.add(label)
         return f"{name} = tract_core_external(shape = [{shape}], datum_type = '{datum}');"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from gdn_export.errors import TractRuntimeError
 
-T = TypeVar("T")
+T, F = TypeVar("T"), TypeVar("F")
 
 
 def tract_version() -> str:
@@ -61,21 +62,46 @@ def interruptible(work: Callable[[], T]) -> T:
     interruption then raises at once and the caller's cleanup runs. Elsewhere it is a plain call."""
     if threading.current_thread() is not threading.main_thread():
         return work()
+    return _joined(*_started(work))[0]
+
+
+def alongside(background: Callable[[], T], foreground: Callable[[], F]) -> tuple[tuple[T, float], F]:
+    """((background's result, its seconds), foreground's result): ``background`` runs in a daemon thread (tract
+    releases the GIL) while ``foreground`` runs in this one; an error of either is raised here once both ended,
+    and Ctrl-C still reaches this thread while it waits."""
+    worker, outcome = _started(background)
+    try:
+        result = foreground()
+    finally:
+        while worker.is_alive():
+            worker.join(0.1)
+    return _joined(worker, outcome), result
+
+
+def _started(work: Callable[[], T]) -> tuple[threading.Thread, dict]:
+    """A daemon thread running ``work``, and the dict that receives its value (or error) and its seconds."""
     outcome: dict[str, object] = {}
 
     def run() -> None:
+        start = time.perf_counter()
         try:
             outcome["value"] = work()
         except BaseException as err:  # handed to the caller's thread
             outcome["error"] = err
+        outcome["seconds"] = time.perf_counter() - start
 
     worker = threading.Thread(target=run, name="gdn_export-tract", daemon=True)
     worker.start()
+    return worker, outcome
+
+
+def _joined(worker: threading.Thread, outcome: dict) -> tuple:
+    """(value, seconds) of a ``_started`` thread once it ended (waiting in short slices); its error raised."""
     while worker.is_alive():
         worker.join(0.1)
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
-    return outcome["value"]  # type: ignore[return-value]
+    return outcome["value"], outcome["seconds"]
 
 
 def run_tract(path_or_runnable, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:

@@ -124,7 +124,8 @@ class Session:
         import tract
 
         return [
-            tract.Tensor.from_numpy(np.zeros([batch if d == "B" else 0 if d == "P" else d for d in spec["shape"]], NUMPY_DTYPES[spec["dtype"]]))
+            tract.Tensor.from_numpy(np.zeros([batch if d == "B" else 0 if d == "P" else d for d in spec["shape"]],
+                                             NUMPY_DTYPES[spec["dtype"]]))
             for spec in self.state_specs
         ]
 

@@ -116,14 +116,15 @@ def _name(node) -> str:
 
 
 def _infer_missing_shapes(self, raise_error: bool = False):
-    """torch-to-nnef 0.24.12's ``_infer_missing_shapes_from_ops_outputs``, its work list filtered by identity."""
+    """torch-to-nnef 0.24.12's ``_infer_missing_shapes_from_ops_outputs``, its work list filtered by identity and
+    an op's re-run skipped where nothing it reads changed."""
     from torch_to_nnef.exceptions import T2NErrorNotImplemented
     from torch_to_nnef.torch_graph.ir_graph import _expand_node_containers_if_exists
 
     unshaped_data = {node.name: node for node in self.data_nodes if not node.tracable}
-    # torch-to-nnef re-runs every op at every level of the module tree; gdn_export's own ops (a recurrence run
-    # in eager torch: ms each) are not run again once their outputs have shapes. Other ops are: running them also
-    # simplifies the graph (a cast to the same dtype dropped).
+    # gdn_export's own ops (a recurrence run in eager torch: ms each) are not run again once their outputs have
+    # shapes; other ops re-run where something they read changed (``_realise_unless_unchanged``), since that can
+    # simplify the graph (a cast to the same dtype dropped).
     remaining_ops = [op for op in self.op_nodes
                      if not op.kind.startswith(OWN_OPS) or any(
                          node.name in unshaped_data for node in _expand_node_containers_if_exists(op.outputs))]

@@ -29,6 +29,7 @@ import torch
 
 from gdn_export.errors import GdnExportError
 
+
 @dataclass(frozen=True)
 class StreamedWeights:
     """``writers``: label (a parameter's name in the traced module) -> writes its whole NNEF tensor file (header and
@@ -43,6 +44,7 @@ class StreamedWeights:
     # written after the trace (``write_deferred``), while tract reads the graph for its output names, which
     # declares such weights as inputs of that type and never opens their files (gdn_export/output_names.py)
     deferrable: Mapping[str, str] = field(default_factory=dict)
+
 
 REAL_BYTES = 1 << 20  # parameters below this size are traced with their values
 # a graph constant this large that is no weight can only come from a placeholder (the lowerings' own constants,
