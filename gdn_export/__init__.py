@@ -61,7 +61,7 @@ _LAZY = {
     "CheckpointError": "gdn_export.hf.checkpoint",
     "ConvertReport": "gdn_export.hf.convert", "check": "gdn_export.hf.convert", "convert": "gdn_export.hf.convert",
     "run_tract": "gdn_export.runtime", "Session": "gdn_export.session",
-    "generate": "gdn_export.generation", "SamplingParams": "gdn_export.generation",
+    "generate": "gdn_export.generation", "SamplingParams": "gdn_export.generation", "Engine": "gdn_export.serving",
 }
 
 
@@ -74,7 +74,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "CheckpointError", "ConvertReport", "ExportReport", "GatedDeltaRule", "GdnExportError", "LoweringError",
+    "CheckpointError", "ConvertReport", "Engine", "ExportReport", "GatedDeltaRule", "GdnExportError", "LoweringError",
     "OperandError", "ParityError", "SamplingParams", "Session", "TractRuntimeError", "check", "convert", "export",
     "gated_delta_recurrence", "gated_delta_rule", "gated_delta_scan", "generate", "l2norm", "run_tract",
 ]

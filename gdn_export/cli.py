@@ -9,7 +9,7 @@
     gdn-export info OUT.nnef.tgz
     gdn-export generate MODEL.nnef.tgz (--prompt TEXT | --prompt-ids 1,2,3) [--chat] [--max-new-tokens N]
                         [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop TEXT]... [--ignore-eos]
-    gdn-export serve MODEL.nnef.tgz [--host 127.0.0.1] [--port N] [--workers W] [--max-queue Q]
+    gdn-export serve MODEL.nnef.tgz [--host 127.0.0.1] [--port N] [--workers W] [--max-queue Q] [--slots N]
 
 Exit status 0 on success; 1 with a one-line reason on any failure (``--debug``: the traceback too); 2 on a
 usage error (checked before any work); 130 when interrupted (Ctrl-C, SIGTERM), leaving no output behind.
@@ -60,6 +60,7 @@ def _output_format(args) -> str:
                ("--chunk-size", args.chunk_size is not None, "tract's chunked lowering only"),
                ("--tract-version", args.tract_version is not None, "an ONNX file is not for one tract version"),
                ("--logits last", args.logits != "all", "the ONNX graph returns every new position's logits"),
+               ("--serving", args.serving, "the serving graph is the NNEF graph gdn_export.Engine runs"),
                (f"--lowering {args.lowering}", args.lowering not in ONNX_LOWERINGS,
                 f"ONNX lowerings are {', '.join(ONNX_LOWERINGS)} (native: onnxruntime's contrib op)")]
     for option, given, why in refused:
@@ -79,7 +80,7 @@ def _convert(args) -> int:
                      force=args.force, progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype,
                      chunk_size=args.chunk_size, streamed=not args.in_memory, prompt_len=args.prompt_len,
                      decode_steps=args.decode_steps, quantize=args.quantize,
-                     quantize_embeddings=args.quantize_embeddings, logits=args.logits)
+                     quantize_embeddings=args.quantize_embeddings, logits=args.logits, serving=args.serving)
     print(report)
     return 0
 
@@ -297,7 +298,7 @@ def _serve(args) -> int:
     _progress(f"loading {args.model}")
     try:
         serve(args.model, args.host, args.port, workers=args.workers, max_queue=args.max_queue, model_name=name,
-              log_level=args.log_level, ready=ready)
+              log_level=args.log_level, ready=ready, slots=args.slots, progress=_progress)
     except KeyboardInterrupt:
         pass
     _progress("stopped")
@@ -338,6 +339,9 @@ def parser() -> argparse.ArgumentParser:
     convert.add_argument("--logits", choices=["all", "last"], default="all",
                          help="logits of every new position (all: scoring, perplexity) or of the last one only "
                               "(last: generation; the head then runs once per call, not per prompt token)")
+    convert.add_argument("--serving", action="store_true",
+                         help="the graph `gdn-export serve` batches concurrent requests with (each row its own past "
+                              "length; docs/SERVING.md)")
     convert.add_argument("--prompt-len", type=_count(1), default=16, help="the check's prefill length")
     convert.add_argument("--decode-steps", type=_count(0), default=8, help="the check's single-token decode steps")
     convert.add_argument("--in-memory", action="store_true",
@@ -388,6 +392,9 @@ def parser() -> argparse.ArgumentParser:
                      help="requests computed at once, each by a thread over one shared tract plan (default 1)")
     srv.add_argument("--max-queue", type=_count(0), default=16,
                      help="requests waiting for a worker; beyond, 503 (default 16)")
+    srv.add_argument("--slots", type=_count(1), default=None,
+                     help="a serving archive (convert --serving): requests batched at once, split over the workers "
+                          "(default 8)")
     srv.add_argument("--served-model-name", default=None,
                      help="the model's name in the API (default: the file name without .nnef.tgz)")
     srv.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="warning",

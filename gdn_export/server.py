@@ -11,8 +11,10 @@ tokenizer is served in token ids) and ``prompt_token_ids``. Bad requests get a 4
 ``{"error": {"message", "type", "param", "code"}}``; a full executor answers 503. A client that disconnects, mid
 stream or while it waits, cancels its request: its worker is free at the next token.
 
-Requests run on an executor (``gdn_export.generation.executor``): today a ``WorkerPool`` of W threads, each a
-``Session`` of its own over one tract plan; issue 11's batched Engine is to replace it behind the same interface.
+Requests run on an executor (``gdn_export.generation.executor``'s interface): for a serving archive
+(``convert --serving``) the batched ``gdn_export.Engine`` (continuous batching over ``slots`` slots, ``workers``
+threads); for any other a ``WorkerPool`` of ``workers`` threads, each a ``Session`` of its own over one tract plan,
+one request at a time each.
 """
 
 from __future__ import annotations
@@ -397,6 +399,22 @@ def model_name_of(path) -> str:
     return name
 
 
+def executor_for(session, workers: int, max_queue: int, slots: int | None = None, progress=None):
+    """The executor ``serve`` runs on: an ``Engine`` for a serving archive (every bucket planned now), else a
+    ``WorkerPool``."""
+    if session.serving:
+        from gdn_export.serving import Engine
+
+        slots = slots or max(8, workers)
+        if progress is not None:
+            progress(f"planning the serving graph for batches of up to {slots // workers + (slots % workers > 0)} "
+                     "rows (once per batch-size bucket)")
+        return Engine(session, slots=slots, workers=workers, max_queue=max_queue, plan_now=True)
+    from gdn_export.generation.executor import WorkerPool
+
+    return WorkerPool(session, workers=workers, max_queue=max_queue)
+
+
 def listen(host: str, port: int):
     """A listening TCP socket on ``host``:``port`` (0: a free port), IPv4 or IPv6 as ``host`` is."""
     import socket
@@ -406,20 +424,24 @@ def listen(host: str, port: int):
 
 
 def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max_queue: int = 16,
-          model_name: str | None = None, log_level: str = "warning", ready=None) -> None:
+          model_name: str | None = None, log_level: str = "warning", ready=None, slots: int | None = None,
+          progress=None) -> None:
     """Serve the archive at ``path`` until interrupted (Ctrl-C, SIGTERM): ``workers`` threads over one tract
-    plan, at most ``max_queue`` requests waiting. ``ready(host, port)`` is called once the socket listens (connections
-    made from then on are served once the model is loaded)."""
+    plan, at most ``max_queue`` requests waiting; a serving archive on an ``Engine`` of ``slots`` slots (default 8;
+    every batch-size bucket planned before the server answers). ``ready(host, port)`` is called once the socket
+    listens (connections made from then on are served once the model is loaded)."""
     import uvicorn
 
-    from gdn_export.generation.executor import WorkerPool
     from gdn_export.session import Session
 
     session = Session(path)
+    if slots is not None and not session.serving:
+        raise GdnExportError(f"--slots batches requests over a serving graph; {path} has none (convert it with "
+                             "--serving)")
     sock = listen(host, port)
     executor = None
     try:
-        executor = WorkerPool(session, workers=workers, max_queue=max_queue)  # plans the model: seconds
+        executor = executor_for(session, workers, max_queue, slots, progress)  # plans the model: seconds
         app = make_app(executor, model_name or model_name_of(path))
         config = uvicorn.Config(app, log_level=log_level, http="h11", lifespan="off", timeout_graceful_shutdown=1)
         server = uvicorn.Server(config)

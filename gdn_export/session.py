@@ -148,13 +148,57 @@ class Session:
         runnable, piece = self._runnable(ids.shape[0]), self.prefill_piece or ids.shape[1]
         logits = []
         for begin in range(0, ids.shape[1], piece):
-            outputs = run_tract_tensors(runnable, [ids[:, begin:begin + piece].astype(np.int64)] + self._states)
-            self._states = outputs[1:]
+            chunk = ids[:, begin:begin + piece].astype(np.int64)
+            if self.takes_past_len:
+                past_len = [np.full(ids.shape[0], self.position + begin, np.int64)]
+                outputs = run_tract_tensors(runnable, [chunk] + past_len + self._padded_caches())
+                self._states = self._append_caches(outputs[1:])
+            else:
+                outputs = run_tract_tensors(runnable, [chunk] + self._states)
+                self._states = outputs[1:]
             logits.append(outputs[0].to_numpy())
         self.position += ids.shape[1]
         if len(logits) == 1 or self.metadata.get("logits") == "last":  # an archive of last-position logits
             return logits[-1]
         return np.concatenate(logits, axis=1)
+
+    @property
+    def serving(self) -> bool:
+        """A serving graph's archive (``convert(serving=True)``), which ``gdn_export.Engine`` batches."""
+        return bool(self.metadata.get("serving"))
+
+    @property
+    def takes_past_len(self) -> bool:
+        """A serving graph with attention caches: it takes ``past_len`` and returns each cache's new positions only,
+        which the session appends here (a graph without caches is the same served or not)."""
+        return "past_len" in self.metadata.get("inputs", ())
+
+    def _padded_caches(self) -> list:
+        """The states with one padding position after each cache's own (a serving graph's caches are never empty:
+        docs/SERVING.md); ``past_len`` masks it."""
+        import tract
+
+        padded = []
+        for spec, state in zip(self.state_specs, self._states):
+            if "P" in spec["shape"]:
+                axis = spec["shape"].index("P")
+                state = state.to_numpy()
+                shape = list(state.shape)
+                shape[axis] = 1
+                state = tract.Tensor.from_numpy(np.concatenate([state, np.zeros(shape, state.dtype)], axis=axis))
+            padded.append(state)
+        return padded
+
+    def _append_caches(self, outputs: list) -> list:
+        import tract
+
+        appended = []
+        for spec, old, new in zip(self.state_specs, self._states, outputs):
+            if "P" in spec["shape"]:
+                axis = spec["shape"].index("P")
+                new = tract.Tensor.from_numpy(np.concatenate([old.to_numpy(), new.to_numpy()], axis=axis))
+            appended.append(new)
+        return appended
 
     def decode(self, input_ids) -> np.ndarray:
         """Run one new token per sequence (``[B, 1]``); returns logits ``[B, 1, vocab]``."""

@@ -37,8 +37,8 @@ def _seed():
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
-    """``converted(name, dtype="float32") -> Path``: fixtures/<name> converted through the CLI (``gdn-export convert
-    ... --no-check``) once per test run. Under pytest-xdist the workers share one folder (the parent of their
+    """``converted(name, dtype="float32", serving=False) -> Path``: fixtures/<name> converted through the CLI
+    (``gdn-export convert ... --no-check``, with ``--serving``: the serving graph) once per test run. Under pytest-xdist the workers share one folder (the parent of their
     base temp folders) and a lock per archive, so each archive is converted once, by whichever worker asks first;
     the CLI writes an archive under its final name only once complete."""
     from filelock import FileLock
@@ -51,11 +51,12 @@ def converted(tmp_path_factory):
     folder = root / "converted"
     folder.mkdir(exist_ok=True)
 
-    def get(name: str, dtype: str = "float32") -> Path:
-        out = folder / f"{name}-{dtype}.nnef.tgz"
+    def get(name: str, dtype: str = "float32", serving: bool = False) -> Path:
+        out = folder / f"{name}-{dtype}{'-serving' if serving else ''}.nnef.tgz"
         with FileLock(str(out) + ".lock"):
             if not out.is_file():
-                status = cli(["convert", str(FIXTURES / name), "-o", str(out), "--dtype", dtype, "--no-check"])
+                status = cli(["convert", str(FIXTURES / name), "-o", str(out), "--dtype", dtype, "--no-check"]
+                             + (["--serving"] if serving else []))
                 assert status == 0, f"gdn-export convert {name} --dtype {dtype} failed"
         return out
 

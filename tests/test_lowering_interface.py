@@ -120,9 +120,12 @@ def imported_modules(path: Path) -> set[str]:
                   "gdn_export.cli", "gdn_export.session")),
     ("models", ("gdn_export.hf", "gdn_export.layers", "gdn_export.cli", "transformers")),
     ("layers", ("gdn_export.hf", "gdn_export.cli", "transformers")),
+    ("generation", ("gdn_export.serving", "gdn_export.server", "gdn_export.cli", "gdn_export.hf")),
+    ("serving", ("gdn_export.server", "gdn_export.cli", "gdn_export.hf", "gdn_export.exporter", "torch")),
 ])
 def test_layers_depend_one_way(layer, forbidden):
-    """ops <- lowering <- export <- hf/cli, and models <- layers <- hf: a layer imports nothing built on it."""
+    """ops <- lowering <- export <- hf/cli, models <- layers <- hf, and generation <- serving <- server/cli: a layer
+    imports nothing built on it (the Engine runs archives: no torch)."""
     for path in sorted((PACKAGE / layer).rglob("*.py")):
         bad = {m for m in imported_modules(path) if m.startswith(forbidden)}
         assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"

@@ -221,6 +221,63 @@ def test_concurrent_clients_get_what_they_get_alone(client):
     assert not errors and at_once == alone
 
 
+@pytest.fixture(scope="session")
+def engine_server(converted):
+    """The batched Engine over the serving archive (2 workers, 4 slots, 1 waiting): (base url, engine)."""
+    from gdn_export.serving import Engine
+
+    engine = Engine(converted(NAME, serving=True), slots=4, workers=2, max_queue=1)
+    with serving(engine, NAME) as base:
+        yield base, engine
+
+
+def test_engine_server_batches_concurrent_clients(engine_server, client):
+    """Over the Engine: 6 concurrent clients (greedy and seeded sampling, one streaming, one leaving mid-stream) get
+    the tokens the one-request-at-a-time server gives each alone; the one that left frees its slot."""
+    base, engine = engine_server
+    batched = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    asks = [dict(prompt=PROMPT, temperature=0), dict(prompt="The cat sat", temperature=1.0, seed=1),
+            dict(prompt="and the", temperature=0.7, top_p=0.9, seed=2), dict(prompt=[5, 6, 7], temperature=0),
+            dict(prompt="Hello", temperature=1.2, seed=3)]
+    asks = [dict(a, model=NAME, max_tokens=24, extra_body={"ignore_eos": True}) for a in asks]
+    alone = [client.completions.create(**a).choices[0].token_ids for a in asks]
+    at_once: list = [None] * len(asks)
+    errors = []
+
+    def ask(i):
+        try:
+            for _ in range(400):  # 4 slots and 1 waiting for 6 clients: one may be told to come back
+                try:
+                    if i == 0:
+                        chunks = batched.completions.create(**asks[i], stream=True)
+                        at_once[i] = [t for c in chunks for t in c.choices[0].token_ids]
+                    else:
+                        at_once[i] = batched.completions.create(**asks[i]).choices[0].token_ids
+                    return
+                except openai.APIStatusError as err:
+                    if err.status_code != 503:
+                        raise
+                    time.sleep(0.02)
+        except Exception as err:  # reported below
+            errors.append(err)
+
+    def leave():
+        stream = batched.completions.create(model=NAME, prompt="x y", max_tokens=100000, stream=True,
+                                            extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))] + [threading.Thread(target=leave)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors and at_once == alone
+    wait_for(lambda: engine.stats()["busy"] == 0, 10, "every slot to be free")
+    status, body = raw(base, "GET", "/health")
+    assert status == 200 and body["slots"] == 4 and body["workers"] == 2
+
+
 @pytest.mark.parametrize("body, status, param", [
     ('{"prompt": "x",', 400, None),
     ('[1, 2]', 400, None),
@@ -338,13 +395,17 @@ def test_cli_serve_refuses_bad_arguments(converted):
     assert info.value.code == 2
 
 
-def test_gdn_export_serve(converted, session, tmp_path):
-    """The command: listens on the port it prints, serves, and stops cleanly (exit 0) on SIGTERM."""
+@pytest.mark.parametrize("served", [False, True], ids=["worker_pool", "engine"])
+def test_gdn_export_serve(converted, session, tmp_path, served):
+    """The command: listens on the port it prints, serves, and stops cleanly (exit 0) on SIGTERM; a serving
+    archive on the batched Engine."""
     log = tmp_path / "stderr.txt"
     with open(log, "w") as err:
-        process = subprocess.Popen([sys.executable, "-m", "gdn_export.cli", "serve", str(converted(NAME)),
+        process = subprocess.Popen([sys.executable, "-m", "gdn_export.cli", "serve",
+                                    str(converted(NAME, serving=served)),
                                     "--host", "127.0.0.1", "--port", "0", "--workers", "2", "--max-queue", "1",
-                                    "--served-model-name", NAME], stdout=subprocess.DEVNULL, stderr=err,
+                                    "--served-model-name", NAME] + (["--slots", "4"] if served else []),
+                                   stdout=subprocess.DEVNULL, stderr=err,
                                    stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
     def listening():
@@ -359,7 +420,8 @@ def test_gdn_export_serve(converted, session, tmp_path):
         base = f"http://127.0.0.1:{wait_for(listening, 90, 'gdn-export serve to listen')}"
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == [NAME]
-        assert raw(base, "GET", "/health")[1]["workers"] == 2
+        health = raw(base, "GET", "/health")[1]
+        assert health["workers"] == 2 and health.get("slots") == (4 if served else None)
         text, ids, _ = expected(session, temperature=0, stop_token_ids=[])
         chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
                                                 extra_body={"ignore_eos": True}))

@@ -65,6 +65,7 @@ class TokenEvent:
 
     choice: Choice
     finish_reason: str | None = None
+    logits: np.ndarray | None = None  # the row the token was sampled from, where the executor keeps it (Engine)
 
     @property
     def token_id(self) -> int:

@@ -23,7 +23,7 @@ def gated_attention(module: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: 
     """Qwen3.5's ``*Attention`` with its output gate: per-head q/k norms, rotary, cache, sigmoid-gated ``o_proj``.
 
     ``q_proj`` yields ``[q | gate]`` per head; ``mask(key, dtype)`` gives the additive mask over the extended key
-    cache. Returns (output ``[B, S, D]``, key cache, value cache).
+    cache (``Context.mask``). Returns (output ``[B, S, D]``, key cache, value cache).
     """
     batch, seq = x.shape[:2]
     hidden_shape = (batch, seq, -1, module.head_dim)

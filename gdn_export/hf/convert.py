@@ -24,6 +24,7 @@ from gdn_export.hf.layout import resolve_layout
 from gdn_export.hf.weight_writers import dequantized_view, plan_writes, separate_tied_head, untied_view
 from gdn_export.runtime import lean_allocator
 from gdn_export.hf.families import family_for
+from gdn_export.models.decoder import takes_past_len
 from gdn_export.ops.moe_ffn import moe_report
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -90,18 +91,20 @@ class ConvertReport:
 
 
 def state_names(lm) -> tuple[list[str], list[str], dict]:
-    inputs = ["input_ids"] + [f"in_{s.name}" for s in lm.states]
+    served = takes_past_len(lm.serving, lm.states)
+    inputs = ["input_ids"] + (["past_len"] if served else []) + [f"in_{s.name}" for s in lm.states]
     outputs = ["logits"] + [f"out_{s.name}" for s in lm.states]
-    dynamic = {"input_ids": {0: "B", 1: "S"}}
+    dynamic = {"input_ids": {0: "B", 1: "S"}, **({"past_len": {0: "B"}} if served else {})}
     dynamic.update({f"in_{s.name}": s.dynamic_axes for s in lm.states})
     return inputs, outputs, dynamic
 
 
 def example_inputs(lm, vocab_size: int, dtype: torch.dtype, batch: int = 1, seq: int = 3, past: int = 2):
-    """Traced example: a non-empty past (so P is a real axis) and random states (so the export check means something)."""
+    """Traced example: a non-empty past (so P is a real axis) and random states (so the export check means something);
+    a serving graph's ``past_len`` one short of the cache, so that the check sees a padded key masked."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (batch, seq), generator=gen)
-    states = []
+    states = [torch.full((batch,), past - 1, dtype=torch.int64)] if takes_past_len(lm.serving, lm.states) else []
     for spec in lm.states:
         shape = [batch if d == "B" else past if d == "P" else d for d in spec.shape]
         states.append((0.1 * torch.randn(shape, generator=gen)).to(spec.dtype))
@@ -155,6 +158,7 @@ def convert(
     quantize_embeddings: bool = False,
     logits: str = "all",
     format: str = "nnef",
+    serving: bool = False,
 ) -> ConvertReport:
     """Convert a local checkpoint (config.json + safetensors) into ``out_path`` and check it in tract.
 
@@ -165,7 +169,9 @@ def convert(
     in memory first (the same archive, byte for byte). ``quantize="q4_0"`` stores every linear layer's weight whose
     inner size is whole blocks of 32 in tract's Q4_0 (``quantize_embeddings``: the embedding table too). ``logits``:
     "all" (logits of every new position) or "last" (of the last one only, ``[B, 1, vocab]``: what generation needs;
-    the head then runs once per call). The check
+    the head then runs once per call). ``serving``: the graph ``gdn_export.Engine`` batches requests with (a second
+    input ``past_len [B]``, each row's own past length; cache outputs are the new positions only; docs/SERVING.md).
+    The check
     then compares tract with the reference computing with the same Q4_0 weights (exactness, the float rule), and
     the report adds the quality against the model as published (mean KL, top-1), which is not judged. ``check``: True or "auto" checks a prefill of
     ``prompt_len`` tokens and ``decode_steps`` single-token steps in tract against transformers' eager model,
@@ -173,6 +179,9 @@ def convert(
     ParityError; False runs no check at all. Every argument is validated before any work; ``out_path`` appears
     only once written and checked: on any error or interruption nothing is left, neither it nor a temporary file.
     """
+    if serving and format != "nnef":
+        raise GdnExportError("serving=True (--serving) builds the NNEF graph gdn_export.Engine runs; it is not "
+                             f"available with format={format!r}")
     if format != "nnef":  # the ONNX back-end (gdn_export/hf/onnx_convert.py); "cpu", NNEF's default, is onnxruntime
         if format != "onnx":
             raise GdnExportError(f"format {format!r} is not one of nnef, onnx")
@@ -219,6 +228,9 @@ def convert(
     separated = separate_tied_head(model, quantize, quantize_embeddings)
     lm = family.exportable(model, export_dtype)
     lm.last_logits_only = logits == "last"
+    if serving and lm.serving_refusal:
+        raise GdnExportError(f"{family.name} has no serving graph (--serving): {lm.serving_refusal}")
+    lm.serving = serving
     writers, quantization = plan_writes(lm, model, weights, export_dtype, quantize, quantize_embeddings)
     if not streamed and quantize is None:
         writers = None  # the in-memory model's own values are written
@@ -229,6 +241,7 @@ def convert(
         "format": FORMAT_VERSION, "family": family.name, "model_type": layout.checkpoint_model_type,
         "text_model_type": layout.model_type, "dtype": dtype, "core_dtype": core_dtype, "vocab_size": vocab_size,
         "inputs": inputs, "outputs": outputs, "generation_files": sorted(carried), "quantize": quantize, "logits": logits,
+        "serving": serving,
         "quantized": len(quantization.quantized),
         "states": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."),
                     "kind": s.kind, "layer": s.layer} for s in lm.states],

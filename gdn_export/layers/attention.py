@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from gdn_export.layers.common import RMSNorm, split_heads
 from gdn_export.models import blocks
 from gdn_export.models.state import StateSpec, attention_states
+
+if TYPE_CHECKING:
+    from gdn_export.models.decoder import Context
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -49,18 +54,19 @@ class Attention(nn.Module):
         return 1.0 / (float(self.rope_theta) ** exponents)
 
     def forward(self, x: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x ``[B, S, D]``, caches ``[B, Hkv, P, d]``, positions ``[1, S]`` -> (out, key cache, value cache)."""
+                context: Context) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x ``[B, S, D]``, caches ``[B, Hkv, P, d]``, the decoder's ``context`` (positions ``[1, S]``, or ``[B, S]`` in
+        a serving graph, and the mask) -> (out, key cache, value cache)."""
         q = split_heads(self.q_proj(x), self.head_dim)
         k = split_heads(self.k_proj(x), self.head_dim)
         v = split_heads(self.v_proj(x), self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = blocks.rope_cos_sin(self.inv_freq(), positions, 1.0, x.dtype)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # [1, S, 1, d] against [B, S, H, d]
+        cos, sin = blocks.rope_cos_sin(self.inv_freq(), context.positions, 1.0, x.dtype)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [1 or B, S, 1, d] against [B, S, H, d]
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         out, key, value = blocks.cached_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  past_key, past_value, positions, self.head_dim ** -0.5,
+                                                  past_key, past_value, context.mask, self.head_dim ** -0.5,
                                                   self.window_size)
         return self.o_proj(out), key, value
 
@@ -68,6 +74,6 @@ class Attention(nn.Module):
         return attention_states(layer, self.num_kv_heads, self.head_dim, dtype)
 
     def forward_states(self, x: torch.Tensor, states: list[torch.Tensor],
-                       positions: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        out, key, value = self(x, states[0], states[1], positions)
+                       context: Context | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        out, key, value = self(x, states[0], states[1], context)
         return out, [key, value]

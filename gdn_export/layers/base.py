@@ -117,7 +117,8 @@ class DeltaLayer(nn.Module):
         return tuple(conv), state
 
     def forward_states(self, x: torch.Tensor, states: list[torch.Tensor],
-                       positions: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The block-level call: states flat in ``state_specs`` order; returns (out, new states)."""
+                       context=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The block-level call: states flat in ``state_specs`` order; returns (out, new states). ``context`` (the
+        decoder's ``Context``: positions, masks) is for attention layers; a delta-rule layer needs none."""
         out, conv, state = self(x, tuple(states[:-1]), states[-1])
         return out, [*conv, state]

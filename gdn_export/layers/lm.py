@@ -94,9 +94,11 @@ class FlaForCausalLM(Decoder, nn.Module):
     def initial_states(self, batch: int) -> list[torch.Tensor]:
         return [spec.zeros(batch) for spec in self.state_specs(self.lm_head.weight.dtype)]
 
-    def step(self, input_ids: torch.Tensor, states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """input_ids ``[B, S]`` and the flat states -> (logits ``[B, S, vocab]``, new flat states)."""
-        return self.decode(input_ids, states, self.state_specs(self.lm_head.weight.dtype))
+    def step(self, input_ids: torch.Tensor, states: list[torch.Tensor],
+             past_len: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids ``[B, S]`` and the flat states -> (logits ``[B, S, vocab]``, new flat states); ``past_len``
+        ``[B]`` in a serving graph (``Decoder.decode``)."""
+        return self.decode(input_ids, states, self.state_specs(self.lm_head.weight.dtype), past_len)
 
     # --- the decoder's hooks ----------------------------------------------------------------------------------
 
@@ -114,8 +116,8 @@ class FlaForCausalLM(Decoder, nn.Module):
         return layer(step, *args)
 
     def mixer(self, index, layer, x, states, context):
-        # delta-rule and attention layers alike take (x, their states, positions)
-        out, states = layer.attn.forward_states(x, states, context.positions)
+        # delta-rule and attention layers alike take (x, their states, the call's context)
+        out, states = layer.attn.forward_states(x, states, context)
         return (out, *states)
 
     def feed_forward(self, index, layer, x):

@@ -7,6 +7,8 @@ shapes, and the gated delta rule and its short conv are single ``t2n_extra`` nod
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -15,28 +17,50 @@ from gdn_export.ops.gated_delta_rule import gated_delta_rule
 from gdn_export.ops.moe_ffn import moe_ffn
 
 
-def positions(input_ids: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
-    """Absolute positions ``[1, S]`` of the new tokens: the past length (axis 2 of a cache) plus 0..S-1.
-
-    One row for the whole batch (every sequence of a batch shares its past length): no batch axis enters
-    the position arithmetic, which keeps tract's symbolic shapes simple.
+def positions(input_ids: torch.Tensor, past: torch.Tensor, past_len: torch.Tensor | None = None) -> torch.Tensor:
+    """Absolute positions of the new tokens: ``[1, S]``, the past length (axis 2 of a cache) plus 0..S-1, one row for
+    the whole batch (every sequence of a batch shares its past length: no batch axis enters the position
+    arithmetic, which keeps tract's symbolic shapes simple); or, in a serving graph (``past_len`` ``[B]``, each
+    row's own past length), ``[B, S]``: ``past_len[b]`` plus 0..S-1.
     """
     # input_ids[0] (a select, not a [:1] slice): tract would carry a slice's extent as min(B, 1) - min(B, 0)
     offsets = (torch.ones_like(input_ids[0]).cumsum(-1) - 1)[None]
+    if past_len is not None:
+        return offsets + past_len[:, None]
     return offsets + past.shape[2]
 
 
 def causal_mask(query_positions: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype,
-                sliding_window: int | None = None) -> torch.Tensor:
-    """Additive mask ``[1, 1, S, P+S]``: 0 where key position j <= query position i (and within the window).
+                sliding_window: int | None = None, past_len: torch.Tensor | None = None,
+                past: torch.Tensor | None = None) -> torch.Tensor:
+    """Additive mask ``[1, 1, S, P+S]`` (``[B, 1, S, P+S]`` in a serving graph): 0 where key position j <= query
+    position i (and within the window), the dtype's lowest value elsewhere.
 
     ``keys`` is any tensor with the P+S key positions on axis 2 (a layer's extended key cache): the mask
     takes its length from there, so a symbolic past stays symbolic.
+
+    Serving graph (``past_len`` ``[B]`` and ``past``, a cache input with P on axis 2): the cache rows are padded
+    to the longest past of the batch, so past key j is row b's position j, a key only where j < past_len[b] (the
+    rest is padding: masked, its softmax weight exactly 0); the S new keys are at the query positions. Built as
+    the past part and the new part side by side, with no arithmetic on P (torch-to-nnef would type a shape used
+    in arithmetic as f32 against the int64 indices). P >= 1: tract fails a cumsum over an empty axis, so a
+    serving graph's caches always hold at least one (padding) position (``Session`` and ``Engine`` pad them).
     """
-    key_positions = (torch.ones_like(keys[0, 0, :, 0], dtype=torch.int64).cumsum(-1) - 1)[None]  # [1, P+S]
-    allowed = key_positions[:, None, :] <= query_positions[:, :, None]
-    if sliding_window is not None:
-        allowed = allowed & (key_positions[:, None, :] > query_positions[:, :, None] - sliding_window)
+    window = None if sliding_window is None else query_positions[:, :, None] - sliding_window
+    if past_len is None:
+        key_positions = (torch.ones_like(keys[0, 0, :, 0], dtype=torch.int64).cumsum(-1) - 1)[None]  # [1, P+S]
+        allowed = key_positions[:, None, :] <= query_positions[:, :, None]
+        if window is not None:
+            allowed = allowed & (key_positions[:, None, :] > window)
+    else:
+        past_positions = (torch.ones_like(past[0, 0, :, 0], dtype=torch.int64).cumsum(-1) - 1)[None, None]  # [1,1,P]
+        # below every query position of its row; "& (q >= 0)" (always true) broadcasts it over the S queries
+        allowed_past = (past_positions < past_len[:, None, None]) & (query_positions[:, :, None] >= 0)
+        allowed_new = query_positions[:, None, :] <= query_positions[:, :, None]
+        if window is not None:
+            allowed_past = allowed_past & (past_positions > window)
+            allowed_new = allowed_new & (query_positions[:, None, :] > window)
+        allowed = torch.cat([allowed_past, allowed_new], dim=2)
     zero = torch.zeros((), dtype=dtype)
     return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
 
@@ -112,17 +136,17 @@ def per_head_decay(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) 
 
 
 def cached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: torch.Tensor,
-                     past_value: torch.Tensor, query_positions: torch.Tensor, scaling: float,
+                     past_value: torch.Tensor, mask: Callable[..., torch.Tensor], scaling: float,
                      sliding_window: int | None = None):
-    """Ungated attention over an explicit cache: q ``[B, H, S, D]``, new k/v ``[B, Hkv, S, D]`` after rotary.
+    """Ungated attention over an explicit cache: q ``[B, H, S, D]``, new k/v ``[B, Hkv, S, D]`` after rotary;
+    ``mask(keys, dtype, sliding_window)`` the additive mask over the extended keys (``Context.mask``).
 
     Returns (output ``[B, S, H*Dv]`` ready for the output projection, extended key cache, extended value cache).
     The whole past is kept and out-of-window keys are masked: transformers' sliding cache drops them instead,
     which leaves the same softmax since masked weights are exactly zero.
     """
     key, value = extend_cache(past_key, key), extend_cache(past_value, value)
-    mask = causal_mask(query_positions, key, query.dtype, sliding_window)
-    out = attend(query, key, value, mask, scaling)
+    out = attend(query, key, value, mask(key, query.dtype, sliding_window), scaling)
     return out.flatten(2), key, value
 
 

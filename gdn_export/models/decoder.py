@@ -51,8 +51,14 @@ Branch = Callable[[torch.Tensor], tuple]
 class Context:
     """What the layers of one call share, computed once before the loop."""
 
-    positions: torch.Tensor | None  # [1, S] absolute positions of the new tokens; None without an attention cache
+    positions: torch.Tensor | None  # [1, S] absolute positions of the new tokens ([B, S] serving); None without a cache
     rotary: Any = None  # rotary_tables' result (None where the family shares none)
+    past_len: torch.Tensor | None = None  # serving graphs: [B], each row's own past length
+    past: torch.Tensor | None = None  # the first key cache input (its axis 2 is the padded past P)
+
+    def mask(self, keys: torch.Tensor, dtype: torch.dtype, sliding_window: int | None = None) -> torch.Tensor:
+        """The additive attention mask over ``keys`` (an extended key cache): ``blocks.causal_mask``."""
+        return blocks.causal_mask(self.positions, keys, dtype, sliding_window, self.past_len, self.past)
 
 
 class Decoder:
@@ -64,24 +70,41 @@ class Decoder:
     # product per position, a quarter of Qwen3.5 0.8B's per-token work) then runs once per call, not per token
     last_logits_only: bool = False
 
+    # True: a serving graph (``convert(serving=True)``): a second input ``past_len`` ``[B]`` gives each row its own
+    # past length; cache inputs are padded to the longest (keys past a row's length masked) and cache outputs are
+    # the new positions only, ``[B, Hkv, S, D]``, for the host to write at each row's own length
+    serving: bool = False
+    # why this family has no serving graph (None: it has one)
+    serving_refusal: str | None = None
+
     def decode(self, input_ids: torch.Tensor, states: Sequence[torch.Tensor],
-               specs: Sequence[StateSpec]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+               specs: Sequence[StateSpec], past_len: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids ``[B, S]`` and the flat states (``specs`` order) -> (logits ``[B, S, vocab]``, or ``[B, 1, vocab]``
-        with ``last_logits_only``; new flat states)."""
+        with ``last_logits_only``; new flat states). ``past_len`` ``[B]``: a serving graph's per-row past lengths."""
         layers = list(self.decoder_layers())
         per_layer = split_states(states, specs, len(layers))
         x = self.embed(input_ids)
         # every attention layer has seen the same past: the first key cache's length gives the positions
         first_key = next((s for spec, s in zip(specs, states) if spec.kind == "key"), None)
-        positions = None if first_key is None else blocks.positions(input_ids, first_key)
-        context = Context(positions, None if positions is None else self.rotary_tables(x, positions))
+        positions = None if first_key is None else blocks.positions(input_ids, first_key, past_len)
+        context = Context(positions, None if positions is None else self.rotary_tables(x, positions),
+                          past_len, first_key)
         new_states = []
         for i, layer in enumerate(layers):
             x, *layer_states = self.run_layer(layer, self.layer_step, i, layer, x, per_layer[i], context)
             new_states += layer_states
+        if past_len is not None:  # a cache's output: the S new positions, after the padded past
+            new_states = [new_positions(new, old, spec) for spec, old, new in zip(specs, states, new_states)]
         if self.last_logits_only:
             x = x[:, -1:]
         return self.head(x), new_states
+
+    def split_inputs(self, inputs: Sequence[torch.Tensor],
+                     specs: Sequence[StateSpec]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """A graph's inputs after ``input_ids``: ``(past_len, states)`` (past_len None but in a serving graph)."""
+        if takes_past_len(self.serving, specs):
+            return inputs[0], list(inputs[1:])
+        return None, list(inputs)
 
     def layer_step(self, index: int, layer: nn.Module, x: torch.Tensor, states: list[torch.Tensor],
                    context: Context) -> tuple:
@@ -135,6 +158,21 @@ class Decoder:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+
+def takes_past_len(serving: bool, specs: Sequence[StateSpec]) -> bool:
+    """Whether a graph has the ``past_len`` input: a serving graph with an attention cache (a graph of delta-rule
+    layers only is the same graph served or not: its states have no past axis)."""
+    return serving and any("P" in spec.shape for spec in specs)
+
+
+def new_positions(new: torch.Tensor, old: torch.Tensor, spec: StateSpec) -> torch.Tensor:
+    """A serving graph's state output: a cache's positions after the padded past ``old`` (its S new ones); any other
+    state as it is."""
+    if "P" not in spec.shape:
+        return new
+    axis = spec.shape.index("P")
+    return new[(slice(None),) * axis + (slice(old.shape[axis], None),)]
 
 
 def split_states(states: Sequence[torch.Tensor], specs: Sequence[StateSpec], layers: int) -> list[list[torch.Tensor]]:

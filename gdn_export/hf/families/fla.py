@@ -148,9 +148,23 @@ class FlaLM(ExportableLM):
         super().__init__(model)
         self.states = model.state_specs(dtype)
 
-    def forward(self, input_ids: torch.Tensor, *states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        logits, new_states = self.hf.step(input_ids, list(states))
+    def forward(self, input_ids: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        past_len, states = self.hf.split_inputs(inputs, self.states)
+        logits, new_states = self.hf.step(input_ids, states, past_len)
         return (logits, *new_states)
+
+    @property
+    def serving(self) -> bool:
+        """The decoder's (``Decoder.serving``), as ``last_logits_only``."""
+        return self.hf.serving
+
+    @serving.setter
+    def serving(self, value: bool) -> None:
+        self.hf.serving = value
+
+    @property
+    def serving_refusal(self) -> str | None:
+        return self.hf.serving_refusal
 
     @property
     def last_logits_only(self) -> bool:

@@ -97,7 +97,7 @@ class KimiLinearLM(TransformersLM):
         # no rotary: k_rot enters as computed, one copy per head
         k_rot = k_rot[:, None].expand(-1, module.num_heads, -1, -1)
         key = torch.cat([k_nope, k_rot], dim=-1)
-        out, key, value = blocks.cached_attention(query, key, value, *states, context.positions, module.scaling)
+        out, key, value = blocks.cached_attention(query, key, value, *states, context.mask, module.scaling)
         return module.o_proj(out), key, value
 
     def feed_forward(self, index, layer, x):

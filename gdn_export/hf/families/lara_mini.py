@@ -36,7 +36,7 @@ class LaraMiniLM(Qwen3_5LM):
         if self.layer_types[index] == "sliding_attention":
             query, key = apply_rotary_pos_emb(query, key, *context.rotary)
         # module.sliding_window is the config's window on "sliding_attention" layers, None on global ones
-        out, key, value = blocks.cached_attention(query, key, value, *states, context.positions, module.scaling,
+        out, key, value = blocks.cached_attention(query, key, value, *states, context.mask, module.scaling,
                                                   module.sliding_window)
         return module.o_proj(out), key, value
 

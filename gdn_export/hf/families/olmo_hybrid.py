@@ -47,7 +47,7 @@ class OlmoHybridLM(TransformersLM):
         value = module.v_proj(x).view(hidden_shape).transpose(1, 2)
         if context.rotary is not None:
             query, key = apply_rotary_pos_emb(query, key, *context.rotary)
-        out, key, value = blocks.cached_attention(query, key, value, *states, context.positions, module.scaling)
+        out, key, value = blocks.cached_attention(query, key, value, *states, context.mask, module.scaling)
         return module.o_proj(out), key, value
 
     def norms(self, index, layer, part):

@@ -31,8 +31,7 @@ class Qwen3_5LM(TransformersLM):
     def attention(self, index, layer, x, states, context):
         from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
-        return gated_attention(layer.self_attn, x, *context.rotary, apply_rotary_pos_emb, *states,
-                               lambda key, dtype: blocks.causal_mask(context.positions, key, dtype))
+        return gated_attention(layer.self_attn, x, *context.rotary, apply_rotary_pos_emb, *states, context.mask)
 
 
 FAMILY = Family(

@@ -154,6 +154,9 @@ def indexer_mask(indexer: nn.Module, query: torch.Tensor, index_keys: torch.Tens
 class Qwen4ExpLM(Qwen3_5LM):
     """Qwen3.5's GDN mixer and gated attention, with the QSA indexer, hyper-connections and MoE around them."""
 
+    serving_refusal = ("Qwen4-Exp's QSA indexer picks key blocks by position over one shared past (its block "
+                       "boundaries and budget come from the key count): per-row past lengths are not implemented")
+
     def attention_states(self, index, layer, dtype):
         return [*super().attention_states(index, layer, dtype), indexer_key_state(index, self.config, dtype)]
 
