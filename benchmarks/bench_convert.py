@@ -1,6 +1,7 @@
 """Conversion time and tract speed of converted models, against transformers' eager model on the same threads.
 
-    python benchmarks/bench_convert.py [--fixtures] [--realistic] [--threads 1] [--prompt 128] [--decode 16]
+    python benchmarks/bench_convert.py [--fixtures] [--realistic [--onnx-threads 1 2]] [--threads 1] [--prompt 128]
+                                       [--decode 16]
     python benchmarks/bench_convert.py --large [--size-gb 3.2] [--keep DIR] [--dtype float32|float16]
                                        [--check none|auto] [--layers N] [--hidden H] [--vocab V] [--build-only]
 
@@ -9,7 +10,8 @@ config with random weights (--realistic: hidden 1024, 24 layers, 3 GDN layers pe
 K = V = 128; vocab cut to 32000 to keep the file small), it reports: conversion time (export +
 check), tract prefill tokens/s at S=--prompt and decode tokens/s (one token per call, states carried),
 and transformers' eager model doing the same with its own cache, with tract/transformers ratios measured
-in the same run. tract runs on one thread; torch uses --threads.
+in the same run. tract runs on one thread; torch uses --threads. --onnx-threads adds rows for the realistic model
+exported to ONNX (gdn-export convert --format onnx, checked) and run in onnxruntime on each thread count.
 
 --large: conversion memory on a checkpoint of real size. large_checkpoint.py writes a Qwen3.5-text checkpoint of
 at least --size-gb GB of random bf16 weights (hidden 2048, vocab 151936, untied, as many 3:1 layers as the size
@@ -74,13 +76,28 @@ def tokens_per_second(fn, tokens: int, budget: float = 3.0, min_runs: int = 2) -
     return tokens * runs / (time.perf_counter() - start)
 
 
-def measure(name: str, checkpoint: Path, out: Path, prompt: int, decode: int) -> dict:
-    start = time.perf_counter()
-    report = convert(checkpoint, out, force=True, check=True, prompt_len=8, decode_steps=2)
-    convert_s = time.perf_counter() - start
+CONVERTED: dict = {}  # out path -> (report, seconds)
+
+
+def measure(name: str, checkpoint: Path, out: Path, prompt: int, decode: int, onnx_threads: int | None = None) -> dict:
+    """Convert (and check) ``checkpoint`` into ``out``, then tokens/s of tract (or, with ``onnx_threads``, of the ONNX
+    export in onnxruntime on that many threads) and of transformers' eager model on the same tokens."""
+    if out in CONVERTED:  # an ONNX file measured again on another thread count
+        report, convert_s = CONVERTED[out]
+    else:
+        start = time.perf_counter()
+        report = convert(checkpoint, out, force=True, check=True, prompt_len=8, decode_steps=2,
+                         **({"format": "onnx"} if onnx_threads else {}))
+        convert_s = time.perf_counter() - start
+        CONVERTED[out] = report, convert_s
     config = read_config(checkpoint)
     hf_model = load_model(checkpoint, family_for(config["model_type"]), config)
-    session = Session(out, steady_allocator=False)  # main() applied --glibc-default-allocator
+    if onnx_threads:
+        from gdn_export.onnx import OnnxSession
+
+        session = OnnxSession(out, "onnxruntime", threads=onnx_threads)
+    else:
+        session = Session(out, steady_allocator=False)  # main() applied --glibc-default-allocator
     tokens = sample_tokens(hf_model.config.vocab_size, 1, prompt + decode)
     ids = torch.from_numpy(tokens)
 
@@ -279,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--decode", type=int, default=16)
+    parser.add_argument("--onnx-threads", type=int, nargs="*", default=None,
+                        help="with --realistic: also the ONNX export in onnxruntime on these thread counts (1 2)")
     large = parser.add_argument_group("--large", "conversion memory on a checkpoint of real size")
     large.add_argument("--large", action="store_true", help="build a large bf16 checkpoint and measure its conversion")
     large_checkpoint.add_shape_options(large)
@@ -309,14 +328,18 @@ def main(argv: list[str] | None = None) -> None:
             checkpoint = realistic_checkpoint(tmp / "qwen3_5_realistic")
             rows.append(measure("Qwen3.5 hidden 1024 x 24 layers (random)", checkpoint, tmp / "real.nnef.tgz",
                                 args.prompt, args.decode))
+            for threads in args.onnx_threads if args.onnx_threads is not None else []:
+                rows.append(measure(f"the same, ONNX in onnxruntime ({threads} thr)", checkpoint,
+                                    tmp / "real.onnx", args.prompt, args.decode, onnx_threads=threads))
     print(f"tract 1 thread, torch {args.threads} thread(s); prefill S={args.prompt}, decode {args.decode} tokens; "
           "tokens/s (x = tract / transformers in the same run)\n")
-    print("| model | GDN lowering | convert s | prefill tract | prefill transformers | decode tract | decode transformers | max logit err |")
+    print("| model | GDN lowering | convert s | prefill tract (onnxruntime) | prefill transformers | decode tract "
+          "(onnxruntime) | decode transformers | max logit err |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} | {','.join(r['lowerings'])} | {r['convert_s']:.1f} | {r['tract_prefill']:.0f} "
-              f"({r['tract_prefill'] / r['torch_prefill']:.2f}x) | {r['torch_prefill']:.0f} | {r['tract_decode']:.0f} "
-              f"({r['tract_decode'] / r['torch_decode']:.2f}x) | {r['torch_decode']:.0f} | {r['max_logit_error']:.1e} |")
+              f"({r['tract_prefill'] / r['torch_prefill']:.2f}x) | {r['torch_prefill']:.0f} | {r['tract_decode']:.1f} "
+              f"({r['tract_decode'] / r['torch_decode']:.2f}x) | {r['torch_decode']:.1f} | {r['max_logit_error']:.1e} |")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """Median time of one gated delta-rule core per lowering, measured side by side in one run.
 
     python benchmarks/bench_lowerings.py [--heads 16] [--width 128] [--seq 1 128 1024] [--threads 1]
+                                         [--onnx-threads 1 2]
 
 Rows: tract with the fused op, tract with the portable scan (one symbolic-S graph each, exported by
 gdn_export), and torch eager running gdn_export's reference (the token loop) and transformers' chunked
-rule when transformers is installed. Ratios are against the fused op in the same run: > 1 is faster.
+rule when transformers is installed. With ``--onnx-threads``: also the same core exported to ONNX
+(bench_onnx.py's forms): onnxruntime's contrib op and portable Scan at each thread count, tract's ONNX loader on
+the elementwise Scan. Ratios are against the fused op in the same run: > 1 is faster.
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", action="store_true",
                         help="one row per delta-rule variant (runtime='cpu' auto lowering) instead of per lowering")
     parser.add_argument("--only", nargs="+", help="with --variants: these variants only")
+    parser.add_argument("--onnx-threads", type=int, nargs="*", default=None,
+                        help="add the ONNX rows (onnxruntime at these thread counts, tract's ONNX loader)")
     add_allocator_option(parser)
     args = parser.parse_args(argv)
     apply_allocator_option(args)
@@ -94,6 +99,10 @@ def main(argv: list[str] | None = None) -> None:
                      "recurrent": "tract recurrent (matmul step)",
                      "chunked": "tract chunked (WY form, chunks of 64)"}[lowering]
             methods[label] = lambda xs, r=runnable: r.run([np.ascontiguousarray(x.numpy()) for x in xs])
+        if args.onnx_threads is not None:
+            from bench_onnx import onnx_methods
+
+            methods.update(onnx_methods(Path(tmp), args.heads, args.width, args.onnx_threads or [1, 2]))
     methods[f"torch eager reference (token loop, {args.threads} thr)"] = lambda xs: gdn_export.gated_delta_rule(
         *xs, use_qk_l2norm=True)
     try:

@@ -58,6 +58,47 @@ def realistic(args) -> None:
                       f"{args.decode / min(seconds):.1f} tok/s |", flush=True)
 
 
+def onnx_methods(folder: Path, heads: int, width: int, threads: list[int]) -> dict:
+    """label -> callable(torch inputs) for the ONNX forms of the same core (bench_lowerings.py's ``methods``): the
+    contrib op and the portable Scan (matmul step) in onnxruntime at each of ``threads``, and the elementwise Scan in
+    tract's ONNX loader. Each graph is exported into ``folder`` and checked against torch at export."""
+    import numpy as np
+    import onnxruntime as ort
+    import tract
+
+    axes = {n: {0: "B", 1: "S"} for n in NAMES[:-1]} | {"s0": {0: "B"}}
+    example = inputs(4, heads, width)
+    files = {}
+    # runtime "any": the Scan with a matmul step (onnxruntime's faster one); "tract-onnx": the elementwise step
+    for runtime, label, lowering in (("onnxruntime", "contrib op com.microsoft::GatedDeltaNet", "contrib"),
+                                     ("any", "portable Scan (matmul step)", "scan"),
+                                     ("tract-onnx", "tract scan", "scan")):
+        path = folder / f"{runtime}.onnx"
+        report = gdn_export.export(Rule(), example, path, format="onnx", runtime=runtime, input_names=NAMES,
+                                   output_names=["o", "state"], dynamic_axes=axes,
+                                   lowering="native" if lowering == "contrib" else "auto")
+        assert report.lowerings() == [lowering], report
+        files[label] = path
+
+    def feed(xs):
+        return {n: np.ascontiguousarray(x.numpy()) for n, x in zip(NAMES, xs)}
+
+    methods = {}
+    for count in threads:
+        for label, path in files.items():
+            if label == "tract scan":
+                continue
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = count
+            options.inter_op_num_threads = 1
+            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            methods[f"onnxruntime {label}, {count} thr"] = lambda xs, s=session: s.run(None, feed(xs))
+    plan = tract.onnx().load(str(files["tract scan"])).into_model().into_runnable()
+    methods["tract-onnx portable Scan (elementwise step)"] = lambda xs: plan.run(
+        [np.ascontiguousarray(x.numpy()) for x in xs])
+    return methods
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=16)
@@ -71,47 +112,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.realistic:
         return realistic(args)
-    import onnxruntime as ort
-    import tract
-
-    axes = {n: {0: "B", 1: "S"} for n in NAMES[:-1]} | {"s0": {0: "B"}}
-    example = inputs(4, args.heads, args.width)
-    rows = {}
+    rows: dict[str, dict[int, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        files = {}
-        # runtime "any": the Scan with a matmul step (onnxruntime's faster one); "tract-onnx": the elementwise step
-        for runtime, label, lowering in (("onnxruntime", "contrib", "contrib"), ("any", "scan", "scan"),
-                                         ("tract-onnx", "tract scan", "scan")):
-            path = Path(tmp) / f"{runtime}.onnx"
-            report = gdn_export.export(Rule(), example, path, format="onnx", runtime=runtime, input_names=NAMES,
-                                       output_names=["o", "state"], dynamic_axes=axes)
-            assert report.lowerings() == [lowering], report
-            files[label] = path
-        for threads in args.threads:
-            sessions = {}
-            for label, path in files.items():
-                if label == "tract scan":
-                    continue
-                options = ort.SessionOptions()
-                options.intra_op_num_threads = threads
-                options.inter_op_num_threads = 1
-                sessions[f"onnxruntime {label}"] = ort.InferenceSession(str(path), options,
-                                                                        providers=["CPUExecutionProvider"])
-            plan = tract.onnx().load(str(files["tract scan"])).into_model().into_runnable()  # tract: its own threads
-            for seq in args.seq:
-                feed = {n: t.numpy() for n, t in zip(NAMES, inputs(seq, args.heads, args.width))}
-                for label, session in sessions.items():
-                    rows.setdefault((f"onnxruntime {label}" if not label.startswith("onnxruntime") else label, threads), {})[seq] = median_ms(lambda: session.run(None, feed),
-                                                                           args.budget)
-                if threads == args.threads[0]:
-                    values = [feed[n] for n in NAMES]
-                    rows.setdefault(("tract-onnx scan (elementwise step)", "-"), {})[seq] = median_ms(lambda: plan.run(values),
-                                                                                   args.budget)
+        methods = onnx_methods(Path(tmp), args.heads, args.width, args.threads)
+        for seq in args.seq:
+            xs = inputs(seq, args.heads, args.width, seed=seq)
+            for label, fn in methods.items():
+                rows.setdefault(label, {})[seq] = median_ms(lambda: fn(xs), args.budget)
     print(f"H={args.heads}, K=V={args.width}, B=1, f32; median ms per call")
-    print("| runtime / form | threads | " + " | ".join(f"S={s}" for s in args.seq) + " |")
-    print("|---|---|" + "---|" * len(args.seq))
-    for (label, threads), values in rows.items():
-        print(f"| {label} | {threads} | " + " | ".join(f"{values[s]:.3g}" for s in args.seq) + " |")
+    print("| runtime / form | " + " | ".join(f"S={s}" for s in args.seq) + " |")
+    print("|---|" + "---|" * len(args.seq))
+    for label, values in rows.items():
+        print(f"| {label} | " + " | ".join(f"{values[s]:.3g}" for s in args.seq) + " |")
 
 
 if __name__ == "__main__":

@@ -207,10 +207,21 @@ def test_family_portable_scan_in_tract(onnx_converted, name):
             assert result.ok, (runtime, batch, str(result))
 
 
-@pytest.mark.parametrize("name", by_fixture("qwen3_5"))
-def test_float16(onnx_converted, name):
-    result = gdn_export.check(onnx_converted(name, dtype="float16"), FIXTURES / name, batch=2)
-    assert result.ok and result.need_top1, str(result)
+# every fixture family the ONNX export covers (Qwen4-Exp is refused: test_family_the_onnx_exporter_cannot_trace_...)
+ALL_FAMILIES = GDN_FAMILIES + ["qwen3_5_moe", "lara_mini", "fla_kda", "fla_delta_net", "fla_gated_deltaproduct"]
+
+
+@pytest.mark.parametrize("name", by_fixture(*ALL_FAMILIES))
+def test_every_family_float32_and_float16(onnx_converted, name):
+    """The default ONNX export (``--runtime onnxruntime``, auto lowering) of every fixture family, f32 and f16, checked
+    in onnxruntime against the reference at batch 1 and 2, prefill 16 + decode 8: f32 by the f32 rule, f16 by the
+    project's reduced-precision rule (no worse than the reference's own float16, top-1 on decisive positions)."""
+    for dtype in ("float32", "float16"):
+        path = onnx_converted(name, dtype=dtype)
+        for batch in (1, 2):
+            result = gdn_export.check(path, FIXTURES / name, prompt_len=16, decode_steps=8, batch=batch)
+            assert result.ok and result.dtype == dtype, (dtype, batch, str(result))
+            assert result.need_top1 == (dtype == "float16")
 
 
 @pytest.mark.parametrize("name", by_fixture("qwen3_5_moe"))

@@ -191,6 +191,18 @@ def test_chat_completion_through_the_template(client, session):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def until_served(call, attempts: int = 400):
+    """``call()``, asked again while the server answers 503 (full)."""
+    for _ in range(attempts):
+        try:
+            return call()
+        except openai.APIStatusError as err:
+            if err.status_code != 503:
+                raise
+            time.sleep(0.02)
+    raise AssertionError(f"still 503 after {attempts} attempts")
+
+
 def test_concurrent_clients_get_what_they_get_alone(client):
     asks = [dict(prompt=PROMPT, temperature=0), dict(prompt="The cat sat", temperature=1.0, seed=1),
             dict(prompt="and the", temperature=0.7, top_p=0.9, seed=2), dict(prompt=[5, 6, 7], temperature=0),
@@ -202,14 +214,7 @@ def test_concurrent_clients_get_what_they_get_alone(client):
 
     def ask(i):
         try:  # 5 clients, 2 workers, 2 waiting: at most one is told the server is full; it asks again
-            for _ in range(200):
-                try:
-                    at_once[i] = client.completions.create(**asks[i]).choices[0].token_ids
-                    return
-                except openai.APIStatusError as err:
-                    if err.status_code != 503:
-                        raise
-                    time.sleep(0.02)
+            at_once[i] = until_served(lambda: client.completions.create(**asks[i]).choices[0].token_ids)
         except Exception as err:  # reported below
             errors.append(err)
 
@@ -244,20 +249,14 @@ def test_engine_server_batches_concurrent_clients(engine_server, client):
     at_once: list = [None] * len(asks)
     errors = []
 
+    def answer(i):
+        if i == 0:
+            return [t for c in batched.completions.create(**asks[i], stream=True) for t in c.choices[0].token_ids]
+        return batched.completions.create(**asks[i]).choices[0].token_ids
+
     def ask(i):
-        try:
-            for _ in range(400):  # 4 slots and 1 waiting for 6 clients: one may be told to come back
-                try:
-                    if i == 0:
-                        chunks = batched.completions.create(**asks[i], stream=True)
-                        at_once[i] = [t for c in chunks for t in c.choices[0].token_ids]
-                    else:
-                        at_once[i] = batched.completions.create(**asks[i]).choices[0].token_ids
-                    return
-                except openai.APIStatusError as err:
-                    if err.status_code != 503:
-                        raise
-                    time.sleep(0.02)
+        try:  # 4 slots and 1 waiting for 6 clients: one may be told to come back
+            at_once[i] = until_served(lambda: answer(i))
         except Exception as err:  # reported below
             errors.append(err)
 

@@ -259,7 +259,28 @@ class InlineExecutor:
         pass
 
 
-class WorkerPool:
+class QueuedExecutor:
+    """What the threaded executors (``WorkerPool``, ``gdn_export.serving.Engine``) share: a queue of waiting
+    ``(request, stream)`` pairs under one lock, and closing: waiting requests fail, the threads are joined."""
+
+    def _init_queue(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._pending: collections.deque = collections.deque()
+        self._closed = False
+
+    def _close_queue(self, threads: list[threading.Thread], what: str, timeout: float) -> None:
+        with self._lock:
+            self._closed = True
+            pending, self._pending = list(self._pending), collections.deque()
+            self._wake.notify_all()
+        for _, stream in pending:
+            stream.finish(GdnExportError(f"the {what} was closed"))
+        for thread in threads:
+            thread.join(timeout=timeout)
+
+
+class WorkerPool(QueuedExecutor):
     """``workers`` threads, each a ``Session`` of its own sharing ``session``'s tract plan; a request waits in a
     queue of at most ``max_queue`` (``ExecutorFull`` beyond) for the next free worker, which runs it alone."""
 
@@ -271,12 +292,9 @@ class WorkerPool:
         self.workers, self.max_queue = workers, max_queue
         self.archive = ArchiveText(session)
         self._sessions = [session] + [Session.sharing_plan(session) for _ in range(workers - 1)]
-        self._lock = threading.Lock()
-        self._pending: collections.deque = collections.deque()
-        self._wake = threading.Condition(self._lock)
+        self._init_queue()
         self._admitted = 0  # running + waiting
         self._busy = 0
-        self._closed = False
         self._threads = [threading.Thread(target=self._work, args=(s,), name=f"gdn_export-worker-{i}", daemon=True)
                          for i, s in enumerate(self._sessions)]
         for thread in self._threads:
@@ -305,14 +323,7 @@ class WorkerPool:
                     "max_queue": self.max_queue}
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            pending, self._pending = list(self._pending), collections.deque()
-            self._wake.notify_all()
-        for _, stream in pending:
-            stream.finish(GdnExportError("the executor was closed"))
-        for thread in self._threads:
-            thread.join(timeout=10)
+        self._close_queue(self._threads, "executor", timeout=10)
 
     def _work(self, session: Session) -> None:
         while True:

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from gdn_export.errors import GdnExportError
-from gdn_export.generation.executor import ArchiveText, ExecutorFull, TokenEvent, TokenRequest, TokenStream
+from gdn_export.generation.executor import (ArchiveText, ExecutorFull, QueuedExecutor, TokenEvent, TokenRequest,
+                                            TokenStream)
 from gdn_export.generation.sampling import Sampler
 from gdn_export.serving.prefix_cache import ALIGN, PrefixCache
 from gdn_export.serving.slots import SCRATCH, SlotPool
@@ -93,7 +94,7 @@ class Plans:
         return [f"B={b}" + (", S=1" if t else "") for b, t in sorted(self._plans, key=lambda k: (k[1] or 0, k[0]))]
 
 
-class Engine:
+class Engine(QueuedExecutor):
     """Serve concurrent requests over a serving archive (``gdn-export convert --serving``).
 
     ``slots``: requests computed at once (more wait in a queue of ``max_queue``; beyond it ``submit`` raises
@@ -134,10 +135,7 @@ class Engine:
         self.takes_past_len = session.takes_past_len
         self.plans = Plans(session.path)
         self.prefix_cache = PrefixCache(int(prefix_cache_mib * MIB))
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._pending: collections.deque = collections.deque()
-        self._closed = False
+        self._init_queue()
         self._workers = [_Worker(self, SlotPool(session.state_specs, n), i) for i, n in enumerate(per_worker)]
         if plan_now:
             self.plans.get(1)
@@ -174,14 +172,7 @@ class Engine:
                                      "hits": self.prefix_cache.hits, "misses": self.prefix_cache.misses}}
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            pending, self._pending = list(self._pending), collections.deque()
-            self._wake.notify_all()
-        for _, stream in pending:
-            stream.finish(GdnExportError("the engine was closed"))
-        for worker in self._workers:
-            worker.thread.join(timeout=30)
+        self._close_queue([worker.thread for worker in self._workers], "engine", timeout=30)
 
     def __enter__(self) -> Engine:
         return self
