@@ -111,10 +111,12 @@ def test_engine_requests_get_what_they_get_alone(name, converted):
             assert error <= 1e-4, f"prompt of {len(prompt)}, token {step}: {error:.2e}"
 
 
-def test_padding_rows_and_admissions_leave_other_slots_untouched(converted):
+@pytest.mark.parametrize("resident", [False, True], ids=["copied", "resident"])
+def test_padding_rows_and_admissions_leave_other_slots_untouched(converted, resident):
     """A decode batch of one real row and scratch padding writes that row only: every other slot (and the
-    scratch row) is byte-identical afterwards, and a slot reset for an admission touches no other."""
-    from gdn_export.runtime import load_tract_model, run_tract
+    scratch row) is byte-identical afterwards, and a slot reset for an admission touches no other; the same when
+    the batch's states stay resident between two steps (the Engine's decode path) and are flushed by the reset."""
+    from gdn_export.runtime import load_tract_model, run_tract, run_tract_tensors
 
     path = converted("qwen3_5", serving=True)
     session = Session(path)
@@ -128,18 +130,28 @@ def test_padding_rows_and_admissions_leave_other_slots_untouched(converted):
     before = [pool.snapshot(slot) for slot in range(4)]
     _, scratch_before = pool.gather([SCRATCH])
     rows = [2, SCRATCH, SCRATCH, SCRATCH]
-    past_len, states = pool.gather(rows)
-    pool.scatter(rows, run_tract(plans[4], [np.full((4, 1), 7), past_len, *states])[1:], 1)
-    pool.reset(3)  # an admission into slot 3
+    for token in (7, 8):  # two steps: resident, the second reads the first's states as they came
+        past_len, states = pool.gather(rows)
+        outputs = run_tract_tensors(plans[4], [np.full((4, 1), token), past_len, *states])[1:]
+        pool.scatter(rows, outputs, 1, resident=resident)
+    pool.reset(3)  # an admission into slot 3 (flushes a resident batch first)
     after = [pool.snapshot(slot) for slot in range(4)]
     for slot in (0, 1):
         assert before[slot].length == after[slot].length
         for a, b in zip(before[slot].fixed + before[slot].caches, after[slot].fixed + after[slot].caches):
             assert a.tobytes() == b.tobytes(), f"slot {slot} changed"
-    assert after[2].length == before[2].length + 1
+    assert after[2].length == before[2].length + 2
+    assert any(a.tobytes() != b.tobytes() for a, b in zip(before[2].fixed, after[2].fixed))
     assert after[3].length == 0 and all(not a.any() for a in after[3].fixed)
     _, scratch_after = pool.gather([SCRATCH])
     assert all(a.tobytes() == b.tobytes() for a, b in zip(scratch_before, scratch_after))
+    RESIDENT_RUNS[resident] = after[2]
+    if len(RESIDENT_RUNS) == 2:  # the resident path leaves the same states as copying them every step
+        copied, kept = RESIDENT_RUNS[False], RESIDENT_RUNS[True]
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(copied.fixed + copied.caches, kept.fixed + kept.caches))
+
+
+RESIDENT_RUNS: dict = {}
 
 
 def test_prefix_cache_hit_equals_a_cold_run(converted):

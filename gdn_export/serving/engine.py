@@ -256,19 +256,20 @@ class _Worker:
         try:
             step(rows)
         except Exception as err:  # handed to those requests' readers; other slots were not written
+            self.pool.drop_resident()
             for active in rows:
                 if active in self.active:
                     self._finish(active, None, err)
 
-    def _run(self, slots: list[int], ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    def _run(self, slots: list[int], ids: np.ndarray) -> tuple[np.ndarray, list]:
         """One call of the plan for ``len(slots)`` rows of ``ids.shape[1]`` tokens (one token: a plan with S = 1):
-        (the last position's logits ``[B, vocab]``, state outputs)."""
-        from gdn_export.runtime import run_tract
+        (the last position's logits ``[B, vocab]``, state outputs as tract tensors)."""
+        from gdn_export.runtime import run_tract_tensors
 
         past_len, states = self.pool.gather(slots)
         inputs = [ids.astype(np.int64), *([past_len] if self.engine.takes_past_len else []), *states]
-        outputs = run_tract(self.engine.plans.get(len(slots), 1 if ids.shape[1] == 1 else None), inputs)
-        return outputs[0][:, -1], outputs[1:]
+        outputs = run_tract_tensors(self.engine.plans.get(len(slots), 1 if ids.shape[1] == 1 else None), inputs)
+        return outputs[0].to_numpy()[:, -1], outputs[1:]
 
     def _prefill_piece(self, rows: list[_Active]) -> None:
         (active,) = rows
@@ -289,7 +290,7 @@ class _Worker:
         slots = [a.slot for a in rows] + [SCRATCH] * (bucket - len(rows))
         ids = np.asarray([[a.next_token] for a in rows] + [[0]] * (bucket - len(rows)))
         logits, outputs = self._run(slots, ids)
-        self.pool.scatter(slots, outputs, 1)
+        self.pool.scatter(slots, outputs, 1, resident=True)
         for b, active in enumerate(rows):
             active.next_token = None
             self._sample(active, logits[b])

@@ -11,6 +11,12 @@ past length (``past_len``). ``SlotPool`` holds, per slot:
 ``gather(rows)`` builds a batch's inputs (``SCRATCH`` for a padding row; caches padded to the longest row, at least
 one position: the graph masks each row's padding), ``scatter(rows, outputs, new_tokens)`` writes a batch's outputs
 back into the real rows only: padding rows touch no slot, and no other slot is written.
+
+A decode batch usually runs the same rows step after step, so ``scatter(..., resident=True)`` keeps its
+fixed-size state outputs as they came (the runtime's tensors) instead of copying them into the pool, and the next
+``gather`` of the same rows hands them back as they are: no copy of the recurrent states per step. They are
+written into the pool (``flush``) before anything else reads or writes one of those slots: a gather of other rows
+sharing a slot with them, a reset, snapshot, restore or release.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class SlotPool:
         self.specs = specs
         self.lengths = np.zeros(slots, np.int64)
         self._fixed: dict[int, np.ndarray] = {}  # state index -> [slots + 1, ...]
+        self._resident: tuple[tuple[int, ...], dict[int, object]] | None = None  # (rows, state index -> tensor)
         self._caches: dict[int, list[np.ndarray]] = {}  # state index -> one [..., capacity, ...] per slot
         self._cache_axis: dict[int, int] = {}  # the past axis of a cache, batch axis removed
         for index, spec in enumerate(specs):
@@ -65,18 +72,33 @@ class SlotPool:
     def state_count(self) -> int:
         return len(self.specs)
 
+    def flush(self, slot: int | None = None) -> None:
+        """Write the resident batch's states into the pool (if ``slot`` is given: only when it is one of its rows)."""
+        if self._resident is None or (slot is not None and slot not in self._resident[0]):
+            return
+        rows, tensors = self._resident
+        self._resident = None
+        for index, tensor in tensors.items():
+            values = _numpy(tensor)
+            for b, row in enumerate(rows):
+                if row != SCRATCH:
+                    self._fixed[index][row] = values[b]
+
     def reset(self, slot: int) -> None:
         """A fresh slot: fixed states zero, no cached position."""
+        self.flush(slot)
         for pool in self._fixed.values():
             pool[slot] = 0
         self.lengths[slot] = 0
 
     def snapshot(self, slot: int) -> Snapshot:
+        self.flush(slot)
         length = int(self.lengths[slot])
         return Snapshot(length, tuple(pool[slot].copy() for pool in self._fixed.values()),
                         tuple(_cut(self._caches[i][slot], self._cache_axis[i], length).copy() for i in self._caches))
 
     def restore(self, slot: int, snapshot: Snapshot) -> None:
+        self.flush(slot)
         for pool, value in zip(self._fixed.values(), snapshot.fixed):
             pool[slot] = value
         for index, value in zip(self._caches, snapshot.caches):
@@ -84,15 +106,19 @@ class SlotPool:
             _cut(self._caches[index][slot], self._cache_axis[index], snapshot.length)[...] = value
         self.lengths[slot] = snapshot.length
 
-    def gather(self, rows: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+    def gather(self, rows: list[int]) -> tuple[np.ndarray, list]:
         """(``past_len [B]``, the states of ``rows`` in graph order): caches padded to the longest row (at least
-        one position)."""
+        one position); the fixed states of the resident batch as they are when ``rows`` are its rows."""
+        resident = self._resident is not None and self._resident[0] == tuple(rows)
+        if not resident and self._resident is not None and set(rows) & set(self._resident[0]) - {SCRATCH}:
+            self.flush()
         past_len = np.array([0 if row == SCRATCH else self.lengths[row] for row in rows], np.int64)
         padded = max(1, int(past_len.max()))
-        states: list[np.ndarray] = []
+        states: list = []
         for index in range(self.state_count):
             if index in self._fixed:
-                states.append(self._fixed[index][[self.slots if row == SCRATCH else row for row in rows]])
+                states.append(self._resident[1][index] if resident else
+                              self._fixed[index][[self.slots if row == SCRATCH else row for row in rows]])
                 continue
             axis, per_slot = self._cache_axis[index], self._caches[index]
             shape = list(per_slot[0].shape)
@@ -105,14 +131,22 @@ class SlotPool:
             states.append(batch)
         return past_len, states
 
-    def scatter(self, rows: list[int], outputs: list[np.ndarray], new_tokens: int) -> None:
-        """Write a batch's state outputs (graph order) into its real rows; each real row's length grows by
-        ``new_tokens`` (a cache output holds exactly those new positions)."""
+    def scatter(self, rows: list[int], outputs: list, new_tokens: int, resident: bool = False) -> None:
+        """Write a batch's state outputs (graph order: numpy arrays or the runtime's tensors) into its real rows; each
+        real row's length grows by ``new_tokens`` (a cache output holds exactly those new positions). ``resident``:
+        keep the fixed states as the resident batch instead (see the module docstring)."""
+        if resident:
+            if self._resident is not None and self._resident[0] != tuple(rows):
+                self.flush()  # another batch's: the same rows' were this step's inputs, replaced now
+            self._resident = (tuple(rows), {i: outputs[i] for i in self._fixed})
+        outputs = [None if resident and i in self._fixed else _numpy(o) for i, o in enumerate(outputs)]
         for b, row in enumerate(rows):
             if row == SCRATCH:
                 continue
             length = int(self.lengths[row])
             for index, output in enumerate(outputs):
+                if output is None:
+                    continue
                 if index in self._fixed:
                     self._fixed[index][row] = output[b]
                 else:
@@ -135,14 +169,24 @@ class SlotPool:
         _cut(grown, axis, array.shape[axis])[...] = array
         self._caches[index][slot] = grown
 
+    def drop_resident(self) -> None:
+        """Forget the resident batch without writing it (after a failed step: its requests end)."""
+        self._resident = None
+
     def release(self, slot: int) -> None:
         """Give back a finished slot's grown caches (a long request must not keep its memory)."""
+        self.flush(slot)
         for index, per_slot in self._caches.items():
             if per_slot[slot].shape[self._cache_axis[index]] > 64:
                 shape = list(per_slot[slot].shape)
                 shape[self._cache_axis[index]] = 64
                 per_slot[slot] = np.zeros(shape, per_slot[slot].dtype)
         self.lengths[slot] = 0
+
+
+def _numpy(value) -> np.ndarray:
+    """A numpy array of an output: as it is, or copied out of the runtime's tensor."""
+    return value if isinstance(value, np.ndarray) else value.to_numpy()
 
 
 def _cut(array: np.ndarray, axis: int, length: int) -> np.ndarray:
