@@ -223,3 +223,20 @@ def test_qwen4_exp_has_no_serving_graph(tmp_path):
     with pytest.raises(GdnExportError, match="no serving graph.*QSA indexer"):
         convert(FIXTURES / "qwen4_exp", tmp_path / "m.nnef.tgz", serving=True)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("lowering", ["scan", "recurrent"])
+def test_serving_graph_with_every_lowering(tmp_path, lowering):
+    """The serving graph changes only the attention side: with the other GDN lowerings (chunked is the default,
+    above; tract's fused op needs K = V, which no fixture with attention has) it passes convert's check against
+    transformers, and the Engine's greedy tokens equal the Session's."""
+    from gdn_export.hf.convert import convert
+
+    path = tmp_path / f"{lowering}.nnef.tgz"
+    report = convert(FIXTURES / "qwen3_5", path, serving=True, lowering=lowering)
+    assert report.check.ok and {layer.lowering for layer in report.layers if layer.lowering != "-"} == {lowering}
+    prompts = prompts_for(path, (3, 70))
+    with Engine(path, slots=2, buckets=(2,), prefill_piece=64) as engine:
+        streams = [engine.submit(TokenRequest(p, 4, GREEDY)) for p in prompts]
+        got = [[e.token_id for e in s] for s in streams]
+    assert got == [alone(path, p, 4)[0] for p in prompts]
