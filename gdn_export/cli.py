@@ -118,6 +118,9 @@ def _info(args) -> int:
     if metadata:
         print(f"  family: {metadata.get('family')} ({metadata.get('model_type')}), dtype {metadata.get('dtype')}, "
               f"vocab {metadata.get('vocab_size')}")
+        if metadata.get("serving"):
+            print("  serving graph: each row its own past length (past_len); cache outputs are the new positions "
+                  "only; `gdn-export serve` batches requests over it (docs/SERVING.md)")
     print(f"  tract: target {_property(args.model, 'tract_target_version')}, runtime {_tract_version()}")
     print("  inputs:")
     for i in range(runnable.input_count()):
@@ -286,13 +289,18 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    from gdn_export.server import model_name_of, serve
+    from gdn_export.server import default_slots, model_name_of, serve
 
     name = args.served_model_name or model_name_of(os.path.basename(args.model))
 
+    from gdn_export.archive import read_metadata
+
+    batched = bool((read_metadata(args.model) or {}).get("serving"))
+
     def ready(host: str, port: int) -> None:
         where = f"[{host}]" if ":" in host else host
-        _progress(f"serving {args.model} as '{name}' on http://{where}:{port} ({args.workers} worker"
+        slots = f"continuous batching over {args.slots or default_slots(args.workers)} slots, " if batched else ""
+        _progress(f"serving {args.model} as '{name}' on http://{where}:{port} ({slots}{args.workers} worker"
                   f"{'s' if args.workers > 1 else ''}, queue {args.max_queue}); Ctrl-C stops")
 
     _progress(f"loading {args.model}")

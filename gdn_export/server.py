@@ -399,13 +399,18 @@ def model_name_of(path) -> str:
     return name
 
 
+def default_slots(workers: int) -> int:
+    """An Engine's slots when ``--slots`` is not given: 8, at least one per worker."""
+    return max(8, workers)
+
+
 def executor_for(session, workers: int, max_queue: int, slots: int | None = None, progress=None):
     """The executor ``serve`` runs on: an ``Engine`` for a serving archive (every bucket planned now), else a
     ``WorkerPool``."""
     if session.serving:
         from gdn_export.serving import Engine
 
-        slots = slots or max(8, workers)
+        slots = slots or default_slots(workers)
         if progress is not None:
             progress(f"planning the serving graph for batches of up to {slots // workers + (slots % workers > 0)} "
                      "rows (once per batch-size bucket)")

@@ -137,10 +137,12 @@ class Engine(QueuedExecutor):
         self.prefix_cache = PrefixCache(int(prefix_cache_mib * MIB))
         self._init_queue()
         self._workers = [_Worker(self, SlotPool(session.state_specs, n), i) for i, n in enumerate(per_worker)]
-        if plan_now:
-            self.plans.get(1)
-            for batch in buckets:
-                self.plans.get(batch, 1)
+        if plan_now:  # side by side, a thread per worker (tract's loads release the GIL)
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                for plan in [pool.submit(self.plans.get, 1)] + [pool.submit(self.plans.get, b, 1) for b in buckets]:
+                    plan.result()
         for worker in self._workers:
             worker.thread.start()
 
