@@ -49,7 +49,9 @@ def onnx_output_dims(lm, vocab_size: int) -> dict[str, list]:
 # families whose exportable module the TorchScript exporter cannot trace generically, and why
 ONNX_UNSUPPORTED = {
     "qwen4_exp_text": "the TorchScript exporter bakes the traced batch and length into some of its reshapes (its QSA "
-                      "indexer's query.shape[:2], and at least one more), so the file would fail at any other shape",
+                      "indexer's query.shape[:2], and transformers' own hyper-connection module, whose unflatten of "
+                      "the hc_count streams is exported as a Reshape to the traced [B, S, hc_count, hidden]), so the "
+                      "file would fail at any other shape",
 }
 
 
