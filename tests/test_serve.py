@@ -275,6 +275,11 @@ def test_engine_server_batches_concurrent_clients(engine_server, client):
     wait_for(lambda: engine.stats()["busy"] == 0, 10, "every slot to be free")
     status, body = raw(base, "GET", "/health")
     assert status == 200 and body["slots"] == 4 and body["workers"] == 2
+    for bad, param in (('{"prompt": "x",', None), ('{"prompt": [1, 2, 500]}', "prompt"),
+                       ('{"prompt": "x", "top_p": 0}', "top_p")):
+        status, answer = raw(base, "POST", "/v1/completions", bad)
+        assert status == 400 and answer["error"]["param"] == param, (bad, answer)
+    assert engine.stats()["busy"] == 0
 
 
 @pytest.mark.parametrize("body, status, param", [
