@@ -11,8 +11,10 @@ An executor (``gdn_export.generation.executor``'s interface: ``submit``, ``archi
   run, as one batch padded to the next batch-size bucket with scratch rows. A decode row never waits for a
   whole prompt, only for one piece, and is never padded to a piece's length;
 - requests join and leave between steps; a finished or cancelled request frees its slot at once;
-- each batch size is planned once (tract's ``B`` fixed per plan, shared by the workers: tract's calls release the
-  GIL and spawn a fresh state per call, so workers compute at once on different cores).
+- each batch size is planned once (tract's ``B`` fixed per plan, and ``S = 1`` for decode; shared by the workers:
+  tract's calls release the GIL and spawn a fresh state per call, so workers compute at once on different cores);
+- a decode batch that runs the same rows again keeps its recurrent and conv states as tract tensors between steps
+  (``SlotPool``'s resident batch).
 
 Exactness: a row's logits depend only on its own slot (padding keys are masked with weight exactly 0, scratch rows
 write nothing), so every request gets what it would alone through a batch-1 ``Session`` (tests/test_engine.py).
@@ -23,8 +25,8 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from typing import TYPE_CHECKING
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
