@@ -408,11 +408,11 @@ def executor_for(session, workers: int, max_queue: int, slots: int | None = None
     """The executor ``serve`` runs on: an ``Engine`` for a serving archive (every bucket planned now), else a
     ``WorkerPool``."""
     if session.serving:
-        from gdn_export.serving import Engine
+        from gdn_export.serving.engine import Engine, slots_per_worker
 
         slots = slots or default_slots(workers)
         if progress is not None:
-            progress(f"planning the serving graph for batches of up to {slots // workers + (slots % workers > 0)} "
+            progress(f"planning the serving graph for batches of up to {max(slots_per_worker(slots, workers))} "
                      "rows (once per batch-size bucket)")
         return Engine(session, slots=slots, workers=workers, max_queue=max_queue, plan_now=True)
     from gdn_export.generation.executor import WorkerPool

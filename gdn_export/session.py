@@ -54,14 +54,16 @@ class Session:
         self.prefill_piece = prefill_piece
         self._planned: tuple[int, object] | None = None  # (batch size, runnable planned for it), at first call
         self._generation: dict | None = None
-        self._states: list | None = None  # tract tensors, in the graph's state order
+        self._states: list | None = None  # tract tensors (a serving session's caches: numpy), in graph order
         self._batch = 0  # the batch size of the states, once there are states
         self.position = 0
 
     @property
     def states(self) -> list[np.ndarray] | None:
         """The states the last call left (copies, in the graph's state order), or None before the first call."""
-        return None if self._states is None else [state.to_numpy() for state in self._states]
+        if self._states is None:
+            return None
+        return [state.copy() if isinstance(state, np.ndarray) else state.to_numpy() for state in self._states]
 
     def _generation_files(self) -> dict[str, bytes]:
         """The checkpoint files for generation the archive carries (``metadata["generation_files"]``), read once."""
@@ -175,28 +177,22 @@ class Session:
 
     def _padded_caches(self) -> list:
         """The states with one padding position after each cache's own (a serving graph's caches are never empty:
-        docs/SERVING.md); ``past_len`` masks it."""
-        import tract
-
+        docs/SERVING.md); ``past_len`` masks it. A serving session keeps its caches as numpy arrays (they are
+        extended on the host every call), the other states as tract tensors."""
         padded = []
         for spec, state in zip(self.state_specs, self._states):
             if "P" in spec["shape"]:
-                axis = spec["shape"].index("P")
-                state = state.to_numpy()
-                shape = list(state.shape)
-                shape[axis] = 1
-                state = tract.Tensor.from_numpy(np.concatenate([state, np.zeros(shape, state.dtype)], axis=axis))
+                axis, state = spec["shape"].index("P"), _numpy(state)
+                state = np.concatenate([state, np.zeros(_one_position(state.shape, axis), state.dtype)], axis=axis)
             padded.append(state)
         return padded
 
     def _append_caches(self, outputs: list) -> list:
-        import tract
-
+        """The new states: each cache extended by its new positions (numpy), the others as tract returned them."""
         appended = []
         for spec, old, new in zip(self.state_specs, self._states, outputs):
             if "P" in spec["shape"]:
-                axis = spec["shape"].index("P")
-                new = tract.Tensor.from_numpy(np.concatenate([old.to_numpy(), new.to_numpy()], axis=axis))
+                new = np.concatenate([_numpy(old), new.to_numpy()], axis=spec["shape"].index("P"))
             appended.append(new)
         return appended
 
@@ -226,3 +222,12 @@ class Session:
         new._states, new._batch = None, 0
         new.position = 0
         return new
+
+
+def _numpy(state) -> np.ndarray:
+    """A state as numpy: a tract tensor copied out, a numpy array (a serving session's cache) as it is."""
+    return state if isinstance(state, np.ndarray) else state.to_numpy()
+
+
+def _one_position(shape, axis: int) -> list[int]:
+    return [1 if i == axis else d for i, d in enumerate(shape)]

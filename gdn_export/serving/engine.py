@@ -61,6 +61,11 @@ class _Active:
         return self.fed < len(self.request.prompt_ids)
 
 
+def slots_per_worker(slots: int, workers: int) -> list[int]:
+    """How ``slots`` split over ``workers`` threads (the first ones take the remainder)."""
+    return [slots // workers + (i < slots % workers) for i in range(workers)]
+
+
 class Plans:
     """The archive planned once per use: ``get(batch, tokens)``, tract's symbol ``B`` fixed and, for decode
     (``tokens=1``), ``S`` too; a prefill plan (``tokens=None``) keeps ``S`` symbolic. On first use or by the
@@ -124,7 +129,7 @@ class Engine(QueuedExecutor):
                                  f"alignment), got {prefill_piece}")
         if max_queue < 0 or prefix_cache_mib < 0:
             raise GdnExportError(f"max_queue and prefix_cache_mib must be >= 0, got {max_queue}, {prefix_cache_mib}")
-        per_worker = [slots // workers + (i < slots % workers) for i in range(workers)]
+        per_worker = slots_per_worker(slots, workers)
         buckets = tuple(sorted(set(buckets or [b for b in DEFAULT_BUCKETS if b < max(per_worker)] +
                                    [max(per_worker)])))
         if not buckets or buckets[0] < 1:

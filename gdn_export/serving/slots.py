@@ -52,6 +52,7 @@ class SlotPool:
             raise GdnExportError(f"a slot pool needs at least one slot, got {slots}")
         self.slots = slots
         self.specs = specs
+        self.initial_capacity = initial_capacity
         self.lengths = np.zeros(slots, np.int64)
         self._fixed: dict[int, np.ndarray] = {}  # state index -> [slots + 1, ...]
         self._resident: tuple[tuple[int, ...], dict[int, object]] | None = None  # (rows, state index -> tensor)
@@ -177,9 +178,9 @@ class SlotPool:
         """Give back a finished slot's grown caches (a long request must not keep its memory)."""
         self.flush(slot)
         for index, per_slot in self._caches.items():
-            if per_slot[slot].shape[self._cache_axis[index]] > 64:
+            if per_slot[slot].shape[self._cache_axis[index]] > self.initial_capacity:
                 shape = list(per_slot[slot].shape)
-                shape[self._cache_axis[index]] = 64
+                shape[self._cache_axis[index]] = self.initial_capacity
                 per_slot[slot] = np.zeros(shape, per_slot[slot].dtype)
         self.lengths[slot] = 0
 
