@@ -52,7 +52,7 @@ def lower_steps(b: NnefBuilder, ops: StepOperands, dims: Dims, state):
     state = b.unsqueeze(state, [0])  # [1, B, Hk, G, K, V]
     y = b.tensor("recurrent_y", (dims.seq, dims.batch, dims.key_heads, dims.groups, 1, dims.width_v), F32)
     final = b.tensor("recurrent_state", state.shape, F32)
-    b.multi_op(fragment.name, (*operands, state), (y, final))
+    b.multi_op(fragment.name, (*operands, state), (final, y))
     return b.squeeze(y, [4]), b.squeeze(final, [0]), fragment
 
 

@@ -7,9 +7,15 @@ Per token (docs/MATH.md, the generalized recurrence), for each of the n sub-step
     y = sum_K(S * q)                    (after the last sub-step)
 which is the recurrence of ``gdn_export.ops.naive.delta_rule_recurrence``.
 
-The elementwise step squeezes the scan axis and works on a rank-5 state ``[B, Hk, G, K, V]`` (keeping the
-size-1 scan axis on the state measured 4x slower in tract 0.23.9). It is elementwise arithmetic and
-reductions only: tract 0.23.9 never finishes loading one scan body that squeezes its inputs and multiplies
+The elementwise step works on the state ``[1, B, H, K, V]``: one axis per value head (key-head operands are
+tiled over their G value heads first, a per-token vector against the per-token passes over the ``[K, V]``
+state), and the scan's own size-1 axis kept in front, on the state and on every operand (nothing is squeezed in
+the body). Measured in tract 0.23.9 (one thread, H=16, K=V=128, one token, benchmarks/bench_decode_floor.py):
+the earlier ``[B, Hk, G, K, V]`` state (G = 1 a middle unit axis) ran the step 2x slower than ``[B, H, K, V]``,
+and a leading unit axis costs ~10% at most; it is what lets the callers write the state output as a squeeze, a
+node of its own that keeps the output's name (a scan inside a fragment is named after the fragment's inner
+nodes; output_names.py would otherwise re-declare it with a select, a copy of the state per call).
+The step is elementwise arithmetic and reductions only: tract 0.23.9 never finishes loading one scan body that squeezes its inputs and multiplies
 the state by a matrix (``tract_quirks.SCAN_SQUEEZE_MATMUL_NEVER_LOADS``, canary in tests/test_tract_quirks.py; not every
 such body: a rank-5 recurrent body loaded in 20 ms in a probe, so the rule here is conservative).
 """
@@ -47,7 +53,10 @@ def scan_fragment(kind: str, num_householder: int, has_decay: bool, prologue: li
     """A step body and the ``tract_core_scan`` that runs it over T, for one variant.
 
     The body's inputs are ``q_t``, ``k{j}_t``, ``e{j}_t``, ``u{j}_t`` (and ``decay_t``); ``prologue`` may
-    bind shorter names, ``decay`` names the decay factor the body multiplies the state by.
+    bind shorter names, ``decay`` names the decay factor the body multiplies the state by. The final state is
+    the scan's first output: tract reports both outputs of a node under the first one's name, so the state
+    (a graph output in the scan lowering and the chunked tail) keeps its own name without a renaming copy,
+    while y always goes through another op.
     """
     suffix = f"{kind}_n{num_householder}{'_decay' if has_decay else ''}"
     step, scan = f"gdn_export_{kind}_step_{suffix}", f"gdn_export_{kind}_scan_{suffix}"
@@ -61,13 +70,13 @@ def scan_fragment(kind: str, num_householder: int, has_decay: bool, prologue: li
 
 fragment {scan}(
     {", ".join(f"{name}: tensor<scalar>" for name in inputs)}, s_init: tensor<scalar>
-) -> ( y: tensor<scalar>, s_final: tensor<scalar> ) {{
-    (y, s_final) = tract_core_scan(
+) -> ( s_final: tensor<scalar>, y: tensor<scalar> ) {{
+    (s_final, y) = tract_core_scan(
         body = "{step}",
         scan = [{", ".join(f'("{name}_t", {name}, 0, 1)' for name in inputs)}],
         full = [],
         state = [("s_prev", s_init, "s_t")],
-        output = [("y_t", "full", {y_axis}, 1), ("s_t", "last", 0, 1)],
+        output = [("s_t", "last", 0, 1), ("y_t", "full", {y_axis}, 1)],
         skip = 0
     );
 }}
@@ -80,22 +89,28 @@ def elementwise_step_fragment(kind: str, num_householder: int, has_decay: bool) 
     """The elementwise per-token step (the fastest per-token form measured) over ``step_inputs``; ``kind`` names
     the fragment (the chunked lowering's tail runs it under its own name)."""
     return scan_fragment(
-        kind, num_householder, has_decay,
-        prologue=[f"    {name} = squeeze({name}_t, axes = [0]);" for name in step_names(num_householder, has_decay)],
-        update=lambda s, j: f"{s} + k{j} * (u{j} - sum_reduce({s} * e{j}, axes = [3]))",
-        readout="sum_reduce(s_t * q, axes = [3])",
-        y_axis=3,
+        kind, num_householder, has_decay, prologue=[],
+        update=lambda s, j: f"{s} + k{j}_t * (u{j}_t - sum_reduce({s} * e{j}_t, axes = [3]))",
+        readout="sum_reduce(s_t * q_t, axes = [3])", y_axis=3, decay="decay_t",
     )
 
 
-def step_inputs(b: NnefBuilder, ops: StepOperands, prepare=lambda x: x) -> list[NTensor]:
-    """The elementwise step's scan inputs: q and keys/erases as columns ``[T, B, Hk, G|1, K, 1]``, writes as rows
-    ``[.., 1, V]``, the decay factor ``exp(g)`` as a column; ``prepare`` is applied to each operand first."""
-    column = lambda x: b.unsqueeze(prepare(x), [5])  # noqa: E731
-    row = lambda x: b.unsqueeze(prepare(x), [4])  # noqa: E731
+def step_inputs(b: NnefBuilder, ops: StepOperands, groups: int, prepare=lambda x: x) -> list[NTensor]:
+    """The elementwise step's scan inputs, one axis per value head: q and keys/erases as columns
+    ``[T, B, H, K, 1]``, writes as rows ``[.., 1, V]``, the decay factor ``exp(g)`` as a column; ``prepare`` is
+    applied to each operand first. Its state is ``[1, B, H, K, V]`` (``step_state``), its y ``[1, B, H, T, V]``."""
+    column = lambda x: b.unsqueeze(per_value_head(b, prepare(x), groups), [4])  # noqa: E731
+    row = lambda x: b.unsqueeze(per_value_head(b, prepare(x), groups), [3])  # noqa: E731
     inputs = [column(ops.q)]
     for key, erase, write in zip(ops.keys, ops.erases, ops.writes):
         inputs += [column(key), column(erase), row(write)]
     if ops.log_decay is not None:
         inputs.append(b.unary("exp", column(ops.log_decay)))
     return inputs
+
+
+def per_value_head(b: NnefBuilder, x: NTensor, groups: int) -> NTensor:
+    """``[T, B, Hk, G|1, X]`` -> ``[T, B, H, X]``: a key-head operand tiled over its G value heads."""
+    if x.shape[3] != groups:
+        x = b.op("tile", x, shape=(*x.shape[:3], groups, x.shape[4]), attribs={"repeats": [1, 1, 1, groups, 1]})
+    return b.merge_axes(x, 2, 2)

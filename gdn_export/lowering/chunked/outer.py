@@ -44,7 +44,7 @@ from torch_to_nnef.op.fragment import Fragment
 
 from gdn_export.lowering.capabilities import F32
 from gdn_export.lowering.chunked.body import SOLVE_BLOCK
-from gdn_export.lowering.layout import step_operands, write_state
+from gdn_export.lowering.layout import step_operands, write_squeezed
 from gdn_export.lowering.nnef_builder import NnefBuilder
 from gdn_export.lowering.steps import elementwise_step_fragment, step_inputs
 from gdn_export.ops.operands import Dims
@@ -300,13 +300,14 @@ def pad_step(b: NnefBuilder, x: NTensor) -> NTensor:
 
 
 def token_part(b: NnefBuilder, ops, state: NTensor, dims: Dims):
-    """The last ``R = S mod C`` tokens from ``state [1, B, Hk, G, K, V]``: (y ``[B, Hk, G, R, V]``, final state
-    ``[B, Hk, G, K, V]``)."""
-    operands = step_inputs(b, ops, lambda x: pad_step(b, x))  # the zero step's decay is exp(0) = 1
+    """The last ``R = S mod C`` tokens from ``state [1, B, Hk, G, K, V]``: (y ``[1, B, H, R, V]``, final state
+    ``[1, B, H, K, V]``)."""
+    operands = step_inputs(b, ops, dims.groups, lambda x: pad_step(b, x))  # the zero step's decay is exp(0) = 1
     count = max(ops.q.shape[0], 1)
-    y = b.tensor("tail_y", (dims.batch, dims.key_heads, dims.groups, count, dims.width_v), F32)
-    final = b.tensor("tail_state", state.shape[1:], F32)
-    b.multi_op(tail_fragment(len(ops.keys), ops.log_decay is not None).name, (*operands, b.squeeze(state, [0])), (y, final))
+    y = b.tensor("tail_y", (1, dims.batch, dims.heads, count, dims.width_v), F32)
+    final = b.tensor("tail_state", (1, dims.batch, dims.heads, dims.width_k, dims.width_v), F32)
+    b.multi_op(tail_fragment(len(ops.keys), ops.log_decay is not None).name, (*operands, b.merge_axes(state, 2, 2)),
+               (final, y))
     taken = b.tensor("tail_y_taken", (*y.shape[:3], ops.q.shape[0], y.shape[4]), F32)
     b.multi_op(TAKE.name, (y, ops.q), (taken,))
     return taken, final
@@ -314,21 +315,20 @@ def token_part(b: NnefBuilder, ops, state: NTensor, dims: Dims):
 
 # --- outputs --------------------------------------------------------------------------------------
 def write_outputs(b: NnefBuilder, node, dims: Dims, y_head: NTensor, y_tail: NTensor, state: NTensor) -> None:
-    """Chunk outputs (already in the node's layout) ++ tail outputs ``[B, Hk, G, R, V]`` over time; the state
-    ``[B, Hk, G, K, V]`` into ``[B, H, K, V]``."""
+    """Chunk outputs (already in the node's layout) ++ tail outputs ``[1, B, H, R, V]`` over time; the state
+    ``[1, B, H, K, V]`` (from ``token_part``)."""
+    tail = b.squeeze(y_tail, [0])  # [B, H, R, V]
     if node.head_major:
-        tail = b.merge_axes(y_tail, 1, 2)  # [B, H, R, V]
         axis = 2
     else:
-        tail = b.merge_axes(b.transpose(y_tail, [0, 3, 1, 2, 4]), 2, 2)  # [B, R, H, V]
-        axis = 1
+        tail, axis = b.transpose(tail, [0, 2, 1, 3]), 1  # [B, R, H, V]
     shape = list(y_head.shape)
     shape[axis] = dims.seq
     if np.dtype(node.y.dtype) == np.dtype(F32):  # the concat itself is the output: it keeps its name in tract,
         b.op("concat", [y_head, tail], shape=shape, attribs={"axis": axis}, out=node.y)  # no renaming copy
     else:
         b.cast(b.op("concat", [y_head, tail], shape=shape, attribs={"axis": axis}), node.y.dtype, out=node.y)
-    write_state(b, dims, state, node.s_final)
+    write_squeezed(b, state, node.s_final)
 
 
 # --- the whole lowering ---------------------------------------------------------------------------
