@@ -3,6 +3,12 @@ bench_lowerings.py's tract NNEF rows).
 
     python benchmarks/bench_onnx.py [--heads 16] [--width 128] [--seq 1 128 1024] [--threads 1 2]
     python benchmarks/bench_onnx.py --realistic [--prompt 128] [--decode 16] [--threads 1]
+    python benchmarks/bench_onnx.py --convert-memory CKPT [--dtype float32]
+
+``--convert-memory``: wall time and peak RSS of ``gdn-export convert CKPT -o OUT.onnx --no-check``, streamed (the
+default) and ``--in-memory``, each in its own process (``os.wait4``'s rusage of that child); then whether the two
+files are the same bytes (.onnx and .onnx.data; the in-memory one has external data above 1 GiB of weights only).
+Make a checkpoint with ``large_checkpoint.py DIR --layers 24 --hidden 1024 --vocab 32000`` (580M parameters).
 
 Rows: onnxruntime 1.32 (CPU provider) with the contrib op com.microsoft::GatedDeltaNet (``runtime="onnxruntime"``),
 onnxruntime with the portable ONNX Scan (matmul step, ``runtime="any"``), tract's ONNX loader with the Scan of
@@ -99,6 +105,36 @@ def onnx_methods(folder: Path, heads: int, width: int, threads: list[int]) -> di
     return methods
 
 
+def convert_memory(checkpoint: str, dtype: str) -> None:
+    """One conversion per mode, one at a time (a large one holds the model several times over in memory)."""
+    import filecmp
+    import os
+    import shutil
+    import subprocess
+    import time
+
+    with tempfile.TemporaryDirectory(dir=Path(checkpoint).parent) as tmp:
+        outs = {}
+        print("| conversion | dtype | wall s | peak RSS GiB (ru_maxrss) | files GB |\n|---|---|---|---|---|")
+        for mode, extra in (("streamed", []), ("in memory", ["--in-memory"])):
+            out = Path(tmp) / mode.replace(" ", "_") / "m.onnx"
+            command = [shutil.which("gdn-export") or "gdn-export", "convert", checkpoint, "-o", str(out), "--no-check",
+                       "--dtype", dtype, *extra]
+            start = time.perf_counter()
+            child = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+            _, status, usage = os.wait4(child.pid, 0)
+            wall = time.perf_counter() - start
+            if os.waitstatus_to_exitcode(status) != 0:
+                raise SystemExit(f"{' '.join(command)} failed")
+            outs[mode] = out
+            size = sum(p.stat().st_size for p in out.parent.iterdir())
+            print(f"| {mode} | {dtype} | {wall:.1f} | {usage.ru_maxrss / 2**20:.2f} | {size / 1e9:.2f} |", flush=True)
+        a, b = outs["streamed"].parent, outs["in memory"].parent
+        names = ("m.onnx", "m.onnx.data")
+        same = all((a / n).is_file() and (b / n).is_file() and filecmp.cmp(a / n, b / n, shallow=False) for n in names)
+        print(f"same files: {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=16)
@@ -109,7 +145,11 @@ def main() -> None:
     parser.add_argument("--realistic", action="store_true", help="end to end on the realistic-size Qwen3.5")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--decode", type=int, default=16)
+    parser.add_argument("--convert-memory", metavar="CKPT", help="peak RSS of a conversion, streamed and in memory")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
+    if args.convert_memory:
+        return convert_memory(args.convert_memory, args.dtype)
     if args.realistic:
         return realistic(args)
     rows: dict[str, dict[int, float]] = {}

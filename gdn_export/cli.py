@@ -90,7 +90,8 @@ def _convert_onnx(args) -> int:
 
     report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
                      check=False if args.no_check else args.check, force=args.force, progress=_progress,
-                     runtime=args.runtime, prompt_len=args.prompt_len, decode_steps=args.decode_steps, format="onnx")
+                     runtime=args.runtime, prompt_len=args.prompt_len, decode_steps=args.decode_steps, format="onnx",
+                     streamed=not args.in_memory)
     print(report)
     return 0
 

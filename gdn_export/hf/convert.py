@@ -191,7 +191,7 @@ def convert(
                             prompt_len=prompt_len, decode_steps=decode_steps, progress=progress,
                             runtime="onnxruntime" if runtime == "cpu" else runtime, quantize=quantize,
                             quantize_embeddings=quantize_embeddings, core_dtype=core_dtype, chunk_size=chunk_size,
-                            tract_version=tract_version, logits=logits)
+                            tract_version=tract_version, logits=logits, streamed=streamed)
     # here, not at the top: they import torch-to-nnef (seconds), which check() does not need
     from gdn_export.exporter import export
     from gdn_export.lowering.options import validate_options

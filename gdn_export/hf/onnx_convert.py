@@ -3,8 +3,10 @@
 The same pipeline as the NNEF conversion (hf/convert.py): the family's exportable module with explicit state
 inputs and outputs, ``state_names``, the example inputs, the check against transformers (prefill + decode, the f32
 and f16 rules of hf/check.py), here run in onnxruntime (and also in tract's ONNX loader for
-``runtime="tract-onnx"``). The ONNX back-end (``gdn_export.onnx``) writes the graph. Weights are read into memory
-(the NNEF path's streaming writes into an NNEF archive); above 1 GiB they go to ``OUT.onnx.data``.
+``runtime="tract-onnx"``). The ONNX back-end (``gdn_export.onnx``) writes the graph. Weights are streamed as
+for NNEF: parameters of 1 MiB or more are traced as placeholders and written from the checkpoint into
+``OUT.onnx.data`` (``gdn_export.onnx.streamed``); a model without any (the test fixtures), or converted with
+``streamed=False``, is exported from memory, its weights in ``OUT.onnx.data`` above 1 GiB only.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError, ParityError
@@ -27,6 +30,7 @@ class _OnnxExtras:
     convs: list[str] = field(default_factory=list)
     external_data: Path | None = None
     checked_in: list[str] = field(default_factory=list)
+    weights: str = ""  # streamed, or read into memory and why
 
 
 def _conv_report(decisions) -> list[str]:
@@ -46,26 +50,97 @@ def onnx_output_dims(lm, vocab_size: int) -> dict[str, list]:
     return dims
 
 
-# families whose exportable module the TorchScript exporter cannot trace generically, and why
-ONNX_UNSUPPORTED = {
-    "qwen4_exp_text": "the TorchScript exporter bakes the traced batch and length into some of its reshapes (its QSA "
-                      "indexer's query.shape[:2], and transformers' own hyper-connection module, whose unflatten of "
-                      "the hc_count streams is exported as a Reshape to the traced [B, S, hc_count, hidden]), so the "
-                      "file would fail at any other shape",
-}
+@dataclass(frozen=True)
+class RowsOf:
+    """Rows ``indices`` of a checkpoint tensor, in that order (a weight a family re-lays:
+    ``gdn_export.models.derived``), read a run of consecutive rows at a time."""
+
+    entry: object  # gdn_export.hf.tensors.TensorEntry
+    indices: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        return f"rows of {self.entry.name}"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.indices), *self.entry.shape[1:])
+
+    def release(self) -> None:
+        getattr(self.entry, "release", lambda: None)()
+
+    def rows(self, start: int, stop: int, target: np.dtype) -> np.ndarray:
+        parts, wanted, run = [], self.indices[start:stop], 0
+        for i in range(1, len(wanted) + 1):
+            if i == len(wanted) or wanted[i] != wanted[i - 1] + 1:
+                parts.append(self.entry.rows(wanted[run], wanted[i - 1] + 1, target))
+                run = i
+        return np.concatenate(parts) if parts else np.empty(0, target)
+
+
+class _Whole:
+    """A source read whole (a parameter transformers' conversion makes from several tensors:
+    ``gdn_export.hf.conversion.ParameterSource``), kept until ``release``: memory of one tensor."""
+
+    def __init__(self, source) -> None:
+        self.source, self.name, self.shape, self._value = source, source.name, tuple(source.shape), None
+
+    def rows(self, start: int, stop: int, target: np.dtype) -> np.ndarray:
+        if self._value is None or self._value.dtype != target:
+            self._value = self.source.read({np.dtype(np.float32): torch.float32,
+                                            np.dtype(np.float16): torch.float16}[np.dtype(target)]).numpy()
+        return self._value[start:stop].reshape(-1)
+
+    def release(self) -> None:
+        self._value = None
+
+
+def placeholder_sources(lm: torch.nn.Module, model: torch.nn.Module, weights) -> dict[int, object]:
+    """Where each parameter of ``lm`` traced as a placeholder is read, by its storage's data_ptr: its checkpoint
+    tensor, or the rows of one it was re-laid from (``model``: the checkpoint's model inside ``lm``)."""
+    from gdn_export.models.derived import PLACEHOLDER, ROWS_OF
+
+    names = {id(param): name for name, param in model.named_parameters()}
+    sources = {}
+    for label, param in lm.named_parameters(remove_duplicate=False):
+        if not getattr(param, PLACEHOLDER, False):
+            continue
+        recipe = getattr(param, ROWS_OF, None)
+        if recipe is None and id(param) in names:
+            source = _rowwise(weights.entries[names[id(param)]])
+        elif recipe is not None and id(recipe[0]) in names:
+            entry = _rowwise(weights.entries[names[id(recipe[0])]])
+            source = entry if recipe[1] is None else RowsOf(entry, tuple(int(r) for r in recipe[1]))
+        else:
+            raise GdnExportError(f"the exportable model's parameter {label} is a placeholder that is no checkpoint "
+                                 "weight and records no recipe; convert with streamed=False (--in-memory)")
+        if tuple(source.shape) != tuple(param.shape):
+            raise GdnExportError(f"parameter {label} is {list(param.shape)}, its source {source.name} "
+                                 f"{list(source.shape)}")
+        sources[param.untyped_storage().data_ptr()] = source
+    return sources
+
+
+def _rowwise(source):
+    return source if hasattr(source, "rows") else _Whole(source)
 
 
 def convert_onnx(checkpoint_dir, out_path, *, dtype: str = "float32", lowering: str = "auto", check=True,
                  force: bool = False, prompt_len: int = 16, decode_steps: int = 8, progress=None,
                  runtime: str = "onnxruntime", quantize: str | None = None, quantize_embeddings: bool = False,
                  core_dtype: str | None = None, chunk_size: int | None = None, tract_version: str | None = None,
-                 batch: int = 1, logits: str = "all"):
+                 batch: int = 1, logits: str = "all", streamed: bool = True):
     """See ``gdn_export.convert``; ``runtime``: "onnxruntime" (contrib ops where exact), "tract-onnx" or "any"
-    (portable forms). NNEF-only options (quantize, core_dtype, chunk_size, tract_version) are refused."""
+    (portable forms). NNEF-only options (quantize, core_dtype, chunk_size, tract_version) are refused.
+    ``streamed`` (the default): parameters of 1 MiB or more are traced as placeholders and written from the
+    checkpoint into ``OUT.onnx.data`` a slice at a time (``gdn_export.onnx.streamed``); where the exporter made
+    an initializer no known recipe writes, the export is redone from the model in memory and the report says
+    why. ``streamed=False``: the model in memory (external data above 1 GiB of weights only)."""
     from gdn_export.hf import convert as nnef_convert
     from gdn_export.hf.check import validate_check
-    from gdn_export.hf.checkpoint import cast_buffers, materialize, open_checkpoint
     from gdn_export.onnx.exporter import onnx_path, publish, write_onnx
+    from gdn_export.onnx.streamed import StreamingRefused
+    from gdn_export.runtime import lean_allocator
     from gdn_export.onnx.session import OnnxSession
     from gdn_export.ops.moe_ffn import moe_report
 
@@ -97,16 +172,12 @@ def convert_onnx(checkpoint_dir, out_path, *, dtype: str = "float32", lowering: 
     export_dtype = nnef_convert.DTYPES[dtype]
     seconds: dict[str, float] = {}
 
+    if streamed:  # placeholders untouched (their own maps), copies freed as they come (0.8 GiB peak against 2.1
+        lean_allocator()  # on the 580M model); not in memory: its map per copy doubled the system time there
     start = time.perf_counter()
     say(f"reading {checkpoint_dir}")
-    family, layout, model, weights = open_checkpoint(checkpoint_dir)
-    if layout.model_type in ONNX_UNSUPPORTED:
-        raise GdnExportError(f"{family.name} ({layout.model_type}) cannot be exported to ONNX yet: "
-                             f"{ONNX_UNSUPPORTED[layout.model_type]}; convert it to NNEF (.nnef.tgz)")
-    materialize(model, weights, export_dtype)
-    cast_buffers(model, export_dtype)
+    family, layout, model, weights, lm, sources = _exportable(checkpoint_dir, export_dtype, streamed)
     seconds["read"] = time.perf_counter() - start
-    lm = family.exportable(model, export_dtype)
     inputs, outputs, dynamic = nnef_convert.state_names(lm)
     vocab_size = layout.config["vocab_size"]
     metadata = {
@@ -118,17 +189,34 @@ def convert_onnx(checkpoint_dir, out_path, *, dtype: str = "float32", lowering: 
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".gdn_export_", dir=out_path.parent) as tmp:
-        say(f"exporting {family.name} ({dtype}) to {out_path} (ONNX, runtime {runtime})")
-        staged, data, decisions, export_seconds = write_onnx(
-            lm, nnef_convert.example_inputs(lm, vocab_size, export_dtype), Path(tmp), out_path.name,
-            input_names=inputs, output_names=outputs, dynamic_axes=dynamic, runtime=runtime, lowering=lowering,
-            metadata=metadata, output_dims=onnx_output_dims(lm, vocab_size))
+        say(f"exporting {family.name} ({dtype}{', weights streamed from the checkpoint' if sources else ''}) to "
+            f"{out_path} (ONNX, runtime {runtime})")
+
+        def export(lm, sources):
+            return write_onnx(lm, nnef_convert.example_inputs(lm, vocab_size, export_dtype), Path(tmp), out_path.name,
+                              input_names=inputs, output_names=outputs, dynamic_axes=dynamic, runtime=runtime,
+                              lowering=lowering, metadata=metadata, output_dims=onnx_output_dims(lm, vocab_size),
+                              sources=sources)
+
+        in_memory = None
+        try:
+            staged, data, decisions, export_seconds = export(lm, sources)
+        except StreamingRefused as refusal:  # nothing written yet: the same export from the model in memory
+            in_memory = f"weights read into memory: {refusal}"
+            say(f"  {in_memory}")
+            del lm, model
+            for f in Path(tmp).iterdir():
+                f.unlink()
+            _, _, model, _, lm, sources = _exportable(checkpoint_dir, export_dtype, False)
+            staged, data, decisions, export_seconds = export(lm, sources)
         seconds.update(export_seconds)
         result = OnnxConvertReport(out_path, family.name, metadata["model_type"], dtype, "-",
                                    layers=nnef_convert._layer_reports(lm, decisions), seconds=seconds,
                                    reference=family.reference, weights=weights.summary(),
                                    moe=moe_report(decisions))
-        result.onnx = _OnnxExtras(runtime, _conv_report(decisions), out_path.with_name(data.name) if data else None)
+        result.onnx = _OnnxExtras(runtime, _conv_report(decisions), out_path.with_name(data.name) if data else None,
+                                  weights=in_memory or (f"{len(sources)} weights streamed from the checkpoint"
+                                                        if sources else ""))
         del lm, model
         if check_mode:
             start = time.perf_counter()
@@ -150,6 +238,18 @@ def convert_onnx(checkpoint_dir, out_path, *, dtype: str = "float32", lowering: 
     return result
 
 
+def _exportable(checkpoint_dir, export_dtype: torch.dtype, placeholders: bool):
+    """(family, layout, model, weights, exportable module, placeholder sources): with ``placeholders``, large
+    parameters traced as placeholders (the sources say where each is read); else the model in memory."""
+    from gdn_export.hf.checkpoint import cast_buffers, materialize, open_checkpoint
+
+    family, layout, model, weights = open_checkpoint(checkpoint_dir)
+    materialize(model, weights, export_dtype, placeholders=placeholders)
+    cast_buffers(model, export_dtype)
+    lm = family.exportable(model, export_dtype)
+    return family, layout, model, weights, lm, placeholder_sources(lm, model, weights) if placeholders else {}
+
+
 class OnnxConvertReport(ConvertReport):
     """A ConvertReport whose header says ONNX and its runtime, with the short convs' decisions."""
 
@@ -161,7 +261,10 @@ class OnnxConvertReport(ConvertReport):
         lines[0] = lines[0].replace(", tract -", f", ONNX opset 17 for runtime {extras.runtime}")
         lines = [line for line in lines if not line.startswith("  for generation: ")]  # no tokenizer in an .onnx
         if extras.external_data is not None:
-            lines.insert(1, f"  weights stored in {extras.external_data.name} (external data)")
+            lines.insert(1, f"  weights stored in {extras.external_data.name} (external data)"
+                            + (f"; {extras.weights}" if extras.weights else ""))
+        elif extras.weights:
+            lines.insert(1, f"  {extras.weights}")
         lines[1:1] = [f"  {line}" for line in extras.convs]
         if extras.checked_in:
             lines = [line.replace("  check vs ", f"  check in {' and '.join(extras.checked_in)} vs ", 1)

@@ -10,7 +10,8 @@ cache concatenations), a second set of constraints the families were never writt
 
 The file is validated (``onnx.checker``, then shape inference with type checking) before it appears; it is
 written next to its final name in a temporary folder, then renamed (``OUT.onnx.data`` first when the weights go
-to external data: above ``EXTERNAL_DATA_BYTES`` of initializers, and always past protobuf's 2 GB limit).
+to external data: above ``EXTERNAL_DATA_BYTES`` of initializers, and always past protobuf's 2 GB limit; always too
+when the weights are streamed from their sources, ``gdn_export.onnx.streamed``).
 """
 
 from __future__ import annotations
@@ -20,15 +21,19 @@ import os
 import tempfile
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError
 from gdn_export.lowering import onnx_decisions
+
+if TYPE_CHECKING:
+    from gdn_export.onnx.streamed import Source
 
 METADATA_KEY = "gdn_export"
 EXTERNAL_DATA_BYTES = 1 << 30  # initializers above this go to OUT.onnx.data (protobuf's hard limit is 2 GB)
@@ -74,12 +79,15 @@ def _initializer_bytes(model) -> int:
 def write_onnx(module: torch.nn.Module, args: Sequence[torch.Tensor], folder: Path, name: str, *,
                input_names: Sequence[str], output_names: Sequence[str] | None, dynamic_axes: dict | None,
                runtime: str, lowering: str, metadata: dict | None = None,
-               output_dims: dict[str, list] | None = None) -> tuple[Path, Path | None, list, dict]:
+               output_dims: dict[str, list] | None = None,
+               sources: Mapping[int, Source] | None = None) -> tuple[Path, Path | None, list, dict]:
     """Export, rewrite the placeholders, validate and write ``folder/name`` (and ``name.data``).
+    ``sources``: the storage data_ptr of each parameter traced as a placeholder -> where its values are read
+    (``gdn_export.onnx.streamed``): the weights are then written from there into ``name.data``, never held.
     Returns (file, external data file or None, decisions, seconds)."""
     import onnx
 
-    from gdn_export.onnx import rewrite, symbolics
+    from gdn_export.onnx import rewrite, streamed, symbolics
 
     symbolics.register()
     seconds = {}
@@ -87,12 +95,14 @@ def write_onnx(module: torch.nn.Module, args: Sequence[torch.Tensor], folder: Pa
     traced = _operand_shapes(module, args)
     raw = folder / f"raw_{name}"
     axes = {k: dict(v) for k, v in (dynamic_axes or {}).items()}
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), \
+            (streamed.capture(sources, module) if sources else nullcontext()) as record:
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(module, tuple(args), str(raw), dynamo=False, input_names=list(input_names),
                               output_names=list(output_names) if output_names else None, dynamic_axes=axes,
-                              opset_version=symbolics.OPSET, do_constant_folding=True)
+                              opset_version=symbolics.OPSET, do_constant_folding=True,
+                              export_params=not sources)
         except (GdnExportError, KeyboardInterrupt):
             raise
         except Exception as err:  # the exporter's own errors, one line
@@ -122,6 +132,15 @@ def write_onnx(module: torch.nn.Module, args: Sequence[torch.Tensor], folder: Pa
         entry.value = json.dumps({**metadata, "decisions": [d.summary() for d in decisions]})
     model.producer_name = "gdn_export"
     path = folder / name
+    if sources:  # every initializer from its recipe, the weights from their sources: always external data
+        initializers = streamed.plan(record, [i.name for i in model.graph.input])
+        data = folder / f"{name}.data"
+        streamed.write(model, initializers, data)
+        onnx.save_model(model, str(path))
+        del model
+        validate_file(path)
+        seconds["write"] = time.perf_counter() - start
+        return path, data, decisions, seconds
     external = _initializer_bytes(model) > EXTERNAL_DATA_BYTES
     data = folder / f"{name}.data" if external else None
     if external:

@@ -91,6 +91,26 @@ def _moe(g, x, routing, router_weight, gate_up_proj, down_proj, top_k, gate):
     return y
 
 
+def _unflatten(g, x, dim, sizes):
+    """``aten::unflatten`` as ``Reshape(x, Concat(Shape(x)[:d], sizes, Shape(x)[d+1:]))``, ``d`` resolved here.
+
+    Why not torch's own symbolic (symbolic_opset13.unflatten): it computes ``d`` in the graph (Add, Mod, Reshape)
+    and the exporter's shape inference then gives the Reshape a static output shape: every later ``x.shape`` is
+    folded to the traced sizes (Qwen4-Exp's hyper-connections baked B and S into all the reshapes after them).
+    The same function; the shape slices use Shape's start/end (opset 15)."""
+    rank = sh._get_tensor_rank(x)
+    d = sh._maybe_get_const(dim, "i")
+    if rank is None or not isinstance(d, int):
+        from torch.onnx.symbolic_opset13 import unflatten
+
+        return unflatten(g, x, dim, sizes)
+    d %= rank
+    parts = ([g.op("Shape", x, start_i=0, end_i=d)] if d > 0 else []) + [sizes]
+    if d + 1 < rank:
+        parts.append(g.op("Shape", x, start_i=d + 1))
+    return g.op("Reshape", x, g.op("Concat", *parts, axis_i=0) if len(parts) > 1 else sizes)
+
+
 _REGISTERED = False
 
 
@@ -105,4 +125,5 @@ def register() -> None:
     register_custom_op_symbolic("t2n_extra::gated_delta_scan", _scan, OPSET)
     register_custom_op_symbolic("t2n_extra::causal_conv1d_update", _conv, OPSET)
     register_custom_op_symbolic("t2n_extra::moe_ffn", _moe, OPSET)
+    register_custom_op_symbolic("aten::unflatten", _unflatten, OPSET)
     _REGISTERED = True
