@@ -5,7 +5,9 @@
 One token, B=1, H heads of a KxK f32 state, one tract thread, all measured side by side in one run
 (ratios against the fused op of the same run):
 - the exported graphs (one symbolic-S graph each, as gdn_export writes them): fused op, portable scan,
-  chunked (its per-token tail is what runs for one token);
+  chunked (its per-token tail is what runs for one token); the scan and chunked ones also planned with S = 1
+  (``load_tract_model(path, {"S": 1})``, as ``gdn_export.Engine`` plans its decode steps: tract then inlines
+  the one-step scan and drops the empty chunk part);
 - hand-written NNEF graphs of one step with static shapes, no scan, no S: the cheapest forms tract can run,
   i.e. what a dedicated decode graph could reach: elementwise (decay, erase, write, readout as broadcasts
   and reductions), and matmul reads (``[e; q] S``) with the rank-1 update as an einsum;
@@ -96,6 +98,9 @@ def main(argv: list[str] | None = None) -> None:
                               output_names=["o", "state"], dynamic_axes=dynamic, check=False)
             runnable = gdn_export.runtime.load_tract_model(path)
             rows[label] = lambda r=runnable: r.run(token)
+            if lowering != "native":  # the same archive planned for one token (Engine's decode plans): S = 1 known
+                planned = gdn_export.runtime.load_tract_model(path, {"S": 1})
+                rows[f"{label}, planned with S = 1"] = lambda r=planned: r.run(token)
         gen = np.random.default_rng(0)
         operands = [(gen.standard_normal((1, h, 1, w)) / np.sqrt(w)).astype(np.float32) for _ in range(4)]
         operands += [gen.random((1, h, 1, 1)).astype(np.float32), gen.standard_normal((1, h, w, w)).astype(np.float32)]
