@@ -297,6 +297,12 @@ def _serve(args) -> int:
     from gdn_export.archive import read_metadata
 
     batched = bool((read_metadata(args.model) or {}).get("serving"))
+    if batched and args.prefill_piece is not None:
+        from gdn_export.serving.prefix_cache import ALIGN
+
+        if args.prefill_piece % ALIGN:
+            raise UsageError(f"--prefill-piece must be a multiple of {ALIGN} on a serving archive (the prefix "
+                             f"cache's alignment), got {args.prefill_piece}")
 
     def ready(host: str, port: int) -> None:
         where = f"[{host}]" if ":" in host else host
@@ -307,7 +313,8 @@ def _serve(args) -> int:
     _progress(f"loading {args.model}")
     try:
         serve(args.model, args.host, args.port, workers=args.workers, max_queue=args.max_queue, model_name=name,
-              log_level=args.log_level, ready=ready, slots=args.slots, progress=_progress)
+              log_level=args.log_level, ready=ready, slots=args.slots, progress=_progress,
+              prefill_piece=args.prefill_piece)
     except KeyboardInterrupt:
         pass
     _progress("stopped")
@@ -401,6 +408,11 @@ def parser() -> argparse.ArgumentParser:
                      help="requests computed at once, each by a thread over one shared tract plan (default 1)")
     srv.add_argument("--max-queue", type=_count(0), default=16,
                      help="requests waiting for a worker; beyond, 503 (default 16)")
+    srv.add_argument("--prefill-piece", type=_count(1), default=None, metavar="TOKENS",
+                     help="prompt tokens per prefill call (default 128; a multiple of 64 on a serving archive): "
+                          "smaller holds up the other requests' next tokens for less time (measured on a 580M f32 "
+                          "model, 8 clients: 64 tokens cut the inter-token p99 from 2.2 to 1.5 s for 6%% less "
+                          "throughput)")
     srv.add_argument("--slots", type=_count(1), default=None,
                      help="a serving archive (convert --serving): requests batched at once, split over the workers "
                           "(default 8)")

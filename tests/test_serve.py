@@ -277,8 +277,8 @@ def test_engine_server_batches_concurrent_clients(engine_server, client):
     assert status == 200 and body["slots"] == 4 and body["workers"] == 2
     for bad, param in (('{"prompt": "x",', None), ('{"prompt": [1, 2, 500]}', "prompt"),
                        ('{"prompt": "x", "top_p": 0}', "top_p")):
-        status, answer = raw(base, "POST", "/v1/completions", bad)
-        assert status == 400 and answer["error"]["param"] == param, (bad, answer)
+        status, refusal = raw(base, "POST", "/v1/completions", bad)
+        assert status == 400 and refusal["error"]["param"] == param, (bad, refusal)
     assert engine.stats()["busy"] == 0
 
 
@@ -390,10 +390,12 @@ def test_an_archive_without_tokenizer_or_template(small_server):
 def test_cli_serve_refuses_bad_arguments(converted):
     from gdn_export.cli import main
 
-    for args in (["--port", "70000"], ["--workers", "0"], ["--max-queue", "-1"]):
+    for args in (["--port", "70000"], ["--workers", "0"], ["--max-queue", "-1"], ["--prefill-piece", "0"]):
         with pytest.raises(SystemExit) as info:
             main(["serve", str(converted(NAME)), *args])
         assert info.value.code == 2
+    # the Engine's prefill pieces end on the prefix cache's 64-token boundaries: refused before anything loads
+    assert main(["serve", str(converted(NAME, serving=True)), "--prefill-piece", "100", "--port", "0"]) == 2
     with pytest.raises(SystemExit) as info:
         main(["serve", str(Path(converted(NAME)).with_suffix(".none"))])
     assert info.value.code == 2
@@ -408,7 +410,8 @@ def test_gdn_export_serve(converted, session, tmp_path, served):
         process = subprocess.Popen([sys.executable, "-m", "gdn_export.cli", "serve",
                                     str(converted(NAME, serving=served)),
                                     "--host", "127.0.0.1", "--port", "0", "--workers", "2", "--max-queue", "1",
-                                    "--served-model-name", NAME] + (["--slots", "4"] if served else []),
+                                    "--served-model-name", NAME, "--prefill-piece", "64"]
+                                   + (["--slots", "4"] if served else []),
                                    stdout=subprocess.DEVNULL, stderr=err,
                                    stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
@@ -426,6 +429,7 @@ def test_gdn_export_serve(converted, session, tmp_path, served):
         assert [m.id for m in client.models.list().data] == [NAME]
         health = raw(base, "GET", "/health")[1]
         assert health["workers"] == 2 and health.get("slots") == (4 if served else None)
+        assert health.get("prefill_piece") == (64 if served else None)
         text, ids, _ = expected(session, temperature=0, stop_token_ids=[])
         chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
                                                 extra_body={"ignore_eos": True}))

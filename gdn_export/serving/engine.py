@@ -177,6 +177,7 @@ class Engine(QueuedExecutor):
             busy = sum(len(w.active) for w in self._workers)
             return {"workers": len(self._workers), "slots": self.slots, "busy": busy, "queued": len(self._pending),
                     "max_queue": self.max_queue, "buckets": list(self.buckets), "planned": self.plans.planned,
+                    "prefill_piece": self.prefill_piece,
                     "prefix_cache": {"entries": len(self.prefix_cache), "bytes": self.prefix_cache.nbytes,
                                      "hits": self.prefix_cache.hits, "misses": self.prefix_cache.misses}}
 
