@@ -23,7 +23,6 @@ before`` on the same tokens, and ``tied, now`` against transformers' eager model
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
