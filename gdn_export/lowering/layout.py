@@ -30,7 +30,6 @@ class StepOperands:
     erases: list[NTensor]  # per sub-step e = b*k, [T, B, Hk, G, K]
     writes: list[NTensor]  # per sub-step u = w*v, [T, B, Hk, G, V]
     log_decay: NTensor | None  # [T, B, Hk, G, 1] or per channel [T, B, Hk, G, K]
-    s0: NTensor  # [B, Hk, G, K, V]
 
 
 def step_operands(b: NnefBuilder, node, dims: Dims, substeps_split: bool = False) -> StepOperands:
@@ -79,8 +78,7 @@ def step_operands(b: NnefBuilder, node, dims: Dims, substeps_split: bool = False
         log_decay = per_value_head(time_first(node.g))
         if not dims.channel_decay:
             log_decay = b.unsqueeze(log_decay, [4])
-    s0 = b.split_axis(b.cast(node.s0, F32), 1, [dims.key_heads, dims.groups])
-    return StepOperands(q, keys, erases, writes, log_decay, s0)
+    return StepOperands(q, keys, erases, writes, log_decay)
 
 
 def write_outputs(b: NnefBuilder, node, dims: Dims, y_time_first: NTensor, state: NTensor) -> None:
@@ -119,10 +117,9 @@ def write_squeezed(b: NnefBuilder, x: NTensor, out: NTensor) -> None:
 
 
 def write_state(b: NnefBuilder, dims: Dims, state: NTensor, out: NTensor) -> None:
-    """``[B, Hk, G, K, V]`` f32 into the node's state output. Without grouped heads a squeeze written straight
-    into the output: no copy, and for the scan and chunked lowerings tract keeps the output's name (for the
-    recurrent one, whose state is already squeezed, tract merges the two squeezes and output_names.py re-declares
-    the name)."""
+    """``[B, Hk, G, K, V]`` f32 (the recurrent lowering's state) into the node's state output. Without grouped heads
+    a squeeze written straight into the output: no copy (tract merges it with the recurrent step's own squeeze, so
+    output_names.py re-declares the name; the elementwise step's outputs go through ``write_step_outputs``)."""
     if dims.groups == 1 and np.dtype(out.dtype) == np.dtype(F32):
         b.op("squeeze", state, shape=out.shape, attribs={"axes": [2]}, out=out)
     else:

@@ -58,6 +58,7 @@ def lower_steps(b: NnefBuilder, ops: StepOperands, dims: Dims, state):
 
 def lower(b: NnefBuilder, node: GdnNode, dims: Dims, options: LoweringOptions) -> list:
     ops = step_operands(b, node, dims)
-    y, state, fragment = lower_steps(b, ops, dims, ops.s0)
+    s0 = b.split_axis(b.cast(node.s0, F32), 1, [dims.key_heads, dims.groups])  # [B, Hk, G, K, V]
+    y, state, fragment = lower_steps(b, ops, dims, s0)
     write_outputs(b, node, dims, y, state)
     return [fragment]
