@@ -98,22 +98,17 @@ class _Whole:
 def placeholder_sources(lm: torch.nn.Module, model: torch.nn.Module, weights) -> dict[int, object]:
     """Where each parameter of ``lm`` traced as a placeholder is read, by its storage's data_ptr: its checkpoint
     tensor, or the rows of one it was re-laid from (``model``: the checkpoint's model inside ``lm``)."""
-    from gdn_export.models.derived import PLACEHOLDER, ROWS_OF
+    from gdn_export.hf.weight_writers import checkpoint_source
+    from gdn_export.models.derived import PLACEHOLDER
 
     names = {id(param): name for name, param in model.named_parameters()}
     sources = {}
     for label, param in lm.named_parameters(remove_duplicate=False):
         if not getattr(param, PLACEHOLDER, False):
             continue
-        recipe = getattr(param, ROWS_OF, None)
-        if recipe is None and id(param) in names:
-            source = _rowwise(weights.entries[names[id(param)]])
-        elif recipe is not None and id(recipe[0]) in names:
-            entry = _rowwise(weights.entries[names[id(recipe[0])]])
-            source = entry if recipe[1] is None else RowsOf(entry, tuple(int(r) for r in recipe[1]))
-        else:
-            raise GdnExportError(f"the exportable model's parameter {label} is a placeholder that is no checkpoint "
-                                 "weight and records no recipe; convert with streamed=False (--in-memory)")
+        entry, rows = checkpoint_source(label, param, names, weights)
+        entry = _rowwise(entry)
+        source = entry if rows is None else RowsOf(entry, tuple(int(r) for r in rows))
         if tuple(source.shape) != tuple(param.shape):
             raise GdnExportError(f"parameter {label} is {list(param.shape)}, its source {source.name} "
                                  f"{list(source.shape)}")

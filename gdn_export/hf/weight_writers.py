@@ -139,17 +139,22 @@ def _source_name(param, names: dict) -> str:
     return names[id(getattr(param, ROWS_OF)[0])]
 
 
-def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, quantized: bool):
-    """Writes parameter ``label`` from the checkpoint: its tensor, or rows of one; in Q4_0 when ``quantized``."""
+def checkpoint_source(label: str, param, names: dict, weights):
+    """(the checkpoint tensor parameter ``label`` is written from, its row indices or None for all of it): the
+    tensor itself, or the one its ``ROWS_OF`` recipe names (``names``: id of a checkpoint parameter -> its name)."""
     recipe = getattr(param, ROWS_OF, None)
     if recipe is None and id(param) in names:
-        source, rows = weights.entries[names[id(param)]], None
-    else:
-        if recipe is None or id(recipe[0]) not in names:
-            raise GdnExportError(f"the exportable model's parameter {label} is no checkpoint weight and records no "
-                                 "recipe (gdn_export.models.derived); it cannot be written from the checkpoint: "
-                                 "convert with streamed=False")
-        source, rows = weights.entries[names[id(recipe[0])]], recipe[1]
+        return weights.entries[names[id(param)]], None
+    if recipe is None or id(recipe[0]) not in names:
+        raise GdnExportError(f"the exportable model's parameter {label} is no checkpoint weight and records no "
+                             "recipe (gdn_export.models.derived); it cannot be written from the checkpoint: "
+                             "convert with streamed=False (--in-memory)")
+    return weights.entries[names[id(recipe[0])]], recipe[1]
+
+
+def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, quantized: bool):
+    """Writes parameter ``label`` from the checkpoint: its tensor, or rows of one; in Q4_0 when ``quantized``."""
+    source, rows = checkpoint_source(label, param, names, weights)
     if rows is None and not quantized:
         return partial(source.write_nnef, dtype=dtype)
 
