@@ -1,21 +1,26 @@
 """One MoE feed-forward in tract: the sparse ``tract_moe_ffn`` against the dense form, side by side in one run.
 
     python benchmarks/bench_moe.py [--experts 64] [--top-k 8] [--hidden 2048] [--inner 512] [--tokens 1 128]
-                                   [--dtype float32] [--budget 3]
+                                   [--dtype float32] [--budget 3] [--routing softmax_topk]
 
 The layer is what the Qwen families export for their routed experts (``gdn_export.models.blocks.routed_moe``:
 softmax top-k routing renormalized, SwiGLU experts in transformers' fused ``gate_up_proj [E, 2I, D]`` /
 ``down_proj [E, D, I]`` layout; the shared expert, the same in both forms, is left out). It is exported twice
 through ``gdn_export.export``: ``runtime="cpu"`` writes ``tract_moe_ffn`` (only the top-k experts of a token run),
 ``runtime="any"`` the dense form (every expert on every token, mixed by the routing weights: what every MoE family
-ran before, and what a refused node still gets). Both graphs are planned for the token count N (tract's symbol
-fixed), run on one tract thread (CPU time / wall time is printed to show it), timed as a median, and compared with
+ran before, and what a refused node still gets). ``--routing grouped_sigmoid`` routes as Kimi Linear / DeepSeek-V3
+instead (``blocks.grouped_sigmoid_routing``: 8 groups, the best 4, a score bias, scaling 2.5), which tract has no
+gate mode for: the sparse form is then ``tract_moe_ffn`` gate 'raw' over ``[x | routing]`` with the stacks widened
+by E zero columns (gdn_export/ops/moe_ffn.py), the routing computed in the graph. Both graphs are planned for the token count N (tract's symbol
+fixed), run on one tract thread (``RAYON_NUM_THREADS=1`` unless set: tract's fused op otherwise spreads over every
+core; CPU time / wall time is printed to show it), timed as a median, and compared with
 each other and with the op's torch kernel. Random weights, N(0, 1/fan_in).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,6 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+# tract's OptMoeFfn runs its experts on rayon's pool (all cores; CPU/wall 1.8 on 2 cores) while its matmuls and
+# the dense form run on one: one thread for both unless the caller says otherwise
+os.environ.setdefault("RAYON_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gdn_export  # noqa: E402
 from gdn_export.models import blocks  # noqa: E402
@@ -35,8 +43,11 @@ from gdn_export.runtime import load_tract_model, steady_allocator  # noqa: E402
 class RoutedExperts(torch.nn.Module):
     """x [N, D] -> the routed experts' output [N, D] (Qwen3-Next / Qwen3.5-MoE routing, norm_topk_prob)."""
 
-    def __init__(self, experts: int, hidden: int, inner: int, top_k: int, dtype: torch.dtype) -> None:
+    def __init__(self, experts: int, hidden: int, inner: int, top_k: int, dtype: torch.dtype,
+                 routing: str = "softmax_topk") -> None:
         super().__init__()
+        self.routing = routing
+        self.register_buffer("score_bias", torch.linspace(-0.1, 0.1, experts))
         gen = torch.Generator().manual_seed(0)
         self.router = torch.nn.Parameter(torch.randn(experts, hidden, generator=gen).to(dtype) / hidden ** 0.5)
         self.gate_up_proj = torch.nn.Parameter((torch.randn(experts, 2 * inner, hidden, generator=gen)
@@ -46,9 +57,15 @@ class RoutedExperts(torch.nn.Module):
         self.top_k = top_k
 
     def forward(self, x):
-        routing = blocks.top_k_routing(x @ self.router.T, self.top_k, True)
+        if self.routing == "grouped_sigmoid":  # the router in f32 whatever the dtype, as Kimi Linear runs it
+            logits = x.float() @ self.router.float().T
+            groups = 8 if self.router.shape[0] % 8 == 0 else 1
+            routing = blocks.grouped_sigmoid_routing(logits, self.score_bias, top_k=self.top_k, groups=groups,
+                                                     top_groups=max(1, groups // 2), normalize=True, scaling=2.5)
+        else:
+            routing = blocks.top_k_routing(x @ self.router.T, self.top_k, True)
         return blocks.routed_moe(x, routing, self.router, self.gate_up_proj, self.down_proj, self.top_k,
-                                 "softmax_topk")
+                                 self.routing)
 
 
 def cpu_name() -> str:
@@ -82,11 +99,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 128], help="N: 1 is a decode step")
     parser.add_argument("--dtype", choices=["float32", "float16"], default="float32")
     parser.add_argument("--budget", type=float, default=3.0, help="seconds of timing per cell")
+    parser.add_argument("--routing", choices=["softmax_topk", "grouped_sigmoid"], default="softmax_topk",
+                        help="Qwen's softmax top-k, or Kimi Linear's DeepSeek-V3 grouped sigmoid")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     steady_allocator()
     dtype = getattr(torch, args.dtype)
-    module = RoutedExperts(args.experts, args.hidden, args.inner, args.top_k, dtype).eval()
+    module = RoutedExperts(args.experts, args.hidden, args.inner, args.top_k, dtype, args.routing).eval()
     weight_mb = sum(p.numel() * p.element_size() for p in module.parameters()) / 1e6
     x_example = torch.randn(3, args.hidden).to(dtype)
 
@@ -100,9 +119,11 @@ def main(argv: list[str] | None = None) -> None:
             (decision,) = [d for d in report.decisions if d.entry == QUALNAME]
             reasons[form] = f"{decision.lowering} - {decision.reason}"
             print(f"exported {form} ({time.perf_counter() - t0:.0f} s): {reasons[form]}", flush=True)
-        print(f"\nOne MoE layer: {args.experts} experts, top-{args.top_k}, hidden {args.hidden}, expert width "
+        print(f"\nOne MoE layer ({args.routing} routing): {args.experts} experts, top-{args.top_k}, hidden "
+              f"{args.hidden}, expert width "
               f"{args.inner}, {args.dtype} ({weight_mb:.0f} MB of expert weights), tract "
-              f"{gdn_export.runtime.tract_version()} 1 thread, {cpu_name()}\n")
+              f"{gdn_export.runtime.tract_version()}, RAYON_NUM_THREADS={os.environ['RAYON_NUM_THREADS']}, "
+              f"{cpu_name()}\n")
         header = ("| tokens N | sparse tract_moe_ffn ms | dense ms | dense / sparse | sparse tokens/s | "
                   "CPU/wall sparse, dense | max rel. diff sparse vs dense | vs torch |")
         print(header)

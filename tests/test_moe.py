@@ -154,22 +154,25 @@ class MoeLayer(torch.nn.Module):
         self.router = torch.nn.Parameter(torch.randn(experts, width, generator=gen))
         self.gate_up = torch.nn.Parameter(torch.randn(experts, 2 * inner, width, generator=gen) / width ** 0.5)
         self.down = torch.nn.Parameter(torch.randn(experts, width, inner, generator=gen) / inner ** 0.5)
+        self.register_buffer("score_bias", torch.linspace(-0.5, 0.5, experts))
         self.top_k, self.gate = top_k, gate
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
         logits = flat @ self.router.T
-        if self.gate == "grouped_sigmoid":  # any other routing: the given weights only
-            routing = blocks.top_k_routing(logits.sigmoid(), self.top_k, True)
+        if self.gate.startswith("grouped_sigmoid"):  # DeepSeek-V3's: 4 groups, the best 2, a score bias
+            scaling = 2.5 if self.gate == "grouped_sigmoid" else -2.5
+            routing = blocks.grouped_sigmoid_routing(logits, self.score_bias, top_k=self.top_k, groups=4, top_groups=2,
+                                                     normalize=True, scaling=scaling)
         else:
             routing = blocks.top_k_routing(logits, self.top_k, self.gate == "softmax_topk")
         out = blocks.routed_moe(flat, routing, self.router, self.gate_up, self.down, self.top_k, self.gate)
         return out.view_as(x)
 
 
-def export_layer(tmp_path, runtime, gate="softmax_topk", dtype=torch.float32):
-    module = MoeLayer(gate=gate).to(dtype)
-    x = torch.randn(2, 5, 32).to(dtype)
+def export_layer(tmp_path, runtime, gate="softmax_topk", dtype=torch.float32, **shape):
+    module = MoeLayer(gate=gate, **shape).to(dtype)
+    x = torch.randn(2, 5, shape.get("width", 32)).to(dtype)
     path = tmp_path / f"moe_{runtime}_{gate}.nnef.tgz"
     report = gdn_export.export(module, (x,), path, input_names=["x"], output_names=["y"],
                                dynamic_axes={"x": {0: "B", 1: "S"}}, runtime=runtime)
@@ -196,10 +199,39 @@ def test_cpu_export_is_sparse_and_exact(tmp_path, gate, dtype):
     assert "OptMoeFfn" in ops and not [op for op in ops if "TopK" in op or "Scatter" in op], ops
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_given_routing_export_is_sparse_and_exact(tmp_path, dtype):
+    """DeepSeek-V3 routing (no tract gate mode): tract_moe_ffn gate 'raw' over [x | routing] with the widened
+    stacks, no expert matmul left, and the export's check against the op's dense torch kernel passed; the routing
+    ops stay (they feed the op)."""
+    report, decision, graph = export_layer(tmp_path, "cpu", "grouped_sigmoid", dtype)
+    assert decision.lowering == "tract_moe_ffn" and "gate=raw over [x | routing]" in decision.reason
+    assert len(re.findall(r"tract_moe_ffn\(.*gate = 'raw', expert_layout = 'linear'\)", graph)) == 1
+    assert "matmul(" not in graph.split("tract_moe_ffn(")[1]
+    assert report.parity is not None and report.parity.ok
+    runnable = tract.nnef().with_tract_transformers().load(str(report.path)).into_runnable()
+    ops = [n["op_name"] for n in json.loads(runnable.profile_json(None))["nodes"]]
+    assert "OptMoeFfn" in ops and not [op for op in ops if op == "Pad"], ops  # the widened stacks are folded
+
+
+def test_given_routing_stacks_larger_than_tracts_fold_budget_are_folded(tmp_path):
+    """Expert stacks of 8-16 MiB (above the 4 MiB tract folds whatever their growth): the widened stacks are still
+    constants when tract plans the op (OptMoeFfn, no Pad or unplanned MoeFfn left: tract_quirks.CONST_FOLD_NO_GROWTH),
+    and the export's check passed."""
+    report, decision, graph = export_layer(tmp_path, "cpu", "grouped_sigmoid", experts=8, width=512, inner=512,
+                                           top_k=2)
+    assert decision.lowering == "tract_moe_ffn" and report.parity is not None and report.parity.ok
+    assert graph.count("pad(") >= 3  # w1, w3, w2 at least one piece each; w2 (grown rows) in more than one
+    runnable = tract.nnef().with_tract_transformers().load(str(report.path)).into_runnable()
+    ops = [n["op_name"] for n in json.loads(runnable.profile_json(None))["nodes"]]
+    assert "OptMoeFfn" in ops and "MoeFfn" not in ops and "Pad" not in ops, ops
+
+
 @pytest.mark.parametrize("runtime,gate,why", [
     ("cuda", "softmax_topk", "verified on tract's CPU runtime only"),
     ("any", "softmax_topk", "no runtime given"),
-    ("cpu", "grouped_sigmoid", "DeepSeek-V3 routing"),
+    ("cuda", "grouped_sigmoid", "verified on tract's CPU runtime only"),
+    ("cpu", "grouped_sigmoid_signed", "routed scaling factor <= 0"),
 ])
 def test_refused_exports_are_dense_with_a_reason(tmp_path, runtime, gate, why):
     """Elsewhere the node is every expert on every token, exact (the parity check passed), and says why."""
@@ -238,7 +270,8 @@ def decisions_of(path: Path) -> list[dict]:
 # fixture -> (MoE feed-forwards, top k, lowering)
 MOE_FIXTURES = {"qwen3_5_moe_64x8": (2, 8, "tract_moe_ffn"), "qwen3_next": (3, 2, "tract_moe_ffn"),
                 "qwen3_5_moe": (3, 2, "tract_moe_ffn"), "qwen4_exp": (3, 2, "tract_moe_ffn"),
-                "lara_mini": (4, 2, "tract_moe_ffn"), "kimi_linear": (1, 2, "dense")}
+                "lara_mini": (4, 2, "tract_moe_ffn"), "kimi_linear": (1, 2, "tract_moe_ffn"),
+                "kimi_linear_64x8": (1, 8, "tract_moe_ffn")}
 
 
 @pytest.mark.parametrize("name", by_fixture(*MOE_FIXTURES))
@@ -249,15 +282,13 @@ def test_fixture_graphs_are_sparse_where_exact(name, dtype, converted):
     decisions, graph = decisions_of(path), graph_of(path)
     assert [d["lowering"] for d in decisions] == [lowering] * count
     fused = re.findall(r"tract_moe_ffn\(.*k = (\d+), activation = 'silu', gate = '(\w+)'", graph)
-    if lowering == "tract_moe_ffn":
-        assert fused == [(str(top_k), "softmax_topk")] * count
-    else:
-        assert fused == [] and "DeepSeek-V3 routing" in decisions[0]["reason"]
+    gate = "raw" if name.startswith("kimi_linear") else "softmax_topk"  # DeepSeek-V3 routing: the given weights
+    assert lowering == "tract_moe_ffn" and fused == [(str(top_k), gate)] * count
 
 
 def test_report_names_each_moe_choice(tmp_path):
     report = convert(FIXTURES / "kimi_linear", tmp_path / "k.nnef.tgz", check=False)
-    assert "moe (1 feed-forward): dense - DeepSeek-V3 routing" in str(report)
+    assert "moe (1 feed-forward): tract_moe_ffn - DeepSeek-V3 routing" in str(report)
 
 
 def test_softmax_all_checkpoint_matches_transformers(tmp_path):

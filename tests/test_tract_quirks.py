@@ -323,6 +323,29 @@ def test_matmul_of_concat_split(tmp_path):
         fixed(tq.MATMUL_OF_CONCAT_SPLIT) + f": {[n['node_name'] for n in found]}")
 
 
+
+def test_const_fold_refuses_a_growing_pad(tmp_path):
+    """pad of an 8 MiB variable stays a Pad node; the same pad of half its rows (no larger than the variable) is
+    folded into a constant, which is what widened_stack's pieces rely on."""
+    from gdn_export.hf.tensors import write_nnef_array
+
+    tmp_path.mkdir(exist_ok=True)
+    with (tmp_path / "w.dat").open("wb") as file:
+        write_nnef_array(file, np.ones((2048, 1024), np.float32))
+
+    def ops(padded: str) -> list[str]:
+        return [n["op_name"] for n in nodes(load(tmp_path, f"""
+            graph G(x) -> (y) {{
+                x = external<scalar>(shape = [1, 1088]);
+                w = variable<scalar>(label = 'w', shape = [2048, 1024]);
+                p = pad({padded}, padding = [(0, 0), (0, 64)], border = 'constant', value = 0.0);
+                y = add(x, slice(p, axes = [0], begin = [0], end = [1]));
+            }}
+            """).into_runnable())]
+
+    assert "Pad" in ops("w"), fixed(tq.CONST_FOLD_NO_GROWTH)
+    assert "Pad" not in ops("slice(w, axes = [0], begin = [0], end = [1024])")
+
 # --- operators ---------------------------------------------------------------------------------------
 def test_sigmoid_floor(tmp_path):
     runnable = load(tmp_path, "graph G(x) -> (y) {\n    x = external<scalar>(shape = [2]);\n    y = sigmoid(x);\n}\n"

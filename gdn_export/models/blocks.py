@@ -163,6 +163,36 @@ def top_k_routing(router_logits: torch.Tensor, top_k: int, normalize: bool) -> t
     return torch.zeros_like(probs).scatter(1, top_index, top_values).to(router_logits.dtype)
 
 
+def grouped_sigmoid_routing(router_logits: torch.Tensor, score_bias: torch.Tensor, *, top_k: int, groups: int,
+                            top_groups: int, normalize: bool, scaling: float) -> torch.Tensor:
+    """DeepSeek-V3 routing (transformers' ``KimiLinearTopkRouter``) as dense weights ``[N, E]``, zero for unselected
+    experts.
+
+    Sigmoid scores plus the correction bias choose the experts: first the ``top_groups`` groups with the best
+    top-2 sum, then the top k experts inside them; the chosen experts weigh their unbiased scores
+    (renormalized if asked) times ``scaling``. Selection is topk, one-hot masks and where, so nothing data-dependent
+    reaches Python. The topks are sorted (transformers' are not: torch_to_nnef exports only sorted topk; the
+    chosen set, hence the scattered weights, is the same). The scatter names axis 1: tract 0.23 panics on
+    torch_to_nnef's unnormalized axis -1.
+    """
+    experts = router_logits.shape[-1]
+    # spelled with exp: tract's sigmoid bottoms out at ~4.5e-7 below x ~ -14.6, and renormalizing top-k scores
+    # of that size would turn the floor into O(1) weight errors
+    scores = 1.0 / (1.0 + torch.exp(-router_logits))
+    choice = scores + score_bias.float()
+    group_scores = choice.reshape(-1, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)  # [N, G]
+    group_index = torch.topk(group_scores, k=top_groups, dim=-1)[1]
+    # one-hot rows summed, not a scatter: tract panics on torch_to_nnef's scatter of a scalar source
+    group_mask = (group_index[:, :, None] == torch.arange(groups)).sum(1)  # [N, G], 1 for a chosen group
+    expert_mask = group_mask[:, :, None].expand(-1, groups, experts // groups).reshape(-1, experts)
+    choice = torch.where(expert_mask > 0, choice, float("-inf"))
+    top_index = torch.topk(choice, k=top_k, dim=-1)[1]
+    top_weights = scores.gather(1, top_index)
+    if normalize:
+        top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return torch.zeros_like(scores).scatter(1, top_index, top_weights * scaling)
+
+
 def dense_experts(x: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                   act) -> torch.Tensor:
     """Every expert on every token, mixed by dense ``weights`` ``[N, E]`` (zero for unselected experts).
@@ -180,7 +210,9 @@ def routed_moe(x: torch.Tensor, routing: torch.Tensor, router_weight: torch.Tens
     """SwiGLU experts ``[N, D] -> [N, D]`` mixed by ``routing`` ``[N, E]`` as one ``t2n_extra::moe_ffn`` node
     (``gdn_export/ops/moe_ffn.py``), whose torch kernel is ``dense_experts``. ``gate`` states how ``routing`` was
     computed from ``x @ router_weight.T``: ``"softmax_topk"``/``"softmax_all"`` (``top_k_routing`` with and without
-    renormalization) let the export use tract's sparse ``tract_moe_ffn``; any other name keeps the dense form."""
+    renormalization) let the export use tract's sparse ``tract_moe_ffn``, and so does ``"grouped_sigmoid"``
+(``grouped_sigmoid_routing`` with a positive scaling: the routing itself chooses the experts); any other name keeps
+the dense form."""
     return moe_ffn(x, routing, router_weight, gate_up_proj, down_proj, top_k, gate)
 
 

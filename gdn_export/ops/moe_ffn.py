@@ -18,20 +18,32 @@ that tract's fused ``tract_moe_ffn`` can compute it again by itself:
   renormalized: Qwen with ``norm_topk_prob``), which is tract's ``gate = 'softmax_topk'`` (softmax over the
   top-k logits: the same numbers);
 - ``"softmax_all"``: the same without renormalization, tract's ``gate = 'softmax_all'``;
-- anything else names a routing tract has no mode for (``"grouped_sigmoid"``: DeepSeek-V3's, Kimi Linear):
-  only ``routing`` says which experts a token takes, and the node stays dense.
+- ``"grouped_sigmoid"`` (DeepSeek-V3's, Kimi Linear; ``models.blocks.grouped_sigmoid_routing``): a routing none
+  of tract's gate modes computes from the router, but whose ``routing`` rows are non-negative with at most
+  ``top_k`` non-zero entries, exactly the chosen experts (a *given* routing, ``GIVEN_ROUTING_GATES``). Then the top
+  k of ``routing`` itself are the chosen experts and its values their weights: tract's ``gate = 'raw'`` (the top-k
+  logits, unchanged, as weights) computes the node if its router logits are ``routing``, which the export arranges
+  by widening the token: ``[x | routing] @ [0 | I].T = routing`` exactly (products with 0 and 1, sums with 0), and
+  the expert stacks get E zero columns (w1, w3) and E zero output rows (w2), so the experts see x unchanged and the
+  first D outputs are y. Where a chosen weight is 0 (underflow) the tie among zeros may pick another expert, whose
+  weight is 0 too: the same sum. Cost: E / D more expert work than the plain op;
+- anything else names a routing the node cannot vouch for: only ``routing`` says which experts a token takes, and
+  the node stays dense.
 
 The NNEF emission (``gdn_export/extractors/moe_ffn.py``: ops import no export code) decides per node and records
 the decision with its reason on the target like the gated delta rule's: ``tract_moe_ffn`` where it computes exactly
 this function (``decide``), else ``dense``: the experts as two matmuls over the whole stacks, mixed by ``routing``.
-In the sparse form ``routing`` is unused (the fused op reads the router's weight itself): its few ops stay in
-graph.nnef and tract drops them at load (tract_quirks.MOE_UNUSED_ROUTING_DROPPED).
+With a softmax gate ``routing`` is unused (the fused op reads the router's weight itself): its few ops stay in
+graph.nnef and tract drops them at load (tract_quirks.MOE_UNUSED_ROUTING_DROPPED); a given routing is the op's
+router input.
 
 Measured on tract 0.23.9 (``tests/test_moe.py``, docs/TRACT.md): ``tract_moe_ffn(x, wg, w1, w2, w3, k, activation
 = 'silu', gate, expert_layout = 'linear')`` with w1/w3 ``[E, I, D]`` and w2 ``[E, D, I]`` (nn.Linear layout: the
 checkpoint's stacks as they are; w1/w3 are NNEF slices of gate_up_proj, which tract folds at load) computes
 ``sum over the top k of x @ wg.T of weight * w2_e @ (silu(w1_e x) * w3_e x)``, x ``[N, D]`` or ``[B, S, D]``, f32 or
 f16 (output in x's dtype), routing and mixing in f32; on exactly tied logits it takes the lowest expert index.
+``gate = 'raw'`` weighs the chosen experts by their logits as they are; the output's width must be x's (hence the
+zero output rows of the given-routing form), and NNEF ``pad`` of a stack is folded at load like the slices.
 """
 
 from __future__ import annotations
@@ -49,11 +61,15 @@ SCHEMA = ("(Tensor x, Tensor routing, Tensor router_weight, Tensor gate_up_proj,
 OP_NAME = "tract_moe_ffn"
 # caller's gate -> tract_moe_ffn's gate mode computing the same routing
 TRACT_GATES = {"softmax_topk": "softmax_topk", "softmax_all": "softmax_all"}
-# routings tract has no mode for, and why
+# routings whose weights the graph computes (``routing``: non-negative, at most top_k non-zero per row), and what
+# they are; tract_moe_ffn runs them with gate = 'raw' over [x | routing] (module docstring)
+GIVEN_ROUTING_GATES = {
+    "grouped_sigmoid": "DeepSeek-V3 routing (sigmoid scores, biased choice in the top groups, a positive scaling)",
+}
+# routings the export cannot make sparse, and why
 UNSUPPORTED_GATES = {
-    "grouped_sigmoid": "DeepSeek-V3 routing (sigmoid scores, a correction bias that chooses experts but does not "
-                       "weigh them, top groups, renormalization, a routed scaling factor): none of tract_moe_ffn's "
-                       "gate modes (softmax_topk, softmax_all, sigmoid, raw) computes it",
+    "grouped_sigmoid_signed": "DeepSeek-V3 routing with a routed scaling factor <= 0 (negative or zero weights: the "
+                              "top k of the routing would not be the chosen experts)",
 }
 # measured exact on this version (tests/test_moe.py); earlier versions were not checked
 FIRST_VERSION = (0, 23, 9)

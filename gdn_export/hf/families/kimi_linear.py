@@ -1,8 +1,9 @@
 """Kimi Linear (``kimi_linear``): KDA layers, NoPE multi-head latent attention, DeepSeek-style grouped MoE.
 
 KDA is the gated delta rule with a per-key-channel decay, which ``models.blocks.gated_delta_mixer`` passes through
-to the op unchanged. The MoE routing has no tract ``tract_moe_ffn`` gate mode, so its ``moe_ffn`` node stays dense
-(the report says why). The MLA layers apply no rotary embedding: transformers splits the compressed key into
+to the op unchanged. The MoE routing (DeepSeek-V3's, ``models.blocks.grouped_sigmoid_routing``) has no tract
+``tract_moe_ffn`` gate mode: the graph computes the weights, and the node runs sparse on them (ops/moe_ffn.py's
+given routing). The MLA layers apply no rotary embedding: transformers splits the compressed key into
 ``kv_nope`` and ``k_rot`` but only concatenates ``k_rot`` (shared by every head) after the per-head ``k_nope``.
 """
 
@@ -16,35 +17,6 @@ from gdn_export.hf.blocks import routed_experts
 from gdn_export.hf.families.base import Family, TransformersLM, require_silu_conv
 from gdn_export.models import blocks
 from gdn_export.models.state import attention_states, delta_states
-
-
-def grouped_sigmoid_routing(router_logits: torch.Tensor, score_bias: torch.Tensor, *, top_k: int, groups: int,
-                            top_groups: int, normalize: bool, scaling: float) -> torch.Tensor:
-    """``KimiLinearTopkRouter`` (DeepSeek-V3 routing) as dense weights ``[N, E]``, zero for unselected experts.
-
-    Sigmoid scores plus the correction bias choose the experts: first the ``top_groups`` groups with the best
-    top-2 sum, then the top k experts inside them; the chosen experts weigh their unbiased scores
-    (renormalized if asked) times ``scaling``. Selection is topk, one-hot masks and where, so nothing data-dependent
-    reaches Python. The topks are sorted (transformers' are not: torch_to_nnef exports only sorted topk; the
-    chosen set, hence the scattered weights, is the same). The scatter names axis 1: tract 0.23 panics on
-    torch_to_nnef's unnormalized axis -1.
-    """
-    experts = router_logits.shape[-1]
-    # spelled with exp: tract's sigmoid bottoms out at ~4.5e-7 below x ~ -14.6, and renormalizing top-k scores
-    # of that size would turn the floor into O(1) weight errors
-    scores = 1.0 / (1.0 + torch.exp(-router_logits))
-    choice = scores + score_bias.float()
-    group_scores = choice.reshape(-1, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)  # [N, G]
-    group_index = torch.topk(group_scores, k=top_groups, dim=-1)[1]
-    # one-hot rows summed, not a scatter: tract panics on torch_to_nnef's scatter of a scalar source
-    group_mask = (group_index[:, :, None] == torch.arange(groups)).sum(1)  # [N, G], 1 for a chosen group
-    expert_mask = group_mask[:, :, None].expand(-1, groups, experts // groups).reshape(-1, experts)
-    choice = torch.where(expert_mask > 0, choice, float("-inf"))
-    top_index = torch.topk(choice, k=top_k, dim=-1)[1]
-    top_weights = scores.gather(1, top_index)
-    if normalize:
-        top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return torch.zeros_like(scores).scatter(1, top_index, top_weights * scaling)
 
 
 class KimiLinearLM(TransformersLM):
@@ -107,11 +79,12 @@ class KimiLinearLM(TransformersLM):
         router = block.gate
         flat = x.reshape(-1, router.hidden_dim)
         router_logits = F.linear(flat.float(), router.weight.float())  # the router runs in f32 whatever the dtype
-        weights = grouped_sigmoid_routing(
+        weights = blocks.grouped_sigmoid_routing(
             router_logits, router.e_score_correction_bias, top_k=router.top_k, groups=router.num_group,
             top_groups=router.topk_group, normalize=router.norm_topk_prob, scaling=router.routed_scaling_factor)
-        # no tract_moe_ffn gate mode computes this routing: the moe_ffn node stays dense, the report says why
-        routed = routed_experts(block.experts, flat, weights, router.weight, router.top_k, "grouped_sigmoid")
+        # the weights are non-negative exactly when the scaling is: only then do they choose the experts (sparse)
+        gate = "grouped_sigmoid" if router.routed_scaling_factor > 0 else "grouped_sigmoid_signed"
+        routed = routed_experts(block.experts, flat, weights, router.weight, router.top_k, gate)
         return routed.view_as(x) + block.shared_experts(x)
 
 
