@@ -151,12 +151,14 @@ class Session:
         logits = []
         for begin in range(0, ids.shape[1], piece):
             chunk = ids[:, begin:begin + piece].astype(np.int64)
+            # a serving graph's per-row inputs: every row has the same past and all of the chunk's tokens
+            served = {"past_len": self.position + begin, "seq_len": chunk.shape[1]}
+            served = [np.full(ids.shape[0], served[name], np.int64) for name in self.serving_inputs]
             if self.takes_past_len:
-                past_len = [np.full(ids.shape[0], self.position + begin, np.int64)]
-                outputs = run_tract_tensors(runnable, [chunk] + past_len + self._padded_caches())
+                outputs = run_tract_tensors(runnable, [chunk] + served + self._padded_caches())
                 self._states = self._append_caches(outputs[1:])
             else:
-                outputs = run_tract_tensors(runnable, [chunk] + self._states)
+                outputs = run_tract_tensors(runnable, [chunk] + served + self._states)
                 self._states = outputs[1:]
             logits.append(outputs[0].to_numpy())
         self.position += ids.shape[1]
@@ -168,6 +170,12 @@ class Session:
     def serving(self) -> bool:
         """A serving graph's archive (``convert(serving=True)``), which ``gdn_export.Engine`` batches."""
         return bool(self.metadata.get("serving"))
+
+    @property
+    def serving_inputs(self) -> list[str]:
+        """The graph's inputs between ``input_ids`` and the states: a serving graph's ``past_len`` (with attention
+        caches) and ``seq_len`` (``Decoder.split_inputs``); none in any other graph."""
+        return [name for name in ("past_len", "seq_len") if name in self.metadata.get("inputs", ())]
 
     @property
     def takes_past_len(self) -> bool:

@@ -77,12 +77,13 @@ def test_serving_graph_matches_transformers(name, converted, reference_model):
 @pytest.mark.parametrize("name", by_fixture(*FAMILIES))
 def test_engine_requests_get_what_they_get_alone(name, converted):
     """Staggered arrivals, prompts of 1 to 131 tokens (across the 64-token pieces), mixed decode lengths, 3 slots for
-    7 requests (slots reused, requests queued), decode batches padded to the next bucket: every request's logits
-    and greedy tokens are those of the same request alone through a batch-1 Session."""
+    7 requests (slots reused, requests queued), decode batches padded to the next bucket, prefill pieces of two
+    prompts at once where two are in their prompts (each row its own length: the graph's ``seq_len``): every
+    request's logits and greedy tokens are those of the same request alone through a batch-1 Session."""
     path = converted(name, serving=True)
     prompts = prompts_for(path)
     with Engine(path, slots=3, workers=2 if name == "qwen3_5" else 1, buckets=(1, 2, 4), keep_logits=True,
-                prefix_cache_mib=0, prefill_piece=64) as engine:
+                prefix_cache_mib=0, prefill_piece=64, prefill_rows=2) as engine:
         streams = [engine.submit(TokenRequest(p, n, GREEDY)) for p, n in zip(prompts[:3], NEW_TOKENS[:3])]
         events: dict[int, list] = {}
 
@@ -126,13 +127,13 @@ def test_padding_rows_and_admissions_leave_other_slots_untouched(converted, resi
     for slot, length in enumerate((5, 9, 2, 7)):
         ids = rng.integers(0, session.metadata["vocab_size"], (1, length))
         past_len, states = pool.gather([slot])
-        pool.scatter([slot], run_tract(plans[1], [ids, past_len, *states])[1:], length)
+        pool.scatter([slot], run_tract(plans[1], [ids, past_len, np.array([length]), *states])[1:], length)
     before = [pool.snapshot(slot) for slot in range(4)]
     _, scratch_before = pool.gather([SCRATCH])
     rows = [2, SCRATCH, SCRATCH, SCRATCH]
     for token in (7, 8):  # two steps: resident, the second reads the first's states as they came
         past_len, states = pool.gather(rows)
-        outputs = run_tract_tensors(plans[4], [np.full((4, 1), token), past_len, *states])[1:]
+        outputs = run_tract_tensors(plans[4], [np.full((4, 1), token), past_len, np.ones(4, np.int64), *states])[1:]
         pool.scatter(rows, outputs, 1, resident=resident)
     pool.reset(3)  # an admission into slot 3 (flushes a resident batch first)
     after = [pool.snapshot(slot) for slot in range(4)]

@@ -24,7 +24,7 @@ from gdn_export.hf.layout import resolve_layout
 from gdn_export.hf.weight_writers import dequantized_view, plan_writes, separate_tied_head, untied_view
 from gdn_export.runtime import lean_allocator
 from gdn_export.hf.families import family_for
-from gdn_export.models.decoder import takes_past_len
+from gdn_export.models.decoder import serving_inputs
 from gdn_export.ops.moe_ffn import moe_report
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -91,20 +91,22 @@ class ConvertReport:
 
 
 def state_names(lm) -> tuple[list[str], list[str], dict]:
-    served = takes_past_len(lm.serving, lm.states)
-    inputs = ["input_ids"] + (["past_len"] if served else []) + [f"in_{s.name}" for s in lm.states]
+    served = serving_inputs(lm.serving, lm.states)
+    inputs = ["input_ids"] + served + [f"in_{s.name}" for s in lm.states]
     outputs = ["logits"] + [f"out_{s.name}" for s in lm.states]
-    dynamic = {"input_ids": {0: "B", 1: "S"}, **({"past_len": {0: "B"}} if served else {})}
+    dynamic = {"input_ids": {0: "B", 1: "S"}, **{name: {0: "B"} for name in served}}
     dynamic.update({f"in_{s.name}": s.dynamic_axes for s in lm.states})
     return inputs, outputs, dynamic
 
 
 def example_inputs(lm, vocab_size: int, dtype: torch.dtype, batch: int = 1, seq: int = 3, past: int = 2):
     """Traced example: a non-empty past (so P is a real axis) and random states (so the export check means something);
-    a serving graph's ``past_len`` one short of the cache, so that the check sees a padded key masked."""
+    a serving graph's ``past_len`` one short of the cache, so that the check sees a padded key masked, and its
+    ``seq_len`` all S tokens."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (batch, seq), generator=gen)
-    states = [torch.full((batch,), past - 1, dtype=torch.int64)] if takes_past_len(lm.serving, lm.states) else []
+    served = {"past_len": past - 1, "seq_len": seq}
+    states = [torch.full((batch,), served[name], dtype=torch.int64) for name in serving_inputs(lm.serving, lm.states)]
     for spec in lm.states:
         shape = [batch if d == "B" else past if d == "P" else d for d in spec.shape]
         states.append((0.1 * torch.randn(shape, generator=gen)).to(spec.dtype))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gdn_export.layers.common import FusedRMSNormGated, RMSNorm, ShortConvolution, split_heads
+from gdn_export.models.row_lengths import RowLengths
 from gdn_export.models.state import StateSpec, conv_state, recurrent_state
 
 ConvStates = tuple[torch.Tensor, ...]
@@ -76,17 +77,18 @@ class DeltaLayer(nn.Module):
             self.o_norm = RMSNorm(self.head_v_dim, eps=norm_eps)
         self.o_proj = nn.Linear(value_dim, hidden_size, bias=False)
 
-    def project_qkv(self, x: torch.Tensor,
-                    conv_states: ConvStates) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ConvStates]:
-        """(q, k, v) after the short convs + SiLU (or SiLU alone without convs), and the new conv states."""
+    def project_qkv(self, x: torch.Tensor, conv_states: ConvStates,
+                    rows: RowLengths | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ConvStates]:
+        """(q, k, v) after the short convs + SiLU (or SiLU alone without convs), and the new conv states (with
+        ``rows``, a serving graph's, each row's taken at its own last real token)."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if not self.use_short_conv:
             return F.silu(q), F.silu(k), F.silu(v), ()
         if len(conv_states) != 3:
             raise ValueError(f"expected 3 conv states (q, k, v), got {len(conv_states)}")
-        q, conv_q = self.q_conv1d(q, conv_states[0])
-        k, conv_k = self.k_conv1d(k, conv_states[1])
-        v, conv_v = self.v_conv1d(v, conv_states[2])
+        q, conv_q = self.q_conv1d(q, conv_states[0], rows)
+        k, conv_k = self.k_conv1d(k, conv_states[1], rows)
+        v, conv_v = self.v_conv1d(v, conv_states[2], rows)
         return q, k, v, (conv_q, conv_k, conv_v)
 
     def project_out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -119,6 +121,11 @@ class DeltaLayer(nn.Module):
     def forward_states(self, x: torch.Tensor, states: list[torch.Tensor],
                        context=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The block-level call: states flat in ``state_specs`` order; returns (out, new states). ``context`` (the
-        decoder's ``Context``: positions, masks) is for attention layers; a delta-rule layer needs none."""
-        out, conv, state = self(x, tuple(states[:-1]), states[-1])
+        decoder's ``Context``: positions, masks) gives a delta-rule layer a serving graph's ``rows``."""
+        out, conv, state = self(x, tuple(states[:-1]), states[-1], None if context is None else context.rows)
         return out, [*conv, state]
+
+
+def identity_steps(rows: RowLengths | None, *gates: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The gates as they are, or with a serving call's padding tokens made identity steps (``RowLengths``)."""
+    return gates if rows is None else rows.identity_steps(*gates)

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gdn_export.ops.causal_conv1d import causal_conv1d_update
+from gdn_export.models.blocks import short_conv
+from gdn_export.models.row_lengths import RowLengths
 
 
 class ShortConvolution(nn.Module):
@@ -34,9 +35,11 @@ class ShortConvolution(nn.Module):
         self.hidden_size, self.kernel_size = hidden_size, kernel_size
         self.weight = nn.Parameter(torch.randn(hidden_size, 1, kernel_size) / math.sqrt(kernel_size))
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x ``[B, S, C]`` -> (silu(conv) ``[B, S, C]``, new state ``[B, C, W]``)."""
-        y, state = causal_conv1d_update(x.transpose(1, 2), self.weight.squeeze(1), state)
+    def forward(self, x: torch.Tensor, state: torch.Tensor,
+                rows: RowLengths | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[B, S, C]`` -> (silu(conv) ``[B, S, C]``, new state ``[B, C, W]``; with ``rows``, each row's at its
+        own last real token)."""
+        y, state = short_conv(x.transpose(1, 2), self.weight.squeeze(1), state, rows)
         return y.transpose(1, 2), state
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
+from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput, RowLengths, identity_steps
 from gdn_export.layers.common import split_heads
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
 
@@ -54,21 +54,23 @@ class DeltaNet(DeltaLayer):
         if use_beta:
             self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
 
-    def project_qkv(self, x: torch.Tensor,
-                    conv_states: ConvStates) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ConvStates]:
+    def project_qkv(self, x: torch.Tensor, conv_states: ConvStates,
+                    rows: RowLengths | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ConvStates]:
         if self.use_short_conv or self.qk_activation == "silu":
-            return super().project_qkv(x, conv_states)
+            return super().project_qkv(x, conv_states, rows)
         act = QK_ACTIVATIONS[self.qk_activation]  # no conv: FLA applies it after the head split (elementwise)
         return act(self.q_proj(x)), act(self.k_proj(x)), F.silu(self.v_proj(x)), ()
 
-    def forward(self, x: torch.Tensor, conv_states: ConvStates, recurrent_state: torch.Tensor) -> LayerOutput:
-        q, k, v, conv_states = self.project_qkv(x, conv_states)
+    def forward(self, x: torch.Tensor, conv_states: ConvStates, recurrent_state: torch.Tensor,
+                rows: RowLengths | None = None) -> LayerOutput:
+        q, k, v, conv_states = self.project_qkv(x, conv_states, rows)
         q, k, v = split_heads(q, self.head_k_dim), split_heads(k, self.head_k_dim), split_heads(v, self.head_v_dim)
         if self.qk_norm == "sum":
             q, k = q / q.sum(-1, keepdim=True), k / k.sum(-1, keepdim=True)
         beta = self.b_proj(x).sigmoid() if self.use_beta else torch.ones_like(q[..., 0])
         if self.allow_neg_eigval:
             beta = beta * 2.0
+        (beta,) = identity_steps(rows, beta)
         o, recurrent_state = gated_delta_rule(q, k, v, None, beta, recurrent_state,
                                               use_qk_l2norm=self.qk_norm == "l2")
         return self.project_out(o, x), conv_states, recurrent_state

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
+from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput, RowLengths, identity_steps
 from gdn_export.layers.common import decay_parameters, split_heads
 from gdn_export.models.blocks import delta_beta, gdn_decay
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
@@ -32,11 +32,12 @@ class GatedDeltaNet(DeltaLayer):
         self.b_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
         self.A_log, self.dt_bias = decay_parameters(self.num_v_heads, self.num_v_heads, 0.0, 16.0)
 
-    def forward(self, x: torch.Tensor, conv_states: ConvStates, recurrent_state: torch.Tensor) -> LayerOutput:
-        q, k, v, conv_states = self.project_qkv(x, conv_states)
+    def forward(self, x: torch.Tensor, conv_states: ConvStates, recurrent_state: torch.Tensor,
+                rows: RowLengths | None = None) -> LayerOutput:
+        q, k, v, conv_states = self.project_qkv(x, conv_states, rows)
         # FLA's kernel applies the gate and the sigmoid itself (use_gate_in_kernel, use_beta_sigmoid_in_kernel)
         beta = delta_beta(self.b_proj(x), self.allow_neg_eigval)
-        g = gdn_decay(self.a_proj(x), self.A_log, self.dt_bias)
+        g, beta = identity_steps(rows, gdn_decay(self.a_proj(x), self.A_log, self.dt_bias), beta)
         o, recurrent_state = gated_delta_rule(split_heads(q, self.head_k_dim), split_heads(k, self.head_k_dim),
                                               split_heads(v, self.head_v_dim), g, beta, recurrent_state,
                                               use_qk_l2norm=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
+from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput, RowLengths, identity_steps
 from gdn_export.layers.common import decay_parameters, split_heads
 from gdn_export.models.blocks import delta_beta, gdn_decay
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
@@ -39,15 +39,17 @@ class GatedDeltaProduct(DeltaLayer):
             self.a_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
             self.A_log, self.dt_bias = decay_parameters(self.num_v_heads, self.num_v_heads, 0.0, 16.0)
 
-    def forward(self, x: torch.Tensor, conv_states: ConvStates, recurrent_state: torch.Tensor) -> LayerOutput:
-        q, k, v, conv_states = self.project_qkv(x, conv_states)
+    def forward(self, x: torch.Tensor, conv_states: ConvStates, recurrent_state: torch.Tensor,
+                rows: RowLengths | None = None) -> LayerOutput:
+        q, k, v, conv_states = self.project_qkv(x, conv_states, rows)
         batch = x.shape[0]
         # '... t (n h d) -> ... (t n) h d': a row-major reshape, sub-steps of a token stay adjacent
         k = k.reshape(batch, -1, self.num_heads, self.head_k_dim)
         v = v.reshape(batch, -1, self.num_v_heads, self.head_v_dim)
-        beta = delta_beta(self.b_proj(x), self.allow_neg_eigval)
-        beta = beta.reshape(batch, -1, self.num_v_heads)
+        beta = delta_beta(self.b_proj(x), self.allow_neg_eigval)  # [B, T, n*H]: padding tokens masked before the split
         g = gdn_decay(self.a_proj(x), self.A_log, self.dt_bias) if self.use_forget_gate else None
+        g, beta = identity_steps(rows, g, beta)
+        beta = beta.reshape(batch, -1, self.num_v_heads)
         o, recurrent_state = gated_delta_rule(split_heads(q, self.head_k_dim), k, v, g, beta, recurrent_state,
                                               num_householder=self.num_householder, use_qk_l2norm=True)
         return self.project_out(o, x), conv_states, recurrent_state

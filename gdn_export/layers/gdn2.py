@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
+from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput, RowLengths, identity_steps
 from gdn_export.layers.common import decay_parameters, split_heads
 from gdn_export.models.blocks import per_head_decay
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
@@ -33,8 +33,9 @@ class GatedDeltaNet2(DeltaLayer):
         self.w_proj = nn.Linear(hidden_size, value_dim, bias=False)
         self.A_log, self.dt_bias = decay_parameters(num_heads, key_dim, 1.0, 16.0)
 
-    def forward(self, x: torch.Tensor, conv_states: ConvStates, recurrent_state: torch.Tensor) -> LayerOutput:
-        q, k, v, conv_states = self.project_qkv(x, conv_states)
+    def forward(self, x: torch.Tensor, conv_states: ConvStates, recurrent_state: torch.Tensor,
+                rows: RowLengths | None = None) -> LayerOutput:
+        q, k, v, conv_states = self.project_qkv(x, conv_states, rows)
         g = per_head_decay(split_heads(self.f_proj(x), self.head_k_dim), self.A_log, self.dt_bias)
         erase = split_heads(self.b_proj(x).sigmoid(), self.head_k_dim)
         write = split_heads(self.w_proj(x).sigmoid(), self.head_v_dim)
@@ -43,6 +44,7 @@ class GatedDeltaNet2(DeltaLayer):
             g, erase = g.repeat_interleave(groups, dim=2), erase.repeat_interleave(groups, dim=2)
         if self.allow_neg_eigval:
             erase = erase * 2.0
+        g, erase, write = identity_steps(rows, g, erase, write)
         o, recurrent_state = gated_delta_rule(split_heads(q, self.head_k_dim), split_heads(k, self.head_k_dim),
                                               split_heads(v, self.head_v_dim), g, None, recurrent_state,
                                               erase=erase, write=write, use_qk_l2norm=True)

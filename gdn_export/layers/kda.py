@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
+from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput, RowLengths, identity_steps
 from gdn_export.layers.common import decay_parameters, split_heads
 from gdn_export.models.blocks import delta_beta, per_head_decay
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
@@ -47,10 +47,11 @@ class KimiDeltaAttention(DeltaLayer):
         f = f.float() + self.dt_bias.float().view(self.num_v_heads, -1)
         return self.lower_bound * torch.sigmoid(self.A_log.float().exp()[:, None] * f)
 
-    def forward(self, x: torch.Tensor, conv_states: ConvStates, recurrent_state: torch.Tensor) -> LayerOutput:
-        q, k, v, conv_states = self.project_qkv(x, conv_states)
-        beta = delta_beta(self.b_proj(x), self.allow_neg_eigval)
+    def forward(self, x: torch.Tensor, conv_states: ConvStates, recurrent_state: torch.Tensor,
+                rows: RowLengths | None = None) -> LayerOutput:
+        q, k, v, conv_states = self.project_qkv(x, conv_states, rows)
+        g, beta = identity_steps(rows, self.decay(x), delta_beta(self.b_proj(x), self.allow_neg_eigval))
         o, recurrent_state = gated_delta_rule(split_heads(q, self.head_k_dim), split_heads(k, self.head_k_dim),
-                                              split_heads(v, self.head_v_dim), self.decay(x), beta, recurrent_state,
+                                              split_heads(v, self.head_v_dim), g, beta, recurrent_state,
                                               use_qk_l2norm=True)
         return self.project_out(o, x), conv_states, recurrent_state

@@ -95,10 +95,11 @@ class FlaForCausalLM(Decoder, nn.Module):
         return [spec.zeros(batch) for spec in self.state_specs(self.lm_head.weight.dtype)]
 
     def step(self, input_ids: torch.Tensor, states: list[torch.Tensor],
-             past_len: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """input_ids ``[B, S]`` and the flat states -> (logits ``[B, S, vocab]``, new flat states); ``past_len``
-        ``[B]`` in a serving graph (``Decoder.decode``)."""
-        return self.decode(input_ids, states, self.state_specs(self.lm_head.weight.dtype), past_len)
+             past_len: torch.Tensor | None = None,
+             seq_len: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids ``[B, S]`` and the flat states -> (logits ``[B, S, vocab]``, new flat states); ``past_len`` and
+        ``seq_len`` ``[B]`` in a serving graph (``Decoder.decode``)."""
+        return self.decode(input_ids, states, self.state_specs(self.lm_head.weight.dtype), past_len, seq_len)
 
     # --- the decoder's hooks ----------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ shapes, and the gated delta rule and its short conv are single ``t2n_extra`` nod
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,9 @@ import torch.nn.functional as F
 from gdn_export.ops.causal_conv1d import causal_conv1d_update
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
 from gdn_export.ops.moe_ffn import moe_ffn
+
+if TYPE_CHECKING:
+    from gdn_export.models.row_lengths import RowLengths
 
 
 def positions(input_ids: torch.Tensor, past: torch.Tensor, past_len: torch.Tensor | None = None) -> torch.Tensor:
@@ -99,15 +102,19 @@ def gated_delta_mixer(
     heads: int,
     width_k: int,
     width_v: int,
+    rows: RowLengths | None = None,
 ):
     """Short conv + SiLU over ``[q|k|v]`` channels, then the gated delta rule with in-kernel q/k L2 norm.
 
-    mixed_qkv ``[B, S, 2*Hk*K + H*V]`` (pre-conv, model dtype); g, beta ``[B, S, H]``.
+    mixed_qkv ``[B, S, 2*Hk*K + H*V]`` (pre-conv, model dtype); g, beta ``[B, S, H]``; ``rows``: a serving graph's
+    per-row token counts (padding tokens are identity steps, the conv state is taken at each row's end).
     Returns (core output ``[B, S, H, V]``, new conv state, new recurrent state).
     """
     batch_seq = mixed_qkv.shape[:2]
-    convolved, conv_state = causal_conv1d_update(mixed_qkv.transpose(1, 2), conv_weight, conv_state)
+    convolved, conv_state = short_conv(mixed_qkv.transpose(1, 2), conv_weight, conv_state, rows)
     convolved = convolved.transpose(1, 2)
+    if rows is not None:
+        g, beta = rows.identity_steps(g, beta)
     key_dim = key_heads * width_k
     query, key, value = torch.split(convolved, [key_dim, key_dim, heads * width_v], dim=-1)
     query = query.reshape(*batch_seq, key_heads, width_k)
@@ -115,6 +122,14 @@ def gated_delta_mixer(
     value = value.reshape(*batch_seq, heads, width_v)
     core, recurrent_state = gated_delta_rule(query, key, value, g, beta, recurrent_state, use_qk_l2norm=True)
     return core, conv_state, recurrent_state
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+               rows: RowLengths | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``causal_conv1d_update`` (x ``[B, C, S]``); with ``rows``, the new state is taken at each row's own last real
+    token (``RowLengths.conv_state``) instead of after all S."""
+    out, new_state = causal_conv1d_update(x, weight, state)
+    return out, new_state if rows is None else rows.conv_state(state, x)
 
 
 def delta_beta(b: torch.Tensor, allow_neg_eigval: bool) -> torch.Tensor:

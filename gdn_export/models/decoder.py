@@ -18,7 +18,7 @@ A family overrides only the hooks that differ:
 | ``layer_types`` | required: per layer, ``"linear_attention"`` (a delta-rule mixer) or an attention kind |
 | ``rotary_tables(x, positions)`` | None (no tables shared by the layers) |
 | ``mixer(i, layer, x, states, context)`` | ``delta_mixer`` on linear-attention layers, ``attention`` on the others |
-| ``delta_mixer(i, layer, x, states)``, ``attention(i, layer, x, states, context)`` | required unless ``mixer`` is |
+| ``delta_mixer(i, layer, x, states, rows)``, ``attention(i, layer, x, states, context)`` | required unless ``mixer`` is |
 | ``feed_forward(i, layer, x)`` | required |
 | ``norms(i, layer, part)`` | required unless ``residual`` is: (norm of the branch input, of its output), either None |
 | ``residual(i, layer, part, x, branch)`` | ``x + after(branch(before(x)))`` with ``norms``' pair (pre- or post-norm) |
@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from gdn_export.models import blocks
+from gdn_export.models.row_lengths import RowLengths
 from gdn_export.models.state import StateSpec
 
 # a sublayer's branch: its input -> (output, *new states)
@@ -55,6 +56,7 @@ class Context:
     rotary: Any = None  # rotary_tables' result (None where the family shares none)
     past_len: torch.Tensor | None = None  # serving graphs: [B], each row's own past length
     past: torch.Tensor | None = None  # the first key cache input (its axis 2 is the padded past P)
+    rows: RowLengths | None = None  # serving graphs: each row's own count of real new tokens
 
     def mask(self, keys: torch.Tensor, dtype: torch.dtype, sliding_window: int | None = None) -> torch.Tensor:
         """The additive attention mask over ``keys`` (an extended key cache): ``blocks.causal_mask``."""
@@ -70,25 +72,30 @@ class Decoder:
     # product per position, a quarter of Qwen3.5 0.8B's per-token work) then runs once per call, not per token
     last_logits_only: bool = False
 
-    # True: a serving graph (``convert(serving=True)``): a second input ``past_len`` ``[B]`` gives each row its own
-    # past length; cache inputs are padded to the longest (keys past a row's length masked) and cache outputs are
-    # the new positions only, ``[B, Hkv, S, D]``, for the host to write at each row's own length
+    # True: a serving graph (``convert(serving=True)``): inputs ``past_len`` ``[B]`` (with attention caches) and
+    # ``seq_len`` ``[B]`` give each row its own past length and its own count of real new tokens (the rest are
+    # identity steps, models/row_lengths.py); cache inputs are padded to the longest (keys past a row's length
+    # masked) and cache outputs are the new positions only, ``[B, Hkv, S, D]``, for the host to write at each row's
+    # own length
     serving: bool = False
     # why this family has no serving graph (None: it has one)
     serving_refusal: str | None = None
 
     def decode(self, input_ids: torch.Tensor, states: Sequence[torch.Tensor],
-               specs: Sequence[StateSpec], past_len: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+               specs: Sequence[StateSpec], past_len: torch.Tensor | None = None,
+               seq_len: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids ``[B, S]`` and the flat states (``specs`` order) -> (logits ``[B, S, vocab]``, or ``[B, 1, vocab]``
-        with ``last_logits_only``; new flat states). ``past_len`` ``[B]``: a serving graph's per-row past lengths."""
+        with ``last_logits_only``; new flat states). ``past_len`` and ``seq_len`` ``[B]``: a serving graph's per-row
+        past lengths and counts of real new tokens."""
         layers = list(self.decoder_layers())
         per_layer = split_states(states, specs, len(layers))
         x = self.embed(input_ids)
         # every attention layer has seen the same past: the first key cache's length gives the positions
         first_key = next((s for spec, s in zip(specs, states) if spec.kind == "key"), None)
         positions = None if first_key is None else blocks.positions(input_ids, first_key, past_len)
+        rows = None if seq_len is None else RowLengths.of(seq_len, input_ids)
         context = Context(positions, None if positions is None else self.rotary_tables(x, positions),
-                          past_len, first_key)
+                          past_len, first_key, rows)
         new_states = []
         for i, layer in enumerate(layers):
             x, *layer_states = self.run_layer(layer, self.layer_step, i, layer, x, per_layer[i], context)
@@ -96,15 +103,17 @@ class Decoder:
         if past_len is not None:  # a cache's output: the S new positions, after the padded past
             new_states = [new_positions(new, old, spec) for spec, old, new in zip(specs, states, new_states)]
         if self.last_logits_only:
-            x = x[:, -1:]
+            x = x[:, -1:] if rows is None else rows.last(x)
         return self.head(x), new_states
 
-    def split_inputs(self, inputs: Sequence[torch.Tensor],
-                     specs: Sequence[StateSpec]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-        """A graph's inputs after ``input_ids``: ``(past_len, states)`` (past_len None but in a serving graph)."""
-        if takes_past_len(self.serving, specs):
-            return inputs[0], list(inputs[1:])
-        return None, list(inputs)
+    def split_inputs(self, inputs: Sequence[torch.Tensor], specs: Sequence[StateSpec]
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor]]:
+        """A graph's inputs after ``input_ids``: ``(past_len, seq_len, states)`` (``serving_inputs`` names them; each
+        None where the graph has no such input)."""
+        inputs, named = list(inputs), {}
+        for name in serving_inputs(self.serving, specs):
+            named[name] = inputs.pop(0)
+        return named.get("past_len"), named.get("seq_len"), inputs
 
     def layer_step(self, index: int, layer: nn.Module, x: torch.Tensor, states: list[torch.Tensor],
                    context: Context) -> tuple:
@@ -133,10 +142,12 @@ class Decoder:
     def mixer(self, index: int, layer: nn.Module, x: torch.Tensor, states: list[torch.Tensor],
               context: Context) -> tuple:
         if self.layer_types[index] == "linear_attention":
-            return self.delta_mixer(index, layer, x, states)
+            return self.delta_mixer(index, layer, x, states, context.rows)
         return self.attention(index, layer, x, states, context)
 
-    def delta_mixer(self, index: int, layer: nn.Module, x: torch.Tensor, states: list[torch.Tensor]) -> tuple:
+    def delta_mixer(self, index: int, layer: nn.Module, x: torch.Tensor, states: list[torch.Tensor],
+                    rows: RowLengths | None) -> tuple:
+        """A delta-rule layer; ``rows`` (a serving graph's per-row token counts) goes to ``blocks.gated_delta_mixer``."""
         raise NotImplementedError
 
     def attention(self, index: int, layer: nn.Module, x: torch.Tensor, states: list[torch.Tensor],
@@ -158,6 +169,14 @@ class Decoder:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+
+def serving_inputs(serving: bool, specs: Sequence[StateSpec]) -> list[str]:
+    """The inputs a graph takes between ``input_ids`` and its states: a serving graph's ``past_len`` (with an
+    attention cache) and ``seq_len``."""
+    if not serving:
+        return []
+    return (["past_len"] if takes_past_len(serving, specs) else []) + ["seq_len"]
 
 
 def takes_past_len(serving: bool, specs: Sequence[StateSpec]) -> bool:

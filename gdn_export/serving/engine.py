@@ -6,10 +6,11 @@ An executor (``gdn_export.generation.executor``'s interface: ``submit``, ``archi
 - every admitted request gets a slot (``SlotPool``): its states live on the host between steps, zeroed at admission,
   or restored from the ``PrefixCache`` when its prompt starts with a snapshotted prefix;
 - each worker thread owns ``slots / workers`` slots and loops: admit waiting requests into free slots, run *one
-  prefill piece* of the oldest request still in its prompt (batch 1, ``prefill_piece`` tokens, a multiple of the
-  64-token snapshot alignment), then *one decode step* of every request of its slots that has a sampled token to
-  run, as one batch padded to the next batch-size bucket with scratch rows. A decode row never waits for a
-  whole prompt, only for one piece, and is never padded to a piece's length;
+  prefill piece* of the oldest request still in its prompt (``prefill_piece`` tokens, a multiple of the 64-token
+  snapshot alignment; with ``prefill_rows`` > 1, of up to that many such requests at once, each row its own
+  count of real tokens: the graph's ``seq_len``), then *one decode step* of every request of its slots that has a
+  sampled token to run, as one batch padded to the next batch-size bucket with scratch rows. A decode row never
+  waits for a whole prompt, only for one piece, and is never padded to a piece's length;
 - requests join and leave between steps; a finished or cancelled request frees its slot at once;
 - each batch size is planned once (tract's ``B`` fixed per plan, and ``S = 1`` for decode; shared by the workers:
   tract's calls release the GIL and spawn a fresh state per call, so workers compute at once on different cores);
@@ -109,13 +110,15 @@ class Engine(QueuedExecutor):
     ``slots``: requests computed at once (more wait in a queue of ``max_queue``; beyond it ``submit`` raises
     ``ExecutorFull``); ``workers``: threads, each with ``slots / workers`` slots (1 per core pays: tract's Python
     calls are single-threaded); ``buckets``: the batch sizes planned (a decode batch is padded to the next);
-    ``prefill_piece``: prompt tokens per prefill call (a multiple of 64); ``prefix_cache_mib``: the prefix cache's
+    ``prefill_piece``: prompt tokens per prefill call (a multiple of 64); ``prefill_rows``: prompts whose pieces run
+    together in one call (each its own length; 1, the default, plans no extra batch size for prefill: each plan
+    holds its own packed weights); ``prefix_cache_mib``: the prefix cache's
     bound (0: none); ``plan_now``: plan every bucket before returning (else on first use, seconds each);
     ``keep_logits``: every ``TokenEvent`` carries the logits row its token was sampled from.
     """
 
     def __init__(self, model: str | os.PathLike | Session, *, slots: int = 8, workers: int = 1, buckets: tuple[int, ...] | None = None,
-                 prefill_piece: int = 128, max_queue: int = 64, prefix_cache_mib: float = 512,
+                 prefill_piece: int = 128, prefill_rows: int = 1, max_queue: int = 64, prefix_cache_mib: float = 512,
                  plan_now: bool = False, keep_logits: bool = False) -> None:
         from gdn_export.session import Session
 
@@ -129,6 +132,8 @@ class Engine(QueuedExecutor):
         if prefill_piece < ALIGN or prefill_piece % ALIGN:
             raise GdnExportError(f"prefill_piece must be a positive multiple of {ALIGN} (the prefix cache's "
                                  f"alignment), got {prefill_piece}")
+        if prefill_rows < 1:
+            raise GdnExportError(f"prefill_rows must be >= 1, got {prefill_rows}")
         if max_queue < 0 or prefix_cache_mib < 0:
             raise GdnExportError(f"max_queue and prefix_cache_mib must be >= 0, got {max_queue}, {prefix_cache_mib}")
         per_worker = slots_per_worker(slots, workers)
@@ -140,8 +145,9 @@ class Engine(QueuedExecutor):
         self.path = session.path
         self.vocab_size = session.metadata.get("vocab_size")
         self.slots, self.buckets, self.prefill_piece, self.max_queue = slots, buckets, prefill_piece, max_queue
+        self.prefill_rows = min(prefill_rows, max(per_worker))
         self.keep_logits = keep_logits
-        self.takes_past_len = session.takes_past_len
+        self.serving_inputs = session.serving_inputs
         self.plans = Plans(session.path)
         self.prefix_cache = PrefixCache(int(prefix_cache_mib * MIB))
         self._init_queue()
@@ -150,7 +156,8 @@ class Engine(QueuedExecutor):
             from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                for plan in [pool.submit(self.plans.get, 1)] + [pool.submit(self.plans.get, b, 1) for b in buckets]:
+                prefill = [pool.submit(self.plans.get, b) for b in range(1, self.prefill_rows + 1)]
+                for plan in prefill + [pool.submit(self.plans.get, b, 1) for b in buckets]:
                     plan.result()
         for worker in self._workers:
             worker.thread.start()
@@ -179,7 +186,7 @@ class Engine(QueuedExecutor):
             busy = sum(len(w.active) for w in self._workers)
             return {"workers": len(self._workers), "slots": self.slots, "busy": busy, "queued": len(self._pending),
                     "max_queue": self.max_queue, "buckets": list(self.buckets), "planned": self.plans.planned,
-                    "prefill_piece": self.prefill_piece,
+                    "prefill_piece": self.prefill_piece, "prefill_rows": self.prefill_rows,
                     "prefix_cache": {"entries": len(self.prefix_cache), "bytes": self.prefix_cache.nbytes,
                                      "hits": self.prefix_cache.hits, "misses": self.prefix_cache.misses}}
 
@@ -220,7 +227,7 @@ class _Worker:
             self._drop_cancelled()
             prefilling = [a for a in self.active if a.prefilling]
             if prefilling:
-                self._step([prefilling[0]], self._prefill_piece)
+                self._step(prefilling[:engine.prefill_rows], self._prefill_piece)
             decoding = [a for a in self.active if a.next_token is not None]
             largest = engine.buckets[-1]
             for begin in range(0, len(decoding), largest):
@@ -273,35 +280,48 @@ class _Worker:
                 if active in self.active:
                     self._finish(active, None, err)
 
-    def _run(self, slots: list[int], ids: np.ndarray) -> tuple[np.ndarray, list]:
-        """One call of the plan for ``len(slots)`` rows of ``ids.shape[1]`` tokens (one token: a plan with S = 1):
-        (the last position's logits ``[B, vocab]``, state outputs as tract tensors)."""
+    def _run(self, slots: list[int], ids: np.ndarray, seq_len: np.ndarray) -> tuple[np.ndarray, list]:
+        """One call of the plan for ``len(slots)`` rows of ``ids.shape[1]`` tokens (one token: a plan with S = 1), row
+        b's first ``seq_len[b]`` real: (each row's last real position's logits ``[B, vocab]``, state outputs as
+        tract tensors)."""
         from gdn_export.runtime import run_tract_tensors
 
         past_len, states = self.pool.gather(slots)
-        inputs = [ids.astype(np.int64), *([past_len] if self.engine.takes_past_len else []), *states]
+        served = {"past_len": past_len, "seq_len": seq_len}
+        inputs = [ids.astype(np.int64), *(served[name] for name in self.engine.serving_inputs), *states]
         outputs = run_tract_tensors(self.engine.plans.get(len(slots), 1 if ids.shape[1] == 1 else None), inputs)
-        return outputs[0].to_numpy()[:, -1], outputs[1:]
+        logits = outputs[0].to_numpy()
+        if logits.shape[1] > 1:  # every position's logits (an archive without --logits last)
+            return logits[np.arange(len(slots)), seq_len - 1], outputs[1:]
+        return logits[:, -1], outputs[1:]  # the graph picked each row's last real position
 
     def _prefill_piece(self, rows: list[_Active]) -> None:
-        (active,) = rows
-        prompt = active.request.prompt_ids
-        begin, end = active.fed, min(len(prompt), active.fed + self.engine.prefill_piece)
-        logits, outputs = self._run([active.slot], np.asarray([prompt[begin:end]]))
-        self.pool.scatter([active.slot], outputs, end - begin)
-        active.fed = end
-        if end < len(prompt):
-            cache = self.engine.prefix_cache
-            if cache.wants(prompt[:end]):
-                cache.put(prompt[:end], self.pool.snapshot(active.slot))
-            return
-        self._sample(active, logits[0])
+        pieces = []
+        for active in rows:
+            prompt = active.request.prompt_ids
+            pieces.append(prompt[active.fed:min(len(prompt), active.fed + self.engine.prefill_piece)])
+        seq_len = np.array([len(piece) for piece in pieces], np.int64)
+        ids = np.zeros((len(rows), int(seq_len.max())), np.int64)  # padding tokens: identity steps in the graph
+        for b, piece in enumerate(pieces):
+            ids[b, :len(piece)] = piece
+        slots = [a.slot for a in rows]
+        logits, outputs = self._run(slots, ids, seq_len)
+        self.pool.scatter(slots, outputs, seq_len)
+        for b, active in enumerate(rows):
+            prompt, end = active.request.prompt_ids, active.fed + int(seq_len[b])
+            active.fed = end
+            if end < len(prompt):
+                cache = self.engine.prefix_cache
+                if cache.wants(prompt[:end]):
+                    cache.put(prompt[:end], self.pool.snapshot(active.slot))
+                continue
+            self._sample(active, logits[b])
 
     def _decode_step(self, rows: list[_Active]) -> None:
         bucket = next((b for b in self.engine.buckets if b >= len(rows)), len(rows))
         slots = [a.slot for a in rows] + [SCRATCH] * (bucket - len(rows))
         ids = np.asarray([[a.next_token] for a in rows] + [[0]] * (bucket - len(rows)))
-        logits, outputs = self._run(slots, ids)
+        logits, outputs = self._run(slots, ids, np.ones(bucket, np.int64))
         self.pool.scatter(slots, outputs, 1, resident=True)
         for b, active in enumerate(rows):
             active.next_token = None

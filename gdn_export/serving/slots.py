@@ -132,10 +132,12 @@ class SlotPool:
             states.append(batch)
         return past_len, states
 
-    def scatter(self, rows: list[int], outputs: list, new_tokens: int, resident: bool = False) -> None:
+    def scatter(self, rows: list[int], outputs: list, new_tokens, resident: bool = False) -> None:
         """Write a batch's state outputs (graph order: numpy arrays or the runtime's tensors) into its real rows; each
-        real row's length grows by ``new_tokens`` (a cache output holds exactly those new positions). ``resident``:
-        keep the fixed states as the resident batch instead (see the module docstring)."""
+        real row's length grows by ``new_tokens`` (one count for all rows, or one per row: the call's ``seq_len``; a
+        cache output's first that many new positions are the row's, the rest padding). ``resident``: keep the fixed
+        states as the resident batch instead (see the module docstring)."""
+        counts = np.broadcast_to(np.asarray(new_tokens, np.int64), (len(rows),))
         if resident:
             if self._resident is not None and self._resident[0] != tuple(rows):
                 self.flush()  # another batch's: the same rows' were this step's inputs, replaced now
@@ -144,7 +146,7 @@ class SlotPool:
         for b, row in enumerate(rows):
             if row == SCRATCH:
                 continue
-            length = int(self.lengths[row])
+            length, added = int(self.lengths[row]), int(counts[b])
             for index, output in enumerate(outputs):
                 if output is None:
                     continue
@@ -152,10 +154,10 @@ class SlotPool:
                     self._fixed[index][row] = output[b]
                 else:
                     axis = self._cache_axis[index]
-                    self._reserve(index, row, length + new_tokens)
+                    self._reserve(index, row, length + added)
                     target = self._caches[index][row]
-                    target[(slice(None),) * axis + (slice(length, length + new_tokens),)] = output[b]
-            self.lengths[row] = length + new_tokens
+                    target[(slice(None),) * axis + (slice(length, length + added),)] = _cut(output[b], axis, added)
+            self.lengths[row] = length + added
 
     def _reserve(self, index: int, slot: int, length: int) -> None:
         array, axis = self._caches[index][slot], self._cache_axis[index]

@@ -78,8 +78,8 @@ class TransformersLM(Decoder, ExportableLM):
         return attention_states(index, self.config.num_key_value_heads, layer.self_attn.head_dim, dtype)
 
     def forward(self, input_ids: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        past_len, states = self.split_inputs(inputs, self.states)
-        logits, new_states = self.decode(input_ids, states, self.states, past_len)
+        past_len, seq_len, states = self.split_inputs(inputs, self.states)
+        logits, new_states = self.decode(input_ids, states, self.states, past_len, seq_len)
         return (logits, *new_states)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -149,8 +149,8 @@ class FlaLM(ExportableLM):
         self.states = model.state_specs(dtype)
 
     def forward(self, input_ids: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        past_len, states = self.hf.split_inputs(inputs, self.states)
-        logits, new_states = self.hf.step(input_ids, states, past_len)
+        past_len, seq_len, states = self.hf.split_inputs(inputs, self.states)
+        logits, new_states = self.hf.step(input_ids, states, past_len, seq_len)
         return (logits, *new_states)
 
     @property

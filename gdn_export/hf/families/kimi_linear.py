@@ -38,7 +38,7 @@ class KimiLinearLM(TransformersLM):
     def rotary_tables(self, x, positions):
         return None  # NoPE: only the attention masks need positions
 
-    def delta_mixer(self, index, layer, x, states):
+    def delta_mixer(self, index, layer, x, states, rows):
         module = layer.self_attn
         conv_state, recurrent_state = states
         batch, seq = x.shape[:2]
@@ -48,7 +48,8 @@ class KimiLinearLM(TransformersLM):
         beta = module.b_proj(x).sigmoid()
         core, conv_state, recurrent_state = blocks.gated_delta_mixer(
             mixed, module.conv1d.weight.squeeze(1), conv_state, recurrent_state, g, beta,
-            key_heads=module.num_heads, heads=module.num_heads, width_k=module.head_dim, width_v=module.head_dim)
+            key_heads=module.num_heads, heads=module.num_heads, width_k=module.head_dim, width_v=module.head_dim,
+            rows=rows)
         gate = module.g_b_proj(module.g_a_proj(x)).view(batch, seq, -1, module.head_dim)
         out = module.o_norm(core, gate).reshape(batch, seq, -1)  # o_norm is sigmoid-gated and all f32
         return module.o_proj(out), conv_state, recurrent_state

@@ -15,7 +15,7 @@ class OlmoHybridLM(TransformersLM):
         require_silu_conv(hf_model.config)
         super().__init__(hf_model, dtype)
 
-    def delta_mixer(self, index, layer, x, states):
+    def delta_mixer(self, index, layer, x, states, rows):
         module = layer.linear_attn
         conv_state, recurrent_state = states
         batch, seq = x.shape[:2]
@@ -25,7 +25,8 @@ class OlmoHybridLM(TransformersLM):
         # transformers 5.24 loads the checkpoint's q/k/v convs concatenated into one depthwise conv1d
         core, conv_state, recurrent_state = blocks.gated_delta_mixer(
             mixed_qkv, module.conv1d.weight.squeeze(1), conv_state, recurrent_state, g, beta,
-            key_heads=module.num_k_heads, heads=module.num_v_heads, width_k=module.head_k_dim, width_v=module.head_v_dim)
+            key_heads=module.num_k_heads, heads=module.num_v_heads, width_k=module.head_k_dim, width_v=module.head_v_dim,
+            rows=rows)
         gate = module.g_proj(x).reshape(-1, module.head_v_dim)
         out = module.o_norm(core.reshape(-1, module.head_v_dim), gate)  # its eps is 1e-5 whatever the config says
         return module.o_proj(out.reshape(batch, seq, -1)), conv_state, recurrent_state

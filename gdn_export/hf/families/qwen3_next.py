@@ -82,8 +82,8 @@ class Qwen3NextLM(SparseMoeLM):
             for i, layer in enumerate(hf_model.model.layers) if layer.block_type == "linear_attention"
         })
 
-    def delta_mixer(self, index, layer, x, states):
-        return self.gdn(self.unfused[str(index)], x, *states)
+    def delta_mixer(self, index, layer, x, states, rows):
+        return self.gdn(self.unfused[str(index)], x, *states, rows=rows)
 
 
 FAMILY = Family(

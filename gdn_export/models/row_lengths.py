@@ -1,0 +1,61 @@
+"""Per-row new-token counts in a serving graph: ``seq_len [B]``, row b's first ``seq_len[b]`` of the call's S tokens
+are real, the rest padding (docs/SERVING.md).
+
+A padding token must leave every state as the row's last real token left it, exactly:
+
+- in a delta-rule layer it is an *identity step* of the recurrence (docs/MATH.md): decay ``g = 0`` and both gates
+  ``beta`` (or ``erase`` and ``write``) ``= 0``, so ``S <- Diag(exp 0) S + k (0 - S^T 0)^T = S`` in every lowering
+  (the chunked form's WY rows of such a step are zero, its cumulative decay stops moving);
+- the short conv's new state is the last L inputs up to the row's own last real token, picked out of
+  ``state ++ x`` by a one-hot product (each output is one input times 1 plus zeros: exact in any float dtype);
+- a cache keeps only the first ``seq_len[b]`` new positions (the host writes those; later queries never see the
+  rest), and the last-position logits are those of position ``seq_len[b] - 1``, picked the same way.
+
+Real positions before a padding one never see it (every layer is causal), so their outputs are those of the row
+run alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RowLengths:
+    """A serving call's ``seq_len [B]`` (int64, each in 1..S) and ``real [B, S]``: position i of row b is real."""
+
+    seq_len: torch.Tensor
+    real: torch.Tensor
+
+    @classmethod
+    def of(cls, seq_len: torch.Tensor, input_ids: torch.Tensor) -> RowLengths:
+        return cls(seq_len, token_indices(input_ids[0])[None] < seq_len[:, None])
+
+    def identity_steps(self, *gates: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """Each gate ``[B, S, ...]`` (a decay or a delta gate; None passes) with its padding positions set to 0: there
+        the recurrence's step is the identity."""
+        return tuple(None if gate is None else
+                     torch.where(self.real[(...,) + (None,) * (gate.dim() - 2)], gate, torch.zeros((), dtype=gate.dtype))
+                     for gate in gates)
+
+    def conv_state(self, state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The short conv's new state ``[B, C, L]``: the L inputs of ``state ++ x`` (``x`` ``[B, C, S]``, the conv's
+        own input) that end at each row's last real token."""
+        window = torch.cat([state, x.to(state.dtype)], dim=2)  # [B, C, L+S]
+        width = state.shape[2]
+        wanted = self.seq_len[:, None] + torch.arange(width)  # [B, L]: row b's window starts at index seq_len[b]
+        pick = token_indices(window[0, 0])[None, :, None] == wanted[:, None, :]  # [B, L+S, L]
+        return torch.matmul(window, pick.to(window.dtype))
+
+    def last(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, S, D]`` at each row's last real position: ``[B, 1, D]``."""
+        pick = token_indices(x[0, :, 0])[None, None] == (self.seq_len - 1)[:, None, None]  # [B, 1, S]
+        return torch.matmul(pick.to(x.dtype), x)
+
+
+def token_indices(along: torch.Tensor) -> torch.Tensor:
+    """0..n-1 (int64) for a 1-D tensor of n elements, from its shape alone (a cumsum: no arithmetic on a symbolic
+    size, which torch-to-nnef would type as f32)."""
+    return torch.ones_like(along, dtype=torch.int64).cumsum(-1) - 1
