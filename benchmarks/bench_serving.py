@@ -2,7 +2,8 @@
 another through ``Session``, in one run.
 
     python benchmarks/bench_serving.py CHECKPOINT_DIR [--concurrency 1,2,4,8,16] [--prompt 128] [--new 64]
-                                       [--workers 2] [--prefill-piece 128[,64...]] [--quantize q4_0] [--keep DIR]
+                                       [--workers 2] [--prefill-piece 128[,64...]] [--prefill-rows 1[,2...]]
+                                       [--quantize q4_0] [--keep DIR]
 
 The checkpoint is converted twice with ``gdn-export convert --no-check --logits last``: once plainly (the Session
 baseline, the fastest one-request path) and once with ``--serving`` (the Engine's graph). Build the realistic
@@ -16,7 +17,8 @@ k-th request waits for the k-1 before it) and inter-token latency, p50 and p99, 
 request's tokens are checked equal between the two runs. Planning (once per batch-size bucket) is done before the
 clock starts. With several ``--prefill-piece`` sizes (prompt tokens per prefill call, multiples of 64), an Engine
 runs at each against the same sequential run: a smaller piece stalls a worker's decode rows for less time (the
-ITL p99) at some cost in prefill speed.
+ITL p99) at some cost in prefill speed. With several ``--prefill-rows`` (the Engine's ``prefill_rows``: prompts whose
+pieces run in one call, each row its own length), each is run too (every piece size with every row count).
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--prefill-piece", default="128", help="the Engine's prefill_piece; a comma list runs each")
+    parser.add_argument("--prefill-rows", default="1", help="the Engine's prefill_rows; a comma list runs each")
     parser.add_argument("--quantize", choices=["q4_0"], default=None)
     parser.add_argument("--keep", type=Path, help="write (and reuse) the archives here (default: a temporary folder)")
     args = parser.parse_args(argv)
@@ -141,23 +144,26 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, planned = [], None
     slots = max(counts)
-    for piece in (int(x) for x in args.prefill_piece.split(",")):
+    configurations = [(int(piece), int(prefill_rows)) for piece in args.prefill_piece.split(",")
+                      for prefill_rows in args.prefill_rows.split(",")]
+    for piece, prefill_rows in configurations:
         with Engine(served, slots=slots, workers=min(args.workers, slots), prefix_cache_mib=0, plan_now=True,
-                    prefill_piece=piece) as engine:
+                    prefill_piece=piece, prefill_rows=prefill_rows) as engine:
             list(engine.submit(TokenRequest(warm_up, 2)))  # warm-up, as the Session's
             for n in counts:
                 result = batched(engine, prompts[:n], args.new)
                 alone = baseline[n]
                 same = result["tokens"] == alone["tokens"]
-                rows.append((piece, n, result, alone, same))
-                print(f"prefill piece {piece}, N={n}: {n * args.new / result['seconds']:.1f} tok/s batched, "
+                rows.append((f"{piece} x {engine.prefill_rows}", n, result, alone, same))
+                print(f"prefill piece {piece} x {engine.prefill_rows} rows, N={n}: "
+                      f"{n * args.new / result['seconds']:.1f} tok/s batched, "
                       f"{n * args.new / alone['seconds']:.1f} sequential, tokens equal: {same}", flush=True)
             planned = engine.plans.planned
     print(f"\n{args.checkpoint.name}{' ' + args.quantize if args.quantize else ' f32'}: prompt {args.prompt}, "
           f"{args.new} new tokens each, Engine with {min(args.workers, slots)} workers and {slots} slots (plans for "
           f"batches of {planned}), Session one request at a time; peak RSS "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.1f} GB")
-    print("| N | prefill piece | Engine tok/s | Session tok/s | x | TTFT p50 / p99 s (Engine) | TTFT p50 / p99 s (Session) | "
+    print("| N | prefill piece x rows | Engine tok/s | Session tok/s | x | TTFT p50 / p99 s (Engine) | TTFT p50 / p99 s (Session) | "
           "ITL p50 / p99 ms (Engine) | ITL p50 / p99 ms (Session) | same tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for piece, n, result, alone, same in rows:

@@ -405,9 +405,10 @@ def default_slots(workers: int) -> int:
 
 
 def executor_for(session, workers: int, max_queue: int, slots: int | None = None, progress=None,
-                 prefill_piece: int | None = None):
+                 prefill_piece: int | None = None, prefill_rows: int = 1):
     """The executor ``serve`` runs on: an ``Engine`` for a serving archive (every bucket planned now), else a
-    ``WorkerPool``; ``prefill_piece`` (None: the default, 128) prompt tokens per prefill call."""
+    ``WorkerPool``; ``prefill_piece`` (None: the default, 128) prompt tokens per prefill call; ``prefill_rows``
+    (an Engine's): prompts whose pieces run in one call."""
     if prefill_piece is not None and not session.serving:
         session.prefill_piece = prefill_piece
     if session.serving:
@@ -418,7 +419,8 @@ def executor_for(session, workers: int, max_queue: int, slots: int | None = None
             progress(f"planning the serving graph for batches of up to {max(slots_per_worker(slots, workers))} "
                      "rows (once per batch-size bucket)")
         piece = {} if prefill_piece is None else {"prefill_piece": prefill_piece}
-        return Engine(session, slots=slots, workers=workers, max_queue=max_queue, plan_now=True, **piece)
+        return Engine(session, slots=slots, workers=workers, max_queue=max_queue, plan_now=True,
+                      prefill_rows=prefill_rows, **piece)
     from gdn_export.generation.executor import WorkerPool
 
     return WorkerPool(session, workers=workers, max_queue=max_queue)
@@ -434,25 +436,27 @@ def listen(host: str, port: int):
 
 def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max_queue: int = 16,
           model_name: str | None = None, log_level: str = "warning", ready=None, slots: int | None = None,
-          progress=None, prefill_piece: int | None = None) -> None:
+          progress=None, prefill_piece: int | None = None, prefill_rows: int = 1) -> None:
     """Serve the archive at ``path`` until interrupted (Ctrl-C, SIGTERM): ``workers`` threads over one tract
     plan, at most ``max_queue`` requests waiting; a serving archive on an ``Engine`` of ``slots`` slots (default 8;
     every batch-size bucket planned before the server answers); ``prefill_piece``: prompt tokens per prefill call (a
 smaller piece holds up the other requests' next tokens for less time, at some prefill speed; on an Engine a
-multiple of 64). ``ready(host, port)`` is called once the socket
+multiple of 64); ``prefill_rows``: an Engine's prompts prefilled in one call. ``ready(host, port)`` is called once the socket
     listens (connections made from then on are served once the model is loaded)."""
     import uvicorn
 
     from gdn_export.session import Session
 
     session = Session(path)
-    if slots is not None and not session.serving:
-        raise GdnExportError(f"--slots batches requests over a serving graph; {path} has none (convert it with "
+    if (slots is not None or prefill_rows != 1) and not session.serving:
+        option = "--slots" if slots is not None else "--prefill-rows"
+        raise GdnExportError(f"{option} batches requests over a serving graph; {path} has none (convert it with "
                              "--serving)")
     sock = listen(host, port)
     executor = None
     try:
-        executor = executor_for(session, workers, max_queue, slots, progress, prefill_piece)  # plans: seconds
+        executor = executor_for(session, workers, max_queue, slots, progress, prefill_piece,  # plans: seconds
+                                prefill_rows)
         app = make_app(executor, model_name or model_name_of(path))
         config = uvicorn.Config(app, log_level=log_level, http="h11", lifespan="off", timeout_graceful_shutdown=1)
         server = uvicorn.Server(config)

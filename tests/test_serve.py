@@ -396,6 +396,7 @@ def test_cli_serve_refuses_bad_arguments(converted):
         assert info.value.code == 2
     # the Engine's prefill pieces end on the prefix cache's 64-token boundaries: refused before anything loads
     assert main(["serve", str(converted(NAME, serving=True)), "--prefill-piece", "100", "--port", "0"]) == 2
+    assert main(["serve", str(converted(NAME)), "--prefill-rows", "2", "--port", "0"]) == 2
     with pytest.raises(SystemExit) as info:
         main(["serve", str(Path(converted(NAME)).with_suffix(".none"))])
     assert info.value.code == 2
@@ -411,7 +412,7 @@ def test_gdn_export_serve(converted, session, tmp_path, served):
                                     str(converted(NAME, serving=served)),
                                     "--host", "127.0.0.1", "--port", "0", "--workers", "2", "--max-queue", "1",
                                     "--served-model-name", NAME, "--prefill-piece", "64"]
-                                   + (["--slots", "4"] if served else []),
+                                   + (["--slots", "4", "--prefill-rows", "2"] if served else []),
                                    stdout=subprocess.DEVNULL, stderr=err,
                                    stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
@@ -430,6 +431,7 @@ def test_gdn_export_serve(converted, session, tmp_path, served):
         health = raw(base, "GET", "/health")[1]
         assert health["workers"] == 2 and health.get("slots") == (4 if served else None)
         assert health.get("prefill_piece") == (64 if served else None)
+        assert health.get("prefill_rows") == (2 if served else None)
         text, ids, _ = expected(session, temperature=0, stop_token_ids=[])
         chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
                                                 extra_body={"ignore_eos": True}))

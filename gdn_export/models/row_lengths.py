@@ -6,10 +6,10 @@ A padding token must leave every state as the row's last real token left it, exa
 - in a delta-rule layer it is an *identity step* of the recurrence (docs/MATH.md): decay ``g = 0`` and both gates
   ``beta`` (or ``erase`` and ``write``) ``= 0``, so ``S <- Diag(exp 0) S + k (0 - S^T 0)^T = S`` in every lowering
   (the chunked form's WY rows of such a step are zero, its cumulative decay stops moving);
-- the short conv's new state is the last L inputs up to the row's own last real token, picked out of
-  ``state ++ x`` by a one-hot product (each output is one input times 1 plus zeros: exact in any float dtype);
+- the short conv's new state is the last L inputs up to the row's own last real token, gathered out of
+  ``state ++ x`` (copies: exact);
 - a cache keeps only the first ``seq_len[b]`` new positions (the host writes those; later queries never see the
-  rest), and the last-position logits are those of position ``seq_len[b] - 1``, picked the same way.
+  rest), and the last-position logits are those of position ``seq_len[b] - 1``, gathered the same way.
 
 Real positions before a padding one never see it (every layer is causal), so their outputs are those of the row
 run alone.
@@ -45,14 +45,13 @@ class RowLengths:
         own input) that end at each row's last real token."""
         window = torch.cat([state, x.to(state.dtype)], dim=2)  # [B, C, L+S]
         width = state.shape[2]
-        wanted = self.seq_len[:, None] + torch.arange(width)  # [B, L]: row b's window starts at index seq_len[b]
-        pick = token_indices(window[0, 0])[None, :, None] == wanted[:, None, :]  # [B, L+S, L]
-        return torch.matmul(window, pick.to(window.dtype))
+        start = self.seq_len[:, None, None] + torch.arange(width)  # [B, 1, L]: row b's window starts at seq_len[b]
+        return window.gather(2, start + torch.zeros_like(state, dtype=torch.int64))  # indices [B, C, L]
 
     def last(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, S, D]`` at each row's last real position: ``[B, 1, D]``."""
-        pick = token_indices(x[0, :, 0])[None, None] == (self.seq_len - 1)[:, None, None]  # [B, 1, S]
-        return torch.matmul(pick.to(x.dtype), x)
+        index = (self.seq_len - 1)[:, None, None] + torch.zeros_like(x[:, :1], dtype=torch.int64)  # [B, 1, D]
+        return x.gather(1, index)
 
 
 def token_indices(along: torch.Tensor) -> torch.Tensor:
