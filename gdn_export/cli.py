@@ -120,8 +120,8 @@ def _info(args) -> int:
         print(f"  family: {metadata.get('family')} ({metadata.get('model_type')}), dtype {metadata.get('dtype')}, "
               f"vocab {metadata.get('vocab_size')}")
         if metadata.get("serving"):
-            print("  serving graph: each row its own past length (past_len); cache outputs are the new positions "
-                  "only; `gdn-export serve` batches requests over it (docs/SERVING.md)")
+            print("  serving graph: each row its own past length (past_len) and count of new tokens (seq_len); cache "
+                  "outputs are the new positions only; `gdn-export serve` batches requests over it (docs/SERVING.md)")
     print(f"  tract: target {_property(args.model, 'tract_target_version')}, runtime {_tract_version()}")
     print("  inputs:")
     for i in range(runnable.input_count()):
