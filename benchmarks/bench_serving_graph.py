@@ -20,10 +20,8 @@ against the first's. Plans are built one kind at a time (each plan holds its own
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -32,14 +30,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gdn_export.archive import read_metadata  # noqa: E402
 from gdn_export.runtime import load_tract_model, run_tract_tensors  # noqa: E402
-
-DTYPES = {"float32": np.float32, "float16": np.float16}
-
-
-def metadata(path: Path) -> dict:
-    with tarfile.open(path) as tar:
-        return json.loads(tar.extractfile("gdn_export.json").read())
+from gdn_export.session import NUMPY_DTYPES  # noqa: E402
 
 
 def inputs_for(meta: dict, batch: int, tokens: int, past: int) -> list[np.ndarray]:
@@ -53,7 +46,7 @@ def inputs_for(meta: dict, batch: int, tokens: int, past: int) -> list[np.ndarra
     inputs += [given[name] for name in ("past_len", "seq_len") if name in meta["inputs"]]
     for spec in meta["states"]:
         shape = [batch if d == "B" else cached if d == "P" else d for d in spec["shape"]]
-        inputs.append((0.1 * rng.standard_normal(shape)).astype(DTYPES[spec["dtype"]]))
+        inputs.append((0.1 * rng.standard_normal(shape)).astype(NUMPY_DTYPES[spec["dtype"]]))
     return inputs
 
 
@@ -77,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
-    metas = {path: metadata(path) for path in args.archives}
+    metas = {path: read_metadata(path) for path in args.archives}
     rows = []
     kinds = [("prefill", 1, args.prompt, 0, None), ("decode, B=1", 1, 1, args.past, None),
              (f"decode, B={args.batch}", args.batch, 1, args.past, 1)]

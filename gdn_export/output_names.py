@@ -94,24 +94,11 @@ def declared_outputs(folder: Path) -> list[str]:
     return [name.strip() for name in header.group(1).split(",")]
 
 
-def _top_level_split(fact: str) -> list[str]:
-    """'B,broadcast(B,1),128,f32' -> ['B', 'broadcast(B,1)', '128', 'f32'] (commas inside expressions kept)."""
-    parts, depth, current = [], 0, ""
-    for char in fact:
-        depth += (char == "(") - (char == ")")
-        if char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    return parts + [current]
-
-
 def _condition(raw: str, fact: str) -> str:
     """A condition of ``raw``'s own shape, computed from it (so tract cannot fold the select): a select whose
     condition broadcasts copies ~5x slower in tract 0.23.9 (tract_quirks.SELECT_BROADCAST_SLOW); an empty output
     gives an empty condition, which is fine."""
-    *_, dtype = _top_level_split(fact)
+    dtype = fact.rsplit(",", 1)[-1]  # a fact reads "B,128,f32": its dimensions, then its type
     return raw if dtype == "bool" else f"eq({raw}, {raw})"
 
 

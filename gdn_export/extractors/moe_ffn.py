@@ -5,14 +5,13 @@ on the target beside the gated delta rules' (the export report and ``gdn_export.
 
 from __future__ import annotations
 
+import numpy as np
 from torch_to_nnef import torch_graph as tg
 
 from gdn_export.extractors.custom_ops import _require_tract, output_tensors
 from gdn_export.lowering.emitter import Decision
 from gdn_export.lowering.nnef_builder import NnefBuilder
 from gdn_export.lowering.options import LoweringOptions
-import numpy as np
-
 from gdn_export.ops.moe_ffn import (FIRST_VERSION, GIVEN_ROUTING_GATES, OP_NAME, QUALNAME, TRACT_GATES,
                                     UNSUPPORTED_GATES, check_moe_operands)
 from gdn_export.target import policy_of

@@ -125,7 +125,3 @@ class DeltaLayer(nn.Module):
         out, conv, state = self(x, tuple(states[:-1]), states[-1], None if context is None else context.rows)
         return out, [*conv, state]
 
-
-def identity_steps(rows: RowLengths | None, *gates: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """The gates as they are, or with a serving call's padding tokens made identity steps (``RowLengths``)."""
-    return gates if rows is None else rows.identity_steps(*gates)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput, RowLengths, identity_steps
+from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
 from gdn_export.layers.common import decay_parameters, split_heads
-from gdn_export.models.blocks import delta_beta, gdn_decay
+from gdn_export.models.blocks import delta_beta, gdn_decay, identity_steps
+from gdn_export.models.row_lengths import RowLengths
 from gdn_export.ops.gated_delta_rule import gated_delta_rule
 
 

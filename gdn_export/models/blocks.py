@@ -20,6 +20,13 @@ if TYPE_CHECKING:
     from gdn_export.models.row_lengths import RowLengths
 
 
+def indices_along(along: torch.Tensor) -> torch.Tensor:
+    """0..n-1 for a 1-D tensor of n elements, from its shape alone (a cumsum: no arithmetic on a symbolic size, which
+    torch-to-nnef would type as f32). int64; a float ``along`` is written in its own dtype by torch-to-nnef
+    (tract_quirks.T2N_ONES_LIKE_INT64), exact below 2**24."""
+    return torch.ones_like(along, dtype=torch.int64).cumsum(-1) - 1
+
+
 def positions(input_ids: torch.Tensor, past: torch.Tensor, past_len: torch.Tensor | None = None) -> torch.Tensor:
     """Absolute positions of the new tokens: ``[1, S]``, the past length (axis 2 of a cache) plus 0..S-1, one row for
     the whole batch (every sequence of a batch shares its past length: no batch axis enters the position
@@ -27,7 +34,7 @@ def positions(input_ids: torch.Tensor, past: torch.Tensor, past_len: torch.Tenso
     row's own past length), ``[B, S]``: ``past_len[b]`` plus 0..S-1.
     """
     # input_ids[0] (a select, not a [:1] slice): tract would carry a slice's extent as min(B, 1) - min(B, 0)
-    offsets = (torch.ones_like(input_ids[0]).cumsum(-1) - 1)[None]
+    offsets = indices_along(input_ids[0])[None]
     if past_len is not None:
         return offsets + past_len[:, None]
     return offsets + past.shape[2]
@@ -51,12 +58,12 @@ def causal_mask(query_positions: torch.Tensor, keys: torch.Tensor, dtype: torch.
     """
     window = None if sliding_window is None else query_positions[:, :, None] - sliding_window
     if past_len is None:
-        key_positions = (torch.ones_like(keys[0, 0, :, 0], dtype=torch.int64).cumsum(-1) - 1)[None]  # [1, P+S]
+        key_positions = indices_along(keys[0, 0, :, 0])[None]  # [1, P+S]
         allowed = key_positions[:, None, :] <= query_positions[:, :, None]
         if window is not None:
             allowed = allowed & (key_positions[:, None, :] > window)
     else:
-        past_positions = (torch.ones_like(past[0, 0, :, 0], dtype=torch.int64).cumsum(-1) - 1)[None, None]  # [1,1,P]
+        past_positions = indices_along(past[0, 0, :, 0])[None, None]  # [1, 1, P]
         # below every query position of its row; "& (q >= 0)" (always true) broadcasts it over the S queries
         allowed_past = (past_positions < past_len[:, None, None]) & (query_positions[:, :, None] >= 0)
         allowed_new = query_positions[:, None, :] <= query_positions[:, :, None]
@@ -113,8 +120,7 @@ def gated_delta_mixer(
     batch_seq = mixed_qkv.shape[:2]
     convolved, conv_state = short_conv(mixed_qkv.transpose(1, 2), conv_weight, conv_state, rows)
     convolved = convolved.transpose(1, 2)
-    if rows is not None:
-        g, beta = rows.identity_steps(g, beta)
+    g, beta = identity_steps(rows, g, beta)
     key_dim = key_heads * width_k
     query, key, value = torch.split(convolved, [key_dim, key_dim, heads * width_v], dim=-1)
     query = query.reshape(*batch_seq, key_heads, width_k)
@@ -130,6 +136,12 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
     token (``RowLengths.conv_state``) instead of after all S."""
     out, new_state = causal_conv1d_update(x, weight, state)
     return out, new_state if rows is None else rows.conv_state(state, x)
+
+
+def identity_steps(rows: RowLengths | None, *gates: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The gates as they are, or with a serving call's padding tokens made identity steps
+    (``RowLengths.identity_steps``)."""
+    return gates if rows is None else rows.identity_steps(*gates)
 
 
 def delta_beta(b: torch.Tensor, allow_neg_eigval: bool) -> torch.Tensor:
@@ -226,8 +238,8 @@ def routed_moe(x: torch.Tensor, routing: torch.Tensor, router_weight: torch.Tens
     (``gdn_export/ops/moe_ffn.py``), whose torch kernel is ``dense_experts``. ``gate`` states how ``routing`` was
     computed from ``x @ router_weight.T``: ``"softmax_topk"``/``"softmax_all"`` (``top_k_routing`` with and without
     renormalization) let the export use tract's sparse ``tract_moe_ffn``, and so does ``"grouped_sigmoid"``
-(``grouped_sigmoid_routing`` with a positive scaling: the routing itself chooses the experts); any other name keeps
-the dense form."""
+    (``grouped_sigmoid_routing`` with a positive scaling: the routing itself chooses the experts); any other name
+    keeps the dense form."""
     return moe_ffn(x, routing, router_weight, gate_up_proj, down_proj, top_k, gate)
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gdn_export.models.blocks import indices_along
+
 
 @dataclass
 class RowLengths:
@@ -31,7 +33,7 @@ class RowLengths:
 
     @classmethod
     def of(cls, seq_len: torch.Tensor, input_ids: torch.Tensor) -> RowLengths:
-        return cls(seq_len, token_indices(input_ids[0])[None] < seq_len[:, None])
+        return cls(seq_len, indices_along(input_ids[0])[None] < seq_len[:, None])
 
     def identity_steps(self, *gates: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         """Each gate ``[B, S, ...]`` (a decay or a delta gate; None passes) with its padding positions set to 0: there
@@ -52,9 +54,3 @@ class RowLengths:
         """``x [B, S, D]`` at each row's last real position: ``[B, 1, D]``."""
         index = (self.seq_len - 1)[:, None, None] + torch.zeros_like(x[:, :1], dtype=torch.int64)  # [B, 1, D]
         return x.gather(1, index)
-
-
-def token_indices(along: torch.Tensor) -> torch.Tensor:
-    """0..n-1 (int64) for a 1-D tensor of n elements, from its shape alone (a cumsum: no arithmetic on a symbolic
-    size, which torch-to-nnef would type as f32)."""
-    return torch.ones_like(along, dtype=torch.int64).cumsum(-1) - 1
