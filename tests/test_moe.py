@@ -1,8 +1,8 @@
 """Sparse MoE: tract's ``tract_moe_ffn`` against a float64 reference, and where the export uses it (ops/moe_ffn.py).
 
-1. The fused op, hand-written in the exact form the export writes (w1/w3 slices of the fused gate_up stack, the
-   linear layout), matches float64 numpy for both gate modes the families use, f32 and f16, [N, D] with a symbolic
-   N, 64 experts top-8; on exactly tied logits it takes the lowest expert indices (tract_quirks).
+1. The fused op, hand-written in the exact form the export writes (w1/w3/w2 variables of their own, the linear
+   layout), matches float64 numpy for both gate modes the families use, f32, f16 and Q4_0 stacks, [N, D] with a
+   symbolic N, 64 experts top-8; on exactly tied logits it takes the lowest expert indices (tract_quirks).
 2. ``t2n_extra::moe_ffn`` exports sparse where ``decide`` allows it and dense elsewhere, the decision and its reason
    recorded; both forms pass the export's parity check against the op's torch kernel.
 3. The MoE fixtures: the converted graphs hold ``tract_moe_ffn`` where the family's routing is softmax top-k and the
@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import tract
 
 import gdn_export
@@ -35,6 +36,7 @@ from gdn_export.lowering.options import LoweringOptions
 from gdn_export.models import blocks
 from gdn_export.extractors.moe_ffn import decide
 from gdn_export.ops import moe_ffn
+from gdn_export.weights import q4_0
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 HEADER = ("version 1.0;\nextension tract_registry tract_core;\nextension tract_registry tract_transformers;\n"
@@ -42,22 +44,25 @@ HEADER = ("version 1.0;\nextension tract_registry tract_core;\nextension tract_r
 
 
 # --- 1. the fused op against float64 --------------------------------------------------------------------------
-def fused_graph(folder: Path, weights: dict[str, np.ndarray], top_k: int, gate: str, dtype: str) -> Path:
-    """``tract_moe_ffn`` over x [N, D] as gdn_export writes it: w1/w3 slices of gate_up [E, 2I, D], w2 [E, D, I]."""
+def fused_graph(folder: Path, weights: dict[str, np.ndarray], top_k: int, gate: str, dtype: str,
+                q4_0_stacks: bool = False) -> Path:
+    """``tract_moe_ffn`` over x [N, D] as gdn_export writes it: w1 = gate [E, I, D], w3 = up, w2 = down [E, D, I]
+    (with ``q4_0_stacks``, the three in tract's Q4_0)."""
     folder.mkdir(parents=True, exist_ok=True)
     for name, value in weights.items():
         with (folder / f"{name}.dat").open("wb") as file:
-            write_nnef_array(file, value)
-    experts, rows, width = weights["gate_up"].shape
+            if q4_0_stacks and name != "wg":
+                q4_0.write_nnef(file, value.shape, lambda start, stop, value=value: value[start:stop])
+            else:
+                write_nnef_array(file, value)
+    width = weights["gate"].shape[2]
+    declare = "\n".join(f"  {n} = variable<scalar>(label = '{n}', shape = {list(weights[n].shape)});"
+                        for n in ("wg", "gate", "up", "down"))
     graph = f"""
         graph net(x) -> (y) {{
           x = tract_core_external(shape = [N, {width}], datum_type = '{dtype}');
-          wg = variable<scalar>(label = 'wg', shape = {list(weights['wg'].shape)});
-          gate_up = variable<scalar>(label = 'gate_up', shape = {list(weights['gate_up'].shape)});
-          down = variable<scalar>(label = 'down', shape = {list(weights['down'].shape)});
-          w1 = slice(gate_up, axes = [1], begin = [0], end = [{rows // 2}]);
-          w3 = slice(gate_up, axes = [1], begin = [{rows // 2}], end = [{rows}]);
-          y = tract_moe_ffn(x, wg, w1, down, w3, k = {top_k}, activation = 'silu', gate = '{gate}',
+        {declare}
+          y = tract_moe_ffn(x, wg, gate, down, up, k = {top_k}, activation = 'silu', gate = '{gate}',
                             expert_layout = 'linear');
         }}
         """
@@ -71,10 +76,9 @@ def run_graph(folder: Path, x: np.ndarray):
     return runnable.run([x])[0].to_numpy(), ops
 
 
-def reference64(x, wg, gate_up, down, top_k, normalize) -> np.ndarray:
+def reference64(x, wg, gate_proj, up_proj, down, top_k, normalize) -> np.ndarray:
     """The family's math in float64, token by token: softmax, the top k (stable order), renormalized if asked."""
-    x, wg, gate_up, down = (np.asarray(a, np.float64) for a in (x, wg, gate_up, down))
-    inner = gate_up.shape[1] // 2
+    x, wg, gate_proj, up_proj, down = (np.asarray(a, np.float64) for a in (x, wg, gate_proj, up_proj, down))
     out = np.zeros_like(x)
     for n, token in enumerate(x):
         logits = wg @ token
@@ -83,7 +87,7 @@ def reference64(x, wg, gate_up, down, top_k, normalize) -> np.ndarray:
         chosen = np.argsort(-probs, kind="stable")[:top_k]
         weights = probs[chosen] / probs[chosen].sum() if normalize else probs[chosen]
         for e, weight in zip(chosen, weights):
-            gate, up = gate_up[e, :inner] @ token, gate_up[e, inner:] @ token
+            gate, up = gate_proj[e] @ token, up_proj[e] @ token
             out[n] += weight * (down[e] @ (gate / (1 + np.exp(-gate)) * up))
     return out
 
@@ -91,8 +95,13 @@ def reference64(x, wg, gate_up, down, top_k, normalize) -> np.ndarray:
 def moe_weights(experts=64, width=32, inner=16, dtype=np.float32, seed=0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {"wg": rng.standard_normal((experts, width)).astype(dtype),
-            "gate_up": (rng.standard_normal((experts, 2 * inner, width)) / np.sqrt(width)).astype(dtype),
+            "gate": (rng.standard_normal((experts, inner, width)) / np.sqrt(width)).astype(dtype),
+            "up": (rng.standard_normal((experts, inner, width)) / np.sqrt(width)).astype(dtype),
             "down": (rng.standard_normal((experts, width, inner)) / np.sqrt(inner)).astype(dtype)}
+
+
+def stacks_of(weights: dict[str, np.ndarray]) -> tuple:
+    return weights["wg"], weights["gate"], weights["up"], weights["down"]
 
 
 @pytest.mark.parametrize("gate", ["softmax_topk", "softmax_all"])
@@ -105,11 +114,26 @@ def test_fused_op_matches_float64(tmp_path, gate, dtype, tokens):
     weights = moe_weights(dtype=np_dtype)
     x = np.random.default_rng(1).standard_normal((tokens, 32)).astype(np_dtype)
     y, ops = run_graph(fused_graph(tmp_path, weights, 8, gate, dtype), x)
-    expected = reference64(x, weights["wg"], weights["gate_up"], weights["down"], 8, gate == "softmax_topk")
+    expected = reference64(x, *stacks_of(weights), 8, gate == "softmax_topk")
     error = np.abs(y.astype(np.float64) - expected).max() / np.abs(expected).max()
     assert y.dtype == np_dtype and y.shape == x.shape
     assert error < (4e-6 if dtype == "f32" else 2e-3), f"{gate} {dtype} N={tokens}: relative error {error:.2e}"
-    assert "OptMoeFfn" in ops and not any("Slice" in op for op in ops), ops
+    assert "OptMoeFfn" in ops, ops
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_fused_op_with_q4_0_stacks_matches_float64(tmp_path, tokens):
+    """The three stacks in tract's Q4_0 (what ``--quantize q4_0`` writes): tract plans its optimized op and computes
+    with the dequantized weights, to f32 rounding against float64 on those weights (the f32 rule)."""
+    weights = moe_weights(width=64, inner=32, seed=4)
+    x = np.random.default_rng(5).standard_normal((tokens, 64)).astype(np.float32)
+    y, ops = run_graph(fused_graph(tmp_path, weights, 8, "softmax_topk", "f32", q4_0_stacks=True), x)
+    seen = {n: q4_0.dequantize(q4_0.quantize(v), v.shape) if n != "wg" else v for n, v in weights.items()}
+    expected = reference64(x, *stacks_of(seen), 8, True)
+    assert np.abs(expected - reference64(x, *stacks_of(weights), 8, True)).max() > 1e-3  # Q4_0 is not a no-op
+    error = np.abs(y.astype(np.float64) - expected).max() / np.abs(expected).max()
+    assert error < 4e-6, f"Q4_0 stacks N={tokens}: relative error {error:.2e}"
+    assert "OptMoeFfn" in ops, ops
 
 
 @pytest.mark.parametrize("normalize", [True, False])
@@ -119,10 +143,10 @@ def test_fused_op_computes_the_op_reference(tmp_path, normalize):
     weights = moe_weights(seed=2)
     x = np.random.default_rng(3).standard_normal((5, 32)).astype(np.float32)
     y, _ = run_graph(fused_graph(tmp_path, weights, 8, blocks.softmax_gate(normalize), "f32"), x)
-    wg, gate_up, down = (torch.from_numpy(weights[k]).double() for k in ("wg", "gate_up", "down"))
+    wg, gate, up, down = (torch.from_numpy(w).double() for w in stacks_of(weights))
     xt = torch.from_numpy(x).double()
     routing = blocks.top_k_routing(xt @ wg.T, 8, normalize)
-    expected = moe_ffn.moe_ffn(xt, routing, wg, gate_up, down, 8, blocks.softmax_gate(normalize)).numpy()
+    expected = moe_ffn.moe_ffn(xt, routing, wg, gate, up, down, 8, blocks.softmax_gate(normalize)).numpy()
     np.testing.assert_allclose(y, expected, rtol=0, atol=4e-6 * np.abs(expected).max())
 
 
@@ -130,13 +154,13 @@ def test_tied_logits_take_the_lowest_experts(tmp_path):
     """Canary of tract_quirks.MOE_TIES_LOWEST_INDEX: every logit equal, expert e writing channel e; tract takes
     experts 0..k-1, where torch.topk (CPU) takes others."""
     experts, width, inner = 8, 16, 4
-    gate_up = np.zeros((experts, 2 * inner, width), np.float32)
+    gate = np.zeros((experts, inner, width), np.float32)
     down = np.zeros((experts, width, inner), np.float32)
     for e in range(experts):
-        gate_up[e, :, 0] = 1.0
+        gate[e, :, 0] = 1.0
         down[e, e, 0] = 1.0
-    folder = fused_graph(tmp_path, {"wg": np.zeros((experts, width), np.float32), "gate_up": gate_up, "down": down},
-                         3, "softmax_topk", "f32")
+    folder = fused_graph(tmp_path, {"wg": np.zeros((experts, width), np.float32), "gate": gate, "up": gate.copy(),
+                                    "down": down}, 3, "softmax_topk", "f32")
     x = np.zeros((1, width), np.float32)
     x[0, 0] = 1.0
     y, _ = run_graph(folder, x)
@@ -152,8 +176,12 @@ class MoeLayer(torch.nn.Module):
         super().__init__()
         gen = torch.Generator().manual_seed(0)
         self.router = torch.nn.Parameter(torch.randn(experts, width, generator=gen))
-        self.gate_up = torch.nn.Parameter(torch.randn(experts, 2 * inner, width, generator=gen) / width ** 0.5)
-        self.down = torch.nn.Parameter(torch.randn(experts, width, inner, generator=gen) / inner ** 0.5)
+        gate_up = torch.randn(experts, 2 * inner, width, generator=gen) / width ** 0.5
+        down = torch.randn(experts, width, inner, generator=gen) / inner ** 0.5
+        extra = moe_ffn.widening(gate, experts)  # a given routing's stacks come widened by E zeros (the contract)
+        gate_up, down = F.pad(gate_up, (0, extra)), F.pad(down, (0, 0, 0, extra))
+        self.gate_proj, self.up_proj = (torch.nn.Parameter(half.contiguous()) for half in gate_up.chunk(2, dim=1))
+        self.down = torch.nn.Parameter(down)
         self.register_buffer("score_bias", torch.linspace(-0.5, 0.5, experts))
         self.top_k, self.gate = top_k, gate
 
@@ -166,7 +194,8 @@ class MoeLayer(torch.nn.Module):
                                                      normalize=True, scaling=scaling)
         else:
             routing = blocks.top_k_routing(logits, self.top_k, self.gate == "softmax_topk")
-        out = blocks.routed_moe(flat, routing, self.router, self.gate_up, self.down, self.top_k, self.gate)
+        out = blocks.routed_moe(flat, routing, self.router, self.gate_proj, self.up_proj, self.down, self.top_k,
+                                self.gate)
         return out.view_as(x)
 
 
@@ -202,8 +231,8 @@ def test_cpu_export_is_sparse_and_exact(tmp_path, gate, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_given_routing_export_is_sparse_and_exact(tmp_path, dtype):
     """DeepSeek-V3 routing (no tract gate mode): tract_moe_ffn gate 'raw' over [x | routing] with the widened
-    stacks, no expert matmul left, and the export's check against the op's dense torch kernel passed; the routing
-    ops stay (they feed the op)."""
+    stacks as given (nothing padded or sliced in the graph), no expert matmul left, and the export's check against
+    the op's dense torch kernel passed; the routing ops stay (they feed the op)."""
     report, decision, graph = export_layer(tmp_path, "cpu", "grouped_sigmoid", dtype)
     assert decision.lowering == "tract_moe_ffn" and "gate=raw over [x | routing]" in decision.reason
     assert len(re.findall(r"tract_moe_ffn\(.*gate = 'raw', expert_layout = 'linear'\)", graph)) == 1
@@ -211,20 +240,8 @@ def test_given_routing_export_is_sparse_and_exact(tmp_path, dtype):
     assert report.parity is not None and report.parity.ok
     runnable = tract.nnef().with_tract_transformers().load(str(report.path)).into_runnable()
     ops = [n["op_name"] for n in json.loads(runnable.profile_json(None))["nodes"]]
-    assert "OptMoeFfn" in ops and not [op for op in ops if op == "Pad"], ops  # the widened stacks are folded
-
-
-def test_given_routing_stacks_larger_than_tracts_fold_budget_are_folded(tmp_path):
-    """Expert stacks of 8-16 MiB (above the 4 MiB tract folds whatever their growth): the widened stacks are still
-    constants when tract plans the op (OptMoeFfn, no Pad or unplanned MoeFfn left: tract_quirks.CONST_FOLD_NO_GROWTH),
-    and the export's check passed."""
-    report, decision, graph = export_layer(tmp_path, "cpu", "grouped_sigmoid", experts=8, width=512, inner=512,
-                                           top_k=2)
-    assert decision.lowering == "tract_moe_ffn" and report.parity is not None and report.parity.ok
-    assert graph.count("pad(") >= 3  # w1, w3, w2 at least one piece each; w2 (grown rows) in more than one
-    runnable = tract.nnef().with_tract_transformers().load(str(report.path)).into_runnable()
-    ops = [n["op_name"] for n in json.loads(runnable.profile_json(None))["nodes"]]
-    assert "OptMoeFfn" in ops and "MoeFfn" not in ops and "Pad" not in ops, ops
+    assert "OptMoeFfn" in ops and "MoeFfn" not in ops and not [op for op in ops if op == "Pad"], ops
+    assert "pad(" not in graph
 
 
 @pytest.mark.parametrize("runtime,gate,why", [
@@ -249,10 +266,16 @@ def test_older_tract_is_dense():
 
 def test_operands_are_validated():
     x, router = torch.zeros(3, 8), torch.zeros(4, 8)
+    stack = torch.zeros(4, 3, 8)
     with pytest.raises(gdn_export.OperandError, match="down_proj"):
-        moe_ffn.moe_ffn(x, torch.zeros(3, 4), router, torch.zeros(4, 6, 8), torch.zeros(4, 8, 2), 2, "softmax_topk")
+        moe_ffn.moe_ffn(x, torch.zeros(3, 4), router, stack, stack, torch.zeros(4, 8, 2), 2, "softmax_topk")
+    with pytest.raises(gdn_export.OperandError, match="up_proj"):
+        moe_ffn.moe_ffn(x, torch.zeros(3, 4), router, stack, torch.zeros(4, 2, 8), torch.zeros(4, 8, 3), 2,
+                        "softmax_topk")
     with pytest.raises(gdn_export.OperandError, match="top_k"):
-        moe_ffn.moe_ffn(x, torch.zeros(3, 4), router, torch.zeros(4, 6, 8), torch.zeros(4, 8, 3), 5, "softmax_topk")
+        moe_ffn.moe_ffn(x, torch.zeros(3, 4), router, stack, stack, torch.zeros(4, 8, 3), 5, "softmax_topk")
+    with pytest.raises(gdn_export.OperandError, match="D \\+ W = 12"):  # a given routing's stacks come widened
+        moe_ffn.moe_ffn(x, torch.zeros(3, 4), router, stack, stack, torch.zeros(4, 8, 3), 2, "grouped_sigmoid")
 
 
 # --- 3. the fixtures ------------------------------------------------------------------------------------------

@@ -44,100 +44,60 @@ def handle(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
     target = policy_of(inference_target)
     lowering, reason = decide(gate, target.gdn_options)
     given = gate in GIVEN_ROUTING_GATES
-    x, routing, router, gate_up, down = (op_helper.get_or_add_tensor_variable_in_nnef(t) if i != 1 or given or
-                                         lowering == "dense" else None for i, t in enumerate(tensors))
-    check_moe_operands(x.shape, tensors[1].shape, router.shape, gate_up.shape, down.shape, top_k)
+    x, routing, router, gate_proj, up_proj, down = (
+        op_helper.get_or_add_tensor_variable_in_nnef(t) if i != 1 or given or lowering == "dense" else None
+        for i, t in enumerate(tensors))
+    check_moe_operands(x.shape, tensors[1].shape, router.shape, gate_proj.shape, up_proj.shape, down.shape, top_k,
+                       gate)
     (y,) = output_tensors(op_helper, node, name_to_tensor)
     target.gdn_decisions.append(Decision(y.name, QUALNAME, lowering, f"{reason} (top {top_k} of "
-                                         f"{int(gate_up.shape[0])} experts)", None))
+                                         f"{int(gate_proj.shape[0])} experts)", None))
     builder = NnefBuilder(g, y.name)
     if lowering == OP_NAME and given:
-        return lower_given_routing(builder, x, routing, gate_up, down, y, top_k)
+        return lower_given_routing(builder, x, routing, gate_proj, up_proj, down, y, top_k)
     if lowering == OP_NAME:
-        return lower_fused(builder, x, router, gate_up, down, y, top_k, TRACT_GATES[gate])
-    return lower_dense(builder, x, routing, gate_up, down, y)
+        return lower_fused(builder, x, router, gate_proj, up_proj, down, y, top_k, TRACT_GATES[gate])
+    return lower_dense(builder, x, routing, gate_proj, up_proj, down, y)
 
 
-def lower_fused(builder, x, router, gate_up, down, y, top_k: int, gate: str) -> list:
-    """``tract_moe_ffn`` in the linear layout: w1/w3 are row slices of gate_up_proj (tract folds them at load), w2 is
-    down_proj as stored; nothing of a stack is copied or transposed in the archive."""
-    w1, w3 = gate_up_halves(builder, gate_up)
-    builder.op(OP_NAME, (x, router, w1, down, w3), shape=y.shape, out=y,
+def lower_fused(builder, x, router, gate_proj, up_proj, down, y, top_k: int, gate: str) -> list:
+    """``tract_moe_ffn`` in the linear layout over the stacks as the archive stores them (w1 = gate_proj,
+    w3 = up_proj, w2 = down_proj; f32, f16 or Q4_0): nothing of a stack is sliced, copied or transposed."""
+    builder.op(OP_NAME, (x, router, gate_proj, down, up_proj), shape=y.shape, out=y,
                attribs={"k": top_k, "activation": "silu", "gate": gate, "expert_layout": "linear"})
     return ["tract_transformers"]
 
 
-def lower_given_routing(builder, x, routing, gate_up, down, y, top_k: int) -> list:
+def lower_given_routing(builder, x, routing, gate_proj, up_proj, down, y, top_k: int) -> list:
     """``tract_moe_ffn`` with ``gate = 'raw'`` choosing and weighing the experts by ``routing`` itself
     (ops/moe_ffn.py): the token widened to ``[x | routing]`` ``[N, D+E]``, the router ``[0 | I]`` (a small f32
-    constant ``[E, D+E]``), w1/w3 with E zero columns and w2 with E zero output rows, and the first D outputs kept.
-
-    The widened stacks are NNEF ``pad``s of slices of the checkpoint's stacks (the archive holds the stacks as
-    stored), which tract must fold at load, or ``tract_moe_ffn`` is left unplanned and ~400x slower: tract folds a
-    constant only where it is no larger than what it is computed from (``tract_quirks.CONST_FOLD_NO_GROWTH``), so
-    each stack is padded in pieces of experts small enough for that, and the pieces are concatenated."""
-    experts, width, tokens = int(gate_up.shape[0]), int(gate_up.shape[2]), x.shape[0]
-    inner = int(gate_up.shape[1]) // 2
+    constant ``[E, D+E]``), the stacks as stored (they come widened: E zero columns in w1/w3, E zero output rows in
+    w2), and the first D outputs kept."""
+    experts, width, tokens = int(gate_proj.shape[0]), int(x.shape[1]), x.shape[0]
     widened = builder.op("concat", [x, builder.cast(routing, x.dtype)], shape=(tokens, width + experts),
                          attribs={"axis": 1}, what="token_and_routing")
     router = np.concatenate([np.zeros((experts, width), np.float32), np.eye(experts, dtype=np.float32)], axis=1)
     router = builder.constant("routing_router", router)
-    w1, w3 = (widened_stack(builder, gate_up, rows, 2, experts, what)
-              for rows, what in (((0, inner), "w1"), ((inner, 2 * inner), "w3")))
-    w2 = widened_stack(builder, down, None, 1, experts, "w2")
-    wide = builder.op(OP_NAME, (widened, router, w1, w2, w3), shape=(tokens, width + experts),
+    wide = builder.op(OP_NAME, (widened, router, gate_proj, down, up_proj), shape=(tokens, width + experts),
                       attribs={"k": top_k, "activation": "silu", "gate": "raw", "expert_layout": "linear"})
     builder.op("slice", wide, shape=y.shape, attribs={"axes": [1], "begin": [0], "end": [width]}, out=y)
     return ["tract_transformers"]
 
 
-def widened_stack(builder, stack, rows: tuple[int, int] | None, axis: int, extra: int, what: str):
-    """``stack`` ``[E, ., .]`` (only rows ``rows`` of axis 1, if given) with ``extra`` zeros appended on ``axis``:
-    ``pad(slice(stack))`` per piece of experts, each piece no larger than ``stack`` itself (so tract folds it),
-    concatenated over the experts."""
-    shape = [int(d) for d in stack.shape]
-    experts = shape[0]
-    if rows is not None:
-        shape[1] = rows[1] - rows[0]
-    sliced = list(shape)
-    shape[axis] += extra
-    per_piece = min(experts, int(np.prod(stack.shape)) // int(np.prod(shape[1:])))
-    assert per_piece >= 1, "one expert's widened rows outgrow the whole stack (E * D < D + E: one expert)"
-    padding = [(0, 0)] * 3
-    padding[axis] = (0, extra)
-    pieces = []
-    for first in range(0, experts, per_piece):
-        last = min(experts, first + per_piece)
-        axes, begin, end = ([0, 1], [first, rows[0]], [last, rows[1]]) if rows else ([0], [first], [last])
-        piece = builder.op("slice", stack, shape=(last - first, *sliced[1:]), what=f"{what}_experts",
-                           attribs={"axes": axes, "begin": begin, "end": end})
-        pieces.append(builder.op("pad", piece, shape=(last - first, *shape[1:]), what=f"{what}_widened",
-                                 attribs={"padding": padding, "border": "constant", "value": 0.0}))
-    if len(pieces) == 1:
-        return pieces[0]
-    return builder.op("concat", pieces, shape=shape, attribs={"axis": 0}, what=what)
-
-
-def gate_up_halves(builder, gate_up):
-    """w1 and w3 ``[E, I, D]``: the gate and up row halves of transformers' fused ``gate_up_proj [E, 2I, D]``."""
-    experts, rows, width = (int(d) for d in gate_up.shape)
-    inner = rows // 2
-    return tuple(builder.op("slice", gate_up, shape=(experts, inner, width),
-                            attribs={"axes": [1], "begin": [begin], "end": [begin + inner]}, what=what)
-                 for begin, what in ((0, "w1"), (inner, "w3")))
-
-
-def lower_dense(builder, x, routing, gate_up, down, y) -> list:
-    """Every expert on every token (``dense_experts``): ``x @ gate_up^T`` over the whole stack ``[N, E*2I]``, SwiGLU,
-    a batched matmul with ``down_proj`` ``[E, N, D]``, mixed by ``routing`` (cast to x's dtype) and summed over E."""
-    experts, rows, width = (int(d) for d in gate_up.shape)
-    inner, tokens = rows // 2, x.shape[0]
-    stacked = builder.merge_axes(gate_up, 0, 2)  # [E*2I, D]
-    both = builder.split_axis(builder.matmul(x, stacked, transpose_b=True), 1, (experts, rows))  # [N, E, 2I]
-    gate = builder.op("slice", both, shape=(tokens, experts, inner),
-                      attribs={"axes": [2], "begin": [0], "end": [inner]}, what="gate")
-    up = builder.op("slice", both, shape=(tokens, experts, inner),
-                    attribs={"axes": [2], "begin": [inner], "end": [rows]}, what="up")
+def lower_dense(builder, x, routing, gate_proj, up_proj, down, y) -> list:
+    """Every expert on every token (``dense_experts``): ``x @ gate^T`` and ``x @ up^T`` over the whole stacks
+    ``[N, E*I]``, SwiGLU, a batched matmul with ``down_proj`` ``[E, N, D]``, mixed by ``routing`` (cast to x's dtype)
+    and summed over E. Widened stacks (a given routing) are read through slices of their first D columns / rows."""
+    experts, inner, wide = (int(d) for d in gate_proj.shape)
+    width, tokens = int(x.shape[1]), x.shape[0]
+    if wide != width:
+        gate_proj, up_proj = (builder.op("slice", stack, shape=(experts, inner, width), what=what,
+                                         attribs={"axes": [2], "begin": [0], "end": [width]})
+                              for stack, what in ((gate_proj, "gate_columns"), (up_proj, "up_columns")))
+        down = builder.op("slice", down, shape=(experts, width, inner), what="down_rows",
+                          attribs={"axes": [1], "begin": [0], "end": [width]})
+    gate, up = (builder.split_axis(builder.matmul(x, builder.merge_axes(stack, 0, 2), transpose_b=True), 1,
+                                   (experts, inner)) for stack in (gate_proj, up_proj))  # [N, E, I]
     hidden = builder.binary("mul", builder.binary("mul", gate, builder.unary("sigmoid", gate)), up)
     out = builder.matmul(builder.transpose(hidden, (1, 0, 2)), down, transpose_b=True)  # [E, N, D]
     weights = builder.unsqueeze(builder.transpose(builder.cast(routing, x.dtype), (1, 0)), [2])  # [E, N, 1]

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gdn_export.models import blocks
+from gdn_export.models.derived import part_of
+from gdn_export.ops.moe_ffn import widening
 
 
 def rope_tables(rotary_emb: nn.Module, positions: torch.Tensor, dtype: torch.dtype):
@@ -45,20 +47,65 @@ def is_silu(act) -> bool:
     return isinstance(act, (SiLUActivation, nn.SiLU))
 
 
-def routed_experts(experts: nn.Module, flat: torch.Tensor, weights: torch.Tensor, router_weight: torch.Tensor,
-                   top_k: int, gate: str) -> torch.Tensor:
-    """A transformers ``*Experts`` module (fused ``gate_up_proj``, ``down_proj``) on ``flat`` ``[N, D]``, mixed by the
-    routing ``weights`` ``[N, E]``: one ``t2n_extra::moe_ffn`` node, which the export makes sparse where tract's
-    ``tract_moe_ffn`` computes ``gate`` exactly (``gdn_export/ops/moe_ffn.py``).
+class ExpertStacks(nn.Module):
+    """A transformers ``*Experts`` module's weights in ``moe_ffn``'s layout (``gdn_export/ops/moe_ffn.py``) for
+    routing ``gate``: ``gate_proj`` and ``up_proj`` ``[E, I, D + W]`` the halves of its fused ``gate_up_proj``,
+    ``down_proj`` ``[E, D + W, I]`` (``W`` zero columns / rows for a given routing), each a derived parameter
+    (``gdn_export.models.derived``) that a streamed export writes straight from the checkpoint's stack, in Q4_0 if
+    asked: the archive holds the stacks as tract's ``tract_moe_ffn`` reads them, with nothing to slice or pad in the
+    graph (which a Q4_0 constant cannot be).
 
-    Experts with another activation than SiLU stay plain dense torch code (no MoE decision is reported for them).
+    Built once, with the exportable model (``stacks_by_layer``), from the model being exported."""
+
+    def __init__(self, experts: nn.Module, gate: str) -> None:
+        super().__init__()
+        self.gate = gate
+        count, rows, width = experts.gate_up_proj.shape
+        extra = widening(gate, count)
+        pad_columns = (2, extra) if extra else None
+        self.gate_proj = part_of(experts.gate_up_proj, (0, rows // 2), pad_columns)
+        self.up_proj = part_of(experts.gate_up_proj, (rows // 2, rows), pad_columns)
+        # the module borrowed without registering: torch_to_nnef names each weight by one module path (the hf one)
+        object.__setattr__(self, "experts", experts)
+        if extra:
+            self.widened_down_proj = part_of(experts.down_proj, None, (1, extra))
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        # read through the module at each use, not kept: torch_to_nnef swaps the module's parameters for named
+        # tensors while it traces (a tensor kept here would be exported as an anonymous constant)
+        return self.widened_down_proj if hasattr(self, "widened_down_proj") else self.experts.down_proj
+
+
+def stacks_by_layer(layers, gate_of) -> nn.ModuleDict:
+    """``ExpertStacks`` of each decoder layer whose ``mlp`` is a routed MoE (``gate_of(index, layer)``: its
+    ``moe_ffn`` gate, None for a dense feed-forward) with SiLU experts (the ones ``moe_ffn`` computes), keyed by
+    the layer index."""
+    stacks = {}
+    for i, layer in enumerate(layers):
+        gate = gate_of(i, layer)
+        if gate is not None and is_silu(layer.mlp.experts.act_fn):
+            stacks[str(i)] = ExpertStacks(layer.mlp.experts, gate)
+    return nn.ModuleDict(stacks)
+
+
+def routed_experts(experts: nn.Module, stacks: ExpertStacks | None, flat: torch.Tensor, weights: torch.Tensor,
+                   router_weight: torch.Tensor, top_k: int) -> torch.Tensor:
+    """A transformers ``*Experts`` module on ``flat`` ``[N, D]``, mixed by the routing ``weights`` ``[N, E]``: one
+    ``t2n_extra::moe_ffn`` node over its ``stacks``, which the export makes sparse where tract's ``tract_moe_ffn``
+    computes the stacks' gate exactly (``gdn_export/ops/moe_ffn.py``).
+
+    Experts with another activation than SiLU (no ``stacks``) stay plain dense torch code (no MoE decision is
+    reported for them).
     """
-    if not is_silu(experts.act_fn):
-        return blocks.dense_experts(flat, weights, experts.gate_up_proj, experts.down_proj, experts.act_fn)
-    return blocks.routed_moe(flat, weights, router_weight, experts.gate_up_proj, experts.down_proj, top_k, gate)
+    if stacks is None:
+        gate, up = experts.gate_up_proj.chunk(2, dim=1)
+        return blocks.dense_experts(flat, weights, gate, up, experts.down_proj, experts.act_fn)
+    return blocks.routed_moe(flat, weights, router_weight, stacks.gate_proj, stacks.up_proj, stacks.down_proj, top_k,
+                             stacks.gate)
 
 
-def sparse_moe(block: nn.Module, x: torch.Tensor, normalize_topk: bool) -> torch.Tensor:
+def sparse_moe(block: nn.Module, stacks: ExpertStacks | None, x: torch.Tensor, normalize_topk: bool) -> torch.Tensor:
     """transformers' Qwen ``*SparseMoeBlock``: top-k softmax experts plus a shared expert scaled by a sigmoid gate.
 
     Reads only the block's weights: its own forward loops over the experts a batch happens to hit, which a
@@ -68,7 +115,6 @@ def sparse_moe(block: nn.Module, x: torch.Tensor, normalize_topk: bool) -> torch
     router = block.gate
     flat = x.reshape(-1, router.hidden_dim)
     weights = blocks.top_k_routing(F.linear(flat, router.weight), router.top_k, normalize_topk)
-    routed = routed_experts(block.experts, flat, weights, router.weight, router.top_k,
-                            blocks.softmax_gate(normalize_topk))
+    routed = routed_experts(block.experts, stacks, flat, weights, router.weight, router.top_k)
     shared = torch.sigmoid(block.shared_expert_gate(flat)) * block.shared_expert(flat)
     return (routed + shared).view_as(x)

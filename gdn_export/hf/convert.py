@@ -233,7 +233,8 @@ def convert(
     if serving and lm.serving_refusal:
         raise GdnExportError(f"{family.name} has no serving graph (--serving): {lm.serving_refusal}")
     lm.serving = serving
-    writers, quantization = plan_writes(lm, model, weights, export_dtype, quantize, quantize_embeddings)
+    writers, quantization = plan_writes(lm, model, weights, export_dtype, quantize, quantize_embeddings,
+                                        fused_moe=_fused_moe(runtime, tract_version))
     if not streamed and quantize is None:
         writers = None  # the in-memory model's own values are written
     inputs, outputs, dynamic = state_names(lm)
@@ -285,6 +286,17 @@ def convert(
     finally:
         staged.unlink(missing_ok=True)
     return result
+
+
+def _fused_moe(runtime: str, tract_version: str | None):
+    """Whether a ``moe_ffn`` node of a gate will run as tract's fused op in this export (the extractor's own rule)."""
+    from gdn_export.extractors.moe_ffn import decide
+    from gdn_export.lowering.options import LoweringOptions
+    from gdn_export.ops.moe_ffn import OP_NAME
+    from gdn_export.runtime import tract_version as installed
+
+    options = LoweringOptions(tract_version=parse_version(tract_version or installed()), runtime=runtime)
+    return lambda gate: decide(gate, options)[0] == OP_NAME
 
 
 def reference_fits(weights, export_dtype: torch.dtype) -> str:

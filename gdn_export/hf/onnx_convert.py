@@ -50,55 +50,10 @@ def onnx_output_dims(lm, vocab_size: int) -> dict[str, list]:
     return dims
 
 
-@dataclass(frozen=True)
-class RowsOf:
-    """Rows ``indices`` of a checkpoint tensor, in that order (a weight a family re-lays:
-    ``gdn_export.models.derived``), read a run of consecutive rows at a time."""
-
-    entry: object  # gdn_export.hf.tensors.TensorEntry
-    indices: tuple[int, ...]
-
-    @property
-    def name(self) -> str:
-        return f"rows of {self.entry.name}"
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (len(self.indices), *self.entry.shape[1:])
-
-    def release(self) -> None:
-        getattr(self.entry, "release", lambda: None)()
-
-    def rows(self, start: int, stop: int, target: np.dtype) -> np.ndarray:
-        parts, wanted, run = [], self.indices[start:stop], 0
-        for i in range(1, len(wanted) + 1):
-            if i == len(wanted) or wanted[i] != wanted[i - 1] + 1:
-                parts.append(self.entry.rows(wanted[run], wanted[i - 1] + 1, target))
-                run = i
-        return np.concatenate(parts) if parts else np.empty(0, target)
-
-
-class _Whole:
-    """A source read whole (a parameter transformers' conversion makes from several tensors:
-    ``gdn_export.hf.conversion.ParameterSource``), kept until ``release``: memory of one tensor."""
-
-    def __init__(self, source) -> None:
-        self.source, self.name, self.shape, self._value = source, source.name, tuple(source.shape), None
-
-    def rows(self, start: int, stop: int, target: np.dtype) -> np.ndarray:
-        if self._value is None or self._value.dtype != target:
-            self._value = self.source.read({np.dtype(np.float32): torch.float32,
-                                            np.dtype(np.float16): torch.float16}[np.dtype(target)]).numpy()
-        return self._value[start:stop].reshape(-1)
-
-    def release(self) -> None:
-        self._value = None
-
-
 def placeholder_sources(lm: torch.nn.Module, model: torch.nn.Module, weights) -> dict[int, object]:
     """Where each parameter of ``lm`` traced as a placeholder is read, by its storage's data_ptr: its checkpoint
     tensor, or the rows of one it was re-laid from (``model``: the checkpoint's model inside ``lm``)."""
-    from gdn_export.hf.weight_writers import checkpoint_source
+    from gdn_export.hf.weight_writers import DerivedSource, checkpoint_source, rowwise
     from gdn_export.models.derived import PLACEHOLDER
 
     names = {id(param): name for name, param in model.named_parameters()}
@@ -106,18 +61,13 @@ def placeholder_sources(lm: torch.nn.Module, model: torch.nn.Module, weights) ->
     for label, param in lm.named_parameters(remove_duplicate=False):
         if not getattr(param, PLACEHOLDER, False):
             continue
-        entry, rows = checkpoint_source(label, param, names, weights)
-        entry = _rowwise(entry)
-        source = entry if rows is None else RowsOf(entry, tuple(int(r) for r in rows))
+        entry, recipe = checkpoint_source(label, param, names, weights)
+        source = rowwise(entry) if recipe is None else DerivedSource(rowwise(entry), recipe)
         if tuple(source.shape) != tuple(param.shape):
             raise GdnExportError(f"parameter {label} is {list(param.shape)}, its source {source.name} "
                                  f"{list(source.shape)}")
         sources[param.untyped_storage().data_ptr()] = source
     return sources
-
-
-def _rowwise(source):
-    return source if hasattr(source, "rows") else _Whole(source)
 
 
 def convert_onnx(checkpoint_dir, out_path, *, dtype: str = "float32", lowering: str = "auto", check=True,

@@ -14,7 +14,7 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 import torch
@@ -80,12 +80,20 @@ class TensorEntry:
         """The tensor as an NNEF tensor file (header, then the values in ``dtype``), in slices of rows: memory
         stays at one slice whatever the tensor's size."""
         target = np.dtype(TORCH_TO_NUMPY[dtype])
-        write_nnef_header(file, self.shape, target)
-        rows = self.shape[0] if self.shape else 1
-        row_bytes = max(1, self.numel // max(rows, 1)) * 4
-        step = max(1, SLICE_BYTES // row_bytes)
-        for start in range(0, rows, step):
-            file.write(self.rows(start, min(rows, start + step), target).tobytes())
+        write_nnef_rows(file, self.shape, target, lambda start, stop: self.rows(start, stop, target))
+
+
+def write_nnef_rows(file: BinaryIO, shape: tuple[int, ...], target: np.dtype,
+                    read_rows: Callable[[int, int], np.ndarray]) -> None:
+    """An NNEF tensor file of ``shape`` in ``target``, its values read a slice of the first axis at a time
+    (``read_rows(start, stop)``: those rows in ``target``): memory stays at one slice of about ``SLICE_BYTES``."""
+    shape = tuple(shape)
+    write_nnef_header(file, shape, target)
+    rows = shape[0] if shape else 1
+    row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) if shape else 1) * 4
+    step = max(1, SLICE_BYTES // row_bytes)
+    for start in range(0, rows, step):
+        file.write(np.ascontiguousarray(read_rows(start, min(rows, start + step)), dtype=target).tobytes())
 
 
 def write_nnef_array(file: BinaryIO, value: np.ndarray) -> None:

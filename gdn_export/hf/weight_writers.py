@@ -14,14 +14,16 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
 from gdn_export.errors import GdnExportError
-from gdn_export.hf.tensors import write_nnef_array
-from gdn_export.models.derived import PLACEHOLDER, ROWS_OF, rows_of
+from gdn_export.hf.blocks import ExpertStacks
+from gdn_export.hf.tensors import TORCH_TO_NUMPY, write_nnef_rows
+from gdn_export.models.derived import PLACEHOLDER, RECIPE, Recipe, rows_of
 from gdn_export.weights import q4_0
 from gdn_export.weights.streamed import StreamedWeights
 
@@ -96,8 +98,13 @@ def untied_view(weights, layout, names: tuple[str, str]):
 
 
 def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, quantize: str | None = None,
-                quantize_embeddings: bool = False) -> tuple[StreamedWeights, QuantizationReport]:
-    """The writers of ``lm``'s parameters (``model`` is the checkpoint's model inside it) and what was quantized."""
+                quantize_embeddings: bool = False, fused_moe: Callable[[str], bool] = lambda gate: False,
+                ) -> tuple[StreamedWeights, QuantizationReport]:
+    """The writers of ``lm``'s parameters (``model`` is the checkpoint's model inside it) and what was quantized.
+
+    ``fused_moe(gate)``: whether a ``moe_ffn`` node of that gate runs as tract's ``tract_moe_ffn`` in this export
+    (``extractors.moe_ffn.decide``): only then are its expert stacks quantized (the op's Q4_0 path, all three
+    stacks or none); the dense form would read them through reshapes and slices, which a Q4_0 constant cannot take."""
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise GdnExportError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
     names = {id(param): name for name, param in model.named_parameters()}
@@ -113,7 +120,20 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
         candidates = (linear | tables) if quantize_embeddings else linear - tables
         chosen = {key for key in candidates if q4_0.quantizable(tuple(params[key].shape))}
         report.kept[f"with an inner size not a multiple of {q4_0.BLOCK}"] = len(candidates - chosen)
-        report.kept["not a linear layer's weight (embeddings, MoE experts, convolutions)"] = sum(
+        stacks = [m for m in lm.modules() if isinstance(m, ExpertStacks)]
+        for module in stacks:
+            trio = [module.gate_proj, module.up_proj, module.down_proj]
+            keys = {id(p) for p in trio}
+            if not fused_moe(module.gate):
+                report.kept["expert stacks of a MoE that runs dense (no tract_moe_ffn: see the MoE lines)"] += 3
+            elif not all(_quantizable_derived(p) for p in trio):
+                report.kept[f"expert stacks with an inner size not a multiple of {q4_0.BLOCK}"] += 3
+            else:
+                chosen |= keys
+            candidates |= keys
+            # the checkpoint's own stacks the derived ones replace: never read by the graph
+            candidates |= {id(getattr(p, RECIPE).source) for p in trio if hasattr(p, RECIPE)}
+        report.kept["not a linear layer's weight (embeddings, convolutions)"] = sum(
             p.dim() >= 2 and key not in candidates for key, p in params.items())
         report.kept = +report.kept  # without the zero counts
     writers = {}
@@ -133,43 +153,109 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
     return StreamedWeights(writers, placeholders, storages, compressed, deferrable), report
 
 
+def _quantizable_derived(param) -> bool:
+    """Q4_0 blocks of the parameter are blocks of its source too (so that the check's reference, the source read
+    through Q4_0, computes with what tract does): both inner sizes whole blocks."""
+    recipe = getattr(param, RECIPE, None)
+    return q4_0.quantizable(tuple(param.shape)) and (recipe is None or q4_0.quantizable(tuple(recipe.source.shape)))
+
+
 def _source_name(param, names: dict) -> str:
     if id(param) in names:  # a checkpoint weight, or a whole copy of one under its own name (a separated head)
         return names[id(param)]
-    return names[id(getattr(param, ROWS_OF)[0])]
+    return names[id(getattr(param, RECIPE).source)]
 
 
 def checkpoint_source(label: str, param, names: dict, weights):
-    """(the checkpoint tensor parameter ``label`` is written from, its row indices or None for all of it): the
-    tensor itself, or the one its ``ROWS_OF`` recipe names (``names``: id of a checkpoint parameter -> its name)."""
-    recipe = getattr(param, ROWS_OF, None)
+    """(the checkpoint tensor parameter ``label`` is written from, the ``Recipe`` that derives it or None for the
+    tensor as it is): the tensor itself, or the one its recipe names (``names``: id of a checkpoint parameter ->
+    its name)."""
+    recipe = getattr(param, RECIPE, None)
     if recipe is None and id(param) in names:
         return weights.entries[names[id(param)]], None
-    if recipe is None or id(recipe[0]) not in names:
+    if recipe is None or id(recipe.source) not in names:
         raise GdnExportError(f"the exportable model's parameter {label} is no checkpoint weight and records no "
                              "recipe (gdn_export.models.derived); it cannot be written from the checkpoint: "
                              "convert with streamed=False (--in-memory)")
-    return weights.entries[names[id(recipe[0])]], recipe[1]
+    return weights.entries[names[id(recipe.source)]], recipe
+
+
+class WholeSource:
+    """A source read whole (a parameter transformers' conversion makes from several tensors:
+    ``gdn_export.hf.conversion.ParameterSource``), kept until ``release``: memory of one tensor."""
+
+    def __init__(self, source) -> None:
+        self.source, self.name, self.shape, self._value = source, source.name, tuple(source.shape), None
+
+    def rows(self, start: int, stop: int, target: np.dtype) -> np.ndarray:
+        if self._value is None or self._value.dtype != target:
+            self._value = self.source.read({np.dtype(np.float32): torch.float32,
+                                            np.dtype(np.float16): torch.float16}[np.dtype(target)]).numpy()
+        return self._value[start:stop].reshape(-1)
+
+    def release(self) -> None:
+        self._value = None
+
+
+def rowwise(source):
+    """``source`` if it reads runs of rows itself (a checkpoint tensor), else a ``WholeSource`` of it."""
+    return source if hasattr(source, "rows") else WholeSource(source)
+
+
+@dataclass(frozen=True)
+class DerivedSource:
+    """A checkpoint tensor through a ``Recipe`` (``gdn_export.models.derived``: a weight a family re-lays), read a
+    slice of the result's rows at a time: picked rows by runs of consecutive ones, a recipe without picked rows on
+    the same run of the source's rows."""
+
+    entry: object  # a TensorEntry, or anything with rows(start, stop, target) (rowwise)
+    recipe: Recipe
+
+    @property
+    def name(self) -> str:
+        return f"{self.entry.name}, derived"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.recipe.shape
+
+    def release(self) -> None:
+        getattr(self.entry, "release", lambda: None)()
+
+    def rows(self, start: int, stop: int, target: np.dtype) -> np.ndarray:
+        """Rows ``start:stop`` of the result as ``target``, flat."""
+        inner = tuple(self.entry.shape[1:])
+        if self.recipe.rows is None:
+            value = self.entry.rows(start, stop, target).reshape(stop - start, *inner)
+        else:
+            parts, wanted, run = [], [int(r) for r in self.recipe.rows[start:stop]], 0
+            for i in range(1, len(wanted) + 1):
+                if i == len(wanted) or wanted[i] != wanted[i - 1] + 1:
+                    parts.append(self.entry.rows(wanted[run], wanted[i - 1] + 1, target))
+                    run = i
+            value = (np.concatenate(parts) if parts else np.empty(0, target)).reshape(len(wanted), *inner)
+        return np.ascontiguousarray(self.recipe.apply(value, rows_applied=True)).reshape(-1)
 
 
 def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, quantized: bool):
-    """Writes parameter ``label`` from the checkpoint: its tensor, or rows of one; in Q4_0 when ``quantized``."""
-    source, rows = checkpoint_source(label, param, names, weights)
-    if rows is None and not quantized:
-        return partial(source.write_nnef, dtype=dtype)
-
-    def whole(float_dtype: torch.dtype) -> np.ndarray:
-        value = source.read(float_dtype)
-        return (value if rows is None else value[rows]).contiguous().numpy()
+    """Writes parameter ``label`` from the checkpoint: its tensor, or its recipe's result; in Q4_0 when ``quantized``;
+    a slice of rows at a time (memory: one slice, or the one source a conversion makes whole)."""
+    entry, recipe = checkpoint_source(label, param, names, weights)
+    if recipe is None and not quantized:
+        return partial(entry.write_nnef, dtype=dtype)
+    shape = tuple(param.shape)
 
     def write(file) -> None:
-        if not quantized:
-            write_nnef_array(file, whole(dtype))
-        elif rows is None and hasattr(source, "rows"):  # a checkpoint tensor: streamed a slice at a time
-            q4_0.write_nnef(file, tuple(param.shape), lambda a, b: source.rows(a, b, np.dtype(np.float32)))
-        else:
-            value = whole(torch.float32)
-            q4_0.write_nnef(file, value.shape, lambda a, b: value[a:b])
+        source = rowwise(entry) if recipe is None else DerivedSource(rowwise(entry), recipe)
+        target = np.dtype(np.float32 if quantized else TORCH_TO_NUMPY[dtype])
+        read = lambda start, stop: source.rows(start, stop, target).reshape(stop - start, *shape[1:])  # noqa: E731
+        try:
+            if quantized:
+                q4_0.write_nnef(file, shape, read)
+            else:
+                write_nnef_rows(file, shape, target, read)
+        finally:
+            getattr(source, "release", lambda: None)()
 
     return write
 

@@ -220,27 +220,27 @@ def grouped_sigmoid_routing(router_logits: torch.Tensor, score_bias: torch.Tenso
     return torch.zeros_like(scores).scatter(1, top_index, top_weights * scaling)
 
 
-def dense_experts(x: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                  act) -> torch.Tensor:
+def dense_experts(x: torch.Tensor, weights: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor,
+                  down_proj: torch.Tensor, act) -> torch.Tensor:
     """Every expert on every token, mixed by dense ``weights`` ``[N, E]`` (zero for unselected experts).
 
-    x ``[N, D]``; gate_up_proj ``[E, 2I, D]``; down_proj ``[E, D, I]``; the weights are cast to x's dtype before
-    mixing, as transformers casts its routing scores.
+    x ``[N, D]``; gate_proj, up_proj ``[E, I, D]``; down_proj ``[E, D, I]``; the weights are cast to x's dtype
+    before mixing, as transformers casts its routing scores.
     """
-    gate, up = torch.einsum("nd,eid->nei", x, gate_up_proj).chunk(2, dim=-1)
+    gate, up = torch.einsum("nd,eid->nei", x, gate_proj), torch.einsum("nd,eid->nei", x, up_proj)
     expert_out = torch.einsum("nei,edi->ned", act(gate) * up, down_proj)  # [N, E, D]
     return (expert_out * weights[..., None].to(expert_out.dtype)).sum(1)
 
 
-def routed_moe(x: torch.Tensor, routing: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
-               down_proj: torch.Tensor, top_k: int, gate: str) -> torch.Tensor:
+def routed_moe(x: torch.Tensor, routing: torch.Tensor, router_weight: torch.Tensor, gate_proj: torch.Tensor,
+               up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, gate: str) -> torch.Tensor:
     """SwiGLU experts ``[N, D] -> [N, D]`` mixed by ``routing`` ``[N, E]`` as one ``t2n_extra::moe_ffn`` node
-    (``gdn_export/ops/moe_ffn.py``), whose torch kernel is ``dense_experts``. ``gate`` states how ``routing`` was
-    computed from ``x @ router_weight.T``: ``"softmax_topk"``/``"softmax_all"`` (``top_k_routing`` with and without
-    renormalization) let the export use tract's sparse ``tract_moe_ffn``, and so does ``"grouped_sigmoid"``
-    (``grouped_sigmoid_routing`` with a positive scaling: the routing itself chooses the experts); any other name
-    keeps the dense form."""
-    return moe_ffn(x, routing, router_weight, gate_up_proj, down_proj, top_k, gate)
+    (``gdn_export/ops/moe_ffn.py``: its contract, the stacks' layout), whose torch kernel is ``dense_experts``.
+    ``gate`` states how ``routing`` was computed from ``x @ router_weight.T``: ``"softmax_topk"``/``"softmax_all"``
+    (``top_k_routing`` with and without renormalization) let the export use tract's sparse ``tract_moe_ffn``, and so
+    does ``"grouped_sigmoid"`` (``grouped_sigmoid_routing`` with a positive scaling: the routing itself chooses the
+    experts; its stacks come widened); any other name keeps the dense form."""
+    return moe_ffn(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate)
 
 
 def softmax_gate(normalize: bool) -> str:

@@ -247,12 +247,15 @@ def _lower_conv(b: Builder, node, decision, shapes, dtypes) -> None:
 
 
 def _lower_moe(b: Builder, node, shapes, dtypes) -> None:
-    """models.blocks.dense_experts: every expert on every token, mixed by the routing weights (cast to x's dtype)."""
-    x, routing, gate_up, down = node.input
-    inner = shapes[2][1] // 2
-    gu = b.op("MatMul", [b.unsqueeze(x, [0]), b.transpose(gate_up, [0, 2, 1])])  # [E, N, 2I]
-    gate = b.slice(gu, 0, inner, 2)
-    up = b.slice(gu, inner, INT64_MAX, 2)
+    """models.blocks.dense_experts: every expert on every token, mixed by the routing weights (cast to x's dtype);
+    widened stacks (a given routing, ops/moe_ffn.py) read through slices of their first D columns / rows."""
+    x, routing, gate_proj, up_proj, down = node.input
+    width = shapes[0][1]
+    if shapes[2][2] != width:
+        gate_proj, up_proj = (b.slice(stack, 0, width, 2) for stack in (gate_proj, up_proj))
+        down = b.slice(down, 0, width, 1)
+    gate, up = (b.op("MatMul", [b.unsqueeze(x, [0]), b.transpose(stack, [0, 2, 1])])  # [E, N, I]
+                for stack in (gate_proj, up_proj))
     act = b.op("Mul", [b.op("Mul", [gate, b.op("Sigmoid", [gate])]), up])
     out = b.op("MatMul", [act, b.transpose(down, [0, 2, 1])])  # [E, N, D]
     weights = b.cast(b.unsqueeze(b.transpose(routing, [1, 0]), [2]), _DTYPES[dtypes[0]])  # [E, N, 1]

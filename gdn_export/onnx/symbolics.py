@@ -83,9 +83,9 @@ def _conv(g, x, weight, state):
     return y, new_state
 
 
-def _moe(g, x, routing, router_weight, gate_up_proj, down_proj, top_k, gate):
+def _moe(g, x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate):
     gate_name = sh._maybe_get_const(gate, "s")
-    y = _placeholder(g, "MoeFfn", [x, routing, gate_up_proj, down_proj], 1,
+    y = _placeholder(g, "MoeFfn", [x, routing, gate_proj, up_proj, down_proj], 1,
                      top_k_i=int(sh._maybe_get_const(top_k, "i")), gate_s=str(gate_name))
     _set_like(y, x, 2)
     return y

@@ -2,13 +2,19 @@
 
 Contract::
 
-    y = moe_ffn(x, routing, router_weight, gate_up_proj, down_proj, top_k, gate)
+    y = moe_ffn(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate)
     x [N, D]                   tokens (model dtype)
     routing [N, E]             the routing weights the caller computed for x: zero for unselected experts
     router_weight [E, D]       the router (its logits are x @ router_weight.T)
-    gate_up_proj [E, 2I, D]    transformers' fused stack: gate rows 0..I-1, up rows I..2I-1
-    down_proj [E, D, I]
-    y[n] = sum_e routing[n, e] * down_proj[e] @ (silu(gate_e x_n) * (up_e x_n))      (in x's dtype)
+    gate_proj, up_proj [E, I, D + W]   the experts' gate and up matrices (nn.Linear layout, tract's w1 and w3)
+    down_proj [E, D + W, I]            their down matrices (tract's w2)
+    y[n] = sum_e routing[n, e] * down_e @ (silu(gate_e x_n) * (up_e x_n))      (in x's dtype)
+
+with gate_e, up_e, down_e the stacks' first D columns (rows for down_proj). ``W`` is 0, except for a given
+routing (below), where it is E and the last E columns of gate_proj and up_proj and the last E rows of down_proj
+are zero: the stacks come widened as tract's fused op needs them, so that the archive stores them as the op reads
+them (a widening in the graph would not fold over a Q4_0 stack). The gate and up stacks are separate operands
+(transformers fuses them into one ``gate_up_proj``) for the same reason: tract cannot slice a Q4_0 constant.
 
 The torch kernel is the reference: ``models.blocks.dense_experts`` (every expert on every token, mixed by
 ``routing``), the code the dense form always ran. ``gate`` says how ``routing`` was computed from the router, so
@@ -24,8 +30,8 @@ that tract's fused ``tract_moe_ffn`` can compute it again by itself:
   k of ``routing`` itself are the chosen experts and its values their weights: tract's ``gate = 'raw'`` (the top-k
   logits, unchanged, as weights) computes the node if its router logits are ``routing``, which the export arranges
   by widening the token: ``[x | routing] @ [0 | I].T = routing`` exactly (products with 0 and 1, sums with 0), and
-  the expert stacks get E zero columns (w1, w3) and E zero output rows (w2), so the experts see x unchanged and the
-  first D outputs are y. Where a chosen weight is 0 (underflow) the tie among zeros may pick another expert, whose
+  the expert stacks carry E zero columns (w1, w3) and E zero output rows (w2): ``W = E`` above, so the experts see
+  x unchanged and the first D outputs are y. Where a chosen weight is 0 (underflow) the tie among zeros may pick another expert, whose
   weight is 0 too: the same sum. Cost: E / D more expert work than the plain op;
 - anything else names a routing the node cannot vouch for: only ``routing`` says which experts a token takes, and
   the node stays dense.
@@ -39,11 +45,11 @@ router input.
 
 Measured on tract 0.23.9 (``tests/test_moe.py``, docs/TRACT.md): ``tract_moe_ffn(x, wg, w1, w2, w3, k, activation
 = 'silu', gate, expert_layout = 'linear')`` with w1/w3 ``[E, I, D]`` and w2 ``[E, D, I]`` (nn.Linear layout: the
-checkpoint's stacks as they are; w1/w3 are NNEF slices of gate_up_proj, which tract folds at load) computes
+operands as they are, f32, f16 or Q4_0 variables) computes
 ``sum over the top k of x @ wg.T of weight * w2_e @ (silu(w1_e x) * w3_e x)``, x ``[N, D]`` or ``[B, S, D]``, f32 or
 f16 (output in x's dtype), routing and mixing in f32; on exactly tied logits it takes the lowest expert index.
 ``gate = 'raw'`` weighs the chosen experts by their logits as they are; the output's width must be x's (hence the
-zero output rows of the given-routing form), and NNEF ``pad`` of a stack is folded at load like the slices.
+zero output rows of the given-routing form). With the three stacks in Q4_0 it runs its Q4_0 kernel.
 """
 
 from __future__ import annotations
@@ -55,8 +61,8 @@ from gdn_export.errors import OperandError
 from gdn_export.ops.registration import define_or_reuse
 
 QUALNAME = "t2n_extra::moe_ffn"
-SCHEMA = ("(Tensor x, Tensor routing, Tensor router_weight, Tensor gate_up_proj, Tensor down_proj, int top_k, "
-          "str gate) -> Tensor")
+SCHEMA = ("(Tensor x, Tensor routing, Tensor router_weight, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
+          "int top_k, str gate) -> Tensor")
 
 OP_NAME = "tract_moe_ffn"
 # caller's gate -> tract_moe_ffn's gate mode computing the same routing
@@ -75,18 +81,29 @@ UNSUPPORTED_GATES = {
 FIRST_VERSION = (0, 23, 9)
 
 
-def check_moe_operands(x_shape, routing_shape, router_shape, gate_up_shape, down_shape, top_k: int) -> tuple:
+def widening(gate: str, experts: int) -> int:
+    """``W``: the zero columns (rows of down_proj) the stacks of a ``gate`` node carry."""
+    return experts if gate in GIVEN_ROUTING_GATES else 0
+
+
+def check_moe_operands(x_shape, routing_shape, router_shape, gate_shape, up_shape, down_shape, top_k: int,
+                       gate: str) -> tuple:
     """(N, D, E, I) of consistent operands; OperandError names the first that disagrees."""
-    x_shape, routing_shape, router_shape, gate_up_shape, down_shape = (
-        tuple(int(d) for d in s) for s in (x_shape, routing_shape, router_shape, gate_up_shape, down_shape))
+    x_shape, routing_shape, router_shape, gate_shape, up_shape, down_shape = (
+        tuple(int(d) for d in s) for s in (x_shape, routing_shape, router_shape, gate_shape, up_shape, down_shape))
     if len(x_shape) != 2:
         raise OperandError("x", "rank 2 [N, D]", f"rank {len(x_shape)} {list(x_shape)}")
     tokens, width = x_shape
-    if len(gate_up_shape) != 3 or gate_up_shape[2] != width or gate_up_shape[1] % 2:
-        raise OperandError("gate_up_proj", f"[E, 2I, D] with D={width}", str(list(gate_up_shape)))
-    experts, inner = gate_up_shape[0], gate_up_shape[1] // 2
-    if down_shape != (experts, width, inner):
-        raise OperandError("down_proj", f"[E, D, I] = {[experts, width, inner]}", str(list(down_shape)))
+    if len(gate_shape) != 3:
+        raise OperandError("gate_proj", "[E, I, D + W]", str(list(gate_shape)))
+    experts, inner = gate_shape[:2]
+    wide = width + widening(gate, experts)
+    if gate_shape[2] != wide:
+        raise OperandError("gate_proj", f"[E, I, D + W] with D + W = {wide} (gate {gate!r})", str(list(gate_shape)))
+    if up_shape != gate_shape:
+        raise OperandError("up_proj", f"gate_proj's shape {list(gate_shape)}", str(list(up_shape)))
+    if down_shape != (experts, wide, inner):
+        raise OperandError("down_proj", f"[E, D + W, I] = {[experts, wide, inner]}", str(list(down_shape)))
     if router_shape != (experts, width):
         raise OperandError("router_weight", f"[E, D] = {[experts, width]}", str(list(router_shape)))
     if routing_shape != (tokens, experts):
@@ -96,24 +113,26 @@ def check_moe_operands(x_shape, routing_shape, router_shape, gate_up_shape, down
     return tokens, width, experts, inner
 
 
-def _reference(x, routing, router_weight, gate_up_proj, down_proj, top_k, gate):
+def _reference(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate):
     from gdn_export.models.blocks import dense_experts
 
-    check_moe_operands(x.shape, routing.shape, router_weight.shape, gate_up_proj.shape, down_proj.shape, top_k)
-    return dense_experts(x, routing, gate_up_proj, down_proj, F.silu).contiguous()
+    tokens, width, _, _ = check_moe_operands(x.shape, routing.shape, router_weight.shape, gate_proj.shape,
+                                             up_proj.shape, down_proj.shape, top_k, gate)
+    return dense_experts(x, routing, gate_proj[..., :width], up_proj[..., :width], down_proj[:, :width],
+                         F.silu).contiguous()
 
 
-def _fake(x, routing, router_weight, gate_up_proj, down_proj, top_k, gate):
+def _fake(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate):
     return torch.empty_like(x)
 
 
 define_or_reuse(QUALNAME, SCHEMA, _reference, _fake)
 
 
-def moe_ffn(x: torch.Tensor, routing: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
-            down_proj: torch.Tensor, top_k: int, gate: str) -> torch.Tensor:
+def moe_ffn(x: torch.Tensor, routing: torch.Tensor, router_weight: torch.Tensor, gate_proj: torch.Tensor,
+            up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, gate: str) -> torch.Tensor:
     """Call ``torch.ops.t2n_extra.moe_ffn`` (see the module docstring for the contract)."""
-    return torch.ops.t2n_extra.moe_ffn(x, routing, router_weight, gate_up_proj, down_proj, top_k, gate)
+    return torch.ops.t2n_extra.moe_ffn(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate)
 
 
 def moe_report(decisions) -> list[str]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from torch import nn
 
-from gdn_export.hf.blocks import rope_tables
+from gdn_export.hf.blocks import ExpertStacks, rope_tables, stacks_by_layer
 from gdn_export.hf.checkpoint import CheckpointError
 from gdn_export.models.decoder import Decoder, vocab_projection
 from gdn_export.models.state import StateSpec, attention_states, delta_states
@@ -57,6 +57,8 @@ class TransformersLM(Decoder, ExportableLM):
         self.layer_types = self.config.layer_types
         # tie_word_embeddings: lm_head's weight is the embedding table itself (see lm_head)
         self.tied_head = self.hf.lm_head.weight is self.hf.model.embed_tokens.weight
+        # each routed MoE's expert stacks as moe_ffn takes them (derived from the checkpoint's, hf.blocks)
+        self.expert_stacks = stacks_by_layer(self.decoder_layers(), self.moe_gate)
         self.states = []
         for i, layer in enumerate(self.decoder_layers()):
             if self.layer_types[i] == "linear_attention":
@@ -94,6 +96,15 @@ class TransformersLM(Decoder, ExportableLM):
 
     def feed_forward(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return layer.mlp(x)
+
+    def moe_gate(self, index: int, layer: nn.Module) -> str | None:
+        """The ``moe_ffn`` gate (``gdn_export/ops/moe_ffn.py``) of layer ``index``'s routed experts; None where its
+        feed-forward is no routed MoE (the default)."""
+        return None
+
+    def stacks(self, index: int) -> ExpertStacks | None:
+        """Layer ``index``'s ``ExpertStacks`` (None: no routed MoE, or experts ``moe_ffn`` does not compute)."""
+        return self.expert_stacks[str(index)] if str(index) in self.expert_stacks else None
 
     def norms(self, index: int, layer: nn.Module, part: str):
         return (layer.input_layernorm if part == "mixer" else layer.post_attention_layernorm), None

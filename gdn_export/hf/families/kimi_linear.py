@@ -73,6 +73,12 @@ class KimiLinearLM(TransformersLM):
         out, key, value = blocks.cached_attention(query, key, value, *states, context.mask, module.scaling)
         return module.o_proj(out), key, value
 
+    def moe_gate(self, index, layer):
+        if self.config.mlp_layer_types[index] != "sparse":
+            return None
+        # the weights are non-negative exactly when the scaling is: only then do they choose the experts (sparse)
+        return "grouped_sigmoid" if layer.mlp.gate.routed_scaling_factor > 0 else "grouped_sigmoid_signed"
+
     def feed_forward(self, index, layer, x):
         if self.config.mlp_layer_types[index] != "sparse":
             return layer.mlp(x)
@@ -83,9 +89,7 @@ class KimiLinearLM(TransformersLM):
         weights = blocks.grouped_sigmoid_routing(
             router_logits, router.e_score_correction_bias, top_k=router.top_k, groups=router.num_group,
             top_groups=router.topk_group, normalize=router.norm_topk_prob, scaling=router.routed_scaling_factor)
-        # the weights are non-negative exactly when the scaling is: only then do they choose the experts (sparse)
-        gate = "grouped_sigmoid" if router.routed_scaling_factor > 0 else "grouped_sigmoid_signed"
-        routed = routed_experts(block.experts, flat, weights, router.weight, router.top_k, gate)
+        routed = routed_experts(block.experts, self.stacks(index), flat, weights, router.weight, router.top_k)
         return routed.view_as(x) + block.shared_experts(x)
 
 

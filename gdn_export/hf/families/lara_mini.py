@@ -40,6 +40,9 @@ class LaraMiniLM(Qwen3_5LM):
                                                   module.sliding_window)
         return module.o_proj(out), key, value
 
+    def moe_gate(self, index, layer):
+        return blocks.softmax_gate(layer.mlp.gate.norm_topk_prob)
+
     def feed_forward(self, index, layer, x):
         block = layer.mlp
         router = block.gate
@@ -49,8 +52,7 @@ class LaraMiniLM(Qwen3_5LM):
         weights = blocks.top_k_routing(router_logits, router.top_k, router.norm_topk_prob)
         # the shared expert is added in full, with no gate
         # the fused op computes the router in f32 from the f32 weight: the same logits
-        routed = routed_experts(block.experts, flat, weights, router.weight.float(), router.top_k,
-                                blocks.softmax_gate(router.norm_topk_prob))
+        routed = routed_experts(block.experts, self.stacks(index), flat, weights, router.weight.float(), router.top_k)
         return (routed + block.shared_expert(flat)).reshape_as(x)
 
 

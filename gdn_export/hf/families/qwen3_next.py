@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from gdn_export.hf.blocks import sparse_moe
+from gdn_export.models.blocks import softmax_gate
 from gdn_export.models.derived import rows_of
 from gdn_export.hf.families.base import Family
 from gdn_export.hf.families.qwen3_5 import Qwen3_5LM
@@ -25,12 +26,15 @@ class SparseMoeLM(Qwen3_5LM):
     """
 
     def __init__(self, hf_model: nn.Module, dtype: torch.dtype, normalize_topk: bool = True) -> None:
+        self.normalize_topk = normalize_topk  # before the base, which asks moe_gate
         super().__init__(hf_model, dtype)
-        self.normalize_topk = normalize_topk
+
+    def moe_gate(self, index: int, layer: nn.Module) -> str | None:
+        return softmax_gate(self.normalize_topk) if hasattr(layer.mlp, "experts") else None
 
     def feed_forward(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if hasattr(layer.mlp, "experts"):
-            return sparse_moe(layer.mlp, x, self.normalize_topk)
+            return sparse_moe(layer.mlp, self.stacks(index), x, self.normalize_topk)
         return layer.mlp(x)
 
 

@@ -23,6 +23,7 @@ from gdn_export.hf.blocks import gated_attention, rope_tables, sparse_moe
 from gdn_export.hf.checkpoint import CheckpointError
 from gdn_export.hf.families.base import Family
 from gdn_export.hf.families.qwen3_5 import Qwen3_5LM
+from gdn_export.models.blocks import softmax_gate
 from gdn_export.models.state import StateSpec
 
 # scores are sums of ReLUs (>= 0), so this marks "not a candidate block" without an infinity in the graph
@@ -184,8 +185,11 @@ class Qwen4ExpLM(Qwen3_5LM):
         out, *states = branch(h)
         return (streams + (out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2), *states)
 
+    def moe_gate(self, index, layer):
+        return softmax_gate(layer.mlp.gate.norm_topk_prob)
+
     def feed_forward(self, index, layer, x):
-        return sparse_moe(layer.mlp, x, layer.mlp.gate.norm_topk_prob)
+        return sparse_moe(layer.mlp, self.stacks(index), x, layer.mlp.gate.norm_topk_prob)
 
     def head(self, x):
         return self.lm_head(self.hf.model.hyper_connection_mixer(x))  # a last mix of the streams, no final norm
