@@ -4,15 +4,18 @@
                                    [--dtype float32] [--budget 3] [--routing softmax_topk]
 
 The layer is what the Qwen families export for their routed experts (``gdn_export.models.blocks.routed_moe``:
-softmax top-k routing renormalized, SwiGLU experts in transformers' fused ``gate_up_proj [E, 2I, D]`` /
-``down_proj [E, D, I]`` layout; the shared expert, the same in both forms, is left out). It is exported twice
+softmax top-k routing renormalized, SwiGLU experts as ``moe_ffn`` takes them: ``gate_proj``/``up_proj [E, I, D]``,
+``down_proj [E, D, I]``; the shared expert, the same in both forms, is left out). It is exported twice
 through ``gdn_export.export``: ``runtime="cpu"`` writes ``tract_moe_ffn`` (only the top-k experts of a token run),
 ``runtime="any"`` the dense form (every expert on every token, mixed by the routing weights: what every MoE family
 ran before, and what a refused node still gets). ``--routing grouped_sigmoid`` routes as Kimi Linear / DeepSeek-V3
 instead (``blocks.grouped_sigmoid_routing``: 8 groups, the best 4, a score bias, scaling 2.5), which tract has no
 gate mode for: the sparse form is then ``tract_moe_ffn`` gate 'raw' over ``[x | routing]`` with the stacks widened
-by E zero columns (gdn_export/ops/moe_ffn.py), the routing computed in the graph. Both graphs are planned for the token count N (tract's symbol
-fixed), run on one tract thread (``RAYON_NUM_THREADS=1`` unless set: tract's fused op otherwise spreads over every
+by E zero columns (gdn_export/ops/moe_ffn.py), the routing computed in the graph. With ``--dtype float32`` (and
+inner sizes of whole 32-blocks) a third form is timed: the sparse archive with its three expert stacks in tract's
+Q4_0 (what ``gdn-export convert --quantize q4_0`` writes for them: the same graph, the stacks' ``.dat`` files
+re-encoded here), its error given against the f32 sparse output. The graphs are planned for the token count N
+(tract's symbol fixed), run on one tract thread (``RAYON_NUM_THREADS=1`` unless set: tract's fused op otherwise spreads over every
 core; CPU time / wall time is printed to show it), timed as a median, and compared with
 each other and with the op's torch kernel. Random weights, N(0, 1/fan_in).
 """
@@ -20,9 +23,11 @@ each other and with the op's torch kernel. Random weights, N(0, 1/fan_in).
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -36,8 +41,9 @@ os.environ.setdefault("RAYON_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gdn_export  # noqa: E402
 from gdn_export.models import blocks  # noqa: E402
-from gdn_export.ops.moe_ffn import QUALNAME  # noqa: E402
+from gdn_export.ops.moe_ffn import QUALNAME, widening  # noqa: E402
 from gdn_export.runtime import load_tract_model, steady_allocator  # noqa: E402
+from gdn_export.weights import q4_0  # noqa: E402
 
 
 class RoutedExperts(torch.nn.Module):
@@ -50,10 +56,12 @@ class RoutedExperts(torch.nn.Module):
         self.register_buffer("score_bias", torch.linspace(-0.1, 0.1, experts))
         gen = torch.Generator().manual_seed(0)
         self.router = torch.nn.Parameter(torch.randn(experts, hidden, generator=gen).to(dtype) / hidden ** 0.5)
-        self.gate_up_proj = torch.nn.Parameter((torch.randn(experts, 2 * inner, hidden, generator=gen)
-                                                / hidden ** 0.5).to(dtype))
-        self.down_proj = torch.nn.Parameter((torch.randn(experts, hidden, inner, generator=gen)
-                                             / inner ** 0.5).to(dtype))
+        gate_up = (torch.randn(experts, 2 * inner, hidden, generator=gen) / hidden ** 0.5).to(dtype)
+        down = (torch.randn(experts, hidden, inner, generator=gen) / inner ** 0.5).to(dtype)
+        extra = widening(routing, experts)  # a given routing's stacks come widened by E zeros (ops/moe_ffn.py)
+        gate_up = torch.nn.functional.pad(gate_up, (0, extra))
+        self.gate_proj, self.up_proj = (torch.nn.Parameter(half.contiguous()) for half in gate_up.chunk(2, dim=1))
+        self.down_proj = torch.nn.Parameter(torch.nn.functional.pad(down, (0, 0, 0, extra)))
         self.top_k = top_k
 
     def forward(self, x):
@@ -64,8 +72,27 @@ class RoutedExperts(torch.nn.Module):
                                                      top_groups=max(1, groups // 2), normalize=True, scaling=2.5)
         else:
             routing = blocks.top_k_routing(x @ self.router.T, self.top_k, True)
-        return blocks.routed_moe(x, routing, self.router, self.gate_up_proj, self.down_proj, self.top_k,
+        return blocks.routed_moe(x, routing, self.router, self.gate_proj, self.up_proj, self.down_proj, self.top_k,
                                  self.routing)
+
+
+STACKS = ("gate_proj", "up_proj", "down_proj")
+
+
+def with_q4_0_stacks(archive: Path, out: Path) -> None:
+    """``archive`` with the float32 ``.dat`` of each expert stack re-encoded in tract's Q4_0 (the graph unchanged)."""
+    with tarfile.open(archive) as tar, tarfile.open(out, "w:gz") as new:
+        for member in tar.getmembers():
+            data = tar.extractfile(member).read()
+            if Path(member.name).name.removesuffix(".dat") in STACKS:
+                header = np.frombuffer(data[:128], np.uint32)  # NNEF: rank at byte 8, the extents from byte 12
+                shape = tuple(int(d) for d in header[3:3 + header[2]])
+                value = np.frombuffer(data[128:], np.float32).reshape(shape)
+                buffer = io.BytesIO()
+                q4_0.write_nnef(buffer, shape, lambda start, stop: value[start:stop])
+                data = buffer.getvalue()
+                member.size = len(data)
+            new.addfile(member, io.BytesIO(data))
 
 
 def cpu_name() -> str:
@@ -119,20 +146,28 @@ def main(argv: list[str] | None = None) -> None:
             (decision,) = [d for d in report.decisions if d.entry == QUALNAME]
             reasons[form] = f"{decision.lowering} - {decision.reason}"
             print(f"exported {form} ({time.perf_counter() - t0:.0f} s): {reasons[form]}", flush=True)
+        forms = ["sparse", "dense"]
+        if dtype == torch.float32 and all(q4_0.quantizable(tuple(getattr(module, s).shape)) for s in STACKS):
+            paths["q4_0"] = Path(folder) / "q4_0.nnef.tgz"
+            with_q4_0_stacks(paths["sparse"], paths["q4_0"])
+            forms.insert(1, "q4_0")
         print(f"\nOne MoE layer ({args.routing} routing): {args.experts} experts, top-{args.top_k}, hidden "
               f"{args.hidden}, expert width "
               f"{args.inner}, {args.dtype} ({weight_mb:.0f} MB of expert weights), tract "
               f"{gdn_export.runtime.tract_version()}, RAYON_NUM_THREADS={os.environ['RAYON_NUM_THREADS']}, "
               f"{cpu_name()}\n")
-        header = ("| tokens N | sparse tract_moe_ffn ms | dense ms | dense / sparse | sparse tokens/s | "
-                  "CPU/wall sparse, dense | max rel. diff sparse vs dense | vs torch |")
+        quantized = "q4_0" in forms
+        header = ("| tokens N | sparse tract_moe_ffn ms | " + ("sparse, Q4_0 stacks ms | " if quantized else "") +
+                  "dense ms | dense / sparse | " + ("sparse / Q4_0 | " if quantized else "") + "sparse tokens/s | "
+                  "CPU/wall sparse, dense | max rel. diff sparse vs dense | vs torch |" +
+                  (" Q4_0 vs sparse (rel. L2) |" if quantized else ""))
         print(header)
         print("|---" * (header.count("|") - 1) + "|")
         gen = torch.Generator().manual_seed(1)
         for tokens in args.tokens:
             x = torch.randn(tokens, args.hidden, generator=gen).to(dtype)
             results = {}
-            for form in ("sparse", "dense"):
+            for form in forms:
                 runnable = load_tract_model(paths[form], {"N": tokens})
                 results[form] = timed(runnable, x.numpy(), args.budget)
                 del runnable
@@ -140,11 +175,16 @@ def main(argv: list[str] | None = None) -> None:
                 expected = module(x.float() if dtype == torch.float32 else x).double().numpy()
             sparse, dense = results["sparse"][2].astype(np.float64), results["dense"][2].astype(np.float64)
             scale = np.abs(expected).max()
-            print(f"| {tokens} | {results['sparse'][0]:.2f} | {results['dense'][0]:.2f} | "
-                  f"{results['dense'][0] / results['sparse'][0]:.1f}x | {1e3 * tokens / results['sparse'][0]:.0f} | "
+            q4 = f"{results['q4_0'][0]:.2f} | " if quantized else ""
+            q4_ratio = f"{results['sparse'][0] / results['q4_0'][0]:.2f}x | " if quantized else ""
+            q4_error = (f" {np.linalg.norm(results['q4_0'][2] - sparse) / np.linalg.norm(sparse):.3f} |"
+                        if quantized else "")
+            print(f"| {tokens} | {results['sparse'][0]:.2f} | {q4}{results['dense'][0]:.2f} | "
+                  f"{results['dense'][0] / results['sparse'][0]:.1f}x | {q4_ratio}"
+                  f"{1e3 * tokens / results['sparse'][0]:.0f} | "
                   f"{results['sparse'][1]:.2f}, {results['dense'][1]:.2f} | "
-                  f"{np.abs(sparse - dense).max() / scale:.1e} | {np.abs(sparse - expected).max() / scale:.1e} |",
-                  flush=True)
+                  f"{np.abs(sparse - dense).max() / scale:.1e} | {np.abs(sparse - expected).max() / scale:.1e} |"
+                  f"{q4_error}", flush=True)
 
 
 if __name__ == "__main__":

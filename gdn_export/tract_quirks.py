@@ -620,10 +620,11 @@ CONST_FOLD_NO_GROWTH = Quirk(
          "inputs (or than 4 MiB): pad(variable) of more than 4 MiB stays a Pad node, slice(variable) then pad "
          "(smaller than the variable) folds; a tract_moe_ffn whose stacks are not constants at codegen stays the "
          "unplanned MoeFfn, 450x slower (197 ms against 0.44 ms, one decode token, 64 experts, D = 1024)",
-    workaround="the given-routing tract_moe_ffn pads each widened expert stack in pieces of experts, each a pad of "
-               "a slice no larger than the stack, concatenated",
-    applied_in=("gdn_export/extractors/moe_ffn.py",),
-    when_fixed="widened_stack can pad a whole stack in one op",
+    workaround="the given-routing tract_moe_ffn's widened expert stacks are written widened into the archive "
+               "(hf.blocks.ExpertStacks: zeros appended as the checkpoint's stacks are written), so nothing is padded "
+               "in the graph (which a Q4_0 stack could not be either)",
+    applied_in=("gdn_export/hf/blocks.py",),
+    when_fixed="the stacks could be widened in the graph again (the archive E / D smaller), in float exports",
     canary="test_const_fold_refuses_a_growing_pad",
     kind="workaround",
 )

@@ -113,3 +113,64 @@ def test_no_float16_weight_is_cast_at_run_time(name, converted):
             if tuple(np.frombuffer(headers[variables[v] + ".dat"], np.uint32, 2, 44)) == (16, 0)]
     assert half == [], f"float16 weights cast to float32 at run time: {half}"
     assert json.loads(tarfile.open(archive).extractfile("gdn_export.json").read())["dtype"] == "float16"
+
+
+def moe_fixture_with_block_sized_experts(folder: Path) -> Path:
+    """``kimi_linear_64x8`` (DeepSeek-V3 routing, 64 experts, top-8) with an expert width of 32: every inner size
+    of its widened stacks is whole Q4_0 blocks (D + E = 128, I = 32), as in the published models; made here with
+    fixtures/make_fixtures.py's recipe."""
+    import sys
+
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(FIXTURES))  # make_fixtures imports its sibling fixture_cli
+    try:
+        import make_fixtures
+    finally:
+        sys.path.remove(str(FIXTURES))
+    config_name, model_name, fields = make_fixtures.FIXTURES["kimi_linear_64x8"]
+    config = getattr(transformers, config_name)(**{**fields, "moe_intermediate_size": 32})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    make_fixtures.spread_weights(model, 0)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "kimi_linear_wide_experts"])
+def test_expert_stacks_of_the_fused_moe_are_q4_0(tmp_path, name):
+    """``--quantize q4_0`` writes each routed MoE's three expert stacks in Q4_0 (softmax routing: the checkpoint's
+    halves as they are; DeepSeek-V3's given routing: widened by zeros as they are written), tract_moe_ffn reads them
+    as variables (no slice or pad of a Q4_0 constant), and the check against transformers computing with the same
+    Q4_0 weights passes (the f32 rule)."""
+    folder = FIXTURES / name if name != "kimi_linear_wide_experts" else \
+        moe_fixture_with_block_sized_experts(tmp_path / name)
+    out = tmp_path / "q.nnef.tgz"
+    report = convert(folder, out, quantize="q4_0")
+    assert report.check.ok, report.check
+    assert "expert stacks" not in report.quantization  # none kept
+    types = dat_item_types(out)
+    stacks = {n for n in types if re.search(r"expert_stacks\.\d+\.(gate_proj|up_proj|widened_down_proj)\.dat$|"
+                                            r"experts\.down_proj\.dat$", n)}
+    layers = 3 if name == "qwen3_5_moe" else 1
+    assert len(stacks) == 3 * layers and all(types[n] == Q40_ITEM_TYPE for n in stacks), stacks
+    with tarfile.open(out) as tar:
+        graph = tar.extractfile("graph.nnef").read().decode()
+    fused = re.findall(r"tract_moe_ffn\((\w+), (\w+), (\w+), (\w+), (\w+),", graph)
+    assert len(fused) == layers
+    operands = {v for call in fused for v in call[2:]}
+    declared = dict(re.findall(r"^\s*(\w+)\s*=\s*variable<scalar>\(label\s*=\s*'([^']+)'", graph, re.M))
+    assert {declared[v] + ".dat" for v in operands} == stacks  # the op reads the Q4_0 variables themselves
+
+
+def test_expert_stacks_of_a_dense_moe_stay_float(tmp_path):
+    """With ``runtime="any"`` the MoE runs dense (reshapes and slices of the stacks, which a Q4_0 constant cannot
+    take): its stacks stay in the export dtype, the report says why, the linear layers are still Q4_0."""
+    out = tmp_path / "q.nnef.tgz"
+    report = convert(FIXTURES / "qwen3_5_moe", out, quantize="q4_0", runtime="any")
+    assert report.check.ok, report.check
+    assert "9 expert stacks of a MoE that runs dense" in report.quantization
+    types = dat_item_types(out)
+    assert not [n for n, t in types.items() if "expert_stacks" in n and t == Q40_ITEM_TYPE]
+    assert types["hf.model.layers.0.linear_attn.out_proj.weight.dat"] == Q40_ITEM_TYPE

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from gdn_export.errors import GdnExportError
 from gdn_export.lowering import onnx_decisions
 from gdn_export.ops.operands import validate_operands
+from gdn_export.ops.moe_ffn import widening
 from gdn_export.onnx.symbolics import DOMAIN
 
 MS_DOMAIN = "com.microsoft"
@@ -246,12 +247,13 @@ def _lower_conv(b: Builder, node, decision, shapes, dtypes) -> None:
         b.op("Mul", [conv, b.op("Sigmoid", [conv])], [y_out])
 
 
-def _lower_moe(b: Builder, node, shapes, dtypes) -> None:
+def _lower_moe(b: Builder, node, shapes, dtypes, gate: str) -> None:
     """models.blocks.dense_experts: every expert on every token, mixed by the routing weights (cast to x's dtype);
     widened stacks (a given routing, ops/moe_ffn.py) read through slices of their first D columns / rows."""
     x, routing, gate_proj, up_proj, down = node.input
-    width = shapes[0][1]
-    if shapes[2][2] != width:
+    experts, _, wide = shapes[2]
+    width = wide - widening(gate, experts)
+    if wide != width:
         gate_proj, up_proj = (b.slice(stack, 0, width, 2) for stack in (gate_proj, up_proj))
         down = b.slice(down, 0, width, 1)
     gate, up = (b.op("MatMul", [b.unsqueeze(x, [0]), b.transpose(stack, [0, 2, 1])])  # [E, N, I]
@@ -292,8 +294,9 @@ def rewrite(model: onnx.ModelProto, runtime: str, lowering: str, traced: dict | 
         elif node.op_type == "MoeFfn":
             shapes, dtypes = _operand_info(attrs)
             gate = attrs.get("gate", b"")
-            decision = onnx_decisions.decide_moe(label, gate.decode() if isinstance(gate, bytes) else gate)
-            _lower_moe(b, node, shapes, dtypes)
+            gate = gate.decode() if isinstance(gate, bytes) else gate
+            decision = onnx_decisions.decide_moe(label, gate)
+            _lower_moe(b, node, shapes, dtypes, gate)
         else:
             raise GdnExportError(f"unknown placeholder {node.domain}::{node.op_type}")
         used_ms = used_ms or decision.lowering == "contrib"
