@@ -144,7 +144,9 @@ MUST_MATCH = {
 @pytest.mark.parametrize("name,dtype", STREAMED)
 def test_streamed_weights_hold_what_transformers_loads(name, dtype, converted_here):
     """Each variable of the streamed archive named after a model parameter (``hf.<name>.dat``) holds transformers'
-    loaded value of that parameter, cast to the export dtype: bf16 widened, experts merged, convs concatenated."""
+    loaded value of that parameter, cast to the export dtype: bf16 widened, experts merged, convs concatenated; the
+    expert stacks (``expert_stacks.<layer>.*``, hf.blocks.ExpertStacks) hold the gate and up halves of its merged
+    ``gate_up_proj`` (and a given routing's stacks that, with zeros appended)."""
     members = archive_members(converted_here(name, dtype).path)
     state = transformers_state(name)
     wrapper = any(key.startswith("model.language_model.") for key in state)
@@ -162,6 +164,20 @@ def test_streamed_weights_hold_what_transformers_loads(name, dtype, converted_he
         assert value.dtype == expected.dtype and value.shape == expected.shape, member
         assert np.array_equal(value, expected), f"{name}: {member} differs from transformers' {key}"
         compared.append(member[3:-4])
+    for member, data in members.items():
+        match = re.fullmatch(r"expert_stacks\.(\d+)\.(gate_proj|up_proj|widened_down_proj)\.dat", member)
+        if not match:
+            continue
+        layer, part = match.groups()
+        merged = "down_proj" if part == "widened_down_proj" else "gate_up_proj"
+        source = state[f"model.{'language_model.' if wrapper else ''}layers.{layer}.mlp.experts.{merged}"]
+        if merged == "gate_up_proj":
+            source = source.chunk(2, dim=1)[part == "up_proj"]
+        expected, value = source.to(getattr(torch, dtype)).numpy(), nnef_tensor(data)
+        assert value.dtype == expected.dtype, member
+        assert np.array_equal(value[tuple(slice(0, n) for n in expected.shape)], expected), member
+        assert np.count_nonzero(value) == np.count_nonzero(expected), f"{member}: the widening is not zeros"
+        compared.append(f"model.layers.{layer}.mlp.experts.{merged}")
     missing = sorted(set(MUST_MATCH[name]) - set(compared))
     assert not missing, f"{name}: no variable of its own in the archive for {missing} (compared {sorted(compared)})"
 
@@ -490,3 +506,31 @@ def test_checkpoint_without_tokenizer_gives_an_archive_of_token_ids(tmp_path):
     assert not [m for m in archive_members(report.path) if m in GENERATION]
     session = Session(report.path)
     assert session.tokenizer is None and session.chat_template is None and session.generation_config is None
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "kimi_linear"])
+def test_merged_expert_stacks_are_read_a_slice_of_experts_at_a_time(name, monkeypatch):
+    """A stack transformers merges from per-expert tensors (``ParameterSource``) reads a run of experts by converting
+    only their tensors, and the runs make its whole value; a parameter made otherwise (Kimi's three convolutions
+    concatenated) is read whole."""
+    from gdn_export.hf.checkpoint import open_checkpoint
+    from gdn_export.hf.conversion import ParameterSource
+    from gdn_export.hf.tensors import TensorEntry
+
+    _, _, _, weights = open_checkpoint(FIXTURES / name)
+    merged = {key: s for key, s in weights.entries.items() if isinstance(s, ParameterSource)}
+    stacks = {key: s for key, s in merged.items() if ".experts." in key}
+    assert stacks and all(s.row_per_member for s in stacks.values())
+    assert all(not s.row_per_member for key, s in merged.items() if key not in stacks)
+    reads = []
+    original = TensorEntry.read
+    monkeypatch.setattr(TensorEntry, "read", lambda self, *a, **k: reads.append(self.name) or original(self, *a, **k))
+    for key, source in stacks.items():
+        whole = source.read(torch.float32).numpy()
+        experts = source.shape[0]
+        reads.clear()
+        first = source.rows(0, 1, np.dtype(np.float32))
+        assert len(reads) == len(source.mapping.collected_tensors)  # one tensor per pattern: expert 0's
+        runs = [first] + [source.rows(start, min(experts, start + 2), np.dtype(np.float32))
+                          for start in range(1, experts, 2)]
+        assert np.array_equal(np.concatenate(runs), whole.reshape(-1)), key

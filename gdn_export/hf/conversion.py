@@ -14,18 +14,26 @@ from __future__ import annotations
 import copy
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
-from gdn_export.hf.tensors import CheckpointError, TensorEntry, write_nnef_array
+from gdn_export.hf.tensors import TORCH_TO_NUMPY, CheckpointError, TensorEntry, write_nnef_rows
 
 
 @dataclass
 class ParameterSource:
-    """A parameter made by a transformers conversion from several checkpoint tensors."""
+    """A parameter made by a transformers conversion from several checkpoint tensors.
+
+    ``rows(start, stop, target)`` reads a run of its first axis: for a stack of numbered members (per-expert
+    matrices stacked into ``experts.gate_up_proj``: every source pattern has one tensor per row, in order, and the
+    conversion of a run of them is that run of rows, checked on shapes) by converting only those members, so an
+    expert stack is written a slice of experts at a time; otherwise by reading it whole once (kept until
+    ``release``)."""
 
     target: str  # the parameter's name in the model
     first: str  # the name transformers converts the group under
@@ -33,6 +41,7 @@ class ParameterSource:
     entries: list[TensorEntry]
     model: nn.Module
     shape: tuple[int, ...] = ()
+    _whole: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -46,9 +55,9 @@ class ParameterSource:
     def nbytes(self) -> int:
         return sum(e.end - e.begin for e in self.entries)
 
-    def _convert(self, load: Callable[[TensorEntry], torch.Tensor]) -> torch.Tensor:
+    def _convert(self, load: Callable[[TensorEntry], torch.Tensor], members: slice = slice(None)) -> torch.Tensor:
         mapping = copy.copy(self.mapping)
-        mapping.collected_tensors = {k: [lambda e=e: load(e) for e in v]
+        mapping.collected_tensors = {k: [lambda e=e: load(e) for e in v[members]]
                                      for k, v in self.mapping.collected_tensors.items()}
         value = mapping.convert(self.first, model=self.model, config=getattr(self.model, "config", None))[self.target]
         return value[0] if isinstance(value, list) else value
@@ -67,6 +76,29 @@ class ParameterSource:
 
     def read(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self._convert(lambda entry: entry.read(dtype)).contiguous()
+
+    @cached_property
+    def row_per_member(self) -> bool:
+        """Whether row i of the parameter is made from the i-th tensor of each source pattern alone (a stack)."""
+        if not self.shape or any(len(v) != self.shape[0] for v in self.mapping.collected_tensors.values()):
+            return False
+        try:
+            one = self._convert(lambda entry: torch.empty(entry.shape, device="meta"), slice(0, 1))
+        except (RuntimeError, ValueError, IndexError, KeyError):
+            return False
+        return tuple(one.shape) == (1, *self.shape[1:])
+
+    def rows(self, start: int, stop: int, target: np.dtype) -> np.ndarray:
+        """Rows ``start:stop`` (of the first axis) as ``target``, flat."""
+        dtype = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}[np.dtype(target)]
+        if self.row_per_member:
+            return self._convert(lambda entry: entry.read(dtype), slice(start, stop)).contiguous().numpy().reshape(-1)
+        if self._whole is None or self._whole.dtype != target:
+            self._whole = self.read(dtype).numpy()
+        return self._whole[start:stop].reshape(-1)
+
+    def release(self) -> None:
+        self._whole = None
 
     def infer_shape(self) -> tuple[int, ...]:
         """The converted shape, computed on meta tensors (nothing read); CheckpointError when transformers'
@@ -88,7 +120,13 @@ class ParameterSource:
                                   f"{detail}") from None
 
     def write_nnef(self, file, dtype: torch.dtype) -> None:
-        write_nnef_array(file, self.read(dtype).numpy())
+        """The parameter as an NNEF tensor file, a slice of rows at a time where it is a stack (``rows``)."""
+        target = np.dtype(TORCH_TO_NUMPY[dtype])
+        try:
+            write_nnef_rows(file, self.shape, target,
+                            lambda start, stop: self.rows(start, stop, target).reshape(stop - start, *self.shape[1:]))
+        finally:
+            self.release()
 
 
 def parameter_sources(model: nn.Module, entries: dict[str, TensorEntry]):

@@ -53,7 +53,7 @@ def onnx_output_dims(lm, vocab_size: int) -> dict[str, list]:
 def placeholder_sources(lm: torch.nn.Module, model: torch.nn.Module, weights) -> dict[int, object]:
     """Where each parameter of ``lm`` traced as a placeholder is read, by its storage's data_ptr: its checkpoint
     tensor, or the rows of one it was re-laid from (``model``: the checkpoint's model inside ``lm``)."""
-    from gdn_export.hf.weight_writers import DerivedSource, checkpoint_source, rowwise
+    from gdn_export.hf.weight_writers import DerivedSource, checkpoint_source
     from gdn_export.models.derived import PLACEHOLDER
 
     names = {id(param): name for name, param in model.named_parameters()}
@@ -62,7 +62,7 @@ def placeholder_sources(lm: torch.nn.Module, model: torch.nn.Module, weights) ->
         if not getattr(param, PLACEHOLDER, False):
             continue
         entry, recipe = checkpoint_source(label, param, names, weights)
-        source = rowwise(entry) if recipe is None else DerivedSource(rowwise(entry), recipe)
+        source = entry if recipe is None else DerivedSource(entry, recipe)
         if tuple(source.shape) != tuple(param.shape):
             raise GdnExportError(f"parameter {label} is {list(param.shape)}, its source {source.name} "
                                  f"{list(source.shape)}")

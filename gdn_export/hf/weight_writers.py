@@ -180,35 +180,13 @@ def checkpoint_source(label: str, param, names: dict, weights):
     return weights.entries[names[id(recipe.source)]], recipe
 
 
-class WholeSource:
-    """A source read whole (a parameter transformers' conversion makes from several tensors:
-    ``gdn_export.hf.conversion.ParameterSource``), kept until ``release``: memory of one tensor."""
-
-    def __init__(self, source) -> None:
-        self.source, self.name, self.shape, self._value = source, source.name, tuple(source.shape), None
-
-    def rows(self, start: int, stop: int, target: np.dtype) -> np.ndarray:
-        if self._value is None or self._value.dtype != target:
-            self._value = self.source.read({np.dtype(np.float32): torch.float32,
-                                            np.dtype(np.float16): torch.float16}[np.dtype(target)]).numpy()
-        return self._value[start:stop].reshape(-1)
-
-    def release(self) -> None:
-        self._value = None
-
-
-def rowwise(source):
-    """``source`` if it reads runs of rows itself (a checkpoint tensor), else a ``WholeSource`` of it."""
-    return source if hasattr(source, "rows") else WholeSource(source)
-
-
 @dataclass(frozen=True)
 class DerivedSource:
     """A checkpoint tensor through a ``Recipe`` (``gdn_export.models.derived``: a weight a family re-lays), read a
     slice of the result's rows at a time: picked rows by runs of consecutive ones, a recipe without picked rows on
     the same run of the source's rows."""
 
-    entry: object  # a TensorEntry, or anything with rows(start, stop, target) (rowwise)
+    entry: object  # a TensorEntry or ParameterSource: anything with rows(start, stop, target)
     recipe: Recipe
 
     @property
@@ -246,7 +224,7 @@ def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, quantiz
     shape = tuple(param.shape)
 
     def write(file) -> None:
-        source = rowwise(entry) if recipe is None else DerivedSource(rowwise(entry), recipe)
+        source = entry if recipe is None else DerivedSource(entry, recipe)
         target = np.dtype(np.float32 if quantized else TORCH_TO_NUMPY[dtype])
         read = lambda start, stop: source.rows(start, stop, target).reshape(stop - start, *shape[1:])  # noqa: E731
         try:
