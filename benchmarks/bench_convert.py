@@ -15,11 +15,11 @@ exported to ONNX (gdn-export convert --format onnx, checked) and run in onnxrunt
 
 --large: conversion memory on a checkpoint of real size. large_checkpoint.py writes a Qwen3.5-text checkpoint of
 at least --size-gb GB of random bf16 weights (hidden 2048, vocab 151936, untied, as many 3:1 layers as the size
-needs; --layers / --hidden / --vocab shrink it) shard by shard, in a temp dir or --keep DIR (reused there when it
-matches). `gdn-export convert` then runs under /usr/bin/time -v while a thread reads the converter's
+needs; --layers / --hidden / --vocab shrink it; --experts E makes it Qwen3.5-MoE with per-expert tensors, as
+published) shard by shard, in a temp dir or --keep DIR (reused there when it matches). `gdn-export convert` then runs under /usr/bin/time -v while a thread reads the converter's
 /proc/PID/status every 50 ms: one table of sizes, wall and stage seconds (the report's "time:" line), peak RSS
 (time -v), peak RssAnon (what the conversion holds) and RssFile (the checkpoint's mapped pages), and the two
-targets, judged on RssAnon: < 1.5 GB and < a quarter of the float32 model. GB = 1e9 bytes throughout.
+targets, judged on RssAnon: < 1.5 GB and < a quarter of the float32 model. --quantize q4_0 converts with it. GB = 1e9 bytes throughout.
 --build-only writes (and, without --keep, deletes) the checkpoint and reports the builder's own peak RSS.
 """
 
@@ -224,11 +224,12 @@ def gdn_export_command() -> list[str]:
     return [str(script)] if script.is_file() else [shutil.which("gdn-export") or "gdn-export"]
 
 
-def convert_measured(checkpoint: Path, out: Path, dtype: str, check: str) -> dict:
+def convert_measured(checkpoint: Path, out: Path, dtype: str, check: str, quantize: str | None = None) -> dict:
     """`gdn-export convert` under /usr/bin/time -v, sampled; its report's stdout is echoed."""
     timing = out.with_suffix(".time-v.txt")
     command = ["/usr/bin/time", "-v", "-o", str(timing), *gdn_export_command(), "convert", str(checkpoint),
-               "-o", str(out), "--force", "--dtype", dtype] + (["--no-check"] if check == "none" else [])
+               "-o", str(out), "--force", "--dtype", dtype] + (["--no-check"] if check == "none" else []) + (
+               ["--quantize", quantize] if quantize else [])
     print("$ " + " ".join(command), file=sys.stderr, flush=True)
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
@@ -279,8 +280,9 @@ def run_large(args: argparse.Namespace) -> None:
               f"this process's peak RSS so far {large_checkpoint.peak_rss_bytes() / large_checkpoint.GB:.2f} GB")
         if args.build_only:
             return
-        row = convert_measured(folder, Path(tmp) / "large.nnef.tgz", args.dtype, args.check)
+        row = convert_measured(folder, Path(tmp) / "large.nnef.tgz", args.dtype, args.check, args.quantize)
     print(f"\ngdn-export convert --dtype {args.dtype}" + (" --no-check" if args.check == "none" else "")
+          + (f" --quantize {args.quantize}" if args.quantize else "")
           + f"; {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}; "
           f"GB = 1e9 bytes; {row['samples']} samples of /proc/PID/status every {SAMPLE_SECONDS * 1000:.0f} ms\n")
     print(large_table(built, args.dtype, row))
@@ -303,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     large_checkpoint.add_shape_options(large)
     large.add_argument("--keep", type=Path, default=None, help="build the checkpoint in DIR and keep it (reused)")
     large.add_argument("--dtype", choices=["float32", "float16"], default="float32", help="export dtype")
+    large.add_argument("--quantize", choices=["q4_0"], default=None, help="convert with --quantize")
     large.add_argument("--check", choices=["none", "auto"], default="none",
                        help="none: --no-check; auto: the converter's own check")
     large.add_argument("--build-only", action="store_true", help="only build the checkpoint (deleted unless --keep)")

@@ -1,7 +1,8 @@
 """A Qwen3.5-text checkpoint of a chosen size with random bfloat16 weights, written one shard at a time.
 
     python benchmarks/large_checkpoint.py DIR [--size-gb 3.2] [--layers N] [--hidden 2048] [--vocab 151936]
-                                          [--intermediate N] [--tied] [--shard-gb 1.0] [--seed 0]
+                                          [--intermediate N] [--tied] [--experts E [--expert-width I] [--top-k K]]
+                                          [--shard-gb 1.0] [--seed 0]
 
 Real shapes (Qwen3.5 2B-class text model: hidden 2048, intermediate 6144, vocab 151936, 16 linear key / value
 heads of K = V = 128, 8 attention heads of 256 with 2 kv heads, 3 linear_attention layers per full_attention
@@ -15,6 +16,12 @@ one shard, never the whole model. bench_convert.py --large converts what this wr
 ``--tied`` ties the head to the embedding table (``tie_word_embeddings: true``; no ``lm_head.weight`` is written,
 as in published tied checkpoints) and ``--intermediate`` sets the MLP width: Qwen3.5 0.8B's text model is
 ``--layers 24 --hidden 1024 --intermediate 3584 --tied`` (bench_vs_llamacpp.py builds it so).
+
+``--experts E`` makes it Qwen3.5-MoE's text model instead (``qwen3_5_moe_text``): every feed-forward a routed MoE of
+E SwiGLU experts of width ``--expert-width`` (default 512), ``--top-k`` of them per token (default 8), plus a shared
+expert of the same width, the experts stored as published checkpoints store them: one tensor per expert and
+matrix (``mlp.experts.<e>.gate_proj.weight`` ...), which transformers merges into ``gate_up_proj`` /
+``down_proj`` stacks on load (Qwen3-30B-A3B's routed shape is ``--hidden 2048 --experts 128 --expert-width 768``).
 """
 
 from __future__ import annotations
@@ -61,8 +68,9 @@ class Built:
 
 
 def make_config(layers: int, hidden: int | None = None, vocab: int | None = None, intermediate: int | None = None,
-                tied: bool = False):
-    """The transformers config; a smaller --hidden scales the MLP with it (3x, as in the real shape)."""
+                tied: bool = False, experts: int | None = None, expert_width: int = 512, top_k: int = 8):
+    """The transformers config; a smaller --hidden scales the MLP with it (3x, as in the real shape); ``experts``:
+    Qwen3.5-MoE's text model with that many routed experts."""
     import transformers
 
     fields = dict(QWEN3_5_LARGE)
@@ -76,9 +84,20 @@ def make_config(layers: int, hidden: int | None = None, vocab: int | None = None
     if tied:
         fields["tie_word_embeddings"] = True
     layer_types = (PATTERN * math.ceil(layers / len(PATTERN)))[:layers]
+    if experts:
+        fields.pop("intermediate_size")
+        config = transformers.Qwen3_5MoeTextConfig(
+            num_hidden_layers=layers, layer_types=layer_types, num_experts=experts, moe_intermediate_size=expert_width,
+            shared_expert_intermediate_size=expert_width, num_experts_per_tok=top_k, **fields)
+        config.architectures = ["Qwen3_5MoeForCausalLM"]
+        return config
     config = transformers.Qwen3_5TextConfig(num_hidden_layers=layers, layer_types=layer_types, **fields)
     config.architectures = ["Qwen3_5ForCausalLM"]
     return config
+
+
+# transformers' merged expert stack -> the per-expert matrices a published checkpoint stores (rows of the stack)
+EXPERT_MATRICES = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 def parameter_specs(config) -> dict[str, tuple[tuple[int, ...], torch.dtype, str]]:
@@ -86,13 +105,21 @@ def parameter_specs(config) -> dict[str, tuple[tuple[int, ...], torch.dtype, str
     import transformers
 
     with torch.device("meta"):
-        model = transformers.Qwen3_5ForCausalLM(config)
+        model = getattr(transformers, config.architectures[0])(config)
     specs = {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
             continue  # tied: the head is the embedding table, not stored (as transformers saves it)
-        module = model.get_submodule(name.rsplit(".", 1)[0])
-        dtype = torch.float32 if name.rsplit(".", 1)[-1] in FLOAT32_NAMES else torch.bfloat16
+        owner, leaf = name.rsplit(".", 1)
+        module = model.get_submodule(owner)
+        dtype = torch.float32 if leaf in FLOAT32_NAMES else torch.bfloat16
+        if owner.endswith(".experts") and leaf in EXPERT_MATRICES:  # one tensor per expert and matrix
+            parts = EXPERT_MATRICES[leaf]
+            rows = tensor.shape[1] // len(parts)
+            for e in range(tensor.shape[0]):
+                for part in parts:
+                    specs[f"{owner}.{e}.{part}.weight"] = ((rows, tensor.shape[2]), dtype, "Linear")
+            continue
         specs[name] = (tuple(tensor.shape), dtype, type(module).__name__)
     return specs
 
@@ -223,14 +250,21 @@ def add_shape_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 151936)")
     parser.add_argument("--intermediate", type=int, default=None, help="MLP width (default 3x the hidden size)")
     parser.add_argument("--tied", action="store_true", help="tie the head to the embedding table (none stored)")
+    parser.add_argument("--experts", type=int, default=None, help="Qwen3.5-MoE: routed experts per layer")
+    parser.add_argument("--expert-width", type=int, default=512, help="with --experts: each expert's width")
+    parser.add_argument("--top-k", type=int, default=8, help="with --experts: experts per token")
     parser.add_argument("--shard-gb", type=float, default=1.0, help="largest shard, GB")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def config_from_args(args: argparse.Namespace):
     intermediate, tied = getattr(args, "intermediate", None), getattr(args, "tied", False)
+    moe = dict(experts=getattr(args, "experts", None), expert_width=getattr(args, "expert_width", 512),
+               top_k=getattr(args, "top_k", 8))
+    if moe["experts"] and not args.layers:
+        raise SystemExit("--experts needs --layers (the size rule counts dense layers)")
     layers = args.layers or layers_for_size(args.size_gb, args.hidden, args.vocab, intermediate)
-    return make_config(layers, args.hidden, args.vocab, intermediate, tied)
+    return make_config(layers, args.hidden, args.vocab, intermediate, tied, **moe)
 
 
 def main(argv: list[str] | None = None) -> None:

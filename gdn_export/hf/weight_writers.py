@@ -133,7 +133,7 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
             candidates |= keys
             # the checkpoint's own stacks the derived ones replace: never read by the graph
             candidates |= {id(getattr(p, RECIPE).source) for p in trio if hasattr(p, RECIPE)}
-        report.kept["not a linear layer's weight (embeddings, convolutions)"] = sum(
+        report.kept["not a linear layer's weight (embeddings, convolutions, MoE routers)"] = sum(
             p.dim() >= 2 and key not in candidates for key, p in params.items())
         report.kept = +report.kept  # without the zero counts
     writers = {}
