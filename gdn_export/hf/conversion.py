@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gdn_export.hf.tensors import TORCH_TO_NUMPY, CheckpointError, TensorEntry, write_nnef_rows
+from gdn_export.hf.tensors import TORCH_TO_NUMPY, CheckpointError, TensorEntry
 
 
 @dataclass
@@ -90,7 +90,7 @@ class ParameterSource:
 
     def rows(self, start: int, stop: int, target: np.dtype) -> np.ndarray:
         """Rows ``start:stop`` (of the first axis) as ``target``, flat."""
-        dtype = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}[np.dtype(target)]
+        dtype = {np.dtype(n): t for t, n in TORCH_TO_NUMPY.items()}[np.dtype(target)]
         if self.row_per_member:
             return self._convert(lambda entry: entry.read(dtype), slice(start, stop)).contiguous().numpy().reshape(-1)
         if self._whole is None or self._whole.dtype != target:
@@ -118,15 +118,6 @@ class ParameterSource:
                       f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__})")
             raise CheckpointError(f"the checkpoint tensors that make {self.target} do not fit together: "
                                   f"{detail}") from None
-
-    def write_nnef(self, file, dtype: torch.dtype) -> None:
-        """The parameter as an NNEF tensor file, a slice of rows at a time where it is a stack (``rows``)."""
-        target = np.dtype(TORCH_TO_NUMPY[dtype])
-        try:
-            write_nnef_rows(file, self.shape, target,
-                            lambda start, stop: self.rows(start, stop, target).reshape(stop - start, *self.shape[1:]))
-        finally:
-            self.release()
 
 
 def parameter_sources(model: nn.Module, entries: dict[str, TensorEntry]):

@@ -76,12 +76,6 @@ class TensorEntry:
         values = self.rows(0, self.shape[0] if self.shape else 1, np.dtype(TORCH_TO_NUMPY[dtype]))
         return torch.from_numpy(values.reshape(self.shape))
 
-    def write_nnef(self, file: BinaryIO, dtype: torch.dtype) -> None:
-        """The tensor as an NNEF tensor file (header, then the values in ``dtype``), in slices of rows: memory
-        stays at one slice whatever the tensor's size."""
-        target = np.dtype(TORCH_TO_NUMPY[dtype])
-        write_nnef_rows(file, self.shape, target, lambda start, stop: self.rows(start, stop, target))
-
 
 def write_nnef_rows(file: BinaryIO, shape: tuple[int, ...], target: np.dtype,
                     read_rows: Callable[[int, int], np.ndarray]) -> None:

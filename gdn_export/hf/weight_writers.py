@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -125,9 +124,9 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
             trio = [module.gate_proj, module.up_proj, module.down_proj]
             keys = {id(p) for p in trio}
             if not fused_moe(module.gate):
-                report.kept["expert stacks of a MoE that runs dense (no tract_moe_ffn: see the MoE lines)"] += 3
+                report.kept["expert stacks of a MoE that runs dense (no tract_moe_ffn: see the MoE lines)"] += len(trio)
             elif not all(_quantizable_derived(p) for p in trio):
-                report.kept[f"expert stacks with an inner size not a multiple of {q4_0.BLOCK}"] += 3
+                report.kept[f"expert stacks with an inner size not a multiple of {q4_0.BLOCK}"] += len(trio)
             else:
                 chosen |= keys
             candidates |= keys
@@ -219,8 +218,6 @@ def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, quantiz
     """Writes parameter ``label`` from the checkpoint: its tensor, or its recipe's result; in Q4_0 when ``quantized``;
     a slice of rows at a time (memory: one slice, or the one source a conversion makes whole)."""
     entry, recipe = checkpoint_source(label, param, names, weights)
-    if recipe is None and not quantized:
-        return partial(entry.write_nnef, dtype=dtype)
     shape = tuple(param.shape)
 
     def write(file) -> None:

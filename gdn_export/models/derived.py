@@ -58,11 +58,6 @@ class Recipe:
                 value = torch.cat([value, value.new_zeros(zeros)], dim=axis)
         return value
 
-    @property
-    def streamable(self) -> bool:
-        """Whether ``apply`` works on runs of the source's first axis (no rows picked)."""
-        return self.rows is None
-
 
 def derived(source: torch.Tensor, recipe: Recipe) -> nn.Parameter:
     """``recipe`` applied to ``source`` as a frozen parameter that records it; a placeholder of the result's shape
@@ -71,9 +66,8 @@ def derived(source: torch.Tensor, recipe: Recipe) -> nn.Parameter:
         param = nn.Parameter(torch.empty(recipe.shape, dtype=source.dtype), requires_grad=False)
         setattr(param, PLACEHOLDER, True)
     else:
-        value = recipe.apply(source.detach()).contiguous()
-        if value.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
-            value = value.clone()  # a parameter of its own, not a view of the source's
+        # a copy: a parameter of its own, never a view of the source's storage
+        value = recipe.apply(source.detach()).clone(memory_format=torch.contiguous_format)
         param = nn.Parameter(value, requires_grad=False)
     setattr(param, RECIPE, recipe)
     return param
