@@ -45,7 +45,7 @@ from gdn_export.hf.check import sample_tokens, session_logits, transformers_logi
 from gdn_export.hf.checkpoint import load_model, read_config  # noqa: E402
 from gdn_export.hf.convert import convert  # noqa: E402
 from gdn_export.hf.families import all_families, family_for  # noqa: E402
-from gdn_export.session import Session  # noqa: E402
+from gdn_export.run.session import Session  # noqa: E402
 from bench_lowerings import add_allocator_option, apply_allocator_option  # noqa: E402
 import large_checkpoint  # noqa: E402
 

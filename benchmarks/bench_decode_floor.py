@@ -96,10 +96,10 @@ def main(argv: list[str] | None = None) -> None:
             path = Path(tmp) / f"{lowering}.nnef.tgz"
             gdn_export.export(Rule(), inputs(2, h, w), path, lowering=lowering, input_names=NAMES,
                               output_names=["o", "state"], dynamic_axes=dynamic, check=False)
-            runnable = gdn_export.runtime.load_tract_model(path)
+            runnable = gdn_export.run.runtime.load_tract_model(path)
             rows[label] = lambda r=runnable: r.run(token)
             if lowering != "native":  # the same archive planned for one token (Engine's decode plans): S = 1 known
-                planned = gdn_export.runtime.load_tract_model(path, {"S": 1})
+                planned = gdn_export.run.runtime.load_tract_model(path, {"S": 1})
                 rows[f"{label}, planned with S = 1"] = lambda r=planned: r.run(token)
         gen = np.random.default_rng(0)
         operands = [(gen.standard_normal((1, h, 1, w)) / np.sqrt(w)).astype(np.float32) for _ in range(4)]

@@ -60,12 +60,12 @@ def median_ms(fn, budget_s: float, min_runs: int = 3, max_runs: int = 50) -> flo
 def add_allocator_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--glibc-default-allocator", action="store_true",
                         help="leave glibc's adaptive mmap/trim thresholds: timings then flip between modes from run to "
-                             "run (see gdn_export.runtime.steady_allocator); by default they are fixed for every row")
+                             "run (see gdn_export.run.runtime.steady_allocator); by default they are fixed for every row")
 
 
 def apply_allocator_option(args: argparse.Namespace) -> None:
     if not args.glibc_default_allocator:
-        gdn_export.runtime.steady_allocator()
+        gdn_export.run.runtime.steady_allocator()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
             path = Path(tmp) / f"{lowering}.nnef.tgz"
             gdn_export.export(Rule(), inputs(2, args.heads, args.width), path, lowering=lowering,
                               input_names=NAMES, output_names=["o", "state"], dynamic_axes=dynamic)
-            runnable = gdn_export.runtime.load_tract_model(path)
+            runnable = gdn_export.run.runtime.load_tract_model(path)
             label = {"native": "tract fused tract_transformers_gdn_recurrent", "scan": "tract portable scan",
                      "recurrent": "tract recurrent (matmul step)",
                      "chunked": "tract chunked (WY form, chunks of 64)"}[lowering]
@@ -148,7 +148,7 @@ def bench_variants(args) -> None:
                 report = gdn_export.export(module, traced, Path(tmp) / f"{variant}_{lowering}.nnef.tgz",
                                            input_names=names, output_names=["o", "state"], dynamic_axes=dynamic,
                                            runtime="cpu", lowering=lowering)
-                runnables[lowering] = gdn_export.runtime.load_tract_model(report.path)
+                runnables[lowering] = gdn_export.run.runtime.load_tract_model(report.path)
                 picked = report.lowerings()[0]
             label = f"{variant} ({picked})"
             rows[label] = {}

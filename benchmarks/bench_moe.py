@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gdn_export  # noqa: E402
 from gdn_export.models import blocks  # noqa: E402
 from gdn_export.ops.moe_ffn import QUALNAME, widening  # noqa: E402
-from gdn_export.runtime import load_tract_model, steady_allocator  # noqa: E402
+from gdn_export.run.runtime import load_tract_model, steady_allocator  # noqa: E402
 from gdn_export.weights import q4_0  # noqa: E402
 
 
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nOne MoE layer ({args.routing} routing): {args.experts} experts, top-{args.top_k}, hidden "
               f"{args.hidden}, expert width "
               f"{args.inner}, {args.dtype} ({weight_mb:.0f} MB of expert weights), tract "
-              f"{gdn_export.runtime.tract_version()}, RAYON_NUM_THREADS={os.environ['RAYON_NUM_THREADS']}, "
+              f"{gdn_export.run.runtime.tract_version()}, RAYON_NUM_THREADS={os.environ['RAYON_NUM_THREADS']}, "
               f"{cpu_name()}\n")
         quantized = "q4_0" in forms
         header = ("| tokens N | sparse tract_moe_ffn ms | " + ("sparse, Q4_0 stacks ms | " if quantized else "") +

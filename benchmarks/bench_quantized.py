@@ -25,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gdn_export.session import Session  # noqa: E402
+from gdn_export.run.session import Session  # noqa: E402
 
 FORMATS = {"float32": ["--dtype", "float32"], "float16": ["--dtype", "float16"],
            "q4_0": ["--dtype", "float32", "--quantize", "q4_0"]}

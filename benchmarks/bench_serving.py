@@ -37,9 +37,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gdn_export.generation import SamplingParams, TokenRequest  # noqa: E402
-from gdn_export.serving import Engine  # noqa: E402
-from gdn_export.session import Session  # noqa: E402
+from gdn_export.run.generation import SamplingParams, TokenRequest  # noqa: E402
+from gdn_export.run.serving import Engine  # noqa: E402
+from gdn_export.run.session import Session  # noqa: E402
 
 
 def convert(checkpoint: Path, out: Path, serving: bool, quantize: str | None) -> float:

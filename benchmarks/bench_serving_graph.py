@@ -30,9 +30,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gdn_export.archive import read_metadata  # noqa: E402
-from gdn_export.runtime import load_tract_model, run_tract_tensors  # noqa: E402
-from gdn_export.session import NUMPY_DTYPES  # noqa: E402
+from gdn_export.run.archive import read_metadata  # noqa: E402
+from gdn_export.run.runtime import load_tract_model, run_tract_tensors  # noqa: E402
+from gdn_export.run.session import NUMPY_DTYPES  # noqa: E402
 
 
 def inputs_for(meta: dict, batch: int, tokens: int, past: int) -> list[np.ndarray]:

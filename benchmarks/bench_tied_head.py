@@ -41,7 +41,7 @@ from gdn_export.hf.check import check_against_transformers, sample_tokens  # noq
 from gdn_export.hf.checkpoint import load_model, read_config  # noqa: E402
 from gdn_export.hf.families import family_for  # noqa: E402
 from gdn_export.hf.families.base import TransformersLM  # noqa: E402
-from gdn_export.session import Session  # noqa: E402
+from gdn_export.run.session import Session  # noqa: E402
 from bench_lowerings import add_allocator_option, apply_allocator_option  # noqa: E402
 
 QWEN3_5_08B = dict(  # Qwen3.5 0.8B's text config, but for the number of layers
@@ -103,7 +103,7 @@ def peak_rss_mib(archive: Path, prompt: int, decode: int) -> float:
 import sys
 import numpy as np
 sys.path.insert(0, {str(ROOT)!r})
-from gdn_export.session import Session
+from gdn_export.run.session import Session
 session = Session({str(archive)!r})
 tokens = np.random.default_rng(0).integers(0, session.metadata["vocab_size"], (1, {prompt + decode}))
 session.prefill(tokens[:, :{prompt}])
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     prefill_tps = {name: args.prompt / statistics.median(s) for name, s in prefill.items()}
     base = "tied, as before"
     print(f"Qwen3.5 0.8B shape, {args.layers} layers (hidden 1024, vocab {args.vocab}, f32, random weights); tract "
-          f"{gdn_export.runtime.tract_version()}, 1 thread; prefill S={args.prompt} from empty states (median of "
+          f"{gdn_export.run.runtime.tract_version()}, 1 thread; prefill S={args.prompt} from empty states (median of "
           f"{args.rounds}), decode: median of {args.rounds} x {args.decode} single-token steps after it; the three "
           "archives timed side by side in one process, interleaved (x = speed-up over 'tied, as before', same run)\n")
     print("| conversion | decode ms/step | prefill tokens/s | archive MB | peak RSS MiB | convert s |")

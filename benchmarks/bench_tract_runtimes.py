@@ -82,9 +82,9 @@ def median_ms(fn, budget: float) -> float:
 def run(folder: Path, seqs: list[int], budget: float) -> None:
     import tract
 
-    try:  # fixed allocator thresholds, as every benchmark here (gdn_export.runtime.steady_allocator)
+    try:  # fixed allocator thresholds, as every benchmark here (gdn_export.run.runtime.steady_allocator)
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from gdn_export.runtime import steady_allocator
+        from gdn_export.run.runtime import steady_allocator
 
         steady_allocator()
     except ImportError:  # a host with tract and numpy only

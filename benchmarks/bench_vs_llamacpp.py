@@ -262,7 +262,7 @@ def worker_reference(checkpoint: Path, tokens_path: Path, out: Path) -> None:
 
 def worker_gdn(archive: Path, tokens_path: Path, prompt: int, decode: int, reps: int, out: Path) -> None:
     """Session (tract, one thread): prefill tokens/s and decode tokens/s, medians of ``reps`` rounds; logits saved."""
-    from gdn_export.session import Session
+    from gdn_export.run.session import Session
 
     tokens = np.fromfile(tokens_path, dtype=np.int32).astype(np.int64)[None]
     load = time.perf_counter()

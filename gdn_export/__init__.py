@@ -60,15 +60,15 @@ _LAZY = {
     "ExportReport": "gdn_export.exporter", "export": "gdn_export.exporter",
     "CheckpointError": "gdn_export.hf.checkpoint",
     "ConvertReport": "gdn_export.hf.convert", "check": "gdn_export.hf.convert", "convert": "gdn_export.hf.convert",
-    "run_tract": "gdn_export.runtime", "Session": "gdn_export.session",
-    "generate": "gdn_export.generation", "SamplingParams": "gdn_export.generation", "Engine": "gdn_export.serving",
+    "run_tract": "gdn_export.run.runtime", "Session": "gdn_export.run.session",
+    "generate": "gdn_export.run.generation", "SamplingParams": "gdn_export.run.generation", "Engine": "gdn_export.run.serving",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if importlib.util.find_spec(f"gdn_export.{name}") is not None:  # a submodule, e.g. gdn_export.runtime
+    if importlib.util.find_spec(f"gdn_export.{name}") is not None:  # a submodule, e.g. gdn_export.run.runtime
         return importlib.import_module(f"gdn_export.{name}")
     raise AttributeError(f"module 'gdn_export' has no attribute {name!r}")
 

@@ -110,8 +110,8 @@ def _check(args) -> int:
 
 
 def _info(args) -> int:
-    from gdn_export.archive import read_metadata
-    from gdn_export.runtime import load_tract_model
+    from gdn_export.run.archive import read_metadata
+    from gdn_export.run.runtime import load_tract_model
 
     metadata = read_metadata(args.model) or {}
     runnable = load_tract_model(args.model)
@@ -153,7 +153,7 @@ def _property(path: str, key: str) -> str:
 
 
 def _tract_version() -> str:
-    from gdn_export.runtime import tract_version
+    from gdn_export.run.runtime import tract_version
 
     return tract_version()
 
@@ -240,11 +240,11 @@ def _number(minimum: float, maximum: float | None = None, open_below: bool = Fal
 
 
 def _generate(args) -> int:
-    from gdn_export.generation import RequestError, SamplingError, generate
-    from gdn_export.generation.chat import ChatTemplateError
-    from gdn_export.generation.executor import InlineExecutor
-    from gdn_export.generation.generate import chat_prompt_ids
-    from gdn_export.session import Session
+    from gdn_export.run.generation import RequestError, SamplingError, generate
+    from gdn_export.run.generation.chat import ChatTemplateError
+    from gdn_export.run.generation.executor import InlineExecutor
+    from gdn_export.run.generation.generate import chat_prompt_ids
+    from gdn_export.run.session import Session
 
     executor = InlineExecutor(Session(args.model))
     archive = executor.archive
@@ -290,15 +290,15 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    from gdn_export.server import default_slots, model_name_of, serve
+    from gdn_export.run.http import default_slots, model_name_of, serve
 
     name = args.served_model_name or model_name_of(os.path.basename(args.model))
 
-    from gdn_export.archive import read_metadata
+    from gdn_export.run.archive import read_metadata
 
     batched = bool((read_metadata(args.model) or {}).get("serving"))
     if batched and args.prefill_piece is not None:
-        from gdn_export.serving.prefix_cache import ALIGN
+        from gdn_export.run.serving.prefix_cache import ALIGN
 
         if args.prefill_piece % ALIGN:
             raise UsageError(f"--prefill-piece must be a multiple of {ALIGN} on a serving archive (the prefix "

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from gdn_export.archive import METADATA_FILE, nnef_tgz_path, pack
+from gdn_export.run.archive import METADATA_FILE, nnef_tgz_path, pack
 from gdn_export.errors import GdnExportError
 from gdn_export.lowering.emitter import Decision
 from gdn_export.lowering.options import validate_options
@@ -24,7 +24,7 @@ from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
 from gdn_export.weights.casts import fold_weight_casts, weights_cast_before_use
 from gdn_export.weights.streamed import (StreamedWeights, annotate_compressed_gathers, check_all_written,
                                          streamed_writes, write_deferred)
-from gdn_export.runtime import alongside, load_tract_model, run_tract, tract_version as installed_tract_version
+from gdn_export.run.runtime import alongside, load_tract_model, run_tract, tract_version as installed_tract_version
 from gdn_export.target import OfflineTractTarget
 
 

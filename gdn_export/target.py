@@ -1,7 +1,7 @@
 """The tract inference target gdn_export hands to torch-to-nnef: offline, and carrying the lowering options.
 
 torch-to-nnef's ``TractNNEF`` downloads a tract command-line binary in its constructor and checks
-outputs with it. gdn_export checks with tract's Python bindings instead (``gdn_export.runtime``), so
+outputs with it. gdn_export checks with tract's Python bindings instead (``gdn_export.run.runtime``), so
 this target never needs the binary: it is built with the download replaced by a stand-in that only
 answers the version, and with torch-to-nnef's own I/O check off.
 """

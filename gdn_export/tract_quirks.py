@@ -223,7 +223,7 @@ SYMBOLIC_OPERANDS_GENERIC_KERNELS = Quirk(
          "decode step at 1.9 ms against 0.5 ms.",
     workaround="Session plans the model with tract.SetSymbols({'B': batch}) at its first call; chunk bodies "
                "compute everything per chunk inside the scan, where shapes are concrete",
-    applied_in=("gdn_export/session.py", "gdn_export/runtime.py", f"{CHUNKED}outer.py"),
+    applied_in=("gdn_export/run/session.py", "gdn_export/run/runtime.py", f"{CHUNKED}outer.py"),
     when_fixed="Session's per-batch planning only saves little; 'extension tract_assert B >= 1' already "
                "turns the generic Add into OptAddUnicast on 0.23.9 (not used by gdn_export yet)",
     canary="test_symbolic_operands_generic_kernels",
@@ -345,7 +345,7 @@ GATHER_OUT_OF_RANGE_ABORTS = Quirk(
          "[-rows, -1] wrap like Python's.",
     workaround="Session.prefill refuses token ids outside [0, vocab_size) (the archive's gdn_export.json) "
                "before calling tract; run_tract and the bindings called directly do not check",
-    applied_in=("gdn_export/session.py",),
+    applied_in=("gdn_export/run/session.py",),
     when_fixed="Session's id check could rely on a tract error instead (it stays useful as a clear message)",
     canary="test_gather_out_of_range_aborts",
 )
@@ -425,7 +425,7 @@ GLIBC_BUFFER_REMAPPING = Quirk(
          "with fresh mmaps every call, page-faulted anew (a fused decode step 3.6 ms against 2.2 ms, a "
          "chunked one 2.05 against 0.58 ms, depending on the process's history)",
     workaround="steady_allocator() fixes M_MMAP_THRESHOLD at 32 MiB and never trims; Session applies it",
-    applied_in=("gdn_export/runtime.py", "gdn_export/session.py"),
+    applied_in=("gdn_export/run/runtime.py", "gdn_export/run/session.py"),
     when_fixed="nothing to remove",
     no_canary="a speed effect of the process's allocator (benchmarks/bench_decode_floor.py)",
     kind="measured",

@@ -68,7 +68,7 @@ def shared_session(converted):
     """``shared_session(name, dtype="float32", batch=1) -> Session`` over ``converted(name, dtype)``, one per process
     and batch size (a Session plans tract's model for the batch size of its first call: one per batch plans once).
     Its states are the caller's: start with ``reset()`` (``session_logits`` and the checks do)."""
-    from gdn_export.session import Session
+    from gdn_export.run.session import Session
 
     cache = {}
 

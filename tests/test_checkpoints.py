@@ -22,7 +22,7 @@ from safetensors import safe_open
 from gdn_export.cli import main as cli
 from gdn_export.hf.checkpoint import CheckpointError
 from gdn_export.hf.convert import check, convert
-from gdn_export.session import Session
+from gdn_export.run.session import Session
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 SHARDED = "qwen3_next_bf16_sharded"

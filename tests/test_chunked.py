@@ -29,7 +29,7 @@ def export_symbolic(module, tensors, names, path, num_householder=1, **kwargs):
     report = gdn_export.export(module, tensors, path, input_names=names, output_names=["o", "state"],
                                dynamic_axes=dynamic, lowering="chunked", check=False, **kwargs)
     assert report.lowerings() == ["chunked"]
-    return gdn_export.runtime.load_tract_model(report.path)
+    return gdn_export.run.runtime.load_tract_model(report.path)
 
 
 CASES = [("gdn", (32, 32)), ("deltanet", (32, 32))] + [(variant, (32, 16)) for variant in VARIANTS]
@@ -130,7 +130,7 @@ def test_head_major_custom_op(tmp_path):
     report = gdn_export.export(GatedDeltaScanModel(), head_major(3, 0), tmp_path / "h.nnef.tgz", lowering="chunked",
                                dynamic_axes=dynamic, check=False, **NAMES)
     assert report.lowerings() == ["chunked"]
-    runnable = gdn_export.runtime.load_tract_model(report.path)
+    runnable = gdn_export.run.runtime.load_tract_model(report.path)
     for seq in (1, CHUNK, CHUNK + 6):
         inputs = head_major(seq, seq)
         o, state = gdn_export.run_tract(runnable, [x.numpy() for x in inputs])
@@ -215,7 +215,7 @@ def test_symbolic_batch_and_exact_output_lengths(tmp_path):
                                output_names=["o", "state"], dynamic_axes=dynamic, lowering="chunked", check=False)
     model = tract.nnef().with_tract_transformers().load(str(report.path))
     assert [str(model.output_fact(i)) for i in range(2)] == ["B,S,4,16,f32", "B,4,32,16,f32"]
-    runnable = gdn_export.runtime.load_tract_model(report.path)
+    runnable = gdn_export.run.runtime.load_tract_model(report.path)
     for batch, seq in [(1, CHUNK + 3), (3, 2 * CHUNK)]:
         args, kwargs = variant_inputs("gdn", batch=batch, seq=seq, width_k=32, width_v=16, seed=seq)
         _, tensors, _ = graph_inputs(args, kwargs)
@@ -235,7 +235,7 @@ def test_chunk_size_is_a_parameter(variant, tmp_path):
                                dynamic_axes=symbolic_time(names, traced_kwargs["num_householder"]),
                                lowering="chunked", check=False, chunk_size=16)
     assert "chunks of 16 tokens" in report.decisions[0].reason
-    runnable = gdn_export.runtime.load_tract_model(report.path)
+    runnable = gdn_export.run.runtime.load_tract_model(report.path)
     for seq in [15, 16, 17, 40]:
         args, kwargs = variant_inputs(variant, seq=seq, width_k=32, width_v=16, seed=seq)
         _, tensors, _ = graph_inputs(args, kwargs)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from gdn_export.errors import GdnExportError
-from gdn_export.generation import ExecutorFull, SamplingParams, TokenRequest
-from gdn_export.serving import SCRATCH, Engine, SlotPool
-from gdn_export.session import Session
+from gdn_export.run.generation import ExecutorFull, SamplingParams, TokenRequest
+from gdn_export.run.serving import SCRATCH, Engine, SlotPool
+from gdn_export.run.session import Session
 
 from conftest import FIXTURES, by_fixture
 
@@ -117,7 +117,7 @@ def test_padding_rows_and_admissions_leave_other_slots_untouched(converted, resi
     """A decode batch of one real row and scratch padding writes that row only: every other slot (and the
     scratch row) is byte-identical afterwards, and a slot reset for an admission touches no other; the same when
     the batch's states stay resident between two steps (the Engine's decode path) and are flushed by the reset."""
-    from gdn_export.runtime import load_tract_model, run_tract, run_tract_tensors
+    from gdn_export.run.runtime import load_tract_model, run_tract, run_tract_tensors
 
     path = converted("qwen3_5", serving=True)
     session = Session(path)
@@ -179,7 +179,7 @@ def test_prefix_cache_hit_equals_a_cold_run(converted):
 
 
 def test_prefix_cache_is_bounded():
-    from gdn_export.serving import PrefixCache, Snapshot
+    from gdn_export.run.serving import PrefixCache, Snapshot
 
     cache = PrefixCache(max_bytes=3000)
     for i in range(5):

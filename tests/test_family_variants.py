@@ -126,7 +126,7 @@ def test_symbolic_length_with_state_carried(variant, lowering, tmp_path):
     _, traced, _ = graph_inputs(traced_args, traced_kwargs)
     report = gdn_export.export(module, traced, tmp_path / "s.nnef.tgz", input_names=names,
                                output_names=["o", "state"], dynamic_axes=dynamic, lowering=lowering)
-    runnable = gdn_export.runtime.load_tract_model(report.path)
+    runnable = gdn_export.run.runtime.load_tract_model(report.path)
     ref_o, ref_state = oracle(args, kwargs)
     state, outputs = tensors[-1].numpy(), []
     for begin, end in [(0, 7), (7, 8), (8, 9), (9, 10)]:

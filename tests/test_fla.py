@@ -229,7 +229,7 @@ class LayerGraph(torch.nn.Module):
 def test_layer_exports_one_s_generic_graph(name, tmp_path):
     """Traced on S=3, run in tract as a prefill of 7 then 2 decode steps feeding the states back."""
     import gdn_export
-    from gdn_export.runtime import load_tract_model, run_tract
+    from gdn_export.run.runtime import load_tract_model, run_tract
 
     layer = random_layer(name)
     gen = torch.Generator().manual_seed(2)

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from gdn_export.generation import (ExecutorFull, GeneratedToken, Generation, SamplingError, SamplingParams, TokenRequest,
+from gdn_export.run.generation import (ExecutorFull, GeneratedToken, Generation, SamplingError, SamplingParams, TokenRequest,
                                    WorkerPool, generate, sampling_from)
-from gdn_export.generation.chat import ChatTemplateError, render_chat
-from gdn_export.generation.executor import ArchiveText
-from gdn_export.generation.generate import RequestError, chat_prompt_ids
-from gdn_export.generation.sampling import Sampler, filtered_probabilities, log_softmax
-from gdn_export.generation.text import Detokenizer, StopStrings
+from gdn_export.run.generation.chat import ChatTemplateError, render_chat
+from gdn_export.run.generation.executor import ArchiveText
+from gdn_export.run.generation.generate import RequestError, chat_prompt_ids
+from gdn_export.run.generation.sampling import Sampler, filtered_probabilities, log_softmax
+from gdn_export.run.generation.text import Detokenizer, StopStrings
 
 from conftest import FIXTURES
 

@@ -10,7 +10,7 @@ import gdn_export
 from conftest import by_fixture
 from gdn_export.hf.check import check_against_transformers, session_logits, sample_tokens
 from gdn_export.hf.families import all_families
-from gdn_export.session import Session
+from gdn_export.run.session import Session
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 SUPPORTED = {t for f in all_families() for t in f.model_types}
@@ -75,7 +75,7 @@ def test_steady_allocator_applies_on_glibc():
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt is glibc's")
-    assert gdn_export.runtime.steady_allocator() is True
+    assert gdn_export.run.runtime.steady_allocator() is True
 
 
 @pytest.mark.parametrize("name", by_fixture(*CHECKPOINTS))

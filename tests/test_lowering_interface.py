@@ -117,11 +117,11 @@ def imported_modules(path: Path) -> set[str]:
 @pytest.mark.parametrize("layer,forbidden", [
     ("ops", ("gdn_export.lowering", "gdn_export.extractors", "gdn_export.exporter", "gdn_export.target")),
     ("lowering", ("gdn_export.extractors", "gdn_export.exporter", "gdn_export.target", "gdn_export.hf",
-                  "gdn_export.cli", "gdn_export.session")),
+                  "gdn_export.cli", "gdn_export.run.session")),
     ("models", ("gdn_export.hf", "gdn_export.layers", "gdn_export.cli", "transformers")),
     ("layers", ("gdn_export.hf", "gdn_export.cli", "transformers")),
-    ("generation", ("gdn_export.serving", "gdn_export.server", "gdn_export.cli", "gdn_export.hf")),
-    ("serving", ("gdn_export.server", "gdn_export.cli", "gdn_export.hf", "gdn_export.exporter", "torch")),
+    ("generation", ("gdn_export.run.serving", "gdn_export.run.http", "gdn_export.cli", "gdn_export.hf")),
+    ("serving", ("gdn_export.run.http", "gdn_export.cli", "gdn_export.hf", "gdn_export.exporter", "torch")),
 ])
 def test_layers_depend_one_way(layer, forbidden):
     """ops <- lowering <- export <- hf/cli, models <- layers <- hf, and generation <- serving <- server/cli: a layer

@@ -93,7 +93,7 @@ def test_rule_decision_and_parity(tmp_path, variant, lowering):
         assert "Householder" in decision.reason
     if variant == "unnormalized":
         assert "L2-normalized" in decision.reason
-    from gdn_export.onnx.session import run_model
+    from gdn_export.run.onnx_session import run_model
 
     for B, T in ((1, 1), (1, 130)):
         args = [t for t in _operands(B=B, T=T, seed=1, **{k: v for k, v in shape.items()}) if t is not None]
@@ -162,7 +162,7 @@ def onnx_converted(tmp_path_factory):
 
 
 def _metadata(path):
-    from gdn_export.onnx.session import read_onnx_metadata
+    from gdn_export.run.onnx_session import read_onnx_metadata
 
     return read_onnx_metadata(path)
 
@@ -193,7 +193,7 @@ def test_family_portable_scan_in_tract(onnx_converted, name):
     symbolics._unflatten)."""
     from gdn_export.hf.checkpoint import open_checkpoint
     from gdn_export.hf.convert import check_with
-    from gdn_export.onnx.session import OnnxSession
+    from gdn_export.run.onnx_session import OnnxSession
 
     import onnx
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from gdn_export.hf.convert import convert
-from gdn_export.runtime import load_tract_model, run_tract
-from gdn_export.serving import SlotPool
-from gdn_export.session import Session
+from gdn_export.run.runtime import load_tract_model, run_tract
+from gdn_export.run.serving import SlotPool
+from gdn_export.run.session import Session
 
 from conftest import FIXTURES
 from test_engine import FAMILIES, GREEDY, alone, prompts_for, relative_error
@@ -111,8 +111,8 @@ def test_engine_batched_prefill_pieces(converted):
     """``prefill_rows=3``: prompts of different lengths prefill together (each row its own piece, a prompt of 131
     across three; tests/test_engine.py runs every family with two), and every request's greedy tokens and logits are
     those it gets alone through a Session."""
-    from gdn_export.generation import TokenRequest
-    from gdn_export.serving import Engine
+    from gdn_export.run.generation import TokenRequest
+    from gdn_export.run.serving import Engine
 
     path = converted("qwen3_5", serving=True)
     prompts = prompts_for(path, (3, 131, 64, 70), seed=4)

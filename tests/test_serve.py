@@ -21,9 +21,9 @@ from pathlib import Path
 import openai  # the test extra installs it
 import pytest
 
-from gdn_export.generation import generate
-from gdn_export.generation.executor import ArchiveText, WorkerPool
-from gdn_export.generation.generate import chat_prompt_ids
+from gdn_export.run.generation import generate
+from gdn_export.run.generation.executor import ArchiveText, WorkerPool
+from gdn_export.run.generation.generate import chat_prompt_ids
 
 NAME = "qwen3_5"
 PROMPT = "Hello world. The"
@@ -46,7 +46,7 @@ def serving(pool, name: str):
     base url. (``gdn-export serve`` itself, a process of its own, is driven by ``test_gdn_export_serve``.)"""
     import uvicorn
 
-    from gdn_export.server import listen, make_app
+    from gdn_export.run.http import listen, make_app
 
     sock = listen("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(make_app(pool, name), log_level="error", lifespan="off", http="h11"))
@@ -66,7 +66,7 @@ def serving(pool, name: str):
 @pytest.fixture(scope="session")
 def server(session):
     """2 workers, 2 waiting, over the tract plan of ``session``: (base url, pool)."""
-    from gdn_export.session import Session
+    from gdn_export.run.session import Session
 
     pool = WorkerPool(Session.sharing_plan(session), workers=2, max_queue=2)
     with serving(pool, NAME) as base:
@@ -229,7 +229,7 @@ def test_concurrent_clients_get_what_they_get_alone(client):
 @pytest.fixture(scope="session")
 def engine_server(converted):
     """The batched Engine over the serving archive (2 workers, 4 slots, 1 waiting): (base url, engine)."""
-    from gdn_export.serving import Engine
+    from gdn_export.run.serving import Engine
 
     engine = Engine(converted(NAME, serving=True), slots=4, workers=2, max_queue=1)
     with serving(engine, NAME) as base:
@@ -331,7 +331,7 @@ def test_bad_chat_requests_and_routes(server, client):
 @pytest.fixture(scope="session")
 def small_server(session):
     """One worker, no queue, the archive read as if it carried no tokenizer and no chat template: (base url, pool)."""
-    from gdn_export.session import Session
+    from gdn_export.run.session import Session
 
     pool = WorkerPool(Session.sharing_plan(session), workers=1, max_queue=0)
     pool.archive.tokenizer, pool.archive.chat_template = None, None

@@ -15,7 +15,7 @@ def test_prefill_then_decode_equals_one_long_run(lowering, tmp_path):
     report = gdn_export.export(GatedDeltaRuleModel(), traced, tmp_path / "s.nnef.tgz", lowering=lowering,
                                dynamic_axes=dynamic, **NAMES)
     assert report.lowerings() == [lowering]
-    runnable = gdn_export.runtime.load_tract_model(report.path)
+    runnable = gdn_export.run.runtime.load_tract_model(report.path)
 
     q, k, v, g, beta, s0 = (x.numpy() for x in make_rule_inputs(2, 37 + 4, 2, 4, 32, 32, seed=7))
     whole_o, whole_state = gdn_export.run_tract(runnable, [q, k, v, g, beta, s0])

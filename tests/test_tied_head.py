@@ -20,7 +20,7 @@ import torch
 
 import gdn_export
 from gdn_export.hf.check import check_against_transformers
-from gdn_export.session import Session
+from gdn_export.run.session import Session
 
 pytestmark = pytest.mark.xdist_group("tied_head")  # one worker builds the checkpoint and its conversions
 

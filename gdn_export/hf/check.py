@@ -248,13 +248,13 @@ def check_archive(path, vocab_size: int, prompt_len: int, decode_steps: int, bat
     logits [B, S, vocab]) and, for a reduced-precision archive, ``half_reference(dtype, tokens)`` (the reference
     framework's own model in that dtype). ``quality_reference(tokens)``: another float32 model (a quantized export's
     unquantized one), compared with the same tract logits into the result's ``quality``, reported, not judged."""
-    from gdn_export.session import Session
+    from gdn_export.run.session import Session
 
     validate_check(prompt_len, decode_steps, batch)
     if hasattr(path, "prefill"):  # an open Session (or gdn_export.onnx's OnnxSession)
         session = path
     elif str(path).endswith(".onnx"):  # an ONNX export: run in onnxruntime
-        from gdn_export.onnx.session import OnnxSession
+        from gdn_export.run.onnx_session import OnnxSession
 
         session = OnnxSession(path)
     else:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError, ParityError
-from gdn_export.archive import nnef_tgz_path, read_metadata
+from gdn_export.run.archive import nnef_tgz_path, read_metadata
 from gdn_export.lowering.capabilities import parse_version
 from gdn_export.hf.check import LogitCheck, check_archive, transformers_references, validate_check
 from gdn_export.hf.checkpoint import (CheckpointError, cast_buffers, empty_model, materialize, model_in_memory,
@@ -22,7 +22,7 @@ from gdn_export.hf.checkpoint import (CheckpointError, cast_buffers, empty_model
 from gdn_export.hf.layerwise import layerwise_logits
 from gdn_export.hf.layout import resolve_layout
 from gdn_export.hf.weight_writers import dequantized_view, plan_writes, separate_tied_head, untied_view
-from gdn_export.runtime import lean_allocator
+from gdn_export.run.runtime import lean_allocator
 from gdn_export.hf.families import family_for
 from gdn_export.models.decoder import serving_inputs
 from gdn_export.ops.moe_ffn import moe_report
@@ -293,7 +293,7 @@ def _fused_moe(runtime: str, tract_version: str | None):
     from gdn_export.extractors.moe_ffn import decide
     from gdn_export.lowering.options import LoweringOptions
     from gdn_export.ops.moe_ffn import OP_NAME
-    from gdn_export.runtime import tract_version as installed
+    from gdn_export.run.runtime import tract_version as installed
 
     options = LoweringOptions(tract_version=parse_version(tract_version or installed()), runtime=runtime)
     return lambda gate: decide(gate, options)[0] == OP_NAME
@@ -350,7 +350,7 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
     if kind not in CHECKS:
         raise GdnExportError(f"check kind {kind!r} is not one of {', '.join(CHECKS)}")
     if str(path).endswith(".onnx"):  # an ONNX export (gdn_export/onnx): its metadata, checked in onnxruntime
-        from gdn_export.onnx.session import read_onnx_metadata
+        from gdn_export.run.onnx_session import read_onnx_metadata
 
         metadata = read_onnx_metadata(path)
     else:

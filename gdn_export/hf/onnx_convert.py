@@ -85,8 +85,8 @@ def convert_onnx(checkpoint_dir, out_path, *, dtype: str = "float32", lowering: 
     from gdn_export.hf.check import validate_check
     from gdn_export.onnx.exporter import onnx_path, publish, write_onnx
     from gdn_export.onnx.streamed import StreamingRefused
-    from gdn_export.runtime import lean_allocator
-    from gdn_export.onnx.session import OnnxSession
+    from gdn_export.run.runtime import lean_allocator
+    from gdn_export.run.onnx_session import OnnxSession
     from gdn_export.ops.moe_ffn import moe_report
 
     say = progress or (lambda message: None)

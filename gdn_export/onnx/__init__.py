@@ -8,6 +8,6 @@ ONNX for onnxruntime (its contrib ops where exact) or any ONNX runtime with ``Sc
 from __future__ import annotations
 
 from gdn_export.onnx.exporter import OnnxExportReport, export_onnx, onnx_path
-from gdn_export.onnx.session import OnnxSession, read_onnx_metadata, run_model
+from gdn_export.run.onnx_session import OnnxSession, read_onnx_metadata, run_model
 
 __all__ = ["OnnxExportReport", "OnnxSession", "export_onnx", "onnx_path", "read_onnx_metadata", "run_model"]

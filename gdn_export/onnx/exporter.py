@@ -232,7 +232,7 @@ def publish(staged: Path, data: Path | None, path: Path) -> None:
 
 
 def check_against_torch(module, args: tuple, path: Path, runtime: str):
-    from gdn_export.onnx.session import run_model
+    from gdn_export.run.onnx_session import run_model
     from gdn_export.parity import RELATIVE_TOLERANCE, check_parity
 
     with torch.no_grad():

@@ -3,7 +3,7 @@
     for token in gdn_export.generate(session, "Hello", max_new_tokens=32, temperature=0):
         print(token.text, end="", flush=True)
 
-It works over anything with the executor interface (``gdn_export.generation.executor``): a ``Session`` (run in
+It works over anything with the executor interface (``gdn_export.run.generation.executor``): a ``Session`` (run in
 the calling thread), a ``WorkerPool``, later issue 11's ``Engine``. The text side (``Generation``) is separate from
 the iteration so that the HTTP server drives it from asyncio with the same rules.
 """
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from gdn_export.errors import GdnExportError
-from gdn_export.generation.executor import ArchiveText, InlineExecutor, TokenEvent, TokenRequest
-from gdn_export.generation.sampling import SamplingParams
-from gdn_export.generation.text import Detokenizer, StopStrings
+from gdn_export.run.generation.executor import ArchiveText, InlineExecutor, TokenEvent, TokenRequest
+from gdn_export.run.generation.sampling import SamplingParams
+from gdn_export.run.generation.text import Detokenizer, StopStrings
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -165,7 +165,7 @@ class Generation:
 
 def as_executor(model):
     """A ``Session`` becomes an ``InlineExecutor``; anything with ``submit`` and ``archive`` is taken as it is."""
-    from gdn_export.session import Session
+    from gdn_export.run.session import Session
 
     if isinstance(model, Session):
         return InlineExecutor(model)
@@ -209,7 +209,7 @@ def chat_prompt_ids(archive: ArchiveText, messages) -> tuple[int, ...]:
     """The prompt ids of a chat: the archive's chat template rendered over ``messages`` with
     ``add_generation_prompt=True``, tokenized without adding special tokens (transformers'
     ``apply_chat_template(messages, add_generation_prompt=True)``)."""
-    from gdn_export.generation.chat import render_chat
+    from gdn_export.run.generation.chat import render_chat
 
     if archive.chat_template is None:
         raise RequestError(f"{archive.path.name} carries no chat template: use a completion with a prompt instead",

@@ -11,7 +11,7 @@ tokenizer is served in token ids) and ``prompt_token_ids``. Bad requests get a 4
 ``{"error": {"message", "type", "param", "code"}}``; a full executor answers 503. A client that disconnects, mid
 stream or while it waits, cancels its request: its worker is free at the next token.
 
-Requests run on an executor (``gdn_export.generation.executor``'s interface): for a serving archive
+Requests run on an executor (``gdn_export.run.generation.executor``'s interface): for a serving archive
 (``convert --serving``) the batched ``gdn_export.Engine`` (continuous batching over ``slots`` slots, ``workers``
 threads); for any other a ``WorkerPool`` of ``workers`` threads, each a ``Session`` of its own over one tract plan,
 one request at a time each.
@@ -26,10 +26,10 @@ import uuid
 from typing import Any
 
 from gdn_export.errors import GdnExportError
-from gdn_export.generation.chat import ChatTemplateError
-from gdn_export.generation.executor import ExecutorFull
-from gdn_export.generation.generate import Generation, RequestError, chat_prompt_ids, prompt_ids_of, sampling_from
-from gdn_export.generation.sampling import MAX_LOGPROBS, SamplingError
+from gdn_export.run.generation.chat import ChatTemplateError
+from gdn_export.run.generation.executor import ExecutorFull
+from gdn_export.run.generation.generate import Generation, RequestError, chat_prompt_ids, prompt_ids_of, sampling_from
+from gdn_export.run.generation.sampling import MAX_LOGPROBS, SamplingError
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -412,7 +412,7 @@ def executor_for(session, workers: int, max_queue: int, slots: int | None = None
     if prefill_piece is not None and not session.serving:
         session.prefill_piece = prefill_piece
     if session.serving:
-        from gdn_export.serving.engine import Engine, slots_per_worker
+        from gdn_export.run.serving.engine import Engine, slots_per_worker
 
         slots = slots or default_slots(workers)
         if progress is not None:
@@ -421,7 +421,7 @@ def executor_for(session, workers: int, max_queue: int, slots: int | None = None
         piece = {} if prefill_piece is None else {"prefill_piece": prefill_piece}
         return Engine(session, slots=slots, workers=workers, max_queue=max_queue, plan_now=True,
                       prefill_rows=prefill_rows, **piece)
-    from gdn_export.generation.executor import WorkerPool
+    from gdn_export.run.generation.executor import WorkerPool
 
     return WorkerPool(session, workers=workers, max_queue=max_queue)
 
@@ -445,7 +445,7 @@ multiple of 64); ``prefill_rows``: an Engine's prompts prefilled in one call. ``
     listens (connections made from then on are served once the model is loaded)."""
     import uvicorn
 
-    from gdn_export.session import Session
+    from gdn_export.run.session import Session
 
     session = Session(path)
     if (slots is not None or prefill_rows != 1) and not session.serving:

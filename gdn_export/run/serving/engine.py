@@ -1,6 +1,6 @@
 """``Engine``: many requests served at once over a serving graph, with continuous batching.
 
-An executor (``gdn_export.generation.executor``'s interface: ``submit``, ``archive``, ``stats``, ``close``), so
+An executor (``gdn_export.run.generation.executor``'s interface: ``submit``, ``archive``, ``stats``, ``close``), so
 ``generate`` and ``gdn-export serve`` run on it unchanged. How it works (docs/SERVING.md):
 
 - every admitted request gets a slot (``SlotPool``): its states live on the host between steps, zeroed at admission,
@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gdn_export.errors import GdnExportError
-from gdn_export.generation.executor import (ArchiveText, ExecutorFull, QueuedExecutor, TokenEvent, TokenRequest,
+from gdn_export.run.generation.executor import (ArchiveText, ExecutorFull, QueuedExecutor, TokenEvent, TokenRequest,
                                             TokenStream)
-from gdn_export.generation.sampling import Sampler
-from gdn_export.serving.prefix_cache import ALIGN, PrefixCache
-from gdn_export.serving.slots import SCRATCH, SlotPool
+from gdn_export.run.generation.sampling import Sampler
+from gdn_export.run.serving.prefix_cache import ALIGN, PrefixCache
+from gdn_export.run.serving.slots import SCRATCH, SlotPool
 
 if TYPE_CHECKING:
-    from gdn_export.session import Session
+    from gdn_export.run.session import Session
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
 MIB = 1 << 20
@@ -93,7 +93,7 @@ class Plans:
             lock = self._locks[key]
         with lock:  # one worker plans a size; another needing it waits for that plan
             if key not in self._plans:
-                from gdn_export.runtime import load_tract_model
+                from gdn_export.run.runtime import load_tract_model
 
                 symbols = {"B": batch} if key[1] is None else {"B": batch, "S": key[1]}
                 self._plans[key] = load_tract_model(self.path, symbols)
@@ -120,7 +120,7 @@ class Engine(QueuedExecutor):
     def __init__(self, model: str | os.PathLike | Session, *, slots: int = 8, workers: int = 1, buckets: tuple[int, ...] | None = None,
                  prefill_piece: int = 128, prefill_rows: int = 1, max_queue: int = 64, prefix_cache_mib: float = 512,
                  plan_now: bool = False, keep_logits: bool = False) -> None:
-        from gdn_export.session import Session
+        from gdn_export.run.session import Session
 
         session = model if isinstance(model, Session) else Session(model)
         if not session.serving:
@@ -284,7 +284,7 @@ class _Worker:
         """One call of the plan for ``len(slots)`` rows of ``ids.shape[1]`` tokens (one token: a plan with S = 1), row
         b's first ``seq_len[b]`` real: (each row's last real position's logits ``[B, vocab]``, state outputs as
         tract tensors)."""
-        from gdn_export.runtime import run_tract_tensors
+        from gdn_export.run.runtime import run_tract_tensors
 
         past_len, states = self.pool.gather(slots)
         served = {"past_len": past_len, "seq_len": seq_len}

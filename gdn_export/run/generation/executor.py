@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 import numpy as np
 
 from gdn_export.errors import GdnExportError
-from gdn_export.generation.sampling import Choice, Sampler, SamplingParams
+from gdn_export.run.generation.sampling import Choice, Sampler, SamplingParams
 
 if TYPE_CHECKING:
-    from gdn_export.session import Session
+    from gdn_export.run.session import Session
 
 
 class ExecutorFull(GdnExportError):
@@ -260,7 +260,7 @@ class InlineExecutor:
 
 
 class QueuedExecutor:
-    """What the threaded executors (``WorkerPool``, ``gdn_export.serving.Engine``) share: a queue of waiting
+    """What the threaded executors (``WorkerPool``, ``gdn_export.run.serving.Engine``) share: a queue of waiting
     ``(request, stream)`` pairs under one lock, and closing: waiting requests fail, the threads are joined."""
 
     def _init_queue(self) -> None:
@@ -285,7 +285,7 @@ class WorkerPool(QueuedExecutor):
     queue of at most ``max_queue`` (``ExecutorFull`` beyond) for the next free worker, which runs it alone."""
 
     def __init__(self, session: Session, workers: int = 1, max_queue: int = 16) -> None:
-        from gdn_export.session import Session
+        from gdn_export.run.session import Session
 
         if workers < 1 or max_queue < 0:
             raise GdnExportError(f"a worker pool needs workers >= 1 and max_queue >= 0, got {workers}, {max_queue}")

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from gdn_export.errors import GdnExportError
-from gdn_export.archive import read_metadata
-from gdn_export.runtime import load_tract_model, run_tract_tensors
-from gdn_export.runtime import steady_allocator as keep_buffers_mapped
+from gdn_export.run.archive import read_metadata
+from gdn_export.run.runtime import load_tract_model, run_tract_tensors
+from gdn_export.run.runtime import steady_allocator as keep_buffers_mapped
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -33,7 +33,7 @@ class Session:
       tokens: tract's matmuls over 512 tokens at once measured 1.5x slower per token than over 128
       (benchmarks/RESULTS.md);
     - ``steady_allocator`` (default on) keeps glibc from unmapping tract's big per-call buffers between calls
-      (``gdn_export.runtime.steady_allocator``: process-wide; without it a decode step measured up to 3.5x
+      (``gdn_export.run.runtime.steady_allocator``: process-wide; without it a decode step measured up to 3.5x
       slower, depending on the process's allocation history; the cost is that freed memory stays with the
       process);
     - the states stay tract tensors between calls (``states`` copies them out on demand): a numpy round trip of
@@ -213,7 +213,7 @@ class Session:
             raise GdnExportError("decode needs a prefill first (the session has no state)")
         return self.prefill(ids)
 
-    # --- sharing one tract plan (gdn_export.generation's worker pool) -----------------------------------------
+    # --- sharing one tract plan (gdn_export.run.generation's worker pool) -----------------------------------------
 
     @classmethod
     def sharing_plan(cls, other: Session, batch: int = 1) -> Session:

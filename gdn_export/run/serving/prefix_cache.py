@@ -13,7 +13,7 @@ import collections
 import threading
 from typing import Sequence
 
-from gdn_export.serving.slots import Snapshot
+from gdn_export.run.serving.slots import Snapshot
 
 ALIGN = 64  # Megatron-LM's and the chunked lowering's chunk: snapshots sit at multiples of it
 
