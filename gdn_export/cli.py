@@ -56,6 +56,8 @@ def _output_format(args) -> str:
     args.runtime = args.runtime or "onnxruntime"
     refused = [("--quantize", args.quantize is not None, "tract's Q4_0 format: an ONNX file keeps float weights"),
                ("--quantize-embeddings", args.quantize_embeddings, "tract's Q4_0 format"),
+               ("--q4-rule", args.q4_rule is not None, "tract's Q4_0 format"),
+               ("--calibration", args.calibration is not None, "tract's Q4_0 format"),
                ("--core-dtype", args.core_dtype is not None, "tract's fused op only"),
                ("--chunk-size", args.chunk_size is not None, "tract's chunked lowering only"),
                ("--tract-version", args.tract_version is not None, "an ONNX file is not for one tract version"),
@@ -75,12 +77,18 @@ def _convert(args) -> int:
     if _output_format(args) == "onnx":
         return _convert_onnx(args)
     check_output_path(args.output, args.force, force_hint="--force")
+    if args.quantize is None and (args.q4_rule is not None or args.calibration is not None):
+        raise UsageError("--q4-rule and --calibration choose how --quantize q4_0 picks its scales: add --quantize q4_0")
+    if args.calibration is not None and args.q4_rule == "nearest":
+        raise UsageError("--calibration weights the scale search; --q4-rule nearest does not search: drop one")
     report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
                      tract_version=args.tract_version, check=False if args.no_check else args.check,
                      force=args.force, progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype,
                      chunk_size=args.chunk_size, streamed=not args.in_memory, prompt_len=args.prompt_len,
                      decode_steps=args.decode_steps, quantize=args.quantize,
-                     quantize_embeddings=args.quantize_embeddings, logits=args.logits, serving=args.serving)
+                     quantize_embeddings=args.quantize_embeddings, logits=args.logits, serving=args.serving,
+                     q4_rule=args.q4_rule or "search", calibration=args.calibration,
+                     calibration_tokens=args.calibration_tokens)
     print(report)
     return 0
 
@@ -356,6 +364,15 @@ def parser() -> argparse.ArgumentParser:
                          help="store every linear layer's weight (inner size a multiple of 32) in tract's Q4_0")
     convert.add_argument("--quantize-embeddings", action="store_true",
                          help="with --quantize, the embedding table too (refused when the head is tied to it)")
+    convert.add_argument("--q4-rule", choices=["search", "nearest"], default=None,
+                         help="how each Q4_0 block's scale is chosen: search (default: the scale of least squared "
+                              "error) or nearest (llama.cpp's plain Q4_0, d = extreme / -8); docs/QUANTIZATION.md")
+    convert.add_argument("--calibration", metavar="TEXT_FILE", default=None,
+                         help="with --quantize q4_0: weigh each weight's error by its input channel's mean squared "
+                              "activation on this text (llama-imatrix's importance), read with the checkpoint's "
+                              "tokenizer")
+    convert.add_argument("--calibration-tokens", type=_count(2), default=8192,
+                         help="at most this many tokens of the calibration text, in windows of 512 (default 8192)")
     convert.add_argument("--logits", choices=["all", "last"], default="all",
                          help="logits of every new position (all: scoring, perplexity) or of the last one only "
                               "(last: generation; the head then runs once per call, not per prompt token)")

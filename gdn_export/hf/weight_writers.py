@@ -35,6 +35,9 @@ class QuantizationReport:
     """What a quantized export stored in Q4_0, and what it left in the export dtype."""
 
     scheme: str | None = None
+    rule: str = q4_0.RULES[0]  # how each block's scale was chosen (gdn_export.weights.q4_0.RULES)
+    calibration: str = ""  # the calibration that weighted the search, in words ("" for none)
+    importance: dict[str, np.ndarray] = field(default_factory=dict)  # checkpoint name -> weight of each input channel
     quantized: list[str] = field(default_factory=list)  # checkpoint parameter names
     kept: Counter = field(default_factory=Counter)  # reason -> count of 2-D weights left unquantized
     bytes_before: int = 0  # of the quantized tensors, in the export dtype
@@ -43,8 +46,11 @@ class QuantizationReport:
     def __str__(self) -> str:
         if self.scheme is None:
             return ""
+        how = f"{self.rule} scales"
+        if self.calibration:
+            how += f", {self.calibration}, {len(self.importance)} of them weighted by input channel"
         text = (f"{len(self.quantized)} weights in {self.scheme.upper()} ({_size(self.bytes_before)} -> "
-                f"{_size(self.bytes_after)})")
+                f"{_size(self.bytes_after)}; {how})")
         if self.kept:
             text += "; kept in the export dtype: " + ", ".join(f"{n} {why}" for why, n in sorted(self.kept.items()))
         return text
@@ -98,8 +104,13 @@ def untied_view(weights, layout, names: tuple[str, str]):
 
 def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, quantize: str | None = None,
                 quantize_embeddings: bool = False, fused_moe: Callable[[str], bool] = lambda gate: False,
-                ) -> tuple[StreamedWeights, QuantizationReport]:
+                q4_rule: str = q4_0.RULES[0], calibration=None) -> tuple[StreamedWeights, QuantizationReport]:
     """The writers of ``lm``'s parameters (``model`` is the checkpoint's model inside it) and what was quantized.
+
+    ``q4_rule``: how each Q4_0 block's scale is chosen (``q4_0.RULES``); ``calibration`` (a
+    ``gdn_export.hf.calibration.Calibration``): the search weighs each weight's error by its input channel's
+    importance, for the weights it measured whose columns the export keeps as they are (no ``part`` or ``pad``
+    recipe); the others are searched unweighted.
 
     ``fused_moe(gate)``: whether a ``moe_ffn`` node of that gate runs as tract's ``tract_moe_ffn`` in this export
     (``extractors.moe_ffn.decide``): only then are its expert stacks quantized (the op's Q4_0 path, all three
@@ -113,7 +124,9 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
     params = {id(param): param for param in lm.parameters()}
     tables = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Embedding)}
     linear = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Linear)}
-    report = QuantizationReport(scheme=quantize)
+    if q4_rule not in q4_0.RULES:
+        raise GdnExportError(f"Q4_0 rule {q4_rule!r} is not one of {', '.join(q4_0.RULES)}")
+    report = QuantizationReport(scheme=quantize, rule=q4_rule, calibration=str(calibration or ""))
     chosen: set[int] = set()
     if quantize is not None:  # a head still tied to the table (no block-sized rows) is the table: kept with it
         candidates = (linear | tables) if quantize_embeddings else linear - tables
@@ -138,9 +151,16 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
     writers = {}
     for key, group in labels.items():
         param = params[key]
-        writer = _writer(group[0], param, names, weights, dtype, key in chosen)
+        importance = None
         if key in chosen:
-            report.quantized.append(_source_name(param, names))
+            source = _source_name(param, names)
+            recipe = getattr(param, RECIPE, None)
+            if calibration is not None and source in calibration.importance and (
+                    recipe is None or (recipe.part is None and recipe.pad is None)):
+                importance = report.importance[source] = calibration.importance[source]
+        writer = _writer(group[0], param, names, weights, dtype, key in chosen, q4_rule, importance)
+        if key in chosen:
+            report.quantized.append(source)
             report.bytes_before += param.numel() * dtype.itemsize
             report.bytes_after += q4_0.nbytes(tuple(param.shape))
         writers.update(dict.fromkeys(group, writer))
@@ -214,9 +234,11 @@ class DerivedSource:
         return np.ascontiguousarray(self.recipe.apply(value, rows_applied=True)).reshape(-1)
 
 
-def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, quantized: bool):
-    """Writes parameter ``label`` from the checkpoint: its tensor, or its recipe's result; in Q4_0 when ``quantized``;
-    a slice of rows at a time (memory: one slice, or the one source a conversion makes whole)."""
+def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, quantized: bool, rule: str,
+            importance: np.ndarray | None):
+    """Writes parameter ``label`` from the checkpoint: its tensor, or its recipe's result; in Q4_0 by ``rule``
+    (weighted by ``importance``) when ``quantized``; a slice of rows at a time (memory: one slice, or the one source
+    a conversion makes whole)."""
     entry, recipe = checkpoint_source(label, param, names, weights)
     shape = tuple(param.shape)
 
@@ -226,7 +248,7 @@ def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, quantiz
         read = lambda start, stop: source.rows(start, stop, target).reshape(stop - start, *shape[1:])  # noqa: E731
         try:
             if quantized:
-                q4_0.write_nnef(file, shape, read)
+                q4_0.write_nnef(file, shape, read, rule, importance)
             else:
                 write_nnef_rows(file, shape, target, read)
         finally:
@@ -240,12 +262,14 @@ class _Dequantized:
     """A checkpoint tensor read as tract computes with it once stored in Q4_0."""
 
     source: object
+    rule: str
+    importance: np.ndarray | None
 
     def __getattr__(self, name):
         return getattr(self.source, name)
 
     def read(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return q4_0.round_trip(self.source.read(torch.float32)).to(dtype)
+        return q4_0.round_trip(self.source.read(torch.float32), self.rule, self.importance).to(dtype)
 
 
 def dequantized_view(weights, report: QuantizationReport):
@@ -254,5 +278,5 @@ def dequantized_view(weights, report: QuantizationReport):
         return weights
     entries = dict(weights.entries)
     for name in report.quantized:
-        entries[name] = _Dequantized(weights.entries[name])
+        entries[name] = _Dequantized(weights.entries[name], report.rule, report.importance.get(name))
     return replace(weights, entries=entries)
