@@ -64,9 +64,10 @@ def quantize(x: np.ndarray, rule: str = "search", importance: np.ndarray | None 
 
 
 def nearest_scales(blocks: np.ndarray) -> np.ndarray:
-    """f16 ``[blocks]``: llama.cpp's and tract's rule, ``d = m / -8`` with ``m`` the block's extreme value."""
+    """f16 ``[blocks]``: llama.cpp's and tract's rule, ``d = m / -8`` with ``m`` the block's extreme value (clamped
+    to f16's largest finite value where llama.cpp's would overflow to an infinite scale, whose block reads as nan)."""
     extreme = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(axis=1)]
-    return (extreme / -8.0).astype(np.float16)
+    return _to_f16(extreme / -8.0)
 
 
 def codes_for(blocks: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -115,7 +116,7 @@ def searched_scales(blocks: np.ndarray, weights: np.ndarray | None = None) -> np
         np.clip(np.rint(levels, out=levels), -8, 7, out=levels)
         sum_xl, sum_l2 = _moments(wx, w, levels)
         gain = np.divide(sum_xl * sum_xl, sum_l2, out=np.zeros_like(sum_xl), where=sum_l2 > 0)
-        better = gain > best_gain
+        better = (gain > best_gain) & (sum_l2 > 0)  # an all-zero block keeps the scale 0
         best_gain[better] = gain[better]
         best[better] = sum_xl[better] / sum_l2[better]
     scale = _to_f16(best)
