@@ -88,7 +88,7 @@ def _convert(args) -> int:
                      decode_steps=args.decode_steps, quantize=args.quantize,
                      quantize_embeddings=args.quantize_embeddings, logits=args.logits, serving=args.serving,
                      q4_rule=args.q4_rule or "search", calibration=args.calibration,
-                     calibration_tokens=args.calibration_tokens)
+                     calibration_tokens=args.calibration_tokens, fold_scales=not args.no_fold)
     print(report)
     return 0
 
@@ -371,6 +371,8 @@ def parser() -> argparse.ArgumentParser:
                          help="with --quantize q4_0: weigh each weight's error by its input channel's mean squared "
                               "activation on this text (llama-imatrix's importance), read with the checkpoint's "
                               "tokenizer")
+    convert.add_argument("--no-fold", action="store_true",
+                         help="with --calibration: fold no per-channel scales into the norms (docs/QUANTIZATION.md)")
     convert.add_argument("--calibration-tokens", type=_count(2), default=8192,
                          help="at most this many tokens of the calibration text, in windows of 512 (default 8192)")
     convert.add_argument("--logits", choices=["all", "last"], default="all",

@@ -43,6 +43,12 @@ class Calibration:
     tokens: int
     ctx: int
     importance: dict[str, np.ndarray] = field(default_factory=dict)
+    # a norm's weight name -> the linear layers' weight names that read its output tensor itself (not a copy or a
+    # reshape of it), and how a scale of its weight scales its output ("scale": w / s divides the output by s;
+    # "one_plus": the output is normed * (1 + w), so (1 + w) / s - 1 does): what gdn_export.hf.folding may fold
+    readers: dict[str, list[str]] = field(default_factory=dict)
+    forms: dict[str, str] = field(default_factory=dict)
+    sample: np.ndarray | None = None  # [1, S] of the first tokens: what a fold is verified on
 
     def __str__(self) -> str:
         return f"calibrated on {self.file} ({self.tokens} tokens in windows of {self.ctx})"
@@ -84,7 +90,7 @@ def calibrate(checkpoint_dir: str | os.PathLike, text_file: str | os.PathLike, f
               max_tokens: int = DEFAULT_TOKENS, ctx: int = DEFAULT_CTX) -> Calibration:
     """The importance of every linear layer's input channels of the checkpoint's model on ``text_file``."""
     from gdn_export.hf.checkpoint import empty_model
-    from gdn_export.hf.layerwise import layerwise_call
+    from gdn_export.hf.layerwise import decoder_layers, layerwise_call
 
     tokens, digest = calibration_tokens(text_file, checkpoint_dir, max_tokens, ctx)
     model = empty_model(family, layout)
@@ -96,8 +102,27 @@ def calibrate(checkpoint_dir: str | os.PathLike, text_file: str | os.PathLike, f
         sums[name] = sums.get(name, 0) + flat.square().sum(0, dtype=torch.float64)
         counts[name] = counts.get(name, 0) + len(flat)
 
-    hooks = [module.register_forward_pre_hook(lambda m, args, n=f"{name}.weight": accumulate(n, args[0]))
+    outputs: dict[int, tuple[str, torch.Tensor]] = {}  # id of a norm's output -> (its weight's name, the output)
+    readers: dict[str, list[str]] = {}
+    forms: dict[str, str] = {}
+
+    def read(name: str, activation: torch.Tensor) -> None:
+        accumulate(name, activation)
+        norm = outputs.get(id(activation))
+        if norm is not None and norm[1] is activation and name not in readers.setdefault(norm[0], []):
+            readers[norm[0]].append(name)
+
+    def normed(name: str, module: nn.Module, args, out) -> None:
+        if isinstance(out, torch.Tensor):
+            outputs[id(out)] = (name, out)
+            if name not in forms:
+                forms[name] = fold_form(module, args, out)
+
+    hooks = [module.register_forward_pre_hook(lambda m, args, n=f"{name}.weight": read(n, args[0]))
              for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    hooks += [module.register_forward_hook(lambda m, args, out, n=f"{name}.weight": normed(n, m, args, out))
+              for name, module in model.named_modules() if _is_norm(module)]
+    hooks += [layer.register_forward_hook(lambda *_: outputs.clear()) for layer in decoder_layers(model)[1]]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = next((f"{name}.weight" for name, module in model.named_modules() if module is head), None)
     base = getattr(model, "base_model", model)
@@ -105,7 +130,8 @@ def calibrate(checkpoint_dir: str | os.PathLike, text_file: str | os.PathLike, f
     def run(m: nn.Module) -> None:
         out = base(input_ids=torch.from_numpy(tokens), use_cache=False)
         if head_name is not None and base is not m:  # the head's input, without computing the logits
-            accumulate(head_name, out.last_hidden_state)
+            read(head_name, out.last_hidden_state)
+        outputs.clear()
 
     try:
         layerwise_call(model, weights, run)
@@ -113,4 +139,31 @@ def calibrate(checkpoint_dir: str | os.PathLike, text_file: str | os.PathLike, f
         for hook in hooks:
             hook.remove()
     importance = {name: (total / counts[name]).float().numpy() for name, total in sums.items()}
-    return Calibration(Path(text_file).name, digest, int(tokens.size), int(tokens.shape[1]), importance)
+    return Calibration(Path(text_file).name, digest, int(tokens.size), int(tokens.shape[1]), importance,
+                       readers={norm: names for norm, names in readers.items() if forms.get(norm)},
+                       forms={norm: form for norm, form in forms.items() if form}, sample=tokens[:1, :64])
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A normalization with a weight per channel (RMSNorm, LayerNorm and their kin, by class name)."""
+    weight = getattr(module, "weight", None)
+    return "norm" in type(module).__name__.lower() and isinstance(weight, nn.Parameter) and weight.dim() == 1
+
+
+def fold_form(module: nn.Module, args, out: torch.Tensor) -> str | None:
+    """How the norm's output follows its weight, found by running it again (``forward``, no hooks) with the weight
+    doubled ("scale": the output doubles) or doubled plus one ("one_plus": normed * (1 + w)); None for neither."""
+    weight = module.weight
+    if out.shape[-1] != weight.shape[0]:
+        return None
+    saved = weight.data
+    try:
+        for form, trial in (("scale", 2 * saved), ("one_plus", 2 * saved + 1)):
+            weight.data = trial
+            again = module.forward(*args)
+            if isinstance(again, torch.Tensor) and torch.allclose(again, 2 * out, rtol=1e-5,
+                                                                  atol=1e-6 * float(out.abs().max()) + 1e-30):
+                return form
+    finally:
+        weight.data = saved
+    return None

@@ -164,6 +164,7 @@ def convert(
     q4_rule: str = "search",
     calibration: str | os.PathLike | None = None,
     calibration_tokens: int = 8192,
+    fold_scales: bool = True,
 ) -> ConvertReport:
     """Convert a local checkpoint (config.json + safetensors) into ``out_path`` and check it in tract.
 
@@ -175,7 +176,9 @@ def convert(
     inner size is whole blocks of 32 in tract's Q4_0 (``quantize_embeddings``: the embedding table too), each block's
     scale chosen by ``q4_rule`` ("search", least squared error, or "nearest", llama.cpp's ``d = extreme / -8``);
     ``calibration``: a text file whose first ``calibration_tokens`` tokens measure each linear layer's input channel
-    importance, which weighs the search (``gdn_export.hf.calibration``; docs/QUANTIZATION.md). ``logits``:
+    importance, which weighs the search (``gdn_export.hf.calibration``; docs/QUANTIZATION.md), and, with
+    ``fold_scales``, per-channel scales folded into the norms whose output only linear layers read
+    (``gdn_export.hf.folding``: exact in float, verified). ``logits``:
     "all" (logits of every new position) or "last" (of the last one only, ``[B, 1, vocab]``: what generation needs;
     the head then runs once per call). ``serving``: the graph ``gdn_export.Engine`` batches requests with (a second
     input ``past_len [B]``, each row's own past length; cache outputs are the new positions only; docs/SERVING.md).
@@ -240,13 +243,18 @@ def convert(
     materialize(model, weights, export_dtype, placeholders=streamed)
     cast_buffers(model, export_dtype)
     seconds["read"] = time.perf_counter() - start
-    measured = None
+    measured, folding, exported = None, None, weights  # exported: the weights written (folds applied)
     if calibration is not None:
         from gdn_export.hf.calibration import calibrate
 
         start = time.perf_counter()
         say(f"calibrating on {calibration} (at most {calibration_tokens} tokens)")
         measured = calibrate(checkpoint_dir, calibration, family, layout, weights, max_tokens=calibration_tokens)
+        if fold_scales:
+            from gdn_export.hf.folding import fold
+
+            say("choosing the scales folded into norms")
+            folding, exported, measured = fold(measured, family, layout, weights, measured.sample)
         seconds["calibrate"] = time.perf_counter() - start
 
     separated = separate_tied_head(model, quantize, quantize_embeddings)
@@ -255,7 +263,7 @@ def convert(
     if serving and lm.serving_refusal:
         raise GdnExportError(f"{family.name} has no serving graph (--serving): {lm.serving_refusal}")
     lm.serving = serving
-    writers, quantization = plan_writes(lm, model, weights, export_dtype, quantize, quantize_embeddings,
+    writers, quantization = plan_writes(lm, model, exported, export_dtype, quantize, quantize_embeddings,
                                         fused_moe=_fused_moe(runtime, tract_version), q4_rule=q4_rule,
                                         calibration=measured)
     if not streamed and quantize is None:
@@ -271,6 +279,7 @@ def convert(
         "quantized": len(quantization.quantized),
         "q4_rule": q4_rule if quantize else None,
         "calibration": measured.metadata() if measured is not None else None,
+        "folded_norms": len(folding.folds) if folding is not None else None,
         "states": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."),
                     "kind": s.kind, "layer": s.layer} for s in lm.states],
     }
@@ -290,7 +299,8 @@ def convert(
         result = ConvertReport(out_path, family.name, metadata["model_type"], dtype, report.tract_version,
                                layers=_layer_reports(lm, report.decisions), seconds=seconds,
                                reference=family.reference, weights=weights.summary(), generation_files=sorted(carried),
-                               quantization=str(quantization), moe=moe_report(report.decisions))
+                               quantization=str(quantization) + (f"; {folding}" if folding is not None else ""),
+                               moe=moe_report(report.decisions))
         del lm, model  # placeholders (or the in-memory model) are not needed by the check
         if check_mode:
             start = time.perf_counter()
@@ -299,7 +309,8 @@ def convert(
                 f"{family.reference}, {CHECK_KINDS[kind]}")
             # a quantized export is checked against the same Q4_0 weights; its quality against the model as published
             published, reference_layout = untied_view(weights, layout, separated) if separated else (weights, layout)
-            result.check = check_with(kind, staged, family, reference_layout, dequantized_view(published, quantization),
+            computed = untied_view(exported, layout, separated)[0] if separated else exported  # folds applied
+            result.check = check_with(kind, staged, family, reference_layout, dequantized_view(computed, quantization),
                                       prompt_len, decode_steps,
                                       quality_weights=published if quantization.quantized else None)
             result.check_kind = CHECK_KINDS[kind]
