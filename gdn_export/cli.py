@@ -81,6 +81,8 @@ def _convert(args) -> int:
         raise UsageError("--q4-rule and --calibration choose how --quantize q4_0 picks its scales: add --quantize q4_0")
     if args.calibration is not None and args.q4_rule == "nearest":
         raise UsageError("--calibration weights the scale search; --q4-rule nearest does not search: drop one")
+    if args.q4_rule == "gptq" and args.calibration is None:
+        raise UsageError("--q4-rule gptq needs --calibration TEXT_FILE (the inputs' second moments)")
     report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
                      tract_version=args.tract_version, check=False if args.no_check else args.check,
                      force=args.force, progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype,
@@ -364,9 +366,10 @@ def parser() -> argparse.ArgumentParser:
                          help="store every linear layer's weight (inner size a multiple of 32) in tract's Q4_0")
     convert.add_argument("--quantize-embeddings", action="store_true",
                          help="with --quantize, the embedding table too (refused when the head is tied to it)")
-    convert.add_argument("--q4-rule", choices=["search", "nearest"], default=None,
-                         help="how each Q4_0 block's scale is chosen: search (default: the scale of least squared "
-                              "error) or nearest (llama.cpp's plain Q4_0, d = extreme / -8); docs/QUANTIZATION.md")
+    convert.add_argument("--q4-rule", choices=["search", "nearest", "gptq"], default=None,
+                         help="how Q4_0 blocks are chosen: search (default: each scale of least squared error), "
+                              "nearest (llama.cpp's plain Q4_0, d = extreme / -8) or gptq (with --calibration: "
+                              "GPTQ's error feedback across columns); docs/QUANTIZATION.md")
     convert.add_argument("--calibration", metavar="TEXT_FILE", default=None,
                          help="with --quantize q4_0: weigh each weight's error by its input channel's mean squared "
                               "activation on this text (llama-imatrix's importance), read with the checkpoint's "

@@ -122,3 +122,34 @@ def test_the_importance_is_the_mean_squared_input_of_each_linear_layer(tmp_path)
     np.testing.assert_allclose(measured.importance["lm_head.weight"], mean_square(out.hidden_states[-1]), rtol=1e-5)
     linear = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert set(measured.importance) == linear
+
+
+def correlated_inputs(seed: int, inner: int = 128, count: int = 2048) -> np.ndarray:
+    """Second moments E[a a^T] of inputs with correlated channels of unequal scales (as a layer's inputs are)."""
+    rng = np.random.default_rng(seed)
+    mixing = np.eye(inner) + 0.5 * rng.standard_normal((inner, inner)) / np.sqrt(inner)
+    a = rng.standard_normal((count, inner)) @ mixing * rng.lognormal(0, 1, inner)
+    return (a.T @ a / count).astype(np.float32)
+
+
+def test_gptq_lowers_the_expected_output_error():
+    """GPTQ minimizes E|(W - Q) a|^2 = tr((W - Q) G (W - Q)^T), computed here from the decoded bytes: lower than the
+    search weighted by the diagonal of G alone, itself lower than nearest; and any slice of rows gives the same
+    bytes (the converter writes a slice of rows at a time, the check's reference the whole)."""
+    gram = correlated_inputs(3)
+    w = (np.random.default_rng(4).standard_normal((96, gram.shape[0])) * 0.05).astype(np.float32)
+
+    def output_error(stored: np.ndarray) -> float:
+        error = decoded(stored).reshape(w.shape).astype(np.float64) - w
+        return float(np.einsum("ij,jk,ik->", error, gram.astype(np.float64), error))
+
+    gptq = q4_0.quantize(w, "gptq", gram=gram)
+    searched = output_error(q4_0.quantize(w, "search", np.diag(gram).copy()))
+    with np.errstate(over="ignore", invalid="ignore"):
+        nearest = float(np.einsum("ij,jk,ik->", nearest_blocks(w).reshape(w.shape) - w, gram.astype(np.float64),
+                                  nearest_blocks(w).reshape(w.shape) - w))
+    assert output_error(gptq) < 0.9 * searched < 0.9 * nearest
+    sliced = np.concatenate([q4_0.quantize(w[:37], "gptq", gram=gram), q4_0.quantize(w[37:], "gptq", gram=gram)])
+    np.testing.assert_array_equal(sliced, gptq)
+    with pytest.raises(ValueError, match="second moments"):
+        q4_0.quantize(w, "gptq")

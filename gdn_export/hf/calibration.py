@@ -49,6 +49,7 @@ class Calibration:
     readers: dict[str, list[str]] = field(default_factory=dict)
     forms: dict[str, str] = field(default_factory=dict)
     sample: np.ndarray | None = None  # [1, S] of the first tokens: what a fold is verified on
+    grams: dict[str, np.ndarray] = field(default_factory=dict)  # with grams=True: E[a a^T] of each linear's input
 
     def __str__(self) -> str:
         return f"calibrated on {self.file} ({self.tokens} tokens in windows of {self.ctx})"
@@ -87,8 +88,10 @@ def calibration_tokens(text_file: str | os.PathLike, checkpoint_dir: str | os.Pa
 
 
 def calibrate(checkpoint_dir: str | os.PathLike, text_file: str | os.PathLike, family, layout, weights,
-              max_tokens: int = DEFAULT_TOKENS, ctx: int = DEFAULT_CTX) -> Calibration:
-    """The importance of every linear layer's input channels of the checkpoint's model on ``text_file``."""
+              max_tokens: int = DEFAULT_TOKENS, ctx: int = DEFAULT_CTX, grams: bool = False) -> Calibration:
+    """The importance of every linear layer's input channels of the checkpoint's model on ``text_file``; with
+    ``grams`` the second moments ``E[a a^T]`` of every linear layer's input too (GPTQ's; one float32 matrix of
+    inner x inner per distinct input, shared by the layers that read the same tensor)."""
     from gdn_export.hf.checkpoint import empty_model
     from gdn_export.hf.layerwise import decoder_layers, layerwise_call
 
@@ -97,10 +100,18 @@ def calibrate(checkpoint_dir: str | os.PathLike, text_file: str | os.PathLike, f
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
 
+    moments: dict[str, torch.Tensor] = {}
+    shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of an input -> (it, its sum of a a^T)
+
     def accumulate(name: str, activation: torch.Tensor) -> None:
         flat = activation.detach().float().reshape(-1, activation.shape[-1])
         sums[name] = sums.get(name, 0) + flat.square().sum(0, dtype=torch.float64)
         counts[name] = counts.get(name, 0) + len(flat)
+        if grams:
+            seen = shared.get(id(activation))
+            if seen is None or seen[0] is not activation:
+                seen = shared[id(activation)] = (activation, flat.T @ flat)
+            moments[name] = seen[1] if name not in moments else moments[name] + seen[1]
 
     outputs: dict[int, tuple[str, torch.Tensor]] = {}  # id of a norm's output -> (its weight's name, the output)
     readers: dict[str, list[str]] = {}
@@ -122,7 +133,11 @@ def calibrate(checkpoint_dir: str | os.PathLike, text_file: str | os.PathLike, f
              for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     hooks += [module.register_forward_hook(lambda m, args, out, n=f"{name}.weight": normed(n, m, args, out))
               for name, module in model.named_modules() if _is_norm(module)]
-    hooks += [layer.register_forward_hook(lambda *_: outputs.clear()) for layer in decoder_layers(model)[1]]
+    def layer_done(*_) -> None:  # a layer's inputs and norm outputs are read by nothing after it
+        outputs.clear()
+        shared.clear()
+
+    hooks += [layer.register_forward_hook(layer_done) for layer in decoder_layers(model)[1]]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = next((f"{name}.weight" for name, module in model.named_modules() if module is head), None)
     base = getattr(model, "base_model", model)
@@ -141,7 +156,19 @@ def calibrate(checkpoint_dir: str | os.PathLike, text_file: str | os.PathLike, f
     importance = {name: (total / counts[name]).float().numpy() for name, total in sums.items()}
     return Calibration(Path(text_file).name, digest, int(tokens.size), int(tokens.shape[1]), importance,
                        readers={norm: names for norm, names in readers.items() if forms.get(norm)},
-                       forms={norm: form for norm, form in forms.items() if form}, sample=tokens[:1, :64])
+                       forms={norm: form for norm, form in forms.items() if form}, sample=tokens[:1, :64],
+                       grams=_shared_means(moments, counts))
+
+
+def _shared_means(moments: dict[str, torch.Tensor], counts: dict[str, int]) -> dict[str, np.ndarray]:
+    """Each sum of ``a a^T`` divided by its count, one array per distinct sum (readers of one input share it)."""
+    out, done = {}, {}
+    for name, total in moments.items():
+        key = id(total)
+        if key not in done:
+            done[key] = (total / counts[name]).numpy()
+        out[name] = done[key]
+    return out
 
 
 def _is_norm(module: nn.Module) -> bool:

@@ -197,8 +197,11 @@ def convert(
 
     if q4_rule not in RULES:
         raise GdnExportError(f"q4_rule {q4_rule!r} is not one of {', '.join(RULES)}")
-    if calibration is not None and (quantize is None or q4_rule != "search"):
-        raise GdnExportError("calibration weights the Q4_0 scale search: it needs quantize='q4_0' and q4_rule='search'")
+    if calibration is not None and (quantize is None or q4_rule == "nearest"):
+        raise GdnExportError("calibration weights the Q4_0 scale search: it needs quantize='q4_0' and q4_rule "
+                             "'search' or 'gptq'")
+    if q4_rule == "gptq" and calibration is None:
+        raise GdnExportError("q4_rule='gptq' needs calibration text (the inputs' second moments): calibration=FILE")
     if calibration is not None and not Path(calibration).is_file():
         raise GdnExportError(f"calibration text {calibration} is not a file")
     if format != "nnef":  # the ONNX back-end (gdn_export/hf/onnx_convert.py); "cpu", NNEF's default, is onnxruntime
@@ -249,7 +252,8 @@ def convert(
 
         start = time.perf_counter()
         say(f"calibrating on {calibration} (at most {calibration_tokens} tokens)")
-        measured = calibrate(checkpoint_dir, calibration, family, layout, weights, max_tokens=calibration_tokens)
+        measured = calibrate(checkpoint_dir, calibration, family, layout, weights, max_tokens=calibration_tokens,
+                             grams=q4_rule == "gptq")
         if fold_scales:
             from gdn_export.hf.folding import fold
 

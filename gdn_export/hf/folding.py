@@ -133,12 +133,17 @@ def folded_view(weights, folds: list[Fold]):
 
 
 def fold_importance(calibration, folds: list[Fold]):
-    """The calibration with each folded reader's importance that of its folded input (``E[y^2] / s^2``)."""
-    importance = dict(calibration.importance)
+    """The calibration with each folded reader's importance (and second moments) those of its folded input
+    (``E[y^2] / s^2``, ``E[y y^T] / (s s^T)``)."""
+    importance, grams = dict(calibration.importance), dict(calibration.grams)
     for fold in folds:
+        inverse = 1 / fold.scale.astype(np.float64)
         for name in fold.readers:
-            importance[name] = (calibration.importance[name] / fold.scale.astype(np.float64) ** 2).astype(np.float32)
-    return replace(calibration, importance=importance)
+            importance[name] = (calibration.importance[name] * inverse ** 2).astype(np.float32)
+        if fold.readers[0] in grams:
+            folded = (grams[fold.readers[0]] * np.outer(inverse, inverse)).astype(np.float32)
+            grams.update(dict.fromkeys(fold.readers, folded))
+    return replace(calibration, importance=importance, grams=grams)
 
 
 def fold(calibration, family, layout, weights, tokens: np.ndarray):

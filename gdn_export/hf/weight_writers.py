@@ -38,6 +38,7 @@ class QuantizationReport:
     rule: str = q4_0.RULES[0]  # how each block's scale was chosen (gdn_export.weights.q4_0.RULES)
     calibration: str = ""  # the calibration that weighted the search, in words ("" for none)
     importance: dict[str, np.ndarray] = field(default_factory=dict)  # checkpoint name -> weight of each input channel
+    grams: dict[str, np.ndarray] = field(default_factory=dict)  # checkpoint name -> E[a a^T] (rule "gptq")
     quantized: list[str] = field(default_factory=list)  # checkpoint parameter names
     kept: Counter = field(default_factory=Counter)  # reason -> count of 2-D weights left unquantized
     bytes_before: int = 0  # of the quantized tensors, in the export dtype
@@ -46,7 +47,7 @@ class QuantizationReport:
     def __str__(self) -> str:
         if self.scheme is None:
             return ""
-        how = f"{self.rule} scales"
+        how = f"{self.rule} scales" if self.rule != "gptq" else f"GPTQ for {len(self.grams)} of them, the others search"
         if self.calibration:
             how += f", {self.calibration}, {len(self.importance)} of them weighted by input channel"
         text = (f"{len(self.quantized)} weights in {self.scheme.upper()} ({_size(self.bytes_before)} -> "
@@ -54,6 +55,14 @@ class QuantizationReport:
         if self.kept:
             text += "; kept in the export dtype: " + ", ".join(f"{n} {why}" for why, n in sorted(self.kept.items()))
         return text
+
+
+    def q4_0_rule(self, name: str) -> tuple[str, np.ndarray | None, np.ndarray | None]:
+        """(rule, importance, second moments) the weight of checkpoint name ``name`` was stored with: GPTQ needs
+        its input's second moments, a weight without them is searched."""
+        if name in self.grams:
+            return "gptq", self.importance.get(name), self.grams[name]
+        return ("search" if self.rule == "gptq" else self.rule), self.importance.get(name), None
 
 
 def _size(n: int) -> str:
@@ -157,8 +166,11 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
             recipe = getattr(param, RECIPE, None)
             if calibration is not None and source in calibration.importance and (
                     recipe is None or (recipe.part is None and recipe.pad is None)):
-                importance = report.importance[source] = calibration.importance[source]
-        writer = _writer(group[0], param, names, weights, dtype, key in chosen, q4_rule, importance)
+                report.importance[source] = calibration.importance[source]
+                if q4_rule == "gptq" and source in calibration.grams and param.dim() == 2:
+                    report.grams[source] = calibration.grams[source]
+        writer = _writer(group[0], param, names, weights, dtype, key in chosen,
+                         *(report.q4_0_rule(source) if key in chosen else (q4_rule, None, None)))
         if key in chosen:
             report.quantized.append(source)
             report.bytes_before += param.numel() * dtype.itemsize
@@ -235,7 +247,7 @@ class DerivedSource:
 
 
 def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, quantized: bool, rule: str,
-            importance: np.ndarray | None):
+            importance: np.ndarray | None, gram: np.ndarray | None):
     """Writes parameter ``label`` from the checkpoint: its tensor, or its recipe's result; in Q4_0 by ``rule``
     (weighted by ``importance``) when ``quantized``; a slice of rows at a time (memory: one slice, or the one source
     a conversion makes whole)."""
@@ -248,7 +260,7 @@ def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, quantiz
         read = lambda start, stop: source.rows(start, stop, target).reshape(stop - start, *shape[1:])  # noqa: E731
         try:
             if quantized:
-                q4_0.write_nnef(file, shape, read, rule, importance)
+                q4_0.write_nnef(file, shape, read, rule, importance, gram)
             else:
                 write_nnef_rows(file, shape, target, read)
         finally:
@@ -264,12 +276,13 @@ class _Dequantized:
     source: object
     rule: str
     importance: np.ndarray | None
+    gram: np.ndarray | None
 
     def __getattr__(self, name):
         return getattr(self.source, name)
 
     def read(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return q4_0.round_trip(self.source.read(torch.float32), self.rule, self.importance).to(dtype)
+        return q4_0.round_trip(self.source.read(torch.float32), self.rule, self.importance, self.gram).to(dtype)
 
 
 def dequantized_view(weights, report: QuantizationReport):
@@ -278,5 +291,5 @@ def dequantized_view(weights, report: QuantizationReport):
         return weights
     entries = dict(weights.entries)
     for name in report.quantized:
-        entries[name] = _Dequantized(weights.entries[name], report.rule, report.importance.get(name))
+        entries[name] = _Dequantized(weights.entries[name], *report.q4_0_rule(name))
     return replace(weights, entries=entries)
