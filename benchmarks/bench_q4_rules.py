@@ -1,4 +1,5 @@
-"""Q4_0 quantization time by rule on Qwen3.5 0.8B's linear-layer shapes: nearest, search, search with importance.
+"""Q4_0 quantization time by rule on Qwen3.5 0.8B's linear-layer shapes: nearest, search, search with importance,
+GPTQ (with random full-rank second moments).
 
     python benchmarks/bench_q4_rules.py [--vocab 151936] [--markdown]
 
@@ -38,7 +39,8 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    rules = [("nearest", "nearest", False), ("search", "search", False), ("search + importance", "search", True)]
+    rules = [("nearest", "nearest", False), ("search", "search", False), ("search + importance", "search", True),
+             ("gptq", "gptq", True)]
     totals = {label: 0.0 for label, _, _ in rules}
     errors = {r[0]: [0.0, 0.0] for r in rules}
     rows = []
@@ -47,16 +49,18 @@ def main() -> None:
     for name, shape, count in shapes(args.vocab):
         x = (rng.standard_normal(shape) * 0.02).astype(np.float32)
         importance = rng.lognormal(0, 1, shape[1]).astype(np.float32)
+        mixing = rng.standard_normal((256, shape[1])).astype(np.float32) * np.sqrt(importance)
+        gram = (mixing.T @ mixing / 256 + np.diag(importance)).astype(np.float32)  # full rank, correlated
         seconds = {}
         for label, rule, weighted in rules:
             weights = importance if weighted else None
             with open("/dev/null", "wb") as sink:
                 start = time.perf_counter()
-                q4_0.write_nnef(sink, shape, lambda a, b: x[a:b], rule, weights)
+                q4_0.write_nnef(sink, shape, lambda a, b: x[a:b], rule, weights, gram if rule == "gptq" else None)
                 seconds[label] = time.perf_counter() - start
             totals[label] += seconds[label] * count
             if shape[0] <= 8192:
-                back = q4_0.dequantize(q4_0.quantize(x, rule, weights), shape)
+                back = q4_0.dequantize(q4_0.quantize(x, rule, weights, gram if rule == "gptq" else None), shape)
                 errors[label][0] += float(np.square(back - x).sum()) * count
                 errors[label][1] += float(np.square(x).sum()) * count
         rows.append((name, shape, count, seconds))
@@ -65,7 +69,7 @@ def main() -> None:
                         for name, shape, count, s in rows]
     lines.append(["model total", "", ""] + [f"{totals[label]:.1f}" for label, _, _ in rules])
     lines.append(["x nearest", "", ""] + [f"{totals[label] / totals['nearest']:.1f}" for label, _, _ in rules])
-    lines.append(["rel. squared error (layers)", "", ""] + [f"{e[0] / e[1]:.5f}" for e in errors.values()])
+    lines.append(["rel. squared error (layers; unweighted)", "", ""] + [f"{e[0] / e[1]:.5f}" for e in errors.values()])
     print(f"Q4_0 rules on Qwen3.5 0.8B shapes (vocab {args.vocab}), {platform.processor() or platform.machine()}; "
           "one process, rules back to back per shape")
     if args.markdown:

@@ -12,7 +12,8 @@ What it does, in this order, all in one run:
    windows of 512 (``-c 512 --chunks`` tokens / 512): the same tokens up to the two tokenizers' agreement.
 2. gdn_export: ``gdn-export convert`` (check on: tract against transformers with the same weights) of each format:
    f32, f16, q4_0 with ``--q4-rule nearest`` (llama.cpp's plain rule), q4_0 (the default scale search), q4_0
-   ``--calibration``; int8 when this tree's ``--quantize`` offers it. Then ``gdn-export perplexity ARCHIVE TEXT
+   ``--calibration`` (the weighted search, scales folded into norms), the same with ``--q4-rule gptq``; int8 when
+   this tree's ``--quantize`` offers it. Then ``gdn-export perplexity ARCHIVE TEXT
    --ctx CTX --reference CHECKPOINT --json``: perplexity, and against transformers' float32 model on the same
    windows the mean KL divergence of the next-token distribution and top-1 agreement.
 3. llama.cpp (``--llama-cpp``): ``convert_hf_to_gguf.py`` F32 and F16 of the same checkpoint (through
@@ -57,6 +58,8 @@ GDN_FORMATS = {
     "q4_0 (search, the default)": ["--quantize", "q4_0"],
     "q4_0 --calibration": ["--quantize", "q4_0", "--calibration", "{calibration}",
                            "--calibration-tokens", "{tokens}"],
+    "q4_0 --calibration --q4-rule gptq": ["--quantize", "q4_0", "--q4-rule", "gptq", "--calibration", "{calibration}",
+                                          "--calibration-tokens", "{tokens}"],
 }
 START = time.perf_counter()
 
@@ -185,11 +188,13 @@ def print_table(rows: list[dict], prompt: str, markdown: bool) -> None:
     kl = {r["format"]: r["kl"] for r in rows if r["engine"].startswith("gdn")}
     nearest = kl.get("q4_0 nearest")
     if nearest:
-        print(f"\nq4_0 default KL / nearest: {kl['q4_0 (search, the default)'] / nearest:.3f} (target <= 0.9); "
-              f"calibrated / nearest: {kl['q4_0 --calibration'] / nearest:.3f} (target <= 0.75)")
-        for r in rows:
-            if r["engine"] == "llama.cpp" and "imatrix" in r["format"]:
-                print(f"calibrated / llama.cpp {r['format']}: {kl['q4_0 --calibration'] / r['kl']:.3f} (target <= 1)")
+        print(f"\nq4_0 default KL / nearest: {kl['q4_0 (search, the default)'] / nearest:.3f} (target <= 0.9)")
+        for name in ("q4_0 --calibration", "q4_0 --calibration --q4-rule gptq"):
+            if name in kl:
+                print(f"{name} / nearest: {kl[name] / nearest:.3f} (target <= 0.75)")
+                for r in rows:
+                    if r["engine"] == "llama.cpp" and "imatrix" in r["format"]:
+                        print(f"{name} / llama.cpp {r['format']}: {kl[name] / r['kl']:.3f} (target <= 1)")
     print(f"\nGreedy continuations of a held-out prompt:\n```\n{prompt}```")
     for r in rows:
         if r.get("text"):
