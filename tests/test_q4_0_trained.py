@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gdn_export.hf.convert import convert
+from gdn_export.pipeline.convert import convert
 from test_q4_0_rules import decoded, nearest_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
