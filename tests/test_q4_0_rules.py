@@ -153,3 +153,25 @@ def test_gptq_lowers_the_expected_output_error():
     np.testing.assert_array_equal(sliced, gptq)
     with pytest.raises(ValueError, match="second moments"):
         q4_0.quantize(w, "gptq")
+
+
+def test_rule_and_calibration_options_are_refused_when_they_cannot_apply(tmp_path, capsys):
+    """Exit status 2 with the reason, before the checkpoint is read; the API refuses the same (GdnExportError)."""
+    from gdn_export.cli import main as cli
+    from gdn_export.errors import GdnExportError
+    from gdn_export.pipeline.convert import convert
+
+    text = tmp_path / "calibration.txt"
+    text.write_text("x = 1\n")
+    out = tmp_path / "m.nnef.tgz"
+    for bad, reason in ((["--calibration", str(text)], "add --quantize q4_0"),
+                        (["--q4-rule", "search"], "add --quantize q4_0"),
+                        (["--quantize", "q4_0", "--q4-rule", "nearest", "--calibration", str(text)], "drop one"),
+                        (["--quantize", "q4_0", "--q4-rule", "gptq"], "needs --calibration")):
+        assert cli(["convert", str(tmp_path / "nowhere"), "-o", str(out), *bad]) == 2, bad
+        assert reason in capsys.readouterr().err, bad
+    with pytest.raises(GdnExportError, match="not a file"):
+        convert(tmp_path / "nowhere", out, quantize="q4_0", calibration=tmp_path / "missing.txt")
+    with pytest.raises(GdnExportError, match="needs calibration"):
+        convert(tmp_path / "nowhere", out, quantize="q4_0", q4_rule="gptq")
+    assert not out.exists()
