@@ -68,14 +68,14 @@ def log(message: str) -> None:
     print(f"[{time.perf_counter() - START:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-def call(command: list[str], env: dict | None = None) -> str:
-    """Run ``command``; its stdout+stderr, or a RuntimeError with the end of it."""
+def call(command: list[str], env: dict | None = None, stdout_only: bool = False) -> str:
+    """Run ``command``; its stdout+stderr (or stdout alone), or a RuntimeError with the end of them."""
     result = subprocess.run([str(c) for c in command], capture_output=True, text=True,
                             env={**os.environ, **(env or {})})
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, command[:4]))} ... failed ({result.returncode}):\n"
                            f"{(result.stdout + result.stderr)[-4000:]}")
-    return result.stdout + result.stderr
+    return result.stdout if stdout_only else result.stdout + result.stderr
 
 
 def calibration_text(out: Path, size: int) -> str:
@@ -109,15 +109,61 @@ def gdn_quantize_choices() -> list[str]:
     return list(QUANTIZATIONS)
 
 
-def gdn_row(name: str, archive: Path, text: Path, ctx: int, checkpoint: Path, prompt: str, greedy: int) -> dict:
-    out = call([sys.executable, "-m", "gdn_export.cli", "perplexity", archive, text, "--ctx", ctx,
-                "--reference", checkpoint, "--json"])
-    figures = json.loads(out.strip().splitlines()[-1])
+def gdn_row(name: str, archive: Path, text: Path, ctx: int, checkpoint: Path, prompt: str, greedy: int,
+            figures: dict | None = None) -> dict:
+    if figures is None:
+        out = call([sys.executable, "-m", "gdn_export.cli", "perplexity", archive, text, "--ctx", ctx,
+                    "--reference", checkpoint, "--json"])
+        figures = json.loads(out.strip().splitlines()[-1])
     generated = call([sys.executable, "-m", "gdn_export.cli", "generate", archive, "--prompt", prompt,
-                      "--max-new-tokens", greedy, "--temperature", "0", "--ignore-eos"])
+                      "--max-new-tokens", greedy, "--temperature", "0", "--ignore-eos"], stdout_only=True)
     return {"engine": "gdn_export (tract)", "format": name, "bytes": archive.stat().st_size, "ppl": figures["ppl"],
             "kl": figures["kld_mean"], "top1": figures["top1"], "ref_ppl": figures.get("ref_ppl"),
             "text": generated}
+
+
+def has_perplexity_command() -> bool:
+    out = subprocess.run([sys.executable, "-m", "gdn_export.cli", "--help"], capture_output=True, text=True)
+    return "perplexity" in out.stdout
+
+
+def in_process_figures(archives: dict[str, Path], checkpoint: Path, text: Path, ctx: int,
+                       batch: int = 8) -> dict[str, dict]:
+    """Without ``gdn-export perplexity`` (older trees): the same rule in this process. Every archive through
+    ``gdn_export.Session`` (tract) and transformers' float32 model on the same windows of ``ctx`` tokens of the
+    text (non-overlapping, the logits at ctx/2 .. ctx-2 predicting the next token): perplexity, mean KL(P_ref || P)
+    and top-1 agreement against transformers, a batch of windows at a time."""
+    import numpy as np
+    import torch
+    from tokenizers import Tokenizer
+
+    from gdn_export.hf.checkpoint import load_model
+    from gdn_export.run.session import Session
+
+    ids = np.asarray(Tokenizer.from_file(str(checkpoint / "tokenizer.json")).encode(
+        text.read_text(encoding="utf-8"), add_special_tokens=False).ids, np.int64)
+    windows = ids[:len(ids) // ctx * ctx].reshape(-1, ctx)
+    reference = load_model(checkpoint)
+    sessions = {name: Session(path) for name, path in archives.items()}
+    sums = {name: {"nll": 0.0, "kl": 0.0, "top1": 0} for name in ["reference", *archives]}
+    count = 0
+    for start in range(0, len(windows), batch):
+        x = windows[start:start + batch]
+        targets = torch.from_numpy(x[:, ctx // 2 + 1:])
+        with torch.no_grad():
+            ref = torch.log_softmax(reference(input_ids=torch.from_numpy(x), use_cache=False).logits[:, ctx // 2:-1]
+                                    .double(), -1)
+        sums["reference"]["nll"] -= float(ref.gather(-1, targets[..., None]).sum())
+        for name, session in sessions.items():
+            session.reset()
+            got = torch.log_softmax(torch.from_numpy(session.prefill(x))[:, ctx // 2:-1].double(), -1)
+            sums[name]["nll"] -= float(got.gather(-1, targets[..., None]).sum())
+            sums[name]["kl"] += float((ref.exp() * (ref - got)).sum())
+            sums[name]["top1"] += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        count += targets.numel()
+    return {name: {"ppl": float(np.exp(v["nll"] / count)), "kld_mean": v["kl"] / count, "top1": v["top1"] / count,
+                   "ref_ppl": float(np.exp(sums["reference"]["nll"] / count))}
+            for name, v in sums.items() if name != "reference"}
 
 
 def parse_llama_perplexity(out: str, base: bool) -> dict:
@@ -226,14 +272,19 @@ def main(argv: list[str] | None = None) -> int:
             formats["int8"] = ["--quantize", "int8"]
         if args.formats:
             formats = {k: v for k, v in formats.items() if k in args.formats.split(",")}
-        rows = []
+        rows, archives = [], {}
         for name, options in formats.items():
-            archive = work / f"{re.sub(r'[^a-z0-9]+', '_', name)}.nnef.tgz"
+            archive = archives[name] = work / f"{re.sub(r'[^a-z0-9]+', '_', name)}.nnef.tgz"
             options = [o.format(calibration=calibration, tokens=args.calibration_tokens) for o in options]
             log(f"gdn_export {name}: convert {' '.join(options)}")
+            start = time.perf_counter()
             call([sys.executable, "-m", "gdn_export.cli", "convert", args.checkpoint, "-o", archive, *options])
+            log(f"gdn_export {name}: converted and checked in {time.perf_counter() - start:.0f} s")
+        figures = None if has_perplexity_command() else in_process_figures(archives, args.checkpoint, text, args.ctx)
+        for name, archive in archives.items():
             log(f"gdn_export {name}: perplexity, greedy text")
-            rows.append(gdn_row(name, archive, text, args.ctx, args.checkpoint, prompt, args.greedy_tokens))
+            rows.append(gdn_row(name, archive, text, args.ctx, args.checkpoint, prompt, args.greedy_tokens,
+                                None if figures is None else figures[name]))
         if args.llama_cpp is not None:
             rows += llama_rows(args.llama_cpp.resolve(), args.checkpoint.resolve(), work, text, calibration, args.ctx,
                                args.calibration_tokens, prompt, args.greedy_tokens, args.gguf_pre)

@@ -77,6 +77,7 @@ def pack(scale: np.ndarray, codes: np.ndarray) -> np.ndarray:
 
 
 DAMPING = 0.01  # GPTQ's: this fraction of the mean diagonal of the second moments is added to it
+LAZY = 128  # columns GPTQ quantizes before updating the ones after them (its lazy batch)
 
 
 def gptq(rows: np.ndarray, gram: np.ndarray) -> np.ndarray:
@@ -87,31 +88,44 @@ def gptq(rows: np.ndarray, gram: np.ndarray) -> np.ndarray:
     not yet quantized, so that the layer's expected squared output error ``E|(W - Q) a|^2`` is what is minimized,
     cross-channel terms included. Each row independently of the others (any slice of rows gives the same bytes)."""
     n, inner = rows.shape
-    h = np.array(gram, np.float64)
-    dead = np.diag(h) <= 0
-    h[dead, dead] = 1.0
-    h += DAMPING * np.mean(np.diag(h)) * np.eye(inner)
-    upper = np.linalg.cholesky(np.linalg.inv(h)).T  # Hinv = U^T U, U upper triangular
-    w = np.array(rows, np.float64)
-    w[:, dead] = 0.0
-    diagonal = np.diag(h).astype(np.float32)
+    upper = _inverse_cholesky(gram)
+    diagonal = np.maximum(np.diag(np.asarray(gram, np.float32)), 0).astype(np.float32)
+    wt = np.array(rows.T, np.float32, order="C")  # a column of the weight is a contiguous row here
+    wt[np.diag(np.asarray(gram)) <= 0] = 0.0  # inputs that are always zero: their weights cost nothing
     scales = np.empty((n, inner // BLOCK), np.float16)
-    codes = np.empty((n, inner), np.uint8)
-    for start in range(0, inner, BLOCK):
-        stop = start + BLOCK
-        block = w[:, start:stop].astype(np.float32)
-        scale = searched_scales(block, np.broadcast_to(diagonal[start:stop], block.shape))
-        scales[:, start // BLOCK] = scale
-        wide = scale.astype(np.float64)
-        errors = np.empty((n, BLOCK))
-        for j in range(BLOCK):
-            column = w[:, start + j]
-            code = codes_for(column.astype(np.float32)[:, None], scale)[:, 0]
-            codes[:, start + j] = code
-            errors[:, j] = (column - (code.astype(np.float64) - 8.0) * wide) / upper[start + j, start + j]
-            w[:, start + j + 1:stop] -= errors[:, j, None] * upper[start + j, start + j + 1:stop]
-        w[:, stop:] -= errors @ upper[start:stop, stop:]
-    return pack(scales.reshape(-1), codes.reshape(-1, BLOCK))
+    codes = np.empty((inner, n), np.uint8)
+    for outer in range(0, inner, LAZY):  # GPTQ's lazy batches: the columns after one updated once per LAZY
+        end = min(inner, outer + LAZY)
+        errors = np.empty((end - outer, n), np.float32)
+        for start in range(outer, end, BLOCK):
+            stop = start + BLOCK
+            block = np.ascontiguousarray(wt[start:stop].T)
+            scale = searched_scales(block, np.broadcast_to(diagonal[start:stop], block.shape))
+            scales[:, start // BLOCK] = scale
+            inverse = np.divide(1.0, scale.astype(np.float32), out=np.zeros(n, np.float32), where=scale != 0)
+            wide = scale.astype(np.float32)
+            for j in range(start, stop):
+                code = np.clip(np.floor(wt[j] * inverse + 8.5), 0, 15)
+                codes[j] = code
+                error = errors[j - outer] = (wt[j] - (code - 8.0) * wide) / upper[j, j]
+                wt[j + 1:end] -= upper[j, j + 1:end, None] * error
+        wt[end:] -= upper[outer:end, end:].T @ errors
+    return pack(scales.reshape(-1), np.ascontiguousarray(codes.T).reshape(-1, BLOCK))
+
+
+def _inverse_cholesky(gram: np.ndarray) -> np.ndarray:
+    """The upper Cholesky factor ``U`` of the inverse of ``gram`` damped (``H^-1 = U^T U``), float32."""
+    key = (id(gram), gram.shape)
+    if _CHOLESKY.get("key") != key or _CHOLESKY.get("gram") is not gram:
+        h = np.array(gram, np.float64)
+        dead = np.diag(h) <= 0
+        h[dead, dead] = 1.0
+        h += DAMPING * np.mean(np.diag(h)) * np.eye(len(h))
+        _CHOLESKY.update(key=key, gram=gram, upper=np.linalg.cholesky(np.linalg.inv(h)).T.astype(np.float32))
+    return _CHOLESKY["upper"]
+
+
+_CHOLESKY: dict = {}  # the last gram's factor: a weight is written a slice of rows at a time, each with the same gram
 
 
 def nearest_scales(blocks: np.ndarray) -> np.ndarray:
