@@ -186,3 +186,28 @@ def test_pickled_code_in_common_state_is_not_run(tmp_path, capsys):
     refused(capsys, folder, tmp_path / "m.nnef.tgz", "cannot be read safely (weights_only)")
     assert not marker.exists()
 
+
+
+def test_megatron_enums_in_args_are_read_inert(tmp_path, monkeypatch):
+    """Megatron-LM's args hold its own enums (``attention_backend=AttnBackend.auto``): read as inert stand-ins,
+    without importing Megatron."""
+    import enum
+    import sys
+    import types
+
+    from gdn_export.megatron.checkpoint import MegatronCheckpoint, MegatronObject
+
+    enums = types.ModuleType("megatron.core.transformer.enums")
+
+    class AttnBackend(enum.Enum):
+        auto = 5
+
+    AttnBackend.__module__, AttnBackend.__qualname__ = enums.__name__, "AttnBackend"
+    enums.AttnBackend = AttnBackend
+    for parent in ("megatron", "megatron.core", "megatron.core.transformer"):
+        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    monkeypatch.setitem(sys.modules, enums.__name__, enums)
+    folder = _with_args(tmp_path, attention_backend=AttnBackend.auto)
+    monkeypatch.undo()  # Megatron is not importable while the checkpoint is read
+    args = MegatronCheckpoint(folder).args
+    assert isinstance(args["attention_backend"], MegatronObject) and args["attention_backend"].args == (5,)

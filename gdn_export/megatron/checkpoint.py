@@ -22,7 +22,6 @@ checkpoint dataclasses of ``torch.distributed.checkpoint``, ``torch.Size`` and d
 from __future__ import annotations
 
 import argparse
-import enum
 import io
 import os
 import pickle
@@ -89,10 +88,40 @@ def restricted_loads(data: bytes, what: str):
                                       f"{type(err).__name__}: {str(err)[:120]}") from None
 
 
-def safe_torch_load(data, what: str):
-    """``torch.load(weights_only=True)``, with Megatron-LM's ``argparse.Namespace`` and enums allowed."""
+class MegatronObject:
+    """An inert stand-in for an object of one of Megatron's own classes inside the pickled ``args`` (e.g. the
+    ``AttnBackend`` enum): it keeps what it was built from and runs nothing."""
+
+    def __init__(self, *args) -> None:
+        self.args = args
+
+    def __setstate__(self, state) -> None:
+        self.state = state
+
+
+def _stand_ins(data) -> list[type]:
+    """Stand-in classes for the ``megatron.*`` globals a ``torch.save`` blob names (weights_only refuses them):
+    Megatron-LM's ``args`` holds a few of its enums. Any other unsafe global is still refused."""
     try:
-        with torch.serialization.safe_globals([argparse.Namespace, enum.Enum]):
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(data)
+    except Exception:  # not a readable torch.save file: torch.load reports it
+        return []
+    finally:
+        if hasattr(data, "seek"):
+            data.seek(0)
+    classes = []
+    for name in names:
+        module, _, qualname = name.rpartition(".")
+        if module.split(".")[0] == "megatron" and qualname.isidentifier():
+            classes.append(type(qualname, (MegatronObject,), {"__module__": module, "__qualname__": qualname}))
+    return classes
+
+
+def safe_torch_load(data, what: str):
+    """``torch.load(weights_only=True)``, with Megatron-LM's ``argparse.Namespace`` and inert stand-ins for
+    Megatron's own classes allowed."""
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace, *_stand_ins(data)]):
             return torch.load(data, map_location="cpu", weights_only=True)
     except Exception as err:
         message = str(err).strip().splitlines()
