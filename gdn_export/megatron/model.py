@@ -95,19 +95,31 @@ class _GatedNormOut(nn.Module):
         return self.out_proj(y.to(core.dtype).flatten(-2))
 
 
-class GatedDeltaNetMixer(_DeltaMixer, _GatedNormOut):
-    """Megatron's ``GatedDeltaNet``: ``in_proj`` = ``[query, key, value, z, beta, alpha]``, one conv over
-    ``[q|k|v]``, ``g = -exp(A_log)·softplus(alpha + dt_bias)`` per value head, ``β = σ(beta)``, q/k L2-normalized."""
+class _GDNBase(_DeltaMixer, _GatedNormOut):
+    """What Megatron's ``_GDNBase`` gives both GDN variants: the split ``in_proj`` (``sections``), the conv over
+    ``[q|k|v]``, ``A_log``/``dt_bias`` of the variant's sizes, and the gated output norm."""
 
-    def __init__(self, config: MegatronConfig) -> None:
+    def __init__(self, config: MegatronConfig, a_log_size: int, dt_bias_size: int) -> None:
         c = config
-        key_dim, value_dim = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+        value_dim = c.linear_num_value_heads * c.linear_value_head_dim
         _GatedNormOut.__init__(self, c.linear_value_head_dim, value_dim, c.hidden_size, c.norm_eps)
         self.heads, self.key_heads = c.linear_num_value_heads, c.linear_num_key_heads
         self.width_k, self.width_v = c.linear_key_head_dim, c.linear_value_head_dim
         self.in_proj = nn.ModuleDict({name: _linear(c.hidden_size, size) for name, size in self.sections(c)})
-        self.conv = ShortConvolution(2 * key_dim + value_dim, c.linear_conv_kernel_dim)
-        self.A_log, self.dt_bias = decay_parameters(self.heads, self.heads, 1.0, 16.0)
+        self.conv = ShortConvolution(2 * self.key_heads * self.width_k + value_dim, c.linear_conv_kernel_dim)
+        self.A_log, self.dt_bias = decay_parameters(a_log_size, dt_bias_size, 1.0, 16.0)
+
+    @staticmethod
+    def sections(c: MegatronConfig) -> list[tuple[str, int]]:
+        raise NotImplementedError
+
+
+class GatedDeltaNetMixer(_GDNBase):
+    """Megatron's ``GatedDeltaNet``: ``in_proj`` = ``[query, key, value, z, beta, alpha]``, one conv over
+    ``[q|k|v]``, ``g = -exp(A_log)·softplus(alpha + dt_bias)`` per value head, ``β = σ(beta)``, q/k L2-normalized."""
+
+    def __init__(self, config: MegatronConfig) -> None:
+        super().__init__(config, config.linear_num_value_heads, config.linear_num_value_heads)
 
     @staticmethod
     def sections(c: MegatronConfig) -> list[tuple[str, int]]:
@@ -125,19 +137,12 @@ class GatedDeltaNetMixer(_DeltaMixer, _GatedNormOut):
         return self.project_out(core, p["z"]), conv_state_, state
 
 
-class GatedDeltaNet2Mixer(_DeltaMixer, _GatedNormOut):
+class GatedDeltaNet2Mixer(_GDNBase):
     """Megatron's ``GatedDeltaNet2``: ``in_proj`` = ``[query, key, value, z, f, b, w]`` (full rank), per-channel
     decay ``g = -exp(A_log[key head])·softplus(f + dt_bias)``, erase ``σ(b)`` on K, write ``σ(w)`` on V."""
 
     def __init__(self, config: MegatronConfig) -> None:
-        c = config
-        key_dim, value_dim = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
-        _GatedNormOut.__init__(self, c.linear_value_head_dim, value_dim, c.hidden_size, c.norm_eps)
-        self.heads, self.key_heads = c.linear_num_value_heads, c.linear_num_key_heads
-        self.width_k, self.width_v = c.linear_key_head_dim, c.linear_value_head_dim
-        self.in_proj = nn.ModuleDict({name: _linear(c.hidden_size, size) for name, size in self.sections(c)})
-        self.conv = ShortConvolution(2 * key_dim + value_dim, c.linear_conv_kernel_dim)
-        self.A_log, self.dt_bias = decay_parameters(self.key_heads, key_dim, 1.0, 16.0)
+        super().__init__(config, config.linear_num_key_heads, config.linear_num_key_heads * config.linear_key_head_dim)
 
     @staticmethod
     def sections(c: MegatronConfig) -> list[tuple[str, int]]:
