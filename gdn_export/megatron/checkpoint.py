@@ -25,8 +25,7 @@ import argparse
 import io
 import os
 import pickle
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -317,6 +316,7 @@ class MegatronSource:
     checkpoint: MegatronCheckpoint
     pieces: list[Piece]
     shape: tuple[int, ...]
+    _whole: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -344,8 +344,13 @@ class MegatronSource:
         return value.reshape(self.shape).to(dtype)
 
     def rows(self, start: int, stop: int, target: np.dtype) -> np.ndarray:
-        dtype = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}[np.dtype(target)]
-        return self.read(dtype)[start:stop].contiguous().numpy().reshape(-1)
+        """Rows ``start:stop`` as ``target``, flat: the whole value is read once (a .distcp item is one
+        ``torch.save`` blob) and kept until ``release``, as the writers read a slice of rows at a time."""
+        if self._whole is None or self._whole.dtype != np.dtype(target):
+            dtype = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}[np.dtype(target)]
+            self._whole = self.read(dtype).numpy()
+        return self._whole[start:stop].reshape(-1)
 
+    def release(self) -> None:
+        self._whole = None
 
-LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")

@@ -295,8 +295,7 @@ FAMILY = MegatronFamily(name="Megatron-LM hybrid", model_types=(MODEL_TYPE,), lm
 
 
 def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
-    names = {"gdn": "GatedDeltaNet", "gdn2": "GatedDeltaNet2", "gdp": f"GatedDeltaProductMixer "
-             f"(n={config.gdp_num_householder})", "attention": "SelfAttention"}
+    names = {**MIXER_NAMES, "gdp": f"{MIXER_NAMES['gdp']} (n={config.gdp_num_householder})"}
     used = sorted({names[kind] for kind, _, _ in config.blocks}) + (["MLP"] if "-" in config.pattern else [])
     return (f"Megatron {checkpoint.format} checkpoint, pattern {config.pattern} "
             f"({', '.join(used)})")
