@@ -28,7 +28,7 @@ from gdn_export.layers.common import RMSNorm, ShortConvolution, decay_parameters
 from gdn_export.layers.lm import FlaForCausalLM, LMConfig
 from gdn_export.models.blocks import gated_delta_mixer, gdn_decay, identity_steps, per_head_decay, short_conv
 from gdn_export.models.state import StateSpec, conv_state, delta_states, recurrent_state
-from gdn_export.ops.gated_delta_rule import gated_delta_rule
+from gdn_export.ops.gated_delta_rule.op import gated_delta_rule
 
 MIXER_NAMES = {"gdn": "GatedDeltaNet", "gdn2": "GatedDeltaNet2", "gdp": "GatedDeltaProductMixer",
                "attention": "SelfAttention"}
