@@ -243,6 +243,7 @@ def convert(
     metadata = {
         "format": FORMAT_VERSION, "family": family.name, "model_type": layout.checkpoint_model_type,
         "text_model_type": layout.model_type, "dtype": dtype, "core_dtype": core_dtype, "vocab_size": vocab_size,
+        "context_length": layout.config.get("max_position_embeddings"),  # prompt + new tokens (docs/SERVER.md)
         "inputs": inputs, "outputs": outputs, "generation_files": sorted(carried), "quantize": quantize, "logits": logits,
         "serving": serving,
         "quantized": len(quantization.quantized),
