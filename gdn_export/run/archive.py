@@ -38,13 +38,25 @@ def pack(folder: Path, archive: Path) -> None:
             tar.add(file, arcname=file.name)
 
 
-def read_member(tar: tarfile.TarFile, name: str, path: Path, limit: int | None = None) -> bytes | None:
+def _members(tar: tarfile.TarFile, names) -> dict[str, tarfile.TarInfo]:
+    """The members named ``names``, the archive's headers read in order only until all are found (the metadata
+    lies near an archive's start: ``pack`` sorts the names)."""
+    wanted, found = set(names), {}
+    for member in tar:
+        if member.name in wanted and member.name not in found:
+            found[member.name] = member
+            if len(found) == len(wanted):
+                break
+    return found
+
+
+def read_member(tar: tarfile.TarFile, name: str, path: Path, limit: int | None = None,
+                member: tarfile.TarInfo | None = None) -> bytes | None:
     """The bytes of archive member ``name`` (None when absent), refused unless it is a regular file of at most
     ``limit`` bytes (default: ``MEMBER_LIMITS``'s, else ``DEFAULT_MEMBER_LIMIT``): a member is read whole, so its
     size is checked from its header before anything is read (a sparse 3 GiB member is refused at once)."""
-    try:
-        member = tar.getmember(name)
-    except KeyError:
+    member = member or _members(tar, [name]).get(name)
+    if member is None:
         return None
     if not member.isfile():
         kind = "a symbolic link" if member.issym() or member.islnk() else "not a regular file"
@@ -61,7 +73,8 @@ def read_members(path: str | os.PathLike, names) -> dict[str, bytes]:
     """The members ``names`` that the archive at ``path`` holds (``read_member``'s checks), each read once."""
     path = Path(path)
     with _opened(path) as tar:
-        found = {name: read_member(tar, name, path) for name in names}
+        members = _members(tar, names)
+        found = {name: read_member(tar, name, path, member=member) for name, member in members.items()}
     return {name: data for name, data in found.items() if data is not None}
 
 
@@ -92,13 +105,17 @@ def damage(path: Path, err: BaseException) -> str:
     """What is wrong with the archive at ``path``, which failed to read with ``err``: a damaged gzip stream named as
     such, else "not a .nnef.tgz archive"."""
     reason = str(err).strip().splitlines()[0].rstrip(":") if str(err).strip() else type(err).__name__
-    corrupt = _gzip_damage(path)
+    corrupt = gzip_damage(path)
     if corrupt is not None:
-        return f"{path} is a damaged gzip file ({corrupt}): the archive is truncated or corrupted; convert it again"
+        return damaged_message(path, corrupt)
     return f"{path} is not a .nnef.tgz archive that gdn-export wrote ({reason})"
 
 
-def _gzip_damage(path: Path) -> str | None:
+def damaged_message(path: Path, why: str) -> str:
+    return f"{path} is a damaged gzip file ({why}): the archive is truncated or corrupted; convert it again"
+
+
+def gzip_damage(path: Path) -> str | None:
     """Why the file at ``path`` is a gzip stream that does not decompress to its end (None: not gzip, or whole)."""
     import gzip
 
@@ -123,10 +140,9 @@ def read_metadata(path: str | os.PathLike) -> dict | None:
     with _opened(path) as tar:
         data = read_member(tar, METADATA_FILE, path)
     if data is None:
-        corrupt = _gzip_damage(path)  # a stream damaged before the metadata member reads as a tar ending early
+        corrupt = gzip_damage(path)  # a stream damaged before the metadata member reads as a tar ending early
         if corrupt is not None:
-            raise ArchiveError(f"{path} is a damaged gzip file ({corrupt}): the archive is truncated or corrupted; "
-                               "convert it again")
+            raise ArchiveError(damaged_message(path, corrupt))
         return None
     try:
         metadata = json.loads(data)
