@@ -232,6 +232,7 @@ def engine_server(converted):
     from gdn_export.run.serving import Engine
 
     engine = Engine(converted(NAME, serving=True), slots=4, workers=2, max_queue=1)
+    engine.archive.limit_context(200_000, allow_longer=True)  # a client below asks for more than the 256-token context
     with serving(engine, NAME) as base:
         yield base, engine
 
@@ -330,11 +331,13 @@ def test_bad_chat_requests_and_routes(server, client):
 
 @pytest.fixture(scope="session")
 def small_server(session):
-    """One worker, no queue, the archive read as if it carried no tokenizer and no chat template: (base url, pool)."""
+    """One worker, no queue, the archive read as if it carried no tokenizer and no chat template, its context raised
+    past the model's (streams below stay busy until cancelled): (base url, pool)."""
     from gdn_export.run.session import Session
 
     pool = WorkerPool(Session.sharing_plan(session), workers=1, max_queue=0)
     pool.archive.tokenizer, pool.archive.chat_template = None, None
+    pool.archive.limit_context(200_000, allow_longer=True)
     with serving(pool, "bare") as base:
         yield base, pool
 

@@ -466,3 +466,82 @@ def test_cli_refusals_are_one_line(tmp_path, capsys, args, message):
         main([str(model) if a == "MODEL" else a for a in args])
     err = capsys.readouterr().err.strip().splitlines()
     assert info.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
+# --- checkpoints: configs and safetensors headers checked before anything is allocated ------------------------------
+
+def checkpoint_copy(tmp_path: Path, **config_changes) -> Path:
+    import shutil
+
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(FIXTURE, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(config_changes)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_size", 10**9, "hidden_size 1000000000 is larger than any tensor of the checkpoint allows"),
+    ("intermediate_size", 10**12, "intermediate_size 1000000000000 is larger"),
+    ("num_hidden_layers", 0, "num_hidden_layers must be an integer >= 1, got 0"),
+    ("num_attention_heads", -4, "num_attention_heads must be an integer >= 1, got -4"),
+    ("vocab_size", "128", 'vocab_size must be an integer >= 1, got "128"'),
+    ("head_dim", 16.0, "head_dim must be an integer >= 1, got 16.0"),
+    ("max_position_embeddings", True, "max_position_embeddings must be an integer >= 1, got true"),
+])
+def test_a_bad_checkpoint_config_fails_fast_naming_the_field(tmp_path, field, value, message):
+    from gdn_export.hf.checkpoint import open_checkpoint
+    from gdn_export.hf.tensors import CheckpointError
+
+    folder = checkpoint_copy(tmp_path, **{field: value})
+    peak = memory_kib(os.getpid(), "VmHWM")
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(")):
+        open_checkpoint(folder)
+    assert (memory_kib(os.getpid(), "VmHWM") - peak) * 1024 < GIB
+
+
+def test_generation_config_ids_must_lie_in_the_vocabulary(tmp_path):
+    from gdn_export.hf.checkpoint import open_checkpoint
+    from gdn_export.hf.tensors import CheckpointError
+
+    folder = checkpoint_copy(tmp_path)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 500]}))
+    with pytest.raises(CheckpointError, match=r"eos_token_id \[2, 500\] is not a token id of the vocabulary \[0, 128\)"):
+        open_checkpoint(folder)
+
+
+def overlapping_safetensors(path: Path) -> None:
+    """Every tensor's data_offsets rewritten to start at 0 (the file keeps its size)."""
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    for name, info in header.items():
+        if name != "__metadata__":
+            begin, end = info["data_offsets"]
+            info["data_offsets"] = [0, end - begin]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= length
+    text += b" " * (length - len(text))  # the same header length: the data section stays where it was
+    path.write_bytes(data[:8] + text + data[8 + length:])
+
+
+@pytest.mark.parametrize("damage", ["overlapping", "trailing bytes"])
+def test_safetensors_headers_are_checked_as_the_safetensors_library_checks_them(tmp_path, damage):
+    from safetensors import safe_open
+
+    from gdn_export.hf.checkpoint import open_checkpoint
+    from gdn_export.hf.tensors import CheckpointError
+
+    folder = checkpoint_copy(tmp_path)
+    weights = next(folder.glob("*.safetensors"))
+    if damage == "overlapping":
+        overlapping_safetensors(weights)
+    else:
+        weights.write_bytes(weights.read_bytes() + b"\0" * 64)
+    with pytest.raises(Exception):  # the reference: the safetensors library refuses the file
+        with safe_open(str(weights), "np") as handle:
+            [handle.get_tensor(name) for name in handle.keys()]
+    expected = "overlaps the tensor before it" if damage == "overlapping" else "nothing after the last tensor"
+    with pytest.raises(CheckpointError, match=expected):
+        open_checkpoint(folder)
