@@ -6,8 +6,6 @@ context from the fixture's config.json, sizes from the files the test writes."""
 
 from __future__ import annotations
 
-import contextlib
-import http.client
 import io
 import json
 import os
@@ -21,6 +19,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from test_serve import raw, serve_process, serving, wait_for  # the same helpers as the server's other tests
 
 NAME = "qwen3_5"
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / NAME
@@ -29,54 +28,6 @@ LONG_PROMPT = 100_000
 KEY = "test-key-25"
 GIB = 1 << 30
 pytestmark = pytest.mark.xdist_group(NAME)
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-@contextlib.contextmanager
-def serving(pool, name: str = NAME, **options):
-    """``pool`` served by uvicorn in a thread of this process on a free port of 127.0.0.1 (``make_app``'s options):
-    the base url."""
-    import uvicorn
-
-    from gdn_export.run.http import listen, make_app
-
-    sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(make_app(pool, name, **options), log_level="error", lifespan="off",
-                                           http="h11"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: server.started, 30, "the server to start")
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
-        pool.close()
-
-
-def raw(base: str, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
-    host, port = base.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    try:
-        connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
-        response = connection.getresponse()
-        data = response.read().decode()
-    finally:
-        connection.close()
-    try:
-        return response.status, json.loads(data)
-    except ValueError:
-        return response.status, data
 
 
 def long_prompt_body(**fields) -> bytes:
@@ -96,7 +47,7 @@ def keyed_server(shared_session):
     from gdn_export.run.session import Session
 
     pool = WorkerPool(Session.sharing_plan(shared_session(NAME)), workers=2, max_queue=2)
-    with serving(pool, api_key=KEY) as base:
+    with serving(pool, NAME, api_key=KEY) as base:
         yield base, pool
 
 
@@ -109,7 +60,7 @@ def long_server(shared_session):
 
     pool = WorkerPool(Session.sharing_plan(shared_session(NAME)), workers=1, max_queue=1)
     pool.archive.limit_context(3 * LONG_PROMPT, allow_longer=True)
-    with serving(pool, request_timeout=3.0) as base:
+    with serving(pool, NAME, request_timeout=3.0) as base:
         yield base, pool
 
 
@@ -247,10 +198,14 @@ def rewritten(source: Path, target: Path, metadata: dict | None = None, drop_met
                 continue
             out.addfile(member, io.BytesIO(data))
         for name, data in (add or {}).items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            out.addfile(info, io.BytesIO(data))
+            add_member(out, name, data)
     return target
+
+
+def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
 
 
 def memory_kib(pid: int, field: str) -> int:
@@ -268,23 +223,9 @@ def test_gdn_export_serve_keys_names_templates_and_sigterm(archive, tmp_path):
     flight ends both with an error (an SSE error event and [DONE]; a 503 body), exits 0, and prints no traceback."""
     evil = rewritten(archive, tmp_path / "evil.nnef.tgz", add={"chat_template.jinja": EVIL_TEMPLATE.encode()})
     log = tmp_path / "stderr.txt"
-    with open(log, "w") as err:
-        process = subprocess.Popen([sys.executable, "-m", "gdn_export.cli", "serve", str(evil), "--port", "0",
-                                    "--max-model-len", str(3 * LONG_PROMPT), "--shutdown-grace", "1"],
-                                   stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
-                                   env=dict(os.environ, PYTHONUNBUFFERED="1", GDN_EXPORT_API_KEY=KEY,
-                                            GDN_EXPORT_ALLOW_LONG_MAX_MODEL_LEN="1"))
-
-    def listening():
-        if process.poll() is not None:
-            raise AssertionError(f"gdn-export serve exited with {process.returncode}: {log.read_text()}")
-        for line in log.read_text().splitlines():
-            if " on http://127.0.0.1:" in line:
-                return int(line.split(" on http://127.0.0.1:")[1].split()[0])
-        return None
-
+    process, base = serve_process([str(evil), "--max-model-len", str(3 * LONG_PROMPT), "--shutdown-grace", "1"], log,
+                                  GDN_EXPORT_API_KEY=KEY, GDN_EXPORT_ALLOW_LONG_MAX_MODEL_LEN="1")
     try:
-        base = f"http://127.0.0.1:{wait_for(listening, 90, 'gdn-export serve to listen')}"
         for path in ("/v1/models", "/v1/models/evil", "/v1/nowhere"):
             status, answer = raw(base, "GET", path)
             assert status == 401 and answer["error"]["code"] == "invalid_api_key", (path, answer)
@@ -371,14 +312,9 @@ METADATA = {"format": 1, "family": "Qwen3.5", "vocab_size": 128, "generation_fil
 
 def small_archive(path: Path, metadata: dict | bytes, members: dict | None = None) -> Path:
     with tarfile.open(path, "w:gz") as tar:
-        data = metadata if isinstance(metadata, bytes) else json.dumps(metadata).encode()
-        info = tarfile.TarInfo("gdn_export.json")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
+        add_member(tar, "gdn_export.json", metadata if isinstance(metadata, bytes) else json.dumps(metadata).encode())
         for name, value in (members or {}).items():
-            info = tarfile.TarInfo(name)
-            info.size = len(value)
-            tar.addfile(info, io.BytesIO(value))
+            add_member(tar, name, value)
     return path
 
 
@@ -401,11 +337,9 @@ def test_members_read_bounded_and_never_through_links(tmp_path):
 
     # a tokenizer.json whose header claims 3 GiB: refused from its header, nothing read (a plain tar, data cut short)
     path = tmp_path / "big.nnef.tgz"
+    data = json.dumps(dict(METADATA, generation_files=["tokenizer.json"])).encode()
     with tarfile.open(path, "w") as tar:
-        data = json.dumps(dict(METADATA, generation_files=["tokenizer.json"])).encode()
-        info = tarfile.TarInfo("gdn_export.json")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
+        add_member(tar, "gdn_export.json", data)
     with open(path, "r+b") as handle:  # replace the end-of-archive blocks by the big member's header
         handle.seek(512 + ((len(data) + 511) // 512) * 512)
         big = tarfile.TarInfo("tokenizer.json")

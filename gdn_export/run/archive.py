@@ -17,7 +17,7 @@ MIB = 1 << 20
 MEMBER_LIMITS = {"tokenizer.json": 64 * MIB, "tokenizer.model": 64 * MIB, "vocab.json": 64 * MIB,
                  "merges.txt": 64 * MIB}
 DEFAULT_MEMBER_LIMIT = 16 * MIB
-# the checkpoint files an archive may carry for generation (gdn_export.hf.convert's GENERATION_FILES)
+# the checkpoint files an archive carries for generation (convert copies those the checkpoint has; tract ignores them)
 GENERATION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "chat_template.json", "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
 
@@ -149,6 +149,30 @@ def read_metadata(path: str | os.PathLike) -> dict | None:
     except (ValueError, UnicodeDecodeError) as err:
         raise ArchiveError(f"{path}: {METADATA_FILE} is not valid JSON ({err})") from None
     return check_metadata(metadata, f"{path}: {METADATA_FILE}")
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def text_member(data: bytes, name: str, path: Path) -> str:
+    """Member ``name``'s bytes as UTF-8 text, or an ArchiveError."""
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise ArchiveError(f"{path}: {name} is not UTF-8 text") from None
+
+
+def json_member(data: bytes, name: str, path: Path) -> dict:
+    """Member ``name``'s bytes as a JSON object, or an ArchiveError."""
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ArchiveError(f"{path}: {name} is not valid JSON ({first_line(err)})") from None
+    if not isinstance(value, dict):
+        raise ArchiveError(f"{path}: {name} must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 # --- gdn_export.json's schema: every field a reader uses, its type and range ----------------------------------

@@ -317,17 +317,21 @@ class App:
         finally:
             watcher.cancel()
 
-    async def _prepared(self, request, chat: bool):
-        """(body, Generation, top logprobs, flight) of a request, its parsing, tokenizing and template rendering off
-        the event loop; the flight is registered (ended by shutdown or the deadline) from its arrival."""
+    async def _started(self, request, chat: bool):
+        """(Generation, top logprobs, flight, token stream, stream mode, usage in the stream) of a request submitted
+        to the executor, its parsing, tokenizing and template rendering off the event loop; the flight is registered
+        (ended by shutdown or the deadline) from its arrival."""
         flight = self._flight()
         try:
             body = await _json_body(request)
             generation, top = await asyncio.to_thread(self._chat if chat else self._completion, body)
+            stream_mode = _field(body, "stream", "boolean", False)
+            usage_in_stream = bool(_field(body, "stream_options", "object", {}).get("include_usage"))
+            stream = self._submit(generation, flight)
         except BaseException:
             self._landed(flight)
             raise
-        return body, generation, top, flight
+        return generation, top, flight, stream, stream_mode, usage_in_stream
 
     def _completion(self, body: dict):
         self._check_model(body)
@@ -391,14 +395,7 @@ class App:
 
     # --- endpoints ---
     async def completions(self, request):
-        body, generation, top, flight = await self._prepared(request, chat=False)
-        try:
-            stream_mode = _field(body, "stream", "boolean", False)
-            usage_in_stream = bool(_field(body, "stream_options", "object", {}).get("include_usage"))
-            stream = self._submit(generation, flight)
-        except BaseException:
-            self._landed(flight)
-            raise
+        generation, top, flight, stream, stream_mode, usage_in_stream = await self._started(request, chat=False)
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": ident, "object": "text_completion", "created": created, "model": self.model_name}
         if not stream_mode:
@@ -425,14 +422,7 @@ class App:
         return self._sse(chunks())
 
     async def chat_completions(self, request):
-        body, generation, top, flight = await self._prepared(request, chat=True)
-        try:
-            stream_mode = _field(body, "stream", "boolean", False)
-            usage_in_stream = bool(_field(body, "stream_options", "object", {}).get("include_usage"))
-            stream = self._submit(generation, flight)
-        except BaseException:
-            self._landed(flight)
-            raise
+        generation, top, flight, stream, stream_mode, usage_in_stream = await self._started(request, chat=True)
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": ident, "object": "chat.completion", "created": created, "model": self.model_name}
         if not stream_mode:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from gdn_export.errors import GdnExportError
-from gdn_export.run.archive import read_metadata
+from gdn_export.run.archive import first_line, json_member, read_metadata, text_member
 from gdn_export.run.runtime import load_tract_model, run_tract_tensors
 from gdn_export.run.runtime import steady_allocator as keep_buffers_mapped
 
@@ -85,19 +85,19 @@ class Session:
         except ImportError:
             raise GdnExportError("reading the archive's tokenizer needs the tokenizers package: pip install tokenizers") from None
         try:
-            return Tokenizer.from_str(_text(data, "tokenizer.json", self.path))
+            return Tokenizer.from_str(text_member(data, "tokenizer.json", self.path))
         except Exception as err:  # tokenizers raises plain Exceptions
-            raise GdnExportError(f"{self.path}: tokenizer.json does not load ({_first_line(err)})") from None
+            raise GdnExportError(f"{self.path}: tokenizer.json does not load ({first_line(err)})") from None
 
     @property
     def chat_template(self) -> str | None:
         """The checkpoint's chat template (chat_template.jinja, or tokenizer_config.json's), or None."""
         files = self._generation_files()
         if "chat_template.jinja" in files:
-            return _text(files["chat_template.jinja"], "chat_template.jinja", self.path)
+            return text_member(files["chat_template.jinja"], "chat_template.jinja", self.path)
         for name in ("chat_template.json", "tokenizer_config.json"):
             if name in files:
-                template = _json_object(files[name], name, self.path).get("chat_template")
+                template = json_member(files[name], name, self.path).get("chat_template")
                 if isinstance(template, list):  # named templates (transformers): the "default" one
                     template = next((t.get("template") for t in template if isinstance(t, dict)
                                      and t.get("name") == "default"), None)
@@ -111,7 +111,7 @@ class Session:
     def generation_config(self) -> dict | None:
         """The checkpoint's generation_config.json (sampling defaults, stop tokens), or None."""
         data = self._generation_files().get("generation_config.json")
-        return _json_object(data, "generation_config.json", self.path) if data is not None else None
+        return json_member(data, "generation_config.json", self.path) if data is not None else None
 
     def _runnable(self, batch: int):
         if self._planned is None or self._planned[0] != batch:
@@ -232,30 +232,6 @@ class Session:
         new._states, new._batch = None, 0
         new.position = 0
         return new
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
-def _text(data: bytes, name: str, path: Path) -> str:
-    try:
-        return data.decode()
-    except UnicodeDecodeError:
-        raise GdnExportError(f"{path}: {name} is not UTF-8 text") from None
-
-
-def _json_object(data: bytes, name: str, path: Path) -> dict:
-    import json
-
-    try:
-        value = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise GdnExportError(f"{path}: {name} is not valid JSON ({_first_line(err)})") from None
-    if not isinstance(value, dict):
-        raise GdnExportError(f"{path}: {name} must be a JSON object, got {type(value).__name__}")
-    return value
 
 
 def _numpy(state) -> np.ndarray:

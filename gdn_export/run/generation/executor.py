@@ -176,9 +176,7 @@ class ArchiveText:
     tokenizer config's special tokens (the names a chat template may use), vocabulary size."""
 
     def __init__(self, session: Session) -> None:
-        import json
-
-        from gdn_export.run.session import _json_object
+        from gdn_export.run.archive import json_member
 
         files = session._generation_files()
         self.path = session.path
@@ -189,7 +187,7 @@ class ArchiveText:
         self.tokenizer = session.tokenizer
         self.chat_template = session.chat_template
         self.generation_config: dict = session.generation_config or {}
-        config = _json_object(files["tokenizer_config.json"], "tokenizer_config.json", session.path) \
+        config = json_member(files["tokenizer_config.json"], "tokenizer_config.json", session.path) \
             if "tokenizer_config.json" in files else {}
         self.special_tokens = {}
         for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
