@@ -356,7 +356,10 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
         metadata = read_metadata(path)
     if not metadata or "states" not in metadata:
         raise GdnExportError(f"{path} was not written by gdn-export convert (no gdn_export.json with states)")
-    config = read_config(checkpoint_dir)
+    from gdn_export.megatron.checkpoint import is_megatron_checkpoint
+
+    megatron = is_megatron_checkpoint(checkpoint_dir)  # no config.json: its args give the model
+    config = open_checkpoint(checkpoint_dir)[1].config if megatron else read_config(checkpoint_dir)
     family = family_for(config["model_type"])
     if metadata.get("model_type") != config["model_type"]:
         raise GdnExportError(f"{path} holds a {metadata.get('family')} model ({metadata.get('model_type')}); "
@@ -365,7 +368,7 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
     if vocab is not None and metadata.get("vocab_size") != vocab:
         raise GdnExportError(f"{path} has a vocabulary of {metadata.get('vocab_size')} tokens; {checkpoint_dir}'s "
                              f"config.json says {vocab}")
-    family, layout, _, weights = open_checkpoint(checkpoint_dir, family, config)
+    family, layout, _, weights = open_checkpoint(checkpoint_dir, *(() if megatron else (family, config)))
     kind = kind if kind != "auto" else reference_fits(weights, getattr(torch, metadata.get("dtype", "float32")))
     return check_with(kind, path, family, layout, weights, prompt_len, decode_steps, batch)
 
