@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError, ParityError
-from gdn_export.run.archive import nnef_tgz_path, read_metadata
+from gdn_export.run.archive import GENERATION_FILES, nnef_tgz_path, read_metadata
 from gdn_export.ops.gated_delta_rule.capabilities import parse_version
 from gdn_export.hf.check import LogitCheck, check_archive, transformers_references, validate_check
 from gdn_export.hf.checkpoint import (CheckpointError, cast_buffers, empty_model, materialize, model_in_memory,
@@ -135,9 +135,7 @@ def check_output_path(out_path: str | os.PathLike, force: bool, force_hint: str 
 CHECKS = ("auto", "full", "layerwise")
 # what a check's reference is, for the report
 CHECK_KINDS = {"full": "whole model in memory", "layerwise": "layer by layer (one decoder layer in memory at a time)"}
-# files of a checkpoint folder that the archive carries, to generate text (tract ignores them)
-GENERATION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                    "chat_template.json", "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+# the files of a checkpoint folder that the archive carries to generate text (tract ignores them): GENERATION_FILES
 
 
 def convert(
@@ -243,6 +241,7 @@ def convert(
     metadata = {
         "format": FORMAT_VERSION, "family": family.name, "model_type": layout.checkpoint_model_type,
         "text_model_type": layout.model_type, "dtype": dtype, "core_dtype": core_dtype, "vocab_size": vocab_size,
+        "context_length": layout.config.get("max_position_embeddings"),  # prompt + new tokens (docs/SERVER.md)
         "inputs": inputs, "outputs": outputs, "generation_files": sorted(carried), "quantize": quantize, "logits": logits,
         "serving": serving,
         "quantized": len(quantization.quantized),
