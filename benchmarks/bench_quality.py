@@ -127,7 +127,7 @@ def has_perplexity_command() -> bool:
     return "perplexity" in out.stdout
 
 
-def in_process_figures(archives: dict[str, Path], checkpoint: Path, text: Path, ctx: int,
+def in_process_figures(archives: dict[str, Path], checkpoint: Path, text: Path, ctx: int, windows_limit: int | None,
                        batch: int = 8) -> dict[str, dict]:
     """Without ``gdn-export perplexity`` (older trees): the same rule in this process. Every archive through
     ``gdn_export.Session`` (tract) and transformers' float32 model on the same windows of ``ctx`` tokens of the
@@ -142,7 +142,7 @@ def in_process_figures(archives: dict[str, Path], checkpoint: Path, text: Path, 
 
     ids = np.asarray(Tokenizer.from_file(str(checkpoint / "tokenizer.json")).encode(
         text.read_text(encoding="utf-8"), add_special_tokens=False).ids, np.int64)
-    windows = ids[:len(ids) // ctx * ctx].reshape(-1, ctx)
+    windows = ids[:len(ids) // ctx * ctx].reshape(-1, ctx)[:windows_limit]
     reference = load_model(checkpoint)
     sessions = {name: Session(path) for name, path in archives.items()}
     sums = {name: {"nll": 0.0, "kl": 0.0, "top1": 0} for name in ["reference", *archives]}
@@ -175,7 +175,7 @@ def parse_llama_perplexity(out: str, base: bool) -> dict:
 
 
 def llama_rows(tree: Path, checkpoint: Path, work: Path, text: Path, calibration: Path, ctx: int, tokens: int,
-               prompt: str, greedy: int, pre: str) -> list[dict]:
+               prompt: str, greedy: int, pre: str, windows: int | None) -> list[dict]:
     from bench_vs_llamacpp import LlamaCpp
 
     llama = LlamaCpp(tree, work)
@@ -206,17 +206,32 @@ def llama_rows(tree: Path, checkpoint: Path, work: Path, text: Path, calibration
     for label, gguf in ggufs.items():
         log(f"llama.cpp {label}: llama-perplexity -c {ctx}")
         command = [bin_ / "llama-perplexity", "-m", gguf, "-f", text, "-c", ctx, "-t", "2", "--kl-divergence-base",
-                   base]
+                   base, *(["--chunks", windows] if windows else [])]
         figures = parse_llama_perplexity(call(command if label == "F32" else command + ["--kl-divergence"]),
                                          base=label == "F32")
         types = llama.tensor_types(gguf)
         head = types.get("output.weight", types.get("token_embd.weight", "?"))
-        generated = call([bin_ / "llama-completion", "-m", gguf, "-p", prompt, "-n", greedy, "--temp", "0", "-t", "2",
-                          "--no-warmup", "-no-cnv", "--ignore-eos", "--log-disable"]) \
-            if (bin_ / "llama-completion").is_file() else ""
+        generated = llama_greedy(llama, gguf, checkpoint, prompt, greedy, work)
         rows.append({"engine": "llama.cpp", "format": f"{label} (head {head})", "bytes": gguf.stat().st_size,
                      **figures, "text": generated})
     return rows
+
+
+def llama_greedy(llama, gguf: Path, checkpoint: Path, prompt: str, count: int, work: Path) -> str:
+    """Greedy continuation by llama.cpp: the prompt's token ids (the checkpoint's tokenizer, as gdn_export reads it)
+    through bench_vs_llamacpp.py's logits program (llama.cpp's public C API), the argmax appended, ``count`` times
+    (this build has no raw-completion tool: its llama-cli is chat only)."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    start = len(ids)
+    tokens_path, out = work / "greedy.i32", work / "greedy.f32"
+    for _ in range(count):
+        np.asarray(ids, np.int32).tofile(tokens_path)
+        ids.append(int(llama.logits(gguf, tokens_path, out, 0)[-1].argmax()))
+    return prompt + tokenizer.decode(ids[start:])
 
 
 def print_table(rows: list[dict], prompt: str, markdown: bool) -> None:
@@ -252,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", type=Path, default=ROOT / "fixtures" / "qwen3_5_trained")
     parser.add_argument("--text", type=Path, default=None, help="default: the checkpoint's heldout.txt")
     parser.add_argument("--ctx", type=int, default=256)
+    parser.add_argument("--windows", type=int, default=None,
+                        help="score the first N windows only (both engines; llama-perplexity --chunks N)")
     parser.add_argument("--llama-cpp", type=Path, default=None)
     parser.add_argument("--gguf-pre", default="qwen2", help="llama.cpp pre-tokenizer for the unknown hash")
     parser.add_argument("--calibration-tokens", type=int, default=8192)
@@ -280,15 +297,17 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             call([sys.executable, "-m", "gdn_export.cli", "convert", args.checkpoint, "-o", archive, *options])
             log(f"gdn_export {name}: converted and checked in {time.perf_counter() - start:.0f} s")
-        figures = None if has_perplexity_command() else in_process_figures(archives, args.checkpoint, text, args.ctx)
+        figures = None if has_perplexity_command() and args.windows is None else \
+            in_process_figures(archives, args.checkpoint, text, args.ctx, args.windows)
         for name, archive in archives.items():
             log(f"gdn_export {name}: perplexity, greedy text")
             rows.append(gdn_row(name, archive, text, args.ctx, args.checkpoint, prompt, args.greedy_tokens,
                                 None if figures is None else figures[name]))
         if args.llama_cpp is not None:
             rows += llama_rows(args.llama_cpp.resolve(), args.checkpoint.resolve(), work, text, calibration, args.ctx,
-                               args.calibration_tokens, prompt, args.greedy_tokens, args.gguf_pre)
-        print(f"\n{args.checkpoint.name} on {text.name}, windows of {args.ctx} tokens (second half scored); "
+                               args.calibration_tokens, prompt, args.greedy_tokens, args.gguf_pre, args.windows)
+        scope = f"the first {args.windows} windows" if args.windows else "every window"
+        print(f"\n{args.checkpoint.name} on {text.name}, {scope} of {args.ctx} tokens (second half scored); "
               f"{machine_line()}")
         print_table(rows, prompt, args.markdown)
     finally:
