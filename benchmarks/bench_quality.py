@@ -111,12 +111,15 @@ def gdn_quantize_choices() -> list[str]:
 
 def gdn_row(name: str, archive: Path, text: Path, ctx: int, checkpoint: Path, prompt: str, greedy: int,
             figures: dict | None = None) -> dict:
+    """The figures of one archive (``gdn-export perplexity``, or ``figures`` computed in process) and, when
+    ``greedy`` > 0, its greedy continuation of ``prompt``."""
     if figures is None:
         out = call([sys.executable, "-m", "gdn_export.cli", "perplexity", archive, text, "--ctx", ctx,
                     "--reference", checkpoint, "--json"])
         figures = json.loads(out.strip().splitlines()[-1])
     generated = call([sys.executable, "-m", "gdn_export.cli", "generate", archive, "--prompt", prompt,
-                      "--max-new-tokens", greedy, "--temperature", "0", "--ignore-eos"], stdout_only=True)
+                      "--max-new-tokens", greedy, "--temperature", "0", "--ignore-eos"], stdout_only=True) \
+        if greedy else ""
     return {"engine": "gdn_export (tract)", "format": name, "bytes": archive.stat().st_size, "ppl": figures["ppl"],
             "kl": figures["kld_mean"], "top1": figures["top1"], "ref_ppl": figures.get("ref_ppl"),
             "text": generated}
@@ -175,7 +178,7 @@ def parse_llama_perplexity(out: str, base: bool) -> dict:
 
 
 def llama_rows(tree: Path, checkpoint: Path, work: Path, text: Path, calibration: Path, ctx: int, tokens: int,
-               prompt: str, greedy: int, pre: str, windows: int | None) -> list[dict]:
+               prompt: str, greedy: int, pre: str, windows: int | None, wanted=lambda name: True) -> list[dict]:
     from bench_vs_llamacpp import LlamaCpp
 
     llama = LlamaCpp(tree, work)
@@ -211,7 +214,7 @@ def llama_rows(tree: Path, checkpoint: Path, work: Path, text: Path, calibration
                                          base=label == "F32")
         types = llama.tensor_types(gguf)
         head = types.get("output.weight", types.get("token_embd.weight", "?"))
-        generated = llama_greedy(llama, gguf, checkpoint, prompt, greedy, work)
+        generated = llama_greedy(llama, gguf, checkpoint, prompt, greedy, work) if wanted(label) else ""
         rows.append({"engine": "llama.cpp", "format": f"{label} (head {head})", "bytes": gguf.stat().st_size,
                      **figures, "text": generated})
     return rows
@@ -277,6 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--formats", default=None, help="comma-separated gdn_export formats (default: all)")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--no-check", dest="check", action="store_false",
+                        help="convert with --no-check (the f32 row's perplexity against transformers' still shows "
+                             "the export exact; tests/test_quantized.py checks the quantized graphs)")
+    parser.add_argument("--greedy-formats", default="f32,q4_0 nearest,q4_0 --calibration,"
+                        "q4_0 --calibration --q4-rule gptq,F32,Q4_0,Q4_0 + imatrix",
+                        help="the formats whose greedy text is printed (comma-separated; 'all')")
     args = parser.parse_args(argv)
     text = args.text or args.checkpoint / "heldout.txt"
     work = Path(tempfile.mkdtemp(prefix="bench_quality_", dir=args.workdir))
@@ -290,19 +299,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.formats:
             formats = {k: v for k, v in formats.items() if k in args.formats.split(",")}
         rows, archives = [], {}
+        wanted = lambda name: args.greedy_formats == "all" or name in args.greedy_formats.split(",")  # noqa: E731
         for name, options in formats.items():
             archive = archives[name] = work / f"{re.sub(r'[^a-z0-9]+', '_', name)}.nnef.tgz"
             options = [o.format(calibration=calibration, tokens=args.calibration_tokens) for o in options]
             log(f"gdn_export {name}: convert {' '.join(options)}")
             start = time.perf_counter()
-            call([sys.executable, "-m", "gdn_export.cli", "convert", args.checkpoint, "-o", archive, *options])
+            call([sys.executable, "-m", "gdn_export.cli", "convert", args.checkpoint, "-o", archive, *options,
+                  *([] if args.check else ["--no-check"])])
             log(f"gdn_export {name}: converted and checked in {time.perf_counter() - start:.0f} s")
         figures = None if has_perplexity_command() and args.windows is None else \
             in_process_figures(archives, args.checkpoint, text, args.ctx, args.windows)
         for name, archive in archives.items():
             log(f"gdn_export {name}: perplexity, greedy text")
-            rows.append(gdn_row(name, archive, text, args.ctx, args.checkpoint, prompt, args.greedy_tokens,
-                                None if figures is None else figures[name]))
+            rows.append(gdn_row(name, archive, text, args.ctx, args.checkpoint, prompt,
+                                args.greedy_tokens if wanted(name) else 0, None if figures is None else figures[name]))
         if args.llama_cpp is not None:
             rows += llama_rows(args.llama_cpp.resolve(), args.checkpoint.resolve(), work, text, calibration, args.ctx,
                                args.calibration_tokens, prompt, args.greedy_tokens, args.gguf_pre, args.windows)
