@@ -22,6 +22,7 @@ import torch
 from gdn_export.errors import GdnExportError, ParityError
 from gdn_export.hf.convert import ConvertReport
 from gdn_export.lowering import onnx_decisions
+from gdn_export.weights import ONNX_QUANTIZE_REFUSAL
 
 
 @dataclass
@@ -93,7 +94,7 @@ def convert_onnx(checkpoint_dir, out_path, *, dtype: str = "float32", lowering: 
     for name, value in (("quantize", quantize), ("core_dtype", core_dtype), ("chunk_size", chunk_size),
                         ("tract_version", tract_version)):
         if value is not None:
-            hint = " (tract's Q4_0 format; an ONNX export keeps float weights)" if name == "quantize" else ""
+            hint = f" ({ONNX_QUANTIZE_REFUSAL.get(value, '')})" if name == "quantize" else ""
             raise GdnExportError(f"{name}={value!r} is an NNEF option: not available with format='onnx'{hint}")
     if logits != "all":
         raise GdnExportError(f"logits={logits!r} is not available with format='onnx' (its graph returns the logits of "
