@@ -57,6 +57,8 @@ class QuantizationReport:
                      f"({_size(2 * self.half_bytes)} -> {_size(self.half_bytes)})")
         if self.kept:
             text += "; kept in the export dtype: " + ", ".join(f"{n} {why}" for why, n in sorted(self.kept.items()))
+        if self.scheme == int8.NAME and (warning := int8.slow_here_warning()):
+            text += f"; WARNING: {warning}"
         return text
 
 

@@ -39,6 +39,24 @@ SCALE_SUFFIX = ".int8_scale"  # label of a weight's scales: the weight's label +
 CODE_LIMIT = 127
 
 
+# x86 instructions tract's fast int8 kernels need (AVX-VNNI, AVX-512 VNNI, AMX); without them (AVX2 alone) tract
+# 0.23.9's int8 matmul ran 30-300x slower than its f32 one (benchmarks/bench_int8_matmul.py, RESULTS.md 2026-12-03)
+INT8_DOT_FLAGS = ("avx_vnni", "avx512_vnni", "amx_int8")
+
+
+def slow_here_warning() -> str:
+    """A line for the report when this machine is an x86 CPU without int8 dot-product instructions, else ""."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), None)
+    if flags is None or "avx2" not in flags or any(f in flags for f in INT8_DOT_FLAGS):
+        return ""
+    return ("this CPU has AVX2 but none of " + ", ".join(INT8_DOT_FLAGS) + ": tract 0.23.9 runs these int8 matmuls "
+            "30-300x slower than float32 here (benchmarks/RESULTS.md); the archive is for a host that has them")
+
+
 def quantizable(shape: tuple[int, ...]) -> bool:
     """A matrix: one scale per row (output channel), any inner size."""
     return len(shape) == 2 and shape[0] > 0 and shape[1] > 0
