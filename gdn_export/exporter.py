@@ -23,8 +23,8 @@ from gdn_export.output_names import declared_outputs, keep_output_names
 from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
 from gdn_export.weights.casts import fold_weight_casts, weights_cast_before_use
 from gdn_export.weights import int8
-from gdn_export.weights.streamed import (StreamedWeights, annotate_compressed_gathers, cast_half_gathers,
-                                         check_all_written, streamed_writes, write_deferred)
+from gdn_export.weights.streamed import (StreamedWeights, annotate_compressed_gathers, check_all_written,
+                                         streamed_writes, write_deferred)
 from gdn_export.run.runtime import alongside, load_tract_model, run_tract, tract_version as installed_tract_version
 from gdn_export.target import OfflineTractTarget
 
@@ -150,11 +150,12 @@ def export(
         if weights is not None and (folder / "graph.nnef").is_file():
             graph = (folder / "graph.nnef").read_text()
             check_all_written(weights, written, graph)
-            if weights.compressed or weights.half_tables:
-                graph = cast_half_gathers(annotate_compressed_gathers(graph, weights.compressed), weights.half_tables)
-                (folder / "graph.nnef").write_text(graph)
+            if weights.compressed:
+                (folder / "graph.nnef").write_text(annotate_compressed_gathers(graph, weights.compressed))
             if weights.int8 is not None:  # torch-to-nnef's linear of each int8 weight, to tract's integer matmul
                 int8.lower_folder(folder, weights.int8)
+            if weights.int8_tables is not None:  # gathers of an int8 table: codes and scales
+                int8.lower_folder(folder, weights.int8_tables, gathers=True)
         seconds = {"trace": time.perf_counter() - start - written["seconds"], "write": written["seconds"]}
         if not (folder / "graph.nnef").is_file():
             raise GdnExportError(f"torch-to-nnef wrote no graph for {path}")

@@ -106,23 +106,24 @@ def dat_types(archive: Path) -> dict[str, tuple[int, int]]:
 @pytest.mark.slow
 def test_int8_export_of_a_tied_model_matches_the_reference_with_the_same_rounding(tmp_path):
     """Qwen3.5 with its head tied to the table: every linear layer in int8 (the head a copy of its own), the table in
-    float16 (gathered rows cast), the check against transformers with the same int8 weights and input rounding
+    int8 too (its gather takes codes and a scale per row), the check against transformers with the same int8 weights and input rounding
     passes; the same tract logits against transformers without the input rounding fail the same rule."""
     out = tmp_path / "q.nnef.tgz"
     report = convert(FIXTURES / "qwen3_5_vl", out, quantize="int8")
     assert report.check.ok, report.check
     assert report.quality is not None and np.isfinite(report.quality.mean_kl)
     types = dat_types(out)
-    linear = {n for n, t in types.items() if t == (8, 4)}
+    linear = {n for n, t in types.items() if t == (8, 4)} - {"hf.model.embed_tokens.weight.dat"}
     assert {n for n in types if re.search(r"(_proj|_proj_\w+|lm_head)\.weight\.dat$", n)} == linear
     assert all(types[n.removesuffix(".dat") + int8.SCALE_SUFFIX + ".dat"] == (32, 0) for n in linear)
-    assert types["hf.model.embed_tokens.weight.dat"] == (16, 0)
+    assert types["hf.model.embed_tokens.weight.dat"] == (8, 4)  # the table: int8, gathered with its scales
     assert "hf.lm_head.weight.dat" in linear
-    assert f"{len(linear)} weights in INT8" in report.quantization and "float16" in report.quantization
+    assert f"{len(linear)} weights in INT8" in report.quantization and "embedding table in int8" in report.quantization
     with tarfile.open(out) as tar:
         graph = tar.extractfile("graph.nnef").read().decode()
         assert json.loads(tar.extractfile("gdn_export.json").read())["quantize"] == "int8"
     assert "linear(" not in graph and graph.count("tract_core_einsum_q(") == len(linear)
+    assert graph.count("tract_core_gather(") == 2  # the table's codes and its rows' scales
 
 
 @pytest.mark.slow

@@ -9,8 +9,8 @@ gives it a Q4_0 copy of the table of its own. ``dequantized_view`` gives the che
 compute with. With ``quantize="int8"`` (``gdn_export.weights.int8``) the weight of every ``nn.Linear`` whose
 reference is transformers' own ``nn.Linear`` is written in int8 with a scale per output channel, and the graph's
 ``linear`` of it becomes tract's integer matmul (``int8.lower_linears``). In a quantized export of float32 the
-embedding table, which only a gather reads, is stored in float16 and its gathered rows cast (half the bytes of
-the largest tensor left in the export dtype).
+embedding table, which only a gather reads, is stored in int8 with a scale per row, and the gather takes codes and
+scales (``int8.lower_gathers``): a quarter of its float32 bytes, the largest tensor a quantized archive had left.
 """
 
 from __future__ import annotations
@@ -44,17 +44,17 @@ class QuantizationReport:
     kept: Counter = field(default_factory=Counter)  # reason -> count of 2-D weights left unquantized
     bytes_before: int = 0  # of the quantized tensors, in the export dtype
     bytes_after: int = 0
-    half_tables: list[str] = field(default_factory=list)  # checkpoint names of embedding tables stored in float16
-    half_bytes: int = 0  # their float16 bytes
+    int8_tables: list[str] = field(default_factory=list)  # checkpoint names of embedding tables stored in int8
+    table_bytes: tuple[int, int] = (0, 0)  # their bytes in the export dtype, and in int8 (codes and scales)
 
     def __str__(self) -> str:
         if self.scheme is None:
             return ""
         text = (f"{len(self.quantized)} weights in {self.scheme.upper()} ({_size(self.bytes_before)} -> "
                 f"{_size(self.bytes_after)})")
-        if self.half_tables:
-            text += (f"; {len(self.half_tables)} embedding table in float16, gathered rows cast "
-                     f"({_size(2 * self.half_bytes)} -> {_size(self.half_bytes)})")
+        if self.int8_tables:
+            text += (f"; {len(self.int8_tables)} embedding table in int8 (a scale per row, applied to the gathered "
+                     f"rows: {_size(self.table_bytes[0])} -> {_size(self.table_bytes[1])})")
         if self.kept:
             text += "; kept in the export dtype: " + ", ".join(f"{n} {why}" for why, n in sorted(self.kept.items()))
         if self.scheme == int8.NAME and (warning := int8.slow_here_warning()):
@@ -129,7 +129,7 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
     linear = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Linear)}
     report = QuantizationReport(scheme=quantize)
     chosen: set[int] = set()
-    half: set[int] = set()
+    table8: set[int] = set()
     if quantize is not None:  # a head still tied to the table (no block-sized rows) is the table: kept with it
         candidates = (linear | tables) if quantize_embeddings else linear - tables
         chosen = {key for key in candidates if scheme.quantizable(tuple(params[key].shape))}
@@ -159,30 +159,32 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
         report.kept["not a linear layer's weight (embeddings, convolutions, MoE routers)"] = sum(
             p.dim() >= 2 and key not in candidates for key, p in params.items())
         report.kept = +report.kept  # without the zero counts
-        if dtype == torch.float32:  # a table only gathered from (not a tied head's too): its rows cast after the gather
-            half = {key for key in tables - chosen - linear if params[key].dim() == 2}
+        if dtype == torch.float32:  # a table only gathered from (not a tied head's too): codes and scales gathered
+            table8 = {key for key in tables - chosen - linear if int8.quantizable(tuple(params[key].shape))}
     int8_weights = int8.Int8Weights(frozenset(label for key in chosen for label in labels[key])) \
         if scheme is int8 else None
+    int8_tables = int8.Int8Weights(frozenset(label for key in table8 for label in labels[key])) if table8 else None
     writers = {}
     for key, group in labels.items():
         param = params[key]
-        stored = scheme.NAME if key in chosen else "f16" if key in half else None
-        writer = _writer(group[0], param, names, weights, dtype, stored, int8_weights, tuple(group))
+        stored = scheme.NAME if key in chosen else int8.NAME if key in table8 else None
+        writer = _writer(group[0], param, names, weights, dtype, stored,
+                         int8_tables if key in table8 else int8_weights, tuple(group))
         if key in chosen:
             report.quantized.append(_source_name(param, names))
             report.bytes_before += param.numel() * dtype.itemsize
             report.bytes_after += scheme.nbytes(tuple(param.shape))
-        elif key in half:
-            report.half_tables.append(_source_name(param, names))
-            report.half_bytes += param.numel() * 2
+        elif key in table8:
+            report.int8_tables.append(_source_name(param, names))
+            report.table_bytes = (report.table_bytes[0] + param.numel() * dtype.itemsize,
+                                  report.table_bytes[1] + int8.nbytes(tuple(param.shape)))
         writers.update(dict.fromkeys(group, writer))
     placeholders = tuple(frozenset(group) for key, group in labels.items() if getattr(params[key], PLACEHOLDER, False))
     storages = frozenset(p.untyped_storage().data_ptr() for p in params.values() if getattr(p, PLACEHOLDER, False))
     compressed = {label: DATUM_TYPES[dtype] for key in tables & chosen for label in labels[key]}
-    deferrable = {label: "f16" if key in half else DATUM_TYPES[dtype] for key, group in labels.items()
-                  if key not in chosen and params[key].dim() >= 2 for label in group}
-    half_tables = frozenset(label for key in half for label in labels[key])
-    return StreamedWeights(writers, placeholders, storages, compressed, deferrable, int8_weights, half_tables), report
+    deferrable = {label: DATUM_TYPES[dtype] for key, group in labels.items()
+                  if key not in chosen | table8 and params[key].dim() >= 2 for label in group}
+    return StreamedWeights(writers, placeholders, storages, compressed, deferrable, int8_weights, int8_tables), report
 
 
 def _int8_reference_is_linear(param, names: dict, model: nn.Module) -> bool:
@@ -261,7 +263,7 @@ class DerivedSource:
 def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, stored: str | None,
             int8_weights: int8.Int8Weights | None = None, aliases: tuple[str, ...] = ()):
     """Writes parameter ``label`` from the checkpoint: its tensor, or its recipe's result; in ``stored`` ("q4_0",
-    "int8": then its scales go to ``int8_weights``, "f16"), else in the export dtype; a slice of rows at a time
+    "int8": then its scales go to ``int8_weights``), else in the export dtype; a slice of rows at a time
     (memory: one slice, or the one source a conversion makes whole). ``aliases``: every label of the parameter."""
     entry, recipe = checkpoint_source(label, param, names, weights)
     shape = tuple(param.shape)
@@ -270,7 +272,7 @@ def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, stored:
 
     def write(file) -> None:
         source = entry if recipe is None else DerivedSource(entry, recipe)
-        target = np.dtype(np.float32 if quantized else np.float16 if stored == "f16" else TORCH_TO_NUMPY[dtype])
+        target = np.dtype(np.float32 if quantized else TORCH_TO_NUMPY[dtype])
         read = lambda start, stop: source.rows(start, stop, target).reshape(stop - start, *shape[1:])  # noqa: E731
         try:
             if stored == int8.NAME:
@@ -288,8 +290,7 @@ def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, stored:
 
 @dataclass
 class _Dequantized:
-    """A checkpoint tensor read as tract computes with it once stored: through ``round_trip`` (Q4_0, int8, or
-    float16 for a table)."""
+    """A checkpoint tensor read as tract computes with it once stored: through ``round_trip`` (Q4_0 or int8)."""
 
     source: object
     round_trip: Callable[[torch.Tensor], torch.Tensor]
@@ -301,20 +302,16 @@ class _Dequantized:
         return self.round_trip(self.source.read(torch.float32)).to(dtype)
 
 
-def _through_float16(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float16).to(x.dtype)
-
-
 def dequantized_view(weights, report: QuantizationReport):
-    """``weights`` with the quantized parameters (and the tables stored in float16) read as tract reads them: the
+    """``weights`` with the quantized parameters (and the tables stored in int8) read as tract reads them: the
     check's reference of a quantized export."""
-    if not report.quantized and not report.half_tables:
+    if not report.quantized and not report.int8_tables:
         return weights
     entries = dict(weights.entries)
     for name in report.quantized:
         entries[name] = _Dequantized(weights.entries[name], SCHEMES[report.scheme].round_trip)
-    for name in report.half_tables:
-        entries[name] = _Dequantized(weights.entries[name], _through_float16)
+    for name in report.int8_tables:
+        entries[name] = _Dequantized(weights.entries[name], int8.round_trip)
     return replace(weights, entries=entries)
 
 

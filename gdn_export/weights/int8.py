@@ -132,12 +132,13 @@ def write_nnef(file: BinaryIO, shape: tuple[int, ...], read_rows: Callable[[int,
     return scales
 
 
-def write_scales(path: Path, scales: np.ndarray, rank: int) -> None:
-    """A weight's scales as a float32 ``.dat`` of shape ``[1, ..., 1, N]`` (rank ``rank``: the linear's output)."""
+def write_scales(path: Path, scales: np.ndarray, shape: tuple[int, ...]) -> None:
+    """A weight's scales as a float32 ``.dat`` of ``shape`` (``[1, .., 1, N]`` for a linear layer's output,
+    ``[V, 1]`` for a table's gathered rows)."""
     from gdn_export.hf.tensors import write_nnef_array
 
     with open(path, "wb") as file:
-        write_nnef_array(file, scales.reshape((1,) * (rank - 1) + (-1,)))
+        write_nnef_array(file, scales.reshape(shape))
 
 
 @dataclass
@@ -205,10 +206,13 @@ def lower_linears(graph: str, labels: frozenset) -> tuple[str, dict[str, int]]:
         out.append(f"{indent}{y} = {'add(' + product + ', ' + bias.strip() + ')' if has_bias else product};")
     if dropped:
         out = [line for line in out if not ((m := UNSQUEEZE.match(line)) and m.group(1) in dropped)]
-    missing = labels - set(ranks)
+    # a weight the graph declares but reads otherwise than through a linear layer would need its float values (one it
+    # does not declare at all, e.g. a checkpoint weight a family re-lays into others, is never written)
+    declared = {label for label, _ in variables.values()}
+    missing = (labels & declared) - set(ranks)
     if missing:
-        raise GdnExportError(f"{len(missing)} int8 weights are not read by a linear layer of the graph "
-                            f"(e.g. {min(missing)}): their float values would be needed")
+        raise GdnExportError(f"{len(missing)} int8 weights are read by the graph otherwise than by a linear layer "
+                             f"(e.g. {min(missing)}): their float values would be needed")
     return "\n".join(out), ranks
 
 
@@ -217,12 +221,43 @@ def _literal(value: np.float32) -> str:
         np.format_float_positional(value, unique=True)
 
 
-def lower_folder(folder: Path, weights: Int8Weights) -> None:
-    """Rewrite ``folder``'s graph.nnef (``lower_linears``) and write each weight's scales beside its codes."""
+GATHER = re.compile(r"^(\s*)(\w+)\s*=\s*tract_core_gather\((\w+),([^;]*)\);\s*$")
+
+
+def lower_gathers(graph: str, labels: frozenset) -> tuple[str, dict[str, int]]:
+    """``graph`` with every ``tract_core_gather`` of rows of an int8 table (a variable of ``labels``) gathering the
+    codes and the rows' scales (``[V, 1]``) and multiplying them in float32; returns the graph and, per label, the
+    rank of its scales (2)."""
+    variables = {m.group(1): m.group(2) for m in map(VARIABLE.match, graph.split("\n")) if m}
+    out, ranks = [], {}
+    for line in graph.split("\n"):
+        m = GATHER.match(line)
+        if not m or variables.get(m.group(3)) not in labels:
+            out.append(line)
+            continue
+        indent, y, table, rest = m.groups()
+        label = variables[table]
+        rows = re.search(rf"variable<scalar>\(label\s*=\s*'{re.escape(label)}',\s*shape\s*=\s*\[(\d+)", graph).group(1)
+        ranks[label] = 2
+        out += [f"{indent}{y}__i8_scale_table = variable<scalar>(label = '{label}{SCALE_SUFFIX}', shape = [{rows}, 1]);",
+                f"{indent}{y}__i8_codes = tract_core_gather({table},{rest});",
+                f"{indent}{y}__i8_scales = tract_core_gather({y}__i8_scale_table,{rest});",
+                f"{indent}{y} = mul(tract_core_cast({y}__i8_codes, to = 'f32'), {y}__i8_scales);"]
+    missing = (labels & set(variables.values())) - set(ranks)
+    if missing:
+        raise GdnExportError(f"{len(missing)} int8 tables are read by the graph otherwise than by a gather "
+                             f"(e.g. {min(missing)})")
+    return "\n".join(out), ranks
+
+
+def lower_folder(folder: Path, weights: Int8Weights, gathers: bool = False) -> None:
+    """Rewrite ``folder``'s graph.nnef (``lower_linears``, or ``lower_gathers`` for tables) and write each weight's
+    scales beside its codes."""
     path = folder / "graph.nnef"
-    graph, ranks = lower_linears(path.read_text(), weights.labels)
+    graph, ranks = (lower_gathers if gathers else lower_linears)(path.read_text(), weights.labels)
     for label, rank in ranks.items():
-        write_scales(folder / f"{label}{SCALE_SUFFIX}.dat", weights.scales[label], rank)
+        shape = (-1, 1) if gathers else (1,) * (rank - 1) + (-1,)
+        write_scales(folder / f"{label}{SCALE_SUFFIX}.dat", weights.scales[label], shape)
     path.write_text(graph)
 
 

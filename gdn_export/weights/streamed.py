@@ -45,8 +45,8 @@ class StreamedWeights:
     # declares such weights as inputs of that type and never opens their files (gdn_export/output_names.py)
     deferrable: Mapping[str, str] = field(default_factory=dict)
     int8: object = None  # gdn_export.weights.int8.Int8Weights of an int8 export: the graph's linears of them lowered
-    # labels of embedding tables stored in float16 in a float32 export: every gather of them is cast to float32
-    half_tables: frozenset = frozenset()
+    # the embedding tables stored in int8 (Int8Weights): every gather of them takes codes and scales
+    int8_tables: object = None
 
 
 REAL_BYTES = 1 << 20  # parameters below this size are traced with their values
@@ -186,20 +186,3 @@ def annotate_compressed_gathers(graph: str, compressed: Mapping[str, str]) -> st
 
     return re.sub(r"^(\s*\w+\s*=\s*)tract_core_gather\((\w+)([^;]*)\);", annotate, graph, flags=re.M)
 
-
-def cast_half_gathers(graph: str, tables: frozenset) -> str:
-    """Each ``tract_core_gather`` over a table of ``tables`` (stored in float16 in a float32 graph) followed by a cast
-    of its rows to float32 (a cast of the table itself would be a float32 copy of it in memory)."""
-    if not tables:
-        return graph
-    variables = {m.group(1) for m in re.finditer(r"^\s*(\w+)\s*=\s*variable<scalar>\(label\s*=\s*'([^']+)'", graph, re.M)
-                 if m.group(2) in tables}
-
-    def cast(match: re.Match) -> str:
-        indent, name, table, rest = match.groups()
-        if table not in variables:
-            return match.group(0)
-        return (f"{indent}{name}__f16 = tract_core_gather({table}{rest});\n"
-                f"{indent}{name} = tract_core_cast({name}__f16, to = 'f32');")
-
-    return re.sub(r"^(\s*)(\w+)\s*=\s*tract_core_gather\((\w+)([^;]*)\);", cast, graph, flags=re.M)
