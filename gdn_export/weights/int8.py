@@ -107,13 +107,15 @@ def nbytes(shape: tuple[int, ...]) -> int:
     return int(np.prod(shape, dtype=np.int64)) + 4 * int(shape[0])
 
 
-def write_header(file: BinaryIO, shape: tuple[int, ...]) -> None:
-    """The 128-byte NNEF header of a signed 8-bit integer tensor (item type 4, as ``nnef.write_tensor`` writes)."""
+def write_header(file: BinaryIO, shape: tuple[int, ...], dtype: np.dtype = np.dtype(np.int8)) -> None:
+    """The 128-byte NNEF header of an int8 tensor (item type 4, 8 bits: what ``nnef.write_tensor`` writes) or of a
+    float32 one (item type 0)."""
+    dtype = np.dtype(dtype)
     header = np.zeros(32, np.uint32)
     header[0] = np.frombuffer(bytes([0x4E, 0xEF, 1, 0]), np.uint32)[0]
-    header[1], header[2] = int(np.prod(shape, dtype=np.int64)), len(shape)
+    header[1], header[2] = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, len(shape)
     header[3 : 3 + len(shape)] = shape
-    header[11], header[12] = 8, 4
+    header[11], header[12] = dtype.itemsize * 8, 4 if dtype == np.int8 else 0
     file.write(header.tobytes())
 
 
@@ -135,10 +137,10 @@ def write_nnef(file: BinaryIO, shape: tuple[int, ...], read_rows: Callable[[int,
 def write_scales(path: Path, scales: np.ndarray, shape: tuple[int, ...]) -> None:
     """A weight's scales as a float32 ``.dat`` of ``shape`` (``[1, .., 1, N]`` for a linear layer's output,
     ``[V, 1]`` for a table's gathered rows)."""
-    from gdn_export.hf.tensors import write_nnef_array
-
+    values = np.ascontiguousarray(scales, dtype=np.float32).reshape(shape)
     with open(path, "wb") as file:
-        write_nnef_array(file, scales.reshape(shape))
+        write_header(file, values.shape, values.dtype)
+        file.write(values.tobytes())
 
 
 @dataclass
