@@ -12,7 +12,7 @@ import torch
 
 from gdn_export.errors import GdnExportError
 from gdn_export.hf.check import compare_logits
-from gdn_export.hf.convert import convert
+from gdn_export.pipeline.convert import convert
 from gdn_export.weights import int8
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
