@@ -408,11 +408,12 @@ def quantized_layout(archive: Path, fmt: str) -> str:
     with tarfile.open(archive) as tar:
         names = set(tar.getnames())
         table = next((n for n in names if n.endswith("embed_tokens.weight.dat")), None)
-        bits = int(np.frombuffer(tar.extractfile(table).read(128), np.uint32, 1, 44)[0]) if table else 0
+        item = tuple(int(v) for v in np.frombuffer(tar.extractfile(table).read(128), np.uint32, 2, 44)) \
+            if table else (0, 0)
     head = any(n.endswith("lm_head.weight.dat") for n in names)
     kind = {"q4_0": "Q4_0", "int8": "int8"}[fmt]
-    table_type = {32: "f32", 16: "f16"}.get(bits, "?")
-    return f"linear layers + an {kind} copy of the tied head; table {table_type}" if head else \
+    table_type = {(32, 0): "f32", (16, 0): "f16", (8, 4): "int8 + a scale per row"}.get(item, "?")
+    return f"linear layers + a copy of the tied head in {kind}; table {table_type}" if head else \
         f"linear layers; tied table {table_type}, head included"
 
 

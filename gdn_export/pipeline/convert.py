@@ -304,8 +304,9 @@ def validate_quantize(quantize: str | None, quantize_embeddings: bool, dtype: st
         raise GdnExportError(f"quantize='int8' with dtype {dtype!r}: the int8 graph scales and rounds its activations "
                              "in float32; convert with dtype='float32' (--dtype float32)")
     if quantize == "int8" and quantize_embeddings:
-        raise GdnExportError("quantize_embeddings (--quantize-embeddings) with quantize='int8': an int8 table would "
-                             "need its scales applied in the gather; the table is stored in float16 instead")
+        raise GdnExportError("quantize_embeddings (--quantize-embeddings) with quantize='int8': the embedding table "
+                             "of an int8 archive is stored in int8 already (a scale per row, applied to the gathered "
+                             "rows); drop the option")
 
 
 def _fused_moe(runtime: str, tract_version: str | None):
