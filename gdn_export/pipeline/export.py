@@ -18,8 +18,9 @@ import torch
 
 from gdn_export.run.archive import METADATA_FILE, nnef_tgz_path, pack
 from gdn_export.errors import GdnExportError
-from gdn_export.ops.gated_delta_rule.emitter import Decision
-from gdn_export.ops.options import validate_options
+from gdn_export.ops.protocol import Decision
+from gdn_export.ops.gated_delta_rule.capabilities import parse_version
+from gdn_export.ops.options import LoweringOptions, validate_options
 from gdn_export.backends.nnef.output_names import declared_outputs, keep_output_names
 from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
 from gdn_export.weights.casts import fold_weight_casts, weights_cast_before_use
@@ -147,12 +148,13 @@ def export(
                                     output_names=output_names, dynamic_axes=dynamic_axes, check=check,
                                     metadata=metadata, runtime=runtime, core_dtype=core_dtype, chunk_size=chunk_size,
                                     tract_version=tract_version, weights=weights, extra_files=extra_files)
-    import gdn_export.ops.nnef_handlers  # noqa: F401  (handlers must be registered before tracing)
+    from gdn_export.backends.compat.torch_to_nnef import conversion, import_torch_to_nnef
+
+    import_torch_to_nnef()  # first, with its compile at import held back
+    import gdn_export.ops.nnef_handlers  # noqa: F401  (every op registers its handlers with the NNEF back-end)
     from torch_to_nnef import export_model_to_nnef
 
-    from gdn_export.backends.compat import torch_to_nnef as t2n_patches
-
-    t2n_patches.install()
+    from gdn_export.backends.nnef.registry import CUSTOM_OPS
 
     validate_options(lowering, runtime, core_dtype, chunk_size)
     if weights is not None and check:
@@ -163,14 +165,14 @@ def export(
     version = tract_version or installed_tract_version()
     input_names = list(input_names) if input_names else [f"input_{i}" for i in range(len(args))]
     validate_dynamic_axes(dynamic_axes, input_names, args, output_names, traced_outputs(module, args))
-    target = OfflineTractTarget(version, lowering=lowering, dynamic_axes=dynamic_axes, runtime=runtime,
-                                core_dtype=core_dtype, chunk_size=chunk_size)
+    target = nnef_target(version, lowering=lowering, dynamic_axes=dynamic_axes, runtime=runtime,
+                         core_dtype=core_dtype, chunk_size=chunk_size)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".gdn_export_", dir=path.parent) as tmp:
         folder = Path(tmp) / "model.nnef"
         start = time.perf_counter()
-        with torch.no_grad(), streamed_writes(weights) as written:
+        with torch.no_grad(), conversion(CUSTOM_OPS), streamed_writes(weights) as written:
             export_model_to_nnef(
                 model=module, args=args, file_path_export=folder, inference_target=target,
                 input_names=input_names, output_names=list(output_names) if output_names else None,
@@ -216,6 +218,14 @@ def export(
             report.parity.raise_if_failed()
         os.replace(staged, path)
     return report
+
+
+def nnef_target(version: str, *, lowering: str = "auto", dynamic_axes: dict | None = None, runtime: str = "any",
+                core_dtype: str | None = None, chunk_size: int | None = None) -> OfflineTractTarget:
+    """The torch-to-nnef target of an export, carrying its plan (validated here: LoweringError on a bad value)."""
+    options = LoweringOptions(tract_version=parse_version(version), lowering=lowering, runtime=runtime,
+                              core_dtype=core_dtype, chunk_size=chunk_size, seq_may_vary=bool(dynamic_axes))
+    return OfflineTractTarget(version, options=options, dynamic_axes=dynamic_axes)
 
 
 def _export_other_format(format: str, module, args, path, *, lowering, input_names, output_names, dynamic_axes,
