@@ -41,15 +41,17 @@ def wait_for(condition, timeout: float = 30.0, what: str = "the condition"):
 
 
 @contextlib.contextmanager
-def serving(pool, name: str):
-    """``pool`` served under ``name`` by uvicorn in a thread of this process, on a free port of 127.0.0.1: the
-    base url. (``gdn-export serve`` itself, a process of its own, is driven by ``test_gdn_export_serve``.)"""
+def serving(pool, name: str, **options):
+    """``pool`` served under ``name`` by uvicorn in a thread of this process, on a free port of 127.0.0.1
+    (``make_app``'s ``options``): the base url. (``gdn-export serve`` itself, a process of its own, is driven by
+    ``test_gdn_export_serve``.)"""
     import uvicorn
 
     from gdn_export.run.http import listen, make_app
 
     sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(make_app(pool, name), log_level="error", lifespan="off", http="h11"))
+    server = uvicorn.Server(uvicorn.Config(make_app(pool, name, **options), log_level="error", lifespan="off",
+                                           http="h11"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -83,11 +85,12 @@ def session(shared_session):
     return shared_session(NAME)
 
 
-def raw(base: str, method: str, path: str, body: bytes | str | None = None) -> tuple[int, dict | str]:
+def raw(base: str, method: str, path: str, body: bytes | str | None = None,
+        headers: dict | None = None) -> tuple[int, dict | str]:
     host, port = base.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
     try:
-        connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
+        connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
         response = connection.getresponse()
         data = response.read().decode()
     finally:
@@ -232,6 +235,7 @@ def engine_server(converted):
     from gdn_export.run.serving import Engine
 
     engine = Engine(converted(NAME, serving=True), slots=4, workers=2, max_queue=1)
+    engine.archive.limit_context(200_000, allow_longer=True)  # a client below asks for more than the 256-token context
     with serving(engine, NAME) as base:
         yield base, engine
 
@@ -330,11 +334,13 @@ def test_bad_chat_requests_and_routes(server, client):
 
 @pytest.fixture(scope="session")
 def small_server(session):
-    """One worker, no queue, the archive read as if it carried no tokenizer and no chat template: (base url, pool)."""
+    """One worker, no queue, the archive read as if it carried no tokenizer and no chat template, its context raised
+    past the model's (streams below stay busy until cancelled): (base url, pool)."""
     from gdn_export.run.session import Session
 
     pool = WorkerPool(Session.sharing_plan(session), workers=1, max_queue=0)
     pool.archive.tokenizer, pool.archive.chat_template = None, None
+    pool.archive.limit_context(200_000, allow_longer=True)
     with serving(pool, "bare") as base:
         yield base, pool
 
@@ -402,19 +408,13 @@ def test_cli_serve_refuses_bad_arguments(converted):
     assert info.value.code == 2
 
 
-@pytest.mark.parametrize("served", [False, True], ids=["worker_pool", "engine"])
-def test_gdn_export_serve(converted, session, tmp_path, served):
-    """The command: listens on the port it prints, serves, and stops cleanly (exit 0) on SIGTERM; a serving
-    archive on the batched Engine."""
-    log = tmp_path / "stderr.txt"
+def serve_process(args: list[str], log: Path, **env: str) -> tuple[subprocess.Popen, str]:
+    """``gdn-export serve ARGS --port 0`` as a process of its own, its stderr in ``log``, once it listens: (the
+    process, its base url)."""
     with open(log, "w") as err:
-        process = subprocess.Popen([sys.executable, "-m", "gdn_export.cli", "serve",
-                                    str(converted(NAME, serving=served)),
-                                    "--host", "127.0.0.1", "--port", "0", "--workers", "2", "--max-queue", "1",
-                                    "--served-model-name", NAME, "--prefill-piece", "64"]
-                                   + (["--slots", "4", "--prefill-rows", "2"] if served else []),
-                                   stdout=subprocess.DEVNULL, stderr=err,
-                                   stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        process = subprocess.Popen([sys.executable, "-m", "gdn_export.cli", "serve", *args, "--port", "0"],
+                                   stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
+                                   env=dict(os.environ, PYTHONUNBUFFERED="1", **env))
 
     def listening():
         if process.poll() is not None:
@@ -425,7 +425,22 @@ def test_gdn_export_serve(converted, session, tmp_path, served):
         return None
 
     try:
-        base = f"http://127.0.0.1:{wait_for(listening, 90, 'gdn-export serve to listen')}"
+        return process, f"http://127.0.0.1:{wait_for(listening, 90, 'gdn-export serve to listen')}"
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+
+
+@pytest.mark.parametrize("served", [False, True], ids=["worker_pool", "engine"])
+def test_gdn_export_serve(converted, session, tmp_path, served):
+    """The command: listens on the port it prints, serves, and stops cleanly (exit 0) on SIGTERM; a serving
+    archive on the batched Engine."""
+    log = tmp_path / "stderr.txt"
+    process, base = serve_process([str(converted(NAME, serving=served)), "--host", "127.0.0.1", "--workers", "2",
+                                   "--max-queue", "1", "--served-model-name", NAME, "--prefill-piece", "64"]
+                                  + (["--slots", "4", "--prefill-rows", "2"] if served else []), log)
+    try:
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == [NAME]
         health = raw(base, "GET", "/health")[1]
