@@ -244,6 +244,7 @@ def _export_other_format(format: str, module, args, path, *, lowering, input_nam
     for name, value in unused.items():
         if value is not None:
             raise GdnExportError(f"{name} is an NNEF option: not available with format='onnx'")
+    import gdn_export.ops.onnx_handlers  # noqa: F401  (every op registers its ONNX lowering)
     from gdn_export.backends.onnx import export_onnx
 
     validate_dynamic_axes(dynamic_axes, list(input_names) if input_names else
