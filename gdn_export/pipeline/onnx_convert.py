@@ -24,6 +24,7 @@ from gdn_export.pipeline.convert import ConvertReport
 import gdn_export.ops.onnx_handlers  # noqa: F401  (every op registers its ONNX lowering)
 from gdn_export.backends.onnx.registry import validate
 from gdn_export.ops.causal_conv1d.onnx import CONV_QUALNAME
+from gdn_export.weights import ONNX_QUANTIZE_REFUSAL
 
 
 @dataclass
@@ -95,7 +96,7 @@ def convert_onnx(checkpoint_dir, out_path, *, dtype: str = "float32", lowering: 
     for name, value in (("quantize", quantize), ("core_dtype", core_dtype), ("chunk_size", chunk_size),
                         ("tract_version", tract_version)):
         if value is not None:
-            hint = " (tract's Q4_0 format; an ONNX export keeps float weights)" if name == "quantize" else ""
+            hint = f" ({ONNX_QUANTIZE_REFUSAL.get(value, '')})" if name == "quantize" else ""
             raise GdnExportError(f"{name}={value!r} is an NNEF option: not available with format='onnx'{hint}")
     if logits != "all":
         raise GdnExportError(f"logits={logits!r} is not available with format='onnx' (its graph returns the logits of "
