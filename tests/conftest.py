@@ -10,6 +10,14 @@ os.environ.setdefault("RUST_BACKTRACE", "0")  # tract's errors carry a Rust back
 import gdn_export  # noqa: E402,F401  (registers the ops)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+# fixtures/qwen3_5_trained: trained weights (11M parameters) for the quality figures, tested by test_trained.py; the
+# per-fixture sweeps (every lowering, every quantization, ...) cover the small random-weight fixtures only
+TRAINED = "qwen3_5_trained"
+
+
+def swept_fixtures() -> list[str]:
+    """The names of the random-weight fixtures (folders of fixtures/ with a config.json), sorted."""
+    return sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file() and p.name != TRAINED)
 
 # the fixtures' models are tiny: a second torch thread only waits (a conversion took 3.2 s on one, 3.8-6.2 s on two),
 # and under pytest-xdist (one worker per core) it would contend with the other worker

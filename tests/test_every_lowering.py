@@ -24,14 +24,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import by_fixture
+from conftest import by_fixture, swept_fixtures
 
 from gdn_export.cli import main as cli
 from gdn_export.hf.check import check_against_transformers
 from gdn_export.pipeline.convert import convert
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
+NAMES = swept_fixtures()
 BUDGET_SECONDS = 300  # a conversion of a fixture takes seconds; one that does not finish in minutes is a defect
 # fixture -> None where tract's fused op computes its layers exactly (plain GDN, K = V), else the refusal's reason
 NATIVE_CASES = {"fla_gated_deltanet": None, "qwen3_5": "K=16 != V=8", "kimi_linear": "channel-wise decay"}

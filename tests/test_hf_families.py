@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gdn_export
-from conftest import by_fixture
+from conftest import by_fixture, swept_fixtures
 from gdn_export.hf.check import check_against_transformers, session_logits, sample_tokens
 from gdn_export.hf.families import all_families
 from gdn_export.run.session import Session
@@ -15,8 +15,8 @@ from gdn_export.run.session import Session
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 SUPPORTED = {t for f in all_families() for t in f.model_types}
 CHECKPOINTS = sorted(
-    p.name for p in FIXTURES.iterdir()
-    if (p / "config.json").is_file() and json.loads((p / "config.json").read_text())["model_type"] in SUPPORTED
+    name for name in swept_fixtures()
+    if json.loads((FIXTURES / name / "config.json").read_text())["model_type"] in SUPPORTED
 )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import by_fixture
+from conftest import by_fixture, swept_fixtures
 from gdn_export.errors import GdnExportError
 from gdn_export.pipeline.convert import convert
 from gdn_export.weights import q4_0
@@ -95,7 +95,7 @@ def test_tied_head_gets_a_q4_0_copy_of_its_own(tmp_path):
     assert not re.search(rf"slice\({head}\b", graph)
 
 
-NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
+NAMES = swept_fixtures()
 
 
 @pytest.mark.parametrize("name", by_fixture(*NAMES))

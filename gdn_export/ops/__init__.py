@@ -1,7 +1,4 @@
-"""Torch side of gdn_export: the reference math and the custom ops that carry it through export."""
-
-from gdn_export.ops.gated_delta_rule.op import GatedDeltaRule, gated_delta_rule
-from gdn_export.ops.gated_delta_rule.scan_op import gated_delta_scan
-from gdn_export.ops.gated_delta_rule.naive import gated_delta_recurrence, l2norm
-
-__all__ = ["GatedDeltaRule", "gated_delta_recurrence", "gated_delta_rule", "gated_delta_scan", "l2norm"]
+"""The custom operators, one folder each (gated_delta_rule/, causal_conv1d/, moe_ffn/): schema and torch
+registration, naive reference, decisions and one lowering module per back-end. protocol.py and options.py are what
+they share (the Decision record, the export's plan); nnef_handlers.py lists the ops an NNEF export registers.
+``gdn_export.gated_delta_rule`` & co. are the public names (docs/ARCHITECTURE.md)."""
