@@ -110,12 +110,12 @@ def gdn_quantize_choices() -> list[str]:
 
 
 def gdn_row(name: str, archive: Path, text: Path, ctx: int, checkpoint: Path, prompt: str, greedy: int,
-            figures: dict | None = None) -> dict:
+            figures: dict | None = None, windows: int | None = None) -> dict:
     """The figures of one archive (``gdn-export perplexity``, or ``figures`` computed in process) and, when
     ``greedy`` > 0, its greedy continuation of ``prompt``."""
     if figures is None:
         out = call([sys.executable, "-m", "gdn_export.cli", "perplexity", archive, text, "--ctx", ctx,
-                    "--reference", checkpoint, "--json"])
+                    "--reference", checkpoint, "--json", "--quiet", *(["--chunks", windows] if windows else [])])
         figures = json.loads(out.strip().splitlines()[-1])
     generated = call([sys.executable, "-m", "gdn_export.cli", "generate", archive, "--prompt", prompt,
                       "--max-new-tokens", greedy, "--temperature", "0", "--ignore-eos"], stdout_only=True) \
@@ -308,12 +308,13 @@ def main(argv: list[str] | None = None) -> int:
             call([sys.executable, "-m", "gdn_export.cli", "convert", args.checkpoint, "-o", archive, *options,
                   *([] if args.check else ["--no-check"])])
             log(f"gdn_export {name}: converted and checked in {time.perf_counter() - start:.0f} s")
-        figures = None if has_perplexity_command() and args.windows is None else \
+        figures = None if has_perplexity_command() else \
             in_process_figures(archives, args.checkpoint, text, args.ctx, args.windows)
         for name, archive in archives.items():
             log(f"gdn_export {name}: perplexity, greedy text")
             rows.append(gdn_row(name, archive, text, args.ctx, args.checkpoint, prompt,
-                                args.greedy_tokens if wanted(name) else 0, None if figures is None else figures[name]))
+                                args.greedy_tokens if wanted(name) else 0, None if figures is None else figures[name],
+                                args.windows))
         if args.llama_cpp is not None:
             rows += llama_rows(args.llama_cpp.resolve(), args.checkpoint.resolve(), work, text, calibration, args.ctx,
                                args.calibration_tokens, prompt, args.greedy_tokens, args.gguf_pre, args.windows)
