@@ -96,8 +96,8 @@ def _convert(args) -> int:
                      chunk_size=args.chunk_size, streamed=not args.in_memory, prompt_len=args.prompt_len,
                      decode_steps=args.decode_steps, quantize=args.quantize,
                      quantize_embeddings=args.quantize_embeddings, logits=args.logits, serving=args.serving,
-                     q4_rule=args.q4_rule or "search", calibration=args.calibration,
-                     calibration_tokens=args.calibration_tokens, fold_scales=not args.no_fold)
+                     q4_rule=args.q4_rule, calibration=args.calibration,
+                     calibration_tokens=args.calibration_tokens, fold_scales=args.fold_scales)
     print(report)
     return 0
 
@@ -448,15 +448,16 @@ def parser() -> argparse.ArgumentParser:
     convert.add_argument("--quantize-embeddings", action="store_true",
                          help="with --quantize, the embedding table too (refused when the head is tied to it)")
     convert.add_argument("--q4-rule", choices=["search", "nearest", "gptq"], default=None,
-                         help="how Q4_0 blocks are chosen: search (default: each scale of least squared error), "
-                              "nearest (llama.cpp's plain Q4_0, d = extreme / -8) or gptq (with --calibration: "
-                              "GPTQ's error feedback across columns); docs/QUANTIZATION.md")
+                         help="how Q4_0 blocks are chosen: search (the default without --calibration: each scale of "
+                              "least squared error), gptq (the default with --calibration: GPTQ's error feedback "
+                              "across columns), nearest (llama.cpp's plain Q4_0, d = extreme / -8); docs/Q4_0.md")
     convert.add_argument("--calibration", metavar="TEXT_FILE", default=None,
                          help="with --quantize q4_0: weigh each weight's error by its input channel's mean squared "
                               "activation on this text (llama-imatrix's importance), read with the checkpoint's "
                               "tokenizer")
-    convert.add_argument("--no-fold", action="store_true",
-                         help="with --calibration: fold no per-channel scales into the norms (docs/QUANTIZATION.md)")
+    convert.add_argument("--fold-scales", action="store_true",
+                         help="with --calibration: fold per-channel scales into the norms (AWQ's transformation, "
+                              "exact in float; not measured better on the trained fixture; docs/Q4_0.md)")
     convert.add_argument("--calibration-tokens", type=_count(2), default=8192,
                          help="at most this many tokens of the calibration text, in windows of 512 (default 8192)")
     convert.add_argument("--logits", choices=["all", "last"], default="all",

@@ -1,6 +1,7 @@
 """Q4_0 on the trained fixture and its held-out text: the default and calibrated archives' weights, decoded here
 from their bytes, against round-to-nearest computed here (issue 24's "Done when": mean KL divergence from the float
-model at most 0.9x nearest's by default, 0.75x with --calibration)."""
+model at most 0.9x nearest's by default, 0.75x with --calibration, whose default rule is GPTQ: the search weighted
+by the channels' importance alone measured 0.89x, no better than unweighted)."""
 
 import sys
 import tarfile
@@ -15,17 +16,18 @@ from test_q4_0_rules import decoded, nearest_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINED = ROOT / "fixtures" / "qwen3_5_trained"
-CTX, WINDOWS = 256, 12  # the perplexity rule's windows (second half scored), the first WINDOWS of heldout.txt
-CALIBRATION_TOKENS = 4096
+CTX, WINDOWS = 256, 8  # the perplexity rule's windows (second half scored), the first WINDOWS of heldout.txt
+CALIBRATION_TOKENS = 8192
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (TRAINED / "config.json").is_file(), reason="no fixtures/qwen3_5_trained")]
 
 
 def archive_weights(archive: Path) -> dict[str, torch.Tensor]:
-    """Every ``hf.*.dat`` of the archive as float32, read here from NNEF's tensor files: a 128-byte header (rank
-    at word 2, shape from word 3, bits at word 11) then the values; tract's Q4_0 (item type 0x4030 "RT") as blocks of
-    an f16 scale and 16 bytes of nibbles."""
+    """Every float or Q4_0 ``hf.*.dat`` of the archive as float32, read here from NNEF's tensor files: a 128-byte
+    header (rank at word 2, shape from word 3, bits at word 11) then the values; tract's Q4_0 (item type 0x4030 "RT")
+    as blocks of an f16 scale and 16 bytes of nibbles. (The int8 embedding table is left out: the test's model keeps
+    the float one, for nearest's model and the archives' alike.)"""
     out = {}
     with tarfile.open(archive) as tar:
         for member in tar.getmembers():
@@ -37,8 +39,10 @@ def archive_weights(archive: Path) -> dict[str, torch.Tensor]:
             body = np.frombuffer(data[128:], np.uint8)
             if data[48:52] == bytes.fromhex("4030") + b"RT":
                 values = decoded(body.reshape(-1, 18)).reshape(shape)
-            else:
+            elif int(header[11]) in (16, 32):
                 values = body.view({32: np.float32, 16: np.float16}[int(header[11])]).astype(np.float32).reshape(shape)
+            else:  # the embedding table in int8 (docs/INT8.md): its row scales live elsewhere; not a Q4_0 question
+                continue
             out[member.name[len("hf."):-len(".dat")]] = torch.from_numpy(values.copy())
     return out
 
@@ -91,7 +95,7 @@ def test_default_and_calibrated_q4_0_against_round_to_nearest(tmp_path, float_mo
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     calibration = tmp_path / "calibration.txt"
-    calibration_text(calibration, 32_000)  # training-split text, never heldout.txt
+    calibration_text(calibration, 40_000)  # training-split text, never heldout.txt
     reference = log_probs(float_model, windows)
 
     linear = {f"{name}.weight": module.weight for name, module in float_model.named_modules()

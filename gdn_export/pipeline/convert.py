@@ -161,10 +161,10 @@ def convert(
     logits: str = "all",
     format: str = "nnef",
     serving: bool = False,
-    q4_rule: str = "search",
+    q4_rule: str | None = None,
     calibration: str | os.PathLike | None = None,
     calibration_tokens: int = 8192,
-    fold_scales: bool = True,
+    fold_scales: bool = False,
 ) -> ConvertReport:
     """Convert a local checkpoint (config.json + safetensors) into ``out_path`` and check it in tract.
 
@@ -174,10 +174,11 @@ def convert(
     files, one tensor at a time, so memory stays bounded by the largest tensor; ``streamed=False`` loads the model
     in memory first (the same archive, byte for byte). ``quantize="q4_0"`` stores every linear layer's weight whose
     inner size is whole blocks of 32 in tract's Q4_0 (``quantize_embeddings``: the embedding table too), each block's
-    scale chosen by ``q4_rule`` ("search", least squared error, or "nearest", llama.cpp's ``d = extreme / -8``);
+    scale chosen by ``q4_rule`` ("search", least squared error, the default; "gptq", the default with calibration;
+    "nearest", llama.cpp's ``d = extreme / -8``);
     ``calibration``: a text file whose first ``calibration_tokens`` tokens measure each linear layer's input channel
-    importance, which weighs the search (``gdn_export.hf.calibration``; docs/QUANTIZATION.md), and, with
-    ``fold_scales``, per-channel scales folded into the norms whose output only linear layers read
+    importance and second moments (``gdn_export.hf.calibration``; docs/Q4_0.md), and, with
+    ``fold_scales`` (off by default), per-channel scales folded into the norms whose output only linear layers read
     (``gdn_export.hf.folding``: exact in float, verified). ``logits``:
     "all" (logits of every new position) or "last" (of the last one only, ``[B, 1, vocab]``: what generation needs;
     the head then runs once per call). ``serving``: the graph ``gdn_export.Engine`` batches requests with (a second
@@ -195,6 +196,8 @@ def convert(
                              f"available with format={format!r}")
     from gdn_export.weights.q4_0 import RULES
 
+    if q4_rule is None:  # calibration's second moments make GPTQ possible: measured the better of the two with them
+        q4_rule = "gptq" if calibration is not None else "search"
     if q4_rule not in RULES:
         raise GdnExportError(f"q4_rule {q4_rule!r} is not one of {', '.join(RULES)}")
     if quantize != "q4_0" and (q4_rule != "search" or calibration is not None):
