@@ -1,10 +1,13 @@
 """gdn_export: gated delta-rule models from PyTorch to NNEF for tract, exact and fast.
 
-Importing the package registers ``torch.ops.t2n_extra.gated_delta_scan`` (and ``gated_delta_rule``,
-``causal_conv1d_update``); everything else (torch-to-nnef and its handlers, tract, transformers) is imported
-on first use of the name that needs it, so ``gdn-export --help`` and ``import gdn_export`` stay fast.
-``gdn_export.export`` registers gdn_export's torch-to-nnef handlers; call ``import gdn_export.extractors``
-to register them for your own ``torch_to_nnef.export_model_to_nnef`` call.
+``import gdn_export`` imports no torch: every name is imported on its first use, so the run side (``Session``,
+``Engine``, ``generate``, ``gdn-export info/generate/serve``) works on the base install (numpy, tract) and
+``gdn-export --help`` stays fast. The export side needs the ``[convert]`` extra (torch, torch-to-nnef,
+transformers, onnx). ``import gdn_export.ops`` (done by every export-side name: ``export``, ``convert``,
+``GatedDeltaRule``, ``gated_delta_scan``, ...) registers ``torch.ops.t2n_extra.gated_delta_scan`` (and
+``gated_delta_rule``, ``causal_conv1d_update``, ``moe_ffn``); ``gdn_export.export`` registers gdn_export's
+torch-to-nnef handlers; call ``import gdn_export.extractors`` to register them for your own
+``torch_to_nnef.export_model_to_nnef`` call.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import importlib.util
 import sys
 from typing import Any
 
-from gdn_export.errors import GdnExportError, LoweringError, OperandError, ParityError, TractRuntimeError
-from gdn_export.ops import GatedDeltaRule, gated_delta_recurrence, gated_delta_rule, gated_delta_scan, l2norm
+from gdn_export.errors import (GdnExportError, LoweringError, MissingExtraError, OperandError, ParityError,
+                               TractRuntimeError, missing_extra)
 
 __version__ = "0.1.0"
 
@@ -56,7 +59,9 @@ class _CompileHeldBack:
 if not any(isinstance(f, _CompileHeldBack) for f in sys.meta_path):
     sys.meta_path.insert(0, _CompileHeldBack())
 
-_LAZY = {
+_LAZY = {  # name -> the module that defines it, imported on first use (the export side's import torch)
+    "GatedDeltaRule": "gdn_export.ops", "gated_delta_recurrence": "gdn_export.ops", "gated_delta_rule": "gdn_export.ops",
+    "gated_delta_scan": "gdn_export.ops", "l2norm": "gdn_export.ops",
     "ExportReport": "gdn_export.exporter", "export": "gdn_export.exporter",
     "CheckpointError": "gdn_export.hf.checkpoint",
     "ConvertReport": "gdn_export.hf.convert", "check": "gdn_export.hf.convert", "convert": "gdn_export.hf.convert",
@@ -67,7 +72,14 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        try:
+            module = importlib.import_module(_LAZY[name])
+        except ModuleNotFoundError as err:  # gdn_export.convert without the [convert] extra: say what to install
+            missing = missing_extra(err, f"gdn_export.{name}")
+            if missing is None:
+                raise
+            raise missing from None
+        return getattr(module, name)
     if importlib.util.find_spec(f"gdn_export.{name}") is not None:  # a submodule, e.g. gdn_export.run.runtime
         return importlib.import_module(f"gdn_export.{name}")
     raise AttributeError(f"module 'gdn_export' has no attribute {name!r}")
@@ -75,6 +87,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CheckpointError", "ConvertReport", "Engine", "ExportReport", "GatedDeltaRule", "GdnExportError", "LoweringError",
-    "OperandError", "ParityError", "SamplingParams", "Session", "TractRuntimeError", "check", "convert", "export",
+    "MissingExtraError", "OperandError", "ParityError", "SamplingParams", "Session", "TractRuntimeError", "check", "convert", "export",
     "gated_delta_recurrence", "gated_delta_rule", "gated_delta_scan", "generate", "l2norm", "run_tract",
 ]

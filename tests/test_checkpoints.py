@@ -11,7 +11,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -23,15 +22,15 @@ from gdn_export.cli import main as cli
 from gdn_export.hf.checkpoint import CheckpointError
 from gdn_export.hf.convert import check, convert
 from gdn_export.run.session import Session
+from helpers import FIXTURES, archive_members
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 SHARDED = "qwen3_next_bf16_sharded"
 INDEX = "model.safetensors.index.json"
 GENERATION = ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]  # what the fixtures carry
 
 
 def group(name):
-    """A parameter for fixture ``name``, in its pytest-xdist group (conftest.by_fixture): its conversions here are
+    """A parameter for fixture ``name``, in its pytest-xdist group (helpers.by_fixture): its conversions here are
     made once, by the worker that runs the group."""
     return pytest.mark.xdist_group(name)
 
@@ -54,16 +53,6 @@ def converted_here(tmp_path_factory):
         return cache[key]
 
     return get
-
-
-def archive_members(path) -> dict[str, bytes]:
-    """Every file of a .nnef.tgz by name; graph.nnef without its export_date line (the only one that may differ)."""
-    with tarfile.open(path) as tar:
-        files = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
-    graph = files["graph.nnef"].splitlines(keepends=True)
-    files["graph.nnef"] = b"".join(line for line in graph if b"export_date" not in line)
-    assert len(graph) - 1 == len(files["graph.nnef"].splitlines()), "graph.nnef should have one export_date line"
-    return files
 
 
 def graph_diff(first: dict[str, bytes], second: dict[str, bytes], lines: int = 6) -> str:

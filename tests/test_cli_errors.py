@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from gdn_export.cli import main as cli
+from helpers import FIXTURES
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def convert(capsys, source, out, *extra):

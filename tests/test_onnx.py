@@ -15,7 +15,7 @@ from gdn_export.cli import main as cli  # noqa: E402
 from gdn_export.errors import GdnExportError, LoweringError  # noqa: E402
 from gdn_export.ops.naive import l2norm  # noqa: E402
 
-from conftest import FIXTURES, by_fixture  # noqa: E402
+from helpers import FIXTURES, by_fixture  # noqa: E402
 
 
 # --- the op: contrib GatedDeltaNet and the portable Scan against the reference, per variant ----------------------

@@ -14,7 +14,7 @@ pytest.importorskip("onnxruntime")
 import gdn_export  # noqa: E402
 from gdn_export.onnx import exporter, streamed  # noqa: E402
 
-from conftest import FIXTURES, by_fixture  # noqa: E402
+from helpers import FIXTURES, by_fixture  # noqa: E402
 
 
 def _digests(folder):

@@ -8,12 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import by_fixture
+from helpers import FIXTURES, by_fixture
 from gdn_export.errors import GdnExportError
 from gdn_export.hf.convert import convert
 from gdn_export.weights import q4_0
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 # a .dat header's item type (bytes 48-51): tract's Q4_0 is 0x4030 from vendor "RT" (torch-to-nnef's DatBinHeader)
 Q40_ITEM_TYPE = bytes.fromhex("4030") + b"RT"
 
