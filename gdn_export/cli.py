@@ -488,6 +488,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except GdnExportError as err:
         return _fail(_first_line(err) or type(err).__name__, args.debug)
+    except BrokenPipeError:  # the reader left (gdn-export info ... | head): stop quietly, as generate does
+        sys.stdout = open(os.devnull, "w")
+        return 0
     except ModuleNotFoundError as err:  # convert without the [convert] extra, serve without [serve], ...
         missing = missing_extra(err, f"gdn-export {args.command}")
         if missing is None:

@@ -24,8 +24,11 @@ from helpers import (FIXTURES, NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, 
 torch.set_num_threads(1)
 
 
-# a test using one of these converts a fixture (or loads a whole reference model): slow
-CONVERTING_FIXTURES = frozenset({"converted", "shared_session", "reference_model"})
+# a test using one of these (directly or through another fixture) converts a fixture checkpoint or loads a whole
+# reference model: slow. converted_here (test_checkpoints.py), onnx_converted (test_onnx.py) and tied_checkpoint
+# (test_tied_head.py) are their modules' own.
+CONVERTING_FIXTURES = frozenset({"converted", "shared_session", "reference_model", "converted_here", "onnx_converted",
+                                 "tied_checkpoint"})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -257,6 +257,7 @@ def test_untied_wrapper_exports_its_head(converted_here):
 
 
 @pytest.mark.xdist_group("qwen3_5_vl")
+@pytest.mark.slow  # converts a fixture or loads transformers' model
 def test_archive_does_not_depend_on_the_hash_seed(tmp_path):
     """Two processes that differ only in PYTHONHASHSEED (Python's order of a set of names) write the same archive:
     e.g. the tied table's one variable is named the same."""
@@ -285,6 +286,7 @@ def f32_rule(result) -> bool:
 
 
 @pytest.mark.xdist_group(SHARDED)
+@pytest.mark.slow  # converts a fixture or loads transformers' model
 def test_layerwise_check_passes_and_agrees_with_the_full_check(tmp_path):
     report = convert(FIXTURES / SHARDED, tmp_path / "f32.nnef.tgz", check="layerwise")
     assert report.check is not None and report.check.ok, str(report)
@@ -302,6 +304,7 @@ def test_layerwise_check_passes_and_agrees_with_the_full_check(tmp_path):
 
 
 @pytest.mark.xdist_group(SHARDED)
+@pytest.mark.slow  # converts a fixture or loads transformers' model
 def test_layerwise_reference_is_transformers_own_logits():
     """The layer-by-layer reference (one decoder layer's weights in memory at a time) gives the logits of
     transformers' model loaded whole by transformers."""
@@ -486,6 +489,7 @@ def test_session_tokenizes_as_transformers_does(converted_here):
 
 
 @pytest.mark.xdist_group("qwen3_next")
+@pytest.mark.slow  # converts a fixture or loads transformers' model
 def test_checkpoint_without_tokenizer_gives_an_archive_of_token_ids(tmp_path):
     fixture = FIXTURES / "qwen3_next"
     assert not [name for name in GENERATION if (fixture / name).exists()]

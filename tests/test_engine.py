@@ -193,6 +193,7 @@ def test_qwen4_exp_has_no_serving_graph(tmp_path):
 
 
 @pytest.mark.parametrize("lowering", ["scan", "recurrent"])
+@pytest.mark.slow  # converts a fixture
 def test_serving_graph_with_every_lowering(tmp_path, lowering):
     """The serving graph changes only the attention side: with the other GDN lowerings (chunked is the default,
     above; tract's fused op needs K = V, which no fixture with attention has) it passes convert's check against

@@ -223,6 +223,7 @@ class LayerGraph(torch.nn.Module):
 
 @pytest.mark.parametrize("name", ["gdn2", "gdn2_neg_eig", "kda_lower_bound", "product3_no_decay", "gdn_no_conv",
                                   "deltanet_relu_no_conv"])
+@pytest.mark.slow  # exports a layer: seconds
 def test_layer_exports_one_s_generic_graph(name, tmp_path):
     """Traced on S=3, run in tract as a prefill of 7 then 2 decode steps feeding the states back."""
     import gdn_export
@@ -387,6 +388,7 @@ def test_bad_configs_are_clear_errors(tmp_path, changes, message):
         load_model(folder, FAMILY, config)
 
 
+@pytest.mark.slow  # exports a layer: seconds
 def test_weights_must_match_config(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 

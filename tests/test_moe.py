@@ -308,11 +308,13 @@ def test_fixture_graphs_are_sparse_where_exact(name, dtype, converted):
     assert lowering == "tract_moe_ffn" and fused == [(str(top_k), gate)] * count
 
 
+@pytest.mark.slow  # converts a fixture
 def test_report_names_each_moe_choice(tmp_path):
     report = convert(FIXTURES / "kimi_linear", tmp_path / "k.nnef.tgz", check=False)
     assert "moe (1 feed-forward): tract_moe_ffn - DeepSeek-V3 routing" in str(report)
 
 
+@pytest.mark.slow  # converts a fixture
 def test_softmax_all_checkpoint_matches_transformers(tmp_path):
     """Qwen3-Next with ``norm_topk_prob`` false (the fixture's weights, its config changed): gate 'softmax_all',
     and convert's check against transformers passes (f32: 1e-4 x max |logit|)."""
@@ -327,6 +329,7 @@ def test_softmax_all_checkpoint_matches_transformers(tmp_path):
     assert "gate=softmax_all" in str(report)
 
 
+@pytest.mark.slow  # converts a fixture
 def test_streamed_64_expert_archive_is_the_in_memory_one(tmp_path, monkeypatch):
     """Every expert stack traced as a placeholder (threshold 4 KiB): the fused op references the stacks without
     reading them, and the archive is byte for byte the in-memory one."""

@@ -107,20 +107,21 @@ except gdn_export.MissingExtraError as err:
     assert (tmp_path / "attempts.txt.run").exists() and attempts(record) == ["torch"]  # only convert tried
 
 
-def expected_ids(converted) -> list[int]:
-    """Greedy tokens from ``gdn_export.generate`` in this process (torch importable here)."""
+def expected(converted) -> tuple[list[int], str]:
+    """Greedy token ids and text from ``gdn_export.generate`` in this process (torch importable here)."""
     from gdn_export.run.generation import generate
     from gdn_export.run.generation.executor import InlineExecutor
     from gdn_export.run.session import Session
 
     executor = InlineExecutor(Session(converted(NAME)))
-    return [t.token_id for t in generate(executor, PROMPT_IDS, 8, temperature=0.0, stop_token_ids=[])]
+    tokens = list(generate(executor, PROMPT_IDS, 8, temperature=0.0, stop_token_ids=[]))
+    return [t.token_id for t in tokens], "".join(t.text for t in tokens)
 
 
 @pytest.mark.slow
 def test_info_generate_serve_without_torch(converted, tmp_path):
     archive = str(converted(NAME))
-    want = expected_ids(converted)
+    want, want_text = expected(converted)
 
     info = run(tmp_path, "info", archive)
     assert info.returncode == 0 and "input_ids" in info.stdout and "family: Qwen3.5" in info.stdout, info.stderr
@@ -160,5 +161,5 @@ def test_info_generate_serve_without_torch(converted, tmp_path):
             process.wait()
     assert attempts(record) == [], f"gdn-export serve tried to import {attempts(record)}: {log.read_text()}"
     assert process.returncode == 0, log.read_text()
-    assert generated.stdout.split() == [str(i) for i in want]
+    assert generated.stdout == want_text + "\n"  # the archive carries a tokenizer: text out
     assert served == want

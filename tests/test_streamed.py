@@ -6,6 +6,8 @@ import pytest
 from gdn_export.hf.convert import convert
 from helpers import FIXTURES, archive_members
 
+pytestmark = pytest.mark.slow  # every test converts a checkpoint
+
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_vl", "lara_mini"])
 def test_placeholder_matrices_stream_the_same_archive(tmp_path, monkeypatch, name):
