@@ -4,7 +4,11 @@ pytest's fixtures themselves (``converted``, ``shared_session``, ``reference_mod
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +53,30 @@ def slow_unless(fast: bool, *values, id: str | None = None):
     """One parameter set, in the fast tier when ``fast`` and marked ``slow`` otherwise: a parametrized test keeps a
     few representative cases fast (``pytest -m "not slow"``) and runs all of them in the full suite."""
     return pytest.param(*values, marks=() if fast else pytest.mark.slow, id=id)
+
+
+def serve_process(args: list[str], log: Path, *, command: list[str] | None = None,
+                  **env: str) -> tuple[subprocess.Popen, str]:
+    """``gdn-export serve ARGS --port 0`` as a process of its own (``command``: how to start gdn-export, by default
+    ``python -m gdn_export.cli``), its stderr in ``log``, once it listens on the port it prints: (the process, its
+    base url). The caller stops it (``terminate()``: SIGTERM) and reads its exit status."""
+    command = command or [sys.executable, "-m", "gdn_export.cli"]
+    with open(log, "w") as err:
+        process = subprocess.Popen([*command, "serve", *args, "--port", "0"], stdout=subprocess.DEVNULL, stderr=err,
+                                   stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1", **env))
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert process.poll() is None, f"gdn-export serve exited with {process.returncode}: {log.read_text()}"
+            for line in log.read_text().splitlines():
+                if " on http://127.0.0.1:" in line:
+                    return process, f"http://127.0.0.1:{int(line.split(' on http://127.0.0.1:')[1].split()[0])}"
+            time.sleep(0.02)
+        raise AssertionError(f"gdn-export serve did not listen within 90 s: {log.read_text()}")
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
 
 
 # --- the gated delta rule as a graph ------------------------------------------------------------------------------

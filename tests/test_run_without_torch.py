@@ -13,12 +13,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from helpers import FIXTURES
+from helpers import FIXTURES, serve_process
 
 import gdn_export
 
@@ -45,7 +44,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def without_torch(tmp_path: Path, *args: str, **popen) -> tuple[list[str], Path]:
+def without_torch(tmp_path: Path, *args: str) -> tuple[list[str], Path]:
     """The command line of ``gdn-export ARGS`` run where BLOCKED cannot be imported, and the file that lists the
     imports it attempted."""
     record = tmp_path / f"attempts-{len(list(tmp_path.glob('attempts-*')))}.txt"
@@ -134,31 +133,18 @@ def test_info_generate_serve_without_torch(converted, tmp_path):
 
     import openai
 
-    command, record = without_torch(tmp_path, "serve", archive, "--host", "127.0.0.1", "--port", "0",
-                                    "--served-model-name", NAME)
+    command, record = without_torch(tmp_path)
     log = tmp_path / "serve.txt"
-    with open(log, "w") as err:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
-                                   env=environment())
+    process, base = serve_process([archive, "--host", "127.0.0.1", "--served-model-name", NAME], log, command=command,
+                                  PYTHONPATH=environment()["PYTHONPATH"])
     try:
-        port, deadline = None, time.monotonic() + 120
-        while port is None and time.monotonic() < deadline:
-            assert process.poll() is None, f"gdn-export serve exited with {process.returncode}: {log.read_text()}"
-            port = next((int(line.split(" on http://127.0.0.1:")[1].split()[0])
-                         for line in log.read_text().splitlines() if " on http://127.0.0.1:" in line), None)
-            time.sleep(0.05)
-        assert port is not None, f"gdn-export serve did not listen: {log.read_text()}"
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
         completion = client.completions.create(model=NAME, prompt=PROMPT_IDS, max_tokens=8, temperature=0,
                                                extra_body={"ignore_eos": True})
         served = completion.choices[0].model_extra["token_ids"]
     finally:
         process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        process.wait(60)
     assert attempts(record) == [], f"gdn-export serve tried to import {attempts(record)}: {log.read_text()}"
     assert process.returncode == 0, log.read_text()
     assert generated.stdout == want_text + "\n"  # the archive carries a tokenizer: text out
