@@ -3,11 +3,11 @@
 ``import gdn_export`` imports no torch: every name is imported on its first use, so the run side (``Session``,
 ``Engine``, ``generate``, ``gdn-export info/generate/serve``) works on the base install (numpy, tract) and
 ``gdn-export --help`` stays fast. The export side needs the ``[convert]`` extra (torch, torch-to-nnef,
-transformers, onnx). ``import gdn_export.ops`` (done by every export-side name: ``export``, ``convert``,
-``GatedDeltaRule``, ``gated_delta_scan``, ...) registers ``torch.ops.t2n_extra.gated_delta_scan`` (and
-``gated_delta_rule``, ``causal_conv1d_update``, ``moe_ffn``); ``gdn_export.export`` registers gdn_export's
-torch-to-nnef handlers; call ``import gdn_export.extractors`` to register them for your own
-``torch_to_nnef.export_model_to_nnef`` call.
+transformers, onnx); its names (``export``, ``convert``, ``check``, ``gated_delta_rule``, ``GatedDeltaRule``,
+``gated_delta_scan``, ...) define the ``t2n_extra`` custom ops in torch on first use (``torch.ops.t2n_extra.
+gated_delta_scan``, ``gated_delta_rule``, ``causal_conv1d_update``, ``moe_ffn``; or call
+``gdn_export.ops.register_custom_ops()``). ``gdn_export.export`` registers gdn_export's torch-to-nnef handlers; call
+``import gdn_export.ops.nnef_handlers`` to register them for your own ``torch_to_nnef.export_model_to_nnef`` call.
 """
 
 from __future__ import annotations
@@ -60,11 +60,12 @@ if not any(isinstance(f, _CompileHeldBack) for f in sys.meta_path):
     sys.meta_path.insert(0, _CompileHeldBack())
 
 _LAZY = {  # name -> the module that defines it, imported on first use (the export side's import torch)
-    "GatedDeltaRule": "gdn_export.ops", "gated_delta_recurrence": "gdn_export.ops", "gated_delta_rule": "gdn_export.ops",
-    "gated_delta_scan": "gdn_export.ops", "l2norm": "gdn_export.ops",
-    "ExportReport": "gdn_export.exporter", "export": "gdn_export.exporter",
+    "GatedDeltaRule": "gdn_export.ops.gated_delta_rule.op", "gated_delta_rule": "gdn_export.ops.gated_delta_rule.op",
+    "gated_delta_scan": "gdn_export.ops.gated_delta_rule.scan_op",
+    "gated_delta_recurrence": "gdn_export.ops.gated_delta_rule.naive", "l2norm": "gdn_export.ops.gated_delta_rule.naive",
+    "ExportReport": "gdn_export.pipeline.export", "export": "gdn_export.pipeline.export",
     "CheckpointError": "gdn_export.hf.checkpoint",
-    "ConvertReport": "gdn_export.hf.convert", "check": "gdn_export.hf.convert", "convert": "gdn_export.hf.convert",
+    "ConvertReport": "gdn_export.pipeline.convert", "check": "gdn_export.pipeline.convert", "convert": "gdn_export.pipeline.convert",
     "run_tract": "gdn_export.run.runtime", "Session": "gdn_export.run.session",
     "generate": "gdn_export.run.generation", "SamplingParams": "gdn_export.run.generation", "Engine": "gdn_export.run.serving",
 }
@@ -73,6 +74,8 @@ _LAZY = {  # name -> the module that defines it, imported on first use (the expo
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         try:
+            if not _LAZY[name].startswith("gdn_export.run."):  # the export side: its custom ops first
+                importlib.import_module("gdn_export.ops").register_custom_ops()
             module = importlib.import_module(_LAZY[name])
         except ModuleNotFoundError as err:  # gdn_export.convert without the [convert] extra: say what to install
             missing = missing_extra(err, f"gdn_export.{name}")

@@ -14,7 +14,9 @@ import torch
 
 os.environ.setdefault("RUST_BACKTRACE", "0")  # tract's errors carry a Rust backtrace otherwise
 
-import gdn_export.ops  # noqa: E402,F401  (registers torch.ops.t2n_extra.*)
+import gdn_export.ops  # noqa: E402
+
+gdn_export.ops.register_custom_ops()  # torch.ops.t2n_extra.*, which tests call directly
 # kept importable from conftest for branches written before tests/helpers.py (test_suite_layout.py flags them)
 from helpers import (FIXTURES, NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, by_fixture,  # noqa: E402,F401
                      make_rule_inputs)

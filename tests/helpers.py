@@ -17,9 +17,11 @@ import torch
 import torch.nn.functional as F
 
 import gdn_export
-import gdn_export.ops  # noqa: F401  (registers torch.ops.t2n_extra.*: the graphs below use them)
+import gdn_export.ops
 from gdn_export.run.generation import SamplingParams
 from oracle import delta_rule_seq_major
+
+gdn_export.ops.register_custom_ops()  # torch.ops.t2n_extra.*: the graphs below use them
 
 # --- the fixture checkpoints (fixtures/<name>: config.json and safetensors, written by fixtures/make_*.py) -------
 

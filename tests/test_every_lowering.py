@@ -28,7 +28,7 @@ from helpers import CHECKPOINTS, FIXTURES, by_fixture
 
 from gdn_export.cli import main as cli
 from gdn_export.hf.check import check_against_transformers
-from gdn_export.hf.convert import convert
+from gdn_export.pipeline.convert import convert
 
 BUDGET_SECONDS = 300  # a conversion of a fixture takes seconds; one that does not finish in minutes is a defect
 # fixture -> None where tract's fused op computes its layers exactly (plain GDN, K = V), else the refusal's reason

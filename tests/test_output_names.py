@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from gdn_export.backends.nnef.output_names import RAW_SUFFIX, tract_names
 from helpers import CHECKPOINTS, by_fixture
-from gdn_export.output_names import RAW_SUFFIX, tract_names
 
 
 

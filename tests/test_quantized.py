@@ -10,7 +10,7 @@ import pytest
 
 from helpers import FIXTURES, by_fixture
 from gdn_export.errors import GdnExportError
-from gdn_export.hf.convert import convert
+from gdn_export.pipeline.convert import convert
 from gdn_export.weights import q4_0
 
 # a .dat header's item type (bytes 48-51): tract's Q4_0 is 0x4030 from vendor "RT" (torch-to-nnef's DatBinHeader)

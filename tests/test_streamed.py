@@ -3,7 +3,7 @@
 
 import pytest
 
-from gdn_export.hf.convert import convert
+from gdn_export.pipeline.convert import convert
 from helpers import FIXTURES, archive_members
 
 pytestmark = pytest.mark.slow  # every test converts a checkpoint
