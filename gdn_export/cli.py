@@ -9,10 +9,14 @@
     gdn-export info OUT.nnef.tgz
     gdn-export generate MODEL.nnef.tgz (--prompt TEXT | --prompt-ids 1,2,3) [--chat] [--max-new-tokens N]
                         [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop TEXT]... [--ignore-eos]
+                        [--max-model-len N]
     gdn-export serve MODEL.nnef.tgz [--host 127.0.0.1] [--port N] [--workers W] [--max-queue Q] [--slots N]
+                     [--api-key KEY] [--max-model-len N] [--request-timeout S] [--shutdown-grace S]
 
 Exit status 0 on success; 1 with a one-line reason on any failure (``--debug``: the traceback too); 2 on a
-usage error (checked before any work); 130 when interrupted (Ctrl-C, SIGTERM), leaving no output behind.
+usage error (checked before any work; for ``generate`` also a prompt + new tokens longer than the model's context);
+130 when interrupted (Ctrl-C, SIGTERM), leaving no output behind; ``serve`` stopped by SIGTERM or Ctrl-C exits 0
+once its requests were answered or ended (docs/SERVER.md).
 
 ``info``, ``generate`` and ``serve`` run on the base install (numpy, tract; text and chat: ``[generate]``; HTTP:
 ``[serve]``) and never import torch; ``convert`` and ``check`` need the ``[convert]`` extra (torch, torch-to-nnef,
@@ -220,13 +224,31 @@ def _existing_archive(text: str) -> str:
 
 
 def _token_ids(text: str) -> list[int]:
+    parts = text.replace(" ", "").split(",")
     try:
-        ids = [int(part) for part in text.replace(" ", "").split(",") if part != ""]
+        ids = [int(part) for part in parts]  # an empty part (1,,2 or a trailing comma) is not a token id
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids, e.g. 1,2,3") from None
     if not ids or min(ids) < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: give one or more token ids >= 0, e.g. 1,2,3")
     return ids
+
+
+def _stop_text(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("an empty stop string would stop before the first token; give some text")
+    return text
+
+
+def _max_model_len(text: str) -> int:
+    """--max-model-len: tokens >= 1 (vLLM also takes 1k / 32K, powers of 1000 / 1024 as its case says)."""
+    multiplier = {"k": 1000, "K": 1024, "m": 1000 ** 2, "M": 1024 ** 2}.get(text[-1:], 1)
+    value = _count(1)(text[:-1] if multiplier > 1 else text)
+    return value * multiplier
+
+
+def _seconds(text: str) -> float:
+    return _number(0, open_below=True)(text)
 
 
 def _number(minimum: float, maximum: float | None = None, open_below: bool = False):
@@ -247,14 +269,23 @@ def _number(minimum: float, maximum: float | None = None, open_below: bool = Fal
 
 
 def _generate(args) -> int:
+    from gdn_export.errors import GdnExportError
     from gdn_export.run.generation import RequestError, SamplingError, generate
     from gdn_export.run.generation.chat import ChatTemplateError
     from gdn_export.run.generation.executor import InlineExecutor
     from gdn_export.run.generation.generate import chat_prompt_ids
     from gdn_export.run.session import Session
 
+    from gdn_export.run.generation.executor import ALLOW_LONG_ENV
+
     executor = InlineExecutor(Session(args.model))
     archive = executor.archive
+    try:
+        archive.limit_context(args.max_model_len, os.environ.get(ALLOW_LONG_ENV) == "1")
+    except GdnExportError as err:
+        raise UsageError(str(err)) from None
+    if args.max_model_len is None and archive.context_note:
+        _progress(f"warning: {archive.context_note}")
     prompt = args.prompt if args.prompt_ids is None else args.prompt_ids
     try:
         if args.chat:
@@ -297,13 +328,22 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    from gdn_export.run.http import default_slots, model_name_of, serve
+    from gdn_export.errors import GdnExportError
+    from gdn_export.run.generation.executor import ALLOW_LONG_ENV, context_bound
+    from gdn_export.run.http import API_KEY_ENV, default_slots, model_name_of, serve
 
     name = args.served_model_name or model_name_of(os.path.basename(args.model))
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    allow_long = os.environ.get(ALLOW_LONG_ENV) == "1"
 
     from gdn_export.run.archive import read_metadata
 
-    batched = bool((read_metadata(args.model) or {}).get("serving"))
+    metadata = read_metadata(args.model) or {}
+    batched = bool(metadata.get("serving"))
+    try:
+        context_bound(metadata.get("context_length"), args.max_model_len, allow_long)
+    except GdnExportError as err:
+        raise UsageError(str(err)) from None
     if batched and args.prefill_piece is not None:
         from gdn_export.run.serving.prefix_cache import ALIGN
 
@@ -325,15 +365,24 @@ def _serve(args) -> int:
     try:
         serve(args.model, args.host, args.port, workers=args.workers, max_queue=args.max_queue, model_name=name,
               log_level=args.log_level, ready=ready, slots=args.slots, progress=_progress,
-              prefill_piece=args.prefill_piece, prefill_rows=args.prefill_rows)
-    except KeyboardInterrupt:
+              prefill_piece=args.prefill_piece, prefill_rows=args.prefill_rows, api_key=api_key,
+              request_timeout=args.request_timeout, max_model_len=args.max_model_len, allow_long=allow_long,
+              shutdown_grace=args.shutdown_grace)
+    except KeyboardInterrupt:  # SIGTERM or Ctrl-C: the requests in flight were answered or ended (docs/SERVER.md)
         pass
     _progress("stopped")
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line (the usage block only with --help)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="gdn-export", description=__doc__.splitlines()[0])
+    top = _Parser(prog="gdn-export", description=__doc__.splitlines()[0])
     sub = top.add_subparsers(dest="command", required=True)
     convert = sub.add_parser("convert", help="convert a local Hugging Face checkpoint to .nnef.tgz and check it")
     convert.add_argument("checkpoint", help="folder with config.json and *.safetensors")
@@ -406,7 +455,11 @@ def parser() -> argparse.ArgumentParser:
                      help="keep the most probable tokens whose probability reaches P")
     gen.add_argument("--top-k", type=_count(0), default=None, help="keep the K most probable tokens (0: all)")
     gen.add_argument("--seed", type=_count(0), default=None, help="seed of the sampling (reproducible draws)")
-    gen.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
+    gen.add_argument("--stop", action="append", default=[], type=_stop_text,
+                     help="stop before this text (repeatable)")
+    gen.add_argument("--max-model-len", type=_max_model_len, default=None, metavar="TOKENS",
+                     help="prompt + new tokens at most (default: the model's context, stored in the archive; "
+                          "docs/SERVER.md)")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="do not stop at generation_config.json's eos_token_id")
     gen.set_defaults(run=_generate)
@@ -432,6 +485,16 @@ def parser() -> argparse.ArgumentParser:
                           "(default 8)")
     srv.add_argument("--served-model-name", default=None,
                      help="the model's name in the API (default: the file name without .nnef.tgz)")
+    srv.add_argument("--api-key", default=None, metavar="KEY",
+                     help="ask every /v1 request for 'Authorization: Bearer KEY' (default: the GDN_EXPORT_API_KEY "
+                          "environment variable; none: no key asked)")
+    srv.add_argument("--max-model-len", type=_max_model_len, default=None, metavar="TOKENS",
+                     help="prompt + new tokens at most (default: the model's context, stored in the archive)")
+    srv.add_argument("--request-timeout", type=_seconds, default=None, metavar="SECONDS",
+                     help="a request still unanswered after this long is ended (408; default: no deadline)")
+    srv.add_argument("--shutdown-grace", type=_number(0), default=10.0, metavar="SECONDS",
+                     help="on SIGTERM, in-flight requests get this long to finish before they are ended with an "
+                          "error (default 10)")
     srv.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="warning",
                      help="uvicorn's log level (info logs every request)")
     srv.set_defaults(run=_serve)

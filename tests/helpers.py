@@ -4,10 +4,14 @@ pytest's fixtures themselves (``converted``, ``shared_session``, ``reference_mod
 
 from __future__ import annotations
 
+import contextlib
+import http.client
+import json
 import os
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -26,8 +30,12 @@ gdn_export.ops.register_custom_ops()  # torch.ops.t2n_extra.*: the graphs below 
 # --- the fixture checkpoints (fixtures/<name>: config.json and safetensors, written by fixtures/make_*.py) -------
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-# every fixture checkpoint, by folder name: the one list the tests parametrize over (or a documented part of it)
-CHECKPOINTS = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
+# fixtures/qwen3_5_trained: trained weights (11M parameters) for the quality figures, tested by test_trained.py; the
+# per-fixture sweeps (every lowering, every quantization, ...) cover the small random-weight fixtures only
+TRAINED = "qwen3_5_trained"
+# the random-weight fixture checkpoints, by folder name: the one list the sweeps parametrize over (or a documented
+# part of it)
+CHECKPOINTS = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file() and p.name != TRAINED)
 FLA_CHECKPOINTS = [name for name in CHECKPOINTS if name.startswith("fla_")]  # flash-linear-attention's layouts
 # one fixture per family: Qwen3.5 (gated attention), its MoE, Qwen3-Next, Kimi (MLA, KDA), OLMo-Hybrid, LaraMini
 # (sliding-window attention), FLA (a windowed softmax layer among GDN layers), FLA KDA (no attention layer)
@@ -55,6 +63,58 @@ def slow_unless(fast: bool, *values, id: str | None = None):
     """One parameter set, in the fast tier when ``fast`` and marked ``slow`` otherwise: a parametrized test keeps a
     few representative cases fast (``pytest -m "not slow"``) and runs all of them in the full suite."""
     return pytest.param(*values, marks=() if fast else pytest.mark.slow, id=id)
+
+
+# --- servers over real sockets (tests/test_serve.py, tests/test_server_bounds.py, tests/test_run_without_torch.py) ---
+
+def wait_for(condition, timeout: float = 30.0, what: str = "the condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@contextlib.contextmanager
+def serving(pool, name: str, **options):
+    """``pool`` served under ``name`` by uvicorn in a thread of this process, on a free port of 127.0.0.1
+    (``make_app``'s ``options``): the base url. (``gdn-export serve`` itself, a process of its own, is driven by
+    ``test_gdn_export_serve``.)"""
+    import uvicorn
+
+    from gdn_export.run.http import listen, make_app
+
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(make_app(pool, name, **options), log_level="error", lifespan="off",
+                                           http="h11"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 30, "the server to start")
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+        pool.close()
+
+
+def raw(base: str, method: str, path: str, body: bytes | str | None = None,
+        headers: dict | None = None) -> tuple[int, dict | str]:
+    host, port = base.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        response = connection.getresponse()
+        data = response.read().decode()
+    finally:
+        connection.close()
+    try:
+        return response.status, json.loads(data)
+    except ValueError:
+        return response.status, data
 
 
 def serve_process(args: list[str], log: Path, *, command: list[str] | None = None,

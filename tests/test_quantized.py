@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import FIXTURES, by_fixture
+from helpers import CHECKPOINTS, FIXTURES, by_fixture
 from gdn_export.errors import GdnExportError
 from gdn_export.pipeline.convert import convert
 from gdn_export.weights import q4_0
@@ -96,10 +96,9 @@ def test_tied_head_gets_a_q4_0_copy_of_its_own(tmp_path):
     assert not re.search(rf"slice\({head}\b", graph)
 
 
-NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
 
 
-@pytest.mark.parametrize("name", by_fixture(*NAMES))
+@pytest.mark.parametrize("name", by_fixture(*CHECKPOINTS))
 def test_no_float16_weight_is_cast_at_run_time(name, converted):
     """tract neither folds a cast of a constant nor packs the result for its matmuls (20-40x slower): no weight
     matrix of a float16 archive may be stored in float16 and cast to float32 in the graph."""

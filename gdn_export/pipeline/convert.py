@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError, ParityError
-from gdn_export.run.archive import nnef_tgz_path, read_metadata
+from gdn_export.run.archive import GENERATION_FILES, nnef_tgz_path, read_metadata
 from gdn_export.ops.gated_delta_rule.capabilities import parse_version
 from gdn_export.hf.check import LogitCheck, check_archive, transformers_references, validate_check
 from gdn_export.hf.checkpoint import (CheckpointError, cast_buffers, empty_model, materialize, model_in_memory,
@@ -135,9 +135,7 @@ def check_output_path(out_path: str | os.PathLike, force: bool, force_hint: str 
 CHECKS = ("auto", "full", "layerwise")
 # what a check's reference is, for the report
 CHECK_KINDS = {"full": "whole model in memory", "layerwise": "layer by layer (one decoder layer in memory at a time)"}
-# files of a checkpoint folder that the archive carries, to generate text (tract ignores them)
-GENERATION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                    "chat_template.json", "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+# the files of a checkpoint folder that the archive carries to generate text (tract ignores them): GENERATION_FILES
 
 
 def convert(
@@ -243,6 +241,7 @@ def convert(
     metadata = {
         "format": FORMAT_VERSION, "family": family.name, "model_type": layout.checkpoint_model_type,
         "text_model_type": layout.model_type, "dtype": dtype, "core_dtype": core_dtype, "vocab_size": vocab_size,
+        "context_length": layout.config.get("max_position_embeddings"),  # prompt + new tokens (docs/SERVER.md)
         "inputs": inputs, "outputs": outputs, "generation_files": sorted(carried), "quantize": quantize, "logits": logits,
         "serving": serving,
         "quantized": len(quantization.quantized),
@@ -357,7 +356,10 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
         metadata = read_metadata(path)
     if not metadata or "states" not in metadata:
         raise GdnExportError(f"{path} was not written by gdn-export convert (no gdn_export.json with states)")
-    config = read_config(checkpoint_dir)
+    from gdn_export.megatron.checkpoint import is_megatron_checkpoint
+
+    megatron = is_megatron_checkpoint(checkpoint_dir)  # no config.json: its args give the model
+    config = open_checkpoint(checkpoint_dir)[1].config if megatron else read_config(checkpoint_dir)
     family = family_for(config["model_type"])
     if metadata.get("model_type") != config["model_type"]:
         raise GdnExportError(f"{path} holds a {metadata.get('family')} model ({metadata.get('model_type')}); "
@@ -366,7 +368,7 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
     if vocab is not None and metadata.get("vocab_size") != vocab:
         raise GdnExportError(f"{path} has a vocabulary of {metadata.get('vocab_size')} tokens; {checkpoint_dir}'s "
                              f"config.json says {vocab}")
-    family, layout, _, weights = open_checkpoint(checkpoint_dir, family, config)
+    family, layout, _, weights = open_checkpoint(checkpoint_dir, *(() if megatron else (family, config)))
     kind = kind if kind != "auto" else reference_fits(weights, getattr(torch, metadata.get("dtype", "float32")))
     return check_with(kind, path, family, layout, weights, prompt_len, decode_steps, batch)
 

@@ -128,7 +128,8 @@ def convert_onnx(checkpoint_dir, out_path, *, dtype: str = "float32", lowering: 
     metadata = {
         "format": nnef_convert.FORMAT_VERSION, "container": "onnx", "family": family.name,
         "model_type": layout.checkpoint_model_type, "text_model_type": layout.model_type, "dtype": dtype,
-        "core_dtype": None, "vocab_size": vocab_size, "inputs": inputs, "outputs": outputs, "runtime": runtime,
+        "core_dtype": None, "vocab_size": vocab_size, "context_length": layout.config.get("max_position_embeddings"),
+        "inputs": inputs, "outputs": outputs, "runtime": runtime,
         "states": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."),
                     "kind": s.kind, "layer": s.layer} for s in lm.states],
     }

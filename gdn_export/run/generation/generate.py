@@ -29,6 +29,13 @@ class RequestError(GdnExportError):
         self.param = param
 
 
+class ContextLengthError(RequestError):
+    """Prompt + new tokens exceed the model's context (``ArchiveText.max_model_len``): OpenAI's
+    ``context_length_exceeded``."""
+
+    code = "context_length_exceeded"
+
+
 @dataclass(frozen=True)
 class GeneratedToken:
     """One generated token. ``text`` is the text it completes ("" while held back: part of a UTF-8 character, or
@@ -102,13 +109,15 @@ class Generation:
     def __init__(self, archive: ArchiveText, prompt: str | Sequence[int], max_new_tokens: int | None = None, *,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, logprobs: int | None = None, stop: str | Sequence[str] | None = None,
-                 stop_token_ids: Sequence[int] | None = None, sampling: SamplingParams | None = None) -> None:
+                 stop_token_ids: Sequence[int] | None = None, sampling: SamplingParams | None = None,
+                 default_new_tokens: int | None = None, prompt_param: str = "prompt",
+                 tokens_param: str = "max_new_tokens") -> None:
         self.archive = archive
-        self.prompt_ids = prompt_ids_of(archive, prompt)
-        if max_new_tokens is None:
-            max_new_tokens = archive.generation_config.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}", "max_new_tokens")
+        self.prompt_ids = prompt_ids_of(archive, prompt, prompt_param)
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                                           or max_new_tokens < 1):
+            raise RequestError(f"{tokens_param} must be an integer >= 1, got {max_new_tokens!r}", tokens_param)
+        max_new_tokens = self._bounded(max_new_tokens, default_new_tokens, prompt_param, tokens_param)
         if sampling is None:
             sampling = sampling_from(archive.generation_config, temperature, top_k, top_p, seed, logprobs)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -127,6 +136,29 @@ class Generation:
         self._decoded = 0  # length of the detokenized text so far
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+
+    def _bounded(self, max_new_tokens: int | None, default: int | None, prompt_param: str, tokens_param: str) -> int:
+        """``max_new_tokens`` checked against the context (``archive.max_model_len``: prompt + new tokens), or, when
+        not given, the default (``default``, else generation_config.json's ``max_new_tokens``, else 256) lowered to
+        what the context leaves."""
+        limit = getattr(self.archive, "max_model_len", None)
+        prompt = len(self.prompt_ids)
+        if limit is not None and prompt >= limit:
+            raise ContextLengthError(f"This model's maximum context length is {limit} tokens; the {prompt_param} has "
+                                     f"{prompt} tokens, which leaves no room for a new one. Please reduce the length of "
+                                     f"the {prompt_param}.", prompt_param)
+        if max_new_tokens is None:
+            config_default = self.archive.generation_config.get("max_new_tokens")
+            if isinstance(config_default, bool) or not isinstance(config_default, int) or config_default < 1:
+                config_default = None
+            max_new_tokens = default or config_default or DEFAULT_MAX_NEW_TOKENS
+            return max_new_tokens if limit is None else min(max_new_tokens, limit - prompt)
+        if limit is not None and prompt + max_new_tokens > limit:
+            raise ContextLengthError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                                     f"{prompt + max_new_tokens} tokens ({prompt} in the {prompt_param}, "
+                                     f"{max_new_tokens} in the completion). Please reduce the length of the "
+                                     f"{prompt_param} or {tokens_param}.", tokens_param)
+        return max_new_tokens
 
     @property
     def done(self) -> bool:
