@@ -74,12 +74,19 @@ def test_report_says_why(tmp_path):
 
 
 def test_gdn_export_handler_replaces_torch_to_nnef_handler(tmp_path):
-    """torch-to-nnef registers its own gated_delta_scan handler; ours must be the one that runs."""
+    """torch-to-nnef registers its own gated_delta_scan handler; ours must be the one that runs, during an export
+    only: torch-to-nnef's own is back afterwards."""
     from torch_to_nnef.op.extras import _T2N_EXTRA_REGISTRY
 
+    from gdn_export.backends.compat.torch_to_nnef import conversion
+    from gdn_export.backends.nnef.registry import CUSTOM_OPS
     from gdn_export.ops.gated_delta_rule.nnef.handlers import handle_gated_delta_scan
 
-    assert _T2N_EXTRA_REGISTRY.get("gated_delta_scan") is handle_gated_delta_scan
+    theirs = _T2N_EXTRA_REGISTRY.get("gated_delta_scan")
+    assert theirs is not handle_gated_delta_scan
+    with conversion(CUSTOM_OPS):
+        assert _T2N_EXTRA_REGISTRY.get("gated_delta_scan") is handle_gated_delta_scan
+    assert _T2N_EXTRA_REGISTRY.get("gated_delta_scan") is theirs
     q, k, v, g, beta, s0 = make_rule_inputs(1, 3, 2, 2, 16, 16)
     inputs = [x.transpose(1, 2).contiguous() for x in (q, k, v, g, beta)] + [s0]
     path = tmp_path / "op.nnef.tgz"

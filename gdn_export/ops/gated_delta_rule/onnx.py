@@ -35,7 +35,7 @@ computes its own routing (softmax top-k) whose semantics were not verified again
 from __future__ import annotations
 
 from gdn_export.errors import LoweringError
-from gdn_export.ops.gated_delta_rule.emitter import Decision
+from gdn_export.ops.protocol import Decision
 from gdn_export.ops.gated_delta_rule.operands import Dims
 
 RUNTIMES = ("onnxruntime", "tract-onnx", "any")
