@@ -36,6 +36,7 @@ from typing import Sequence
 from gdn_export.errors import GdnExportError, missing_extra
 from gdn_export.ops.gated_delta_rule.policy import RUNTIMES  # these two are light: --help imports no torch (nor numpy)
 from gdn_export.ops.gated_delta_rule.registry import LOWERINGS
+from gdn_export.weights import ONNX_QUANTIZE_REFUSAL
 
 
 def _progress(message: str) -> None:
@@ -62,7 +63,7 @@ def _output_format(args) -> str:
     if args.runtime is not None and args.runtime not in ONNX_RUNTIMES:
         raise UsageError(f"--runtime {args.runtime} is tract's (NNEF); an ONNX file runs in: {', '.join(ONNX_RUNTIMES)}")
     args.runtime = args.runtime or "onnxruntime"
-    refused = [("--quantize", args.quantize is not None, "tract's Q4_0 format: an ONNX file keeps float weights"),
+    refused = [("--quantize", args.quantize is not None, ONNX_QUANTIZE_REFUSAL.get(args.quantize, "")),
                ("--quantize-embeddings", args.quantize_embeddings, "tract's Q4_0 format"),
                ("--core-dtype", args.core_dtype is not None, "tract's fused op only"),
                ("--chunk-size", args.chunk_size is not None, "tract's chunked lowering only"),
@@ -408,8 +409,10 @@ def parser() -> argparse.ArgumentParser:
                          help="the check's reference: transformers' whole model in memory (full), one decoder "
                               "layer in memory at a time (layerwise), or full where it fits (auto)")
     convert.add_argument("--no-check", action="store_true", help="run no check at all")
-    convert.add_argument("--quantize", choices=["q4_0"], default=None,
-                         help="store every linear layer's weight (inner size a multiple of 32) in tract's Q4_0")
+    convert.add_argument("--quantize", choices=["q4_0", "int8"], default=None,
+                         help="q4_0: every linear layer's weight (inner size a multiple of 32) in tract's Q4_0; int8: "
+                              "every linear layer's weight in int8 (a scale per output channel) on tract's integer "
+                              "matmuls, its input rounded per row in the graph (--dtype float32)")
     convert.add_argument("--quantize-embeddings", action="store_true",
                          help="with --quantize, the embedding table too (refused when the head is tied to it)")
     convert.add_argument("--logits", choices=["all", "last"], default="all",

@@ -157,16 +157,6 @@ def _op_rules() -> list:
 # direct imports (module, what it imports) still to be removed by the refactor of issue 22: left out of the graph
 # the rules check; the test fails when one is gone and not struck from here, so the list only shrinks
 KNOWN: set[tuple[str, str]] = {
-    # the ONNX back-end still names the ops whose placeholders it rewrites (backends/onnx/rewrite.py)
-    ("gdn_export.backends.onnx.exporter", "gdn_export.ops"),
-    ("gdn_export.backends.onnx.exporter", "gdn_export.ops.gated_delta_rule"),
-    ("gdn_export.backends.onnx.exporter", "gdn_export.ops.gated_delta_rule.onnx"),
-    ("gdn_export.backends.onnx.rewrite", "gdn_export.ops"),
-    ("gdn_export.backends.onnx.rewrite", "gdn_export.ops.gated_delta_rule"),
-    ("gdn_export.backends.onnx.rewrite", "gdn_export.ops.gated_delta_rule.onnx"),
-    ("gdn_export.backends.onnx.rewrite", "gdn_export.ops.gated_delta_rule.operands"),
-    ("gdn_export.backends.onnx.rewrite", "gdn_export.ops.moe_ffn"),
-    ("gdn_export.backends.onnx.rewrite", "gdn_export.ops.moe_ffn.op"),
     ("gdn_export.run.onnx_session", "onnx"),  # the run side's (another helper's): reads metadata with onnx
 }
 

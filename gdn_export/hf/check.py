@@ -144,7 +144,8 @@ def _typical(errors: np.ndarray, phases: list[slice]) -> list[float]:
 
 
 def compare_logits(actual: np.ndarray, expected: np.ndarray, dtype: str,
-                   baseline: np.ndarray | None = None, prompt_len: int | None = None) -> LogitCheck:
+                   baseline: np.ndarray | None = None, prompt_len: int | None = None,
+                   allowance: float = F16_ULP) -> LogitCheck:
     """Judge ``actual`` (the export's logits, [B, S, vocab]) against ``expected`` (the float32 reference).
 
     float32: max abs error against ``F32_TOLERANCE * max(1, max |logit|)``. Reduced ``dtype``: ``baseline`` is
@@ -182,14 +183,14 @@ def compare_logits(actual: np.ndarray, expected: np.ndarray, dtype: str,
                          _typical(own.reshape(expected.shape[:2]), phases)))
     def share_of_allowance(pair: tuple[float, float]) -> float:
         error, own_error = pair
-        return float("inf") if not np.isfinite(error + own_error) else error / (F16_MULTIPLE * own_error + F16_ULP * scale)
+        return float("inf") if not np.isfinite(error + own_error) else error / (F16_MULTIPLE * own_error + allowance * scale)
 
     error, own_error = max(per_phase, key=share_of_allowance)
     # decisive: the reference's top-2 gap exceeds twice the larger f16 error at that position (the export's or
     # the framework's): no rounding of that size reorders the pair, in either model
     decisive = gap > 2 * np.maximum(errors, own)
     agreement = float(same[decisive].mean()) if decisive.any() else 1.0
-    tolerance = F16_MULTIPLE * own_error + F16_ULP * scale
+    tolerance = F16_MULTIPLE * own_error + allowance * scale
     return LogitCheck(top1_agreement=agreement, tolerance=tolerance if np.isfinite(tolerance) else float("nan"),
                       need_top1=True, ambiguous=int((~decisive).sum()), error=error, baseline_error=own_error,
                       baseline_max_abs_error=float(own.max()), baseline_mean_kl=own_kl, baseline_top1_all=own_top1,
@@ -243,11 +244,14 @@ def transformers_references(hf_model, prompt_len: int, half_model=None):
 
 
 def check_archive(path, vocab_size: int, prompt_len: int, decode_steps: int, batch: int, seed: int,
-                  reference, half_reference, quality_reference=None) -> LogitCheck:
+                  reference, half_reference, quality_reference=None, rounding_baseline=None) -> LogitCheck:
     """The check of ``path`` (a .nnef.tgz or an open Session) on random tokens against ``reference(tokens)`` (float32
     logits [B, S, vocab]) and, for a reduced-precision archive, ``half_reference(dtype, tokens)`` (the reference
     framework's own model in that dtype). ``quality_reference(tokens)``: another float32 model (a quantized export's
-    unquantized one), compared with the same tract logits into the result's ``quality``, reported, not judged."""
+    unquantized one), compared with the same tract logits into the result's ``quality``, reported, not judged.
+    ``rounding_baseline(tokens)``: for an int8 archive (whose graph rounds activations), the reference with its
+    rounding inputs perturbed by a few float32 roundings (``gdn_export.weights.int8``); the archive is then judged
+    by the float16 rule against it, with the float32 rule's allowance in place of one float16 rounding."""
     from gdn_export.run.session import Session
 
     validate_check(prompt_len, decode_steps, batch)
@@ -278,7 +282,11 @@ def check_archive(path, vocab_size: int, prompt_len: int, decode_steps: int, bat
         except Exception as err:  # e.g. an op without a CPU float16 kernel in this torch
             raise GdnExportError(f"the reference's own {dtype} model could not run, so a {dtype} export cannot be "
                                  f"judged: {type(err).__name__}: {err}") from err
-    result = compare_logits(actual, expected, dtype, baseline, judged_prefill)
+    if rounding_baseline is not None and dtype == "float32":
+        result = compare_logits(actual, expected, "float32 (int8 rounding)", rounding_baseline(tokens)[:, first:],
+                                judged_prefill, allowance=F32_TOLERANCE)
+    else:
+        result = compare_logits(actual, expected, dtype, baseline, judged_prefill)
     if quality_reference is not None:
         result.quality = compare_logits(actual, quality_reference(tokens)[:, first:], "float32")
     return result

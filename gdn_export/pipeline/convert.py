@@ -21,7 +21,8 @@ from gdn_export.hf.checkpoint import (CheckpointError, cast_buffers, empty_model
                                       open_checkpoint, read_config)
 from gdn_export.hf.layerwise import layerwise_logits
 from gdn_export.hf.layout import resolve_layout
-from gdn_export.hf.weight_writers import dequantized_view, plan_writes, separate_tied_head, untied_view
+from gdn_export.hf.weight_writers import (QUANTIZATIONS, dequantized_view, int8_reference_linears, plan_writes,
+                                          separate_tied_head, untied_view)
 from gdn_export.run.runtime import lean_allocator
 from gdn_export.hf.families import family_for
 from gdn_export.models.decoder import serving_inputs
@@ -54,7 +55,8 @@ class ConvertReport:
     weights: str = ""  # what was read from the checkpoint, and what was left out
     generation_files: list[str] = field(default_factory=list)  # tokenizer, chat template... carried in the archive
     check_kind: str = ""
-    quantization: str = ""  # what was stored in Q4_0
+    quantization: str = ""  # what was stored in Q4_0 or int8
+    quantized_as: str = ""  # "Q4_0", or "int8" (the reference then rounds the inputs of those layers as tract)
     moe: list[str] = field(default_factory=list)  # MoE feed-forwards: sparse or dense, and why (ops/moe_ffn.py)
 
     @property
@@ -78,7 +80,7 @@ class ConvertReport:
         if self.quantization:
             lines.append(f"  quantized: {self.quantization}")
         if self.check is not None:
-            against = " with the same Q4_0 weights" if self.quantization else ""
+            against = f" with the same {self.quantized_as} weights" if self.quantization else ""
             lines.append(f"  check vs {self.reference}{against} ({self.check_kind}): {self.check}")
         else:  # a report is returned only once its check passed: no check means check=False
             lines.append("  not checked (check=False / --no-check): tract's logits were not compared with anything")
@@ -205,6 +207,7 @@ def convert(
     validate_options(lowering, runtime, core_dtype, chunk_size)
     if logits not in LOGITS:
         raise GdnExportError(f"logits {logits!r} is not one of {', '.join(LOGITS)}")
+    validate_quantize(quantize, quantize_embeddings, dtype)
     if tract_version is not None:
         try:
             parse_version(tract_version)
@@ -264,7 +267,8 @@ def convert(
         result = ConvertReport(out_path, family.name, metadata["model_type"], dtype, report.tract_version,
                                layers=_layer_reports(lm, report.decisions), seconds=seconds,
                                reference=family.reference, weights=weights.summary(), generation_files=sorted(carried),
-                               quantization=str(quantization), moe=moe_report(report.decisions))
+                               quantization=str(quantization), moe=moe_report(report.decisions),
+                               quantized_as=_QUANTIZED_AS.get(quantize, ""))
         del lm, model  # placeholders (or the in-memory model) are not needed by the check
         if check_mode:
             start = time.perf_counter()
@@ -275,7 +279,8 @@ def convert(
             published, reference_layout = untied_view(weights, layout, separated) if separated else (weights, layout)
             result.check = check_with(kind, staged, family, reference_layout, dequantized_view(published, quantization),
                                       prompt_len, decode_steps,
-                                      quality_weights=published if quantization.quantized else None)
+                                      quality_weights=published if quantization.quantized else None,
+                                      rounded_inputs=int8_reference_linears(quantization))
             result.check_kind = CHECK_KINDS[kind]
             seconds["check"] = time.perf_counter() - start
             if not result.check.ok:
@@ -285,6 +290,23 @@ def convert(
     finally:
         staged.unlink(missing_ok=True)
     return result
+
+
+_QUANTIZED_AS = {"q4_0": "Q4_0", "int8": "int8 (inputs rounded per row as in the graph)"}
+
+
+def validate_quantize(quantize: str | None, quantize_embeddings: bool, dtype: str) -> None:
+    """Before any work: a known scheme; int8 computes around its integer matmuls in float32 and chooses the
+    table's format itself."""
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise GdnExportError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if quantize == "int8" and dtype != "float32":
+        raise GdnExportError(f"quantize='int8' with dtype {dtype!r}: the int8 graph scales and rounds its activations "
+                             "in float32; convert with dtype='float32' (--dtype float32)")
+    if quantize == "int8" and quantize_embeddings:
+        raise GdnExportError("quantize_embeddings (--quantize-embeddings) with quantize='int8': the embedding table "
+                             "of an int8 archive is stored in int8 already (a scale per row, applied to the gathered "
+                             "rows); drop the option")
 
 
 def _fused_moe(runtime: str, tract_version: str | None):
@@ -319,26 +341,36 @@ def _available_memory() -> int | None:
 
 
 def check_with(kind: str, archive, family, layout, weights, prompt_len: int, decode_steps: int, batch: int = 1,
-               quality_weights=None) -> LogitCheck:
+               quality_weights=None, rounded_inputs: frozenset = frozenset()) -> LogitCheck:
     """The check of ``archive`` against the checkpoint's model: "full" (the whole model in memory, prefill then
     decode with its cache) or "layerwise" (``gdn_export.hf.layerwise``: one layer in memory, one causal pass).
     ``quality_weights``: a second set of weights (a quantized export's unquantized ones) compared with the same tract
-    logits, into the result's ``quality``."""
+    logits, into the result's ``quality``. ``rounded_inputs``: names of the reference's ``nn.Linear`` modules whose
+    input is rounded as an int8 graph rounds it (``gdn_export.weights.int8``), in the judged reference only."""
+    from gdn_export.weights.int8 import reference_hooks
 
-    def references(source):
+    def references(source, rounded=frozenset(), jitter_seed=None):
         if kind == "full":
-            return transformers_references(model_in_memory(family, layout, source), prompt_len)
+            model = model_in_memory(family, layout, source)
+            reference_hooks(model, rounded, jitter_seed)
+            return transformers_references(model, prompt_len)
 
         def logits(dtype: torch.dtype, tokens: np.ndarray) -> np.ndarray:
-            return layerwise_logits(empty_model(family, layout), source, tokens, dtype)
+            model = empty_model(family, layout)
+            reference_hooks(model, rounded, jitter_seed)
+            return layerwise_logits(model, source, tokens, dtype)
 
         return partial(logits, torch.float32), logits
+
+    def rounding_baseline(tokens: np.ndarray) -> np.ndarray:  # the int8 reference, its rounding inputs perturbed
+        return references(weights, rounded_inputs, jitter_seed=0)[0](tokens)
 
     def quality(tokens: np.ndarray) -> np.ndarray:  # its model is built only once the export's logits are in
         return references(quality_weights)[0](tokens)
 
     return check_archive(archive, layout.config["vocab_size"], prompt_len, decode_steps, batch, 0,
-                         *references(weights), quality_reference=quality if quality_weights is not None else None)
+                         *references(weights, rounded_inputs), quality_reference=quality if quality_weights is not None else None,
+                         rounding_baseline=rounding_baseline if rounded_inputs else None)
 
 
 def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len: int = 16,

@@ -24,6 +24,7 @@ from gdn_export.ops.options import LoweringOptions, validate_options
 from gdn_export.backends.nnef.output_names import declared_outputs, keep_output_names
 from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
 from gdn_export.weights.casts import fold_weight_casts, weights_cast_before_use
+from gdn_export.weights import int8
 from gdn_export.weights.streamed import (StreamedWeights, annotate_compressed_gathers, check_all_written,
                                          streamed_writes, write_deferred)
 from gdn_export.run.runtime import alongside, load_tract_model, run_tract, tract_version as installed_tract_version
@@ -183,6 +184,10 @@ def export(
             check_all_written(weights, written, graph)
             if weights.compressed:
                 (folder / "graph.nnef").write_text(annotate_compressed_gathers(graph, weights.compressed))
+            if weights.int8 is not None:  # torch-to-nnef's linear of each int8 weight, to tract's integer matmul
+                int8.lower_folder(folder, weights.int8)
+            if weights.int8_tables is not None:  # gathers of an int8 table: codes and scales
+                int8.lower_folder(folder, weights.int8_tables, gathers=True)
         seconds = {"trace": time.perf_counter() - start - written["seconds"], "write": written["seconds"]}
         if not (folder / "graph.nnef").is_file():
             raise GdnExportError(f"torch-to-nnef wrote no graph for {path}")
@@ -239,6 +244,7 @@ def _export_other_format(format: str, module, args, path, *, lowering, input_nam
     for name, value in unused.items():
         if value is not None:
             raise GdnExportError(f"{name} is an NNEF option: not available with format='onnx'")
+    import gdn_export.ops.onnx_handlers  # noqa: F401  (every op registers its ONNX lowering)
     from gdn_export.backends.onnx import export_onnx
 
     validate_dynamic_axes(dynamic_axes, list(input_names) if input_names else

@@ -44,6 +44,9 @@ class StreamedWeights:
     # written after the trace (``write_deferred``), while tract reads the graph for its output names, which
     # declares such weights as inputs of that type and never opens their files (gdn_export/backends/nnef/output_names.py)
     deferrable: Mapping[str, str] = field(default_factory=dict)
+    int8: object = None  # gdn_export.weights.int8.Int8Weights of an int8 export: the graph's linears of them lowered
+    # the embedding tables stored in int8 (Int8Weights): every gather of them takes codes and scales
+    int8_tables: object = None
 
 
 REAL_BYTES = 1 << 20  # parameters below this size are traced with their values
@@ -175,3 +178,4 @@ def annotate_compressed_gathers(graph: str, compressed: Mapping[str, str]) -> st
         return f"{match.group(1)}tract_core_gather({match.group(2)}{match.group(3)}, datum_type = '{datum}');"
 
     return re.sub(r"^(\s*\w+\s*=\s*)tract_core_gather\((\w+)([^;]*)\);", annotate, graph, flags=re.M)
+
