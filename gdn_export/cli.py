@@ -12,6 +12,8 @@
                         [--max-model-len N]
     gdn-export serve MODEL.nnef.tgz [--host 127.0.0.1] [--port N] [--workers W] [--max-queue Q] [--slots N]
                      [--api-key KEY] [--max-model-len N] [--request-timeout S] [--shutdown-grace S]
+    gdn-export perplexity MODEL.nnef.tgz|MODEL.onnx TEXT_FILE [--ctx 256] [--chunks N] [--reference CHECKPOINT_DIR]
+                          [--tokenizer TOKENIZER_JSON] [--json]
 
 Exit status 0 on success; 1 with a one-line reason on any failure (``--debug``: the traceback too); 2 on a
 usage error (checked before any work; for ``generate`` also a prompt + new tokens longer than the model's context);
@@ -328,6 +330,33 @@ def _generate(args) -> int:
     return 0
 
 
+def _perplexity(args) -> int:
+    """docs/PERPLEXITY.md: llama-perplexity's windows, the second half of each scored."""
+    import json
+
+    from gdn_export.run.perplexity import measure, progress_bar
+
+    reference = None
+    if args.reference is not None:
+        if not os.path.isdir(args.reference):
+            raise UsageError(f"--reference {args.reference} is not a checkpoint folder")
+
+        def reference():
+            from gdn_export.hf.reference import eager_window_logits
+
+            _quiet_transformers()
+            return eager_window_logits(args.reference)
+
+    result = measure(args.model, args.text, ctx=args.ctx, reference=reference, reference_dir=args.reference,
+                     tokenizer_path=args.tokenizer, chunks=args.chunks,
+                     progress=progress_bar(sys.stderr) if not args.quiet else None)
+    for line in result.lines():
+        print(line)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    return 0
+
+
 def _serve(args) -> int:
     from gdn_export.errors import GdnExportError
     from gdn_export.run.generation.executor import ALLOW_LONG_ENV, context_bound
@@ -467,6 +496,22 @@ def parser() -> argparse.ArgumentParser:
                      help="do not stop at generation_config.json's eos_token_id")
     gen.set_defaults(run=_generate)
     _add_debug(gen)
+    ppl = sub.add_parser("perplexity", help="perplexity of an exported model on a text file (llama-perplexity's "
+                                             "windows), with --reference its KL divergence from the checkpoint")
+    ppl.add_argument("model", type=_existing_archive, help="the .nnef.tgz or .onnx (every position's logits)")
+    ppl.add_argument("text", type=_existing_archive, help="a UTF-8 text file")
+    ppl.add_argument("--ctx", type=_count(4), default=256,
+                     help="tokens per window; the second half of each is scored (default 256)")
+    ppl.add_argument("--chunks", type=_count(1), default=None, help="score the first N windows only (default: all)")
+    ppl.add_argument("--reference", default=None, metavar="CHECKPOINT_DIR",
+                     help="also transformers' float32 perplexity on the same windows, mean and 99th percentile KL "
+                          "divergence and top-1 agreement (needs torch and transformers)")
+    ppl.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
+                     help="a tokenizer.json (or a folder with one) instead of the archive's (an .onnx carries none)")
+    ppl.add_argument("--json", action="store_true", help="also one JSON object on the last line of stdout")
+    ppl.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    ppl.set_defaults(run=_perplexity)
+    _add_debug(ppl)
     srv = sub.add_parser("serve", help="serve an exported model over OpenAI-compatible HTTP")
     srv.add_argument("model", type=_existing_archive, help="the .nnef.tgz")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

@@ -6,6 +6,7 @@ run side's API: no fixture is converted); every test that uses ``converted``, ``
 ``reference_model`` is marked slow here, and tests that convert in their own code carry ``pytest.mark.slow``."""
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,9 @@ import pytest
 import torch
 
 os.environ.setdefault("RUST_BACKTRACE", "0")  # tract's errors carry a Rust backtrace otherwise
+# the references run on the CPU: transformers takes flash-linear-attention's gated delta rule whenever that package
+# imports, and its Triton kernels need a GPU; a None entry makes `import fla` fail (before transformers' models import)
+sys.modules.setdefault("fla", None)
 
 import gdn_export.ops  # noqa: E402
 
