@@ -67,6 +67,8 @@ def _output_format(args) -> str:
     args.runtime = args.runtime or "onnxruntime"
     refused = [("--quantize", args.quantize is not None, ONNX_QUANTIZE_REFUSAL.get(args.quantize, "")),
                ("--quantize-embeddings", args.quantize_embeddings, "tract's Q4_0 format"),
+               ("--q4-rule", args.q4_rule is not None, "tract's Q4_0 format"),
+               ("--calibration", args.calibration is not None, "tract's Q4_0 format"),
                ("--core-dtype", args.core_dtype is not None, "tract's fused op only"),
                ("--chunk-size", args.chunk_size is not None, "tract's chunked lowering only"),
                ("--tract-version", args.tract_version is not None, "an ONNX file is not for one tract version"),
@@ -86,12 +88,20 @@ def _convert(args) -> int:
     if _output_format(args) == "onnx":
         return _convert_onnx(args)
     check_output_path(args.output, args.force, force_hint="--force")
+    if args.quantize != "q4_0" and (args.q4_rule is not None or args.calibration is not None):
+        raise UsageError("--q4-rule and --calibration choose how --quantize q4_0 picks its scales: add --quantize q4_0")
+    if args.calibration is not None and args.q4_rule == "nearest":
+        raise UsageError("--calibration weights the scale search; --q4-rule nearest does not search: drop one")
+    if args.q4_rule == "gptq" and args.calibration is None:
+        raise UsageError("--q4-rule gptq needs --calibration TEXT_FILE (the inputs' second moments)")
     report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
                      tract_version=args.tract_version, check=False if args.no_check else args.check,
                      force=args.force, progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype,
                      chunk_size=args.chunk_size, streamed=not args.in_memory, prompt_len=args.prompt_len,
                      decode_steps=args.decode_steps, quantize=args.quantize,
-                     quantize_embeddings=args.quantize_embeddings, logits=args.logits, serving=args.serving)
+                     quantize_embeddings=args.quantize_embeddings, logits=args.logits, serving=args.serving,
+                     q4_rule=args.q4_rule or "search", calibration=args.calibration,
+                     calibration_tokens=args.calibration_tokens, fold_scales=not args.no_fold)
     print(report)
     return 0
 
@@ -444,6 +454,18 @@ def parser() -> argparse.ArgumentParser:
                               "matmuls, its input rounded per row in the graph (--dtype float32)")
     convert.add_argument("--quantize-embeddings", action="store_true",
                          help="with --quantize, the embedding table too (refused when the head is tied to it)")
+    convert.add_argument("--q4-rule", choices=["search", "nearest", "gptq"], default=None,
+                         help="how Q4_0 blocks are chosen: search (default: each scale of least squared error), "
+                              "nearest (llama.cpp's plain Q4_0, d = extreme / -8) or gptq (with --calibration: "
+                              "GPTQ's error feedback across columns); docs/QUANTIZATION.md")
+    convert.add_argument("--calibration", metavar="TEXT_FILE", default=None,
+                         help="with --quantize q4_0: weigh each weight's error by its input channel's mean squared "
+                              "activation on this text (llama-imatrix's importance), read with the checkpoint's "
+                              "tokenizer")
+    convert.add_argument("--no-fold", action="store_true",
+                         help="with --calibration: fold no per-channel scales into the norms (docs/QUANTIZATION.md)")
+    convert.add_argument("--calibration-tokens", type=_count(2), default=8192,
+                         help="at most this many tokens of the calibration text, in windows of 512 (default 8192)")
     convert.add_argument("--logits", choices=["all", "last"], default="all",
                          help="logits of every new position (all: scoring, perplexity) or of the last one only "
                               "(last: generation; the head then runs once per call, not per prompt token)")

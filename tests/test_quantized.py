@@ -33,18 +33,18 @@ def reference_q4_0(x: np.ndarray) -> np.ndarray:
     return out.reshape(x.shape)
 
 
-def test_q4_0_matches_the_reference_rounding():
+def test_nearest_rule_matches_the_reference_rounding():
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((8, 64)) * rng.uniform(0.01, 3, (8, 1))).astype(np.float32)
     x[3, :32] = 0.0  # an all-zero block
-    got = q4_0.dequantize(q4_0.quantize(x), x.shape)
+    got = q4_0.dequantize(q4_0.quantize(x, "nearest"), x.shape)
     np.testing.assert_array_equal(got, reference_q4_0(x))
     blocks = x.reshape(-1, 32)
     extremes = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(1)]
     # the extreme of each block is kept up to the f16 rounding of its scale
     np.testing.assert_allclose(got.reshape(-1, 32)[np.arange(len(blocks)), np.abs(blocks).argmax(1)], extremes,
                                rtol=2 ** -10)
-    assert q4_0.quantize(x).shape == (x.size // 32, 18)
+    assert q4_0.quantize(x, "nearest").shape == q4_0.quantize(x).shape == (x.size // 32, 18)
 
 
 def dat_item_types(archive: Path) -> dict[str, bytes]:
