@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gdn_export
-from conftest import NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, make_rule_inputs
+from helpers import NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, make_rule_inputs
 
 
 def _rule_inputs():
