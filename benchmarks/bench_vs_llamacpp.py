@@ -103,8 +103,9 @@ CONVERT_WRAPPER = '''"""Run llama.cpp's convert_hf_to_gguf.py, accepting an unkn
 Written by gdn_export's benchmarks/bench_vs_llamacpp.py: its tokenizer is synthetic, so the converter's hash of
 the tokenized check text matches no known model. Usage: python THIS LLAMA_CPP_DIR CONVERTER_ARGS...
 """
-import logging, runpy, sys
+import logging, os, runpy, sys
 tree = sys.argv[1]
+fallback = os.environ.get("GDN_GGUF_PRE", "qwen35")  # bench_quality.py: the trained tokenizer splits as Qwen2
 sys.path.insert(0, tree)
 sys.path.insert(1, tree + "/gguf-py")
 import conversion.base as base
@@ -114,8 +115,8 @@ def get_vocab_base_pre(self, tokenizer):
     try:
         return original(self, tokenizer)
     except NotImplementedError:
-        logging.getLogger("bench_vs_llamacpp").warning("synthetic tokenizer: pre-tokenizer set to qwen35")
-        return "qwen35"
+        logging.getLogger("bench_vs_llamacpp").warning("unknown tokenizer: pre-tokenizer set to %s", fallback)
+        return fallback
 owner.get_vocab_base_pre = get_vocab_base_pre
 sys.argv = [tree + "/convert_hf_to_gguf.py", *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -12,11 +12,17 @@
                         [--max-model-len N]
     gdn-export serve MODEL.nnef.tgz [--host 127.0.0.1] [--port N] [--workers W] [--max-queue Q] [--slots N]
                      [--api-key KEY] [--max-model-len N] [--request-timeout S] [--shutdown-grace S]
+    gdn-export perplexity MODEL.nnef.tgz|MODEL.onnx TEXT_FILE [--ctx 256] [--chunks N] [--reference CHECKPOINT_DIR]
+                          [--tokenizer TOKENIZER_JSON] [--json]
 
 Exit status 0 on success; 1 with a one-line reason on any failure (``--debug``: the traceback too); 2 on a
 usage error (checked before any work; for ``generate`` also a prompt + new tokens longer than the model's context);
 130 when interrupted (Ctrl-C, SIGTERM), leaving no output behind; ``serve`` stopped by SIGTERM or Ctrl-C exits 0
 once its requests were answered or ended (docs/SERVER.md).
+
+``info``, ``generate`` and ``serve`` run on the base install (numpy, tract; text and chat: ``[generate]``; HTTP:
+``[serve]``) and never import torch; ``convert`` and ``check`` need the ``[convert]`` extra (torch, torch-to-nnef,
+transformers, onnx) and say so in one line when it is missing.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ import time
 import warnings
 from typing import Sequence
 
-from gdn_export.ops.gated_delta_rule.capabilities import parse_version  # these three are light: --help imports no torch
-from gdn_export.ops.gated_delta_rule.policy import RUNTIMES
+from gdn_export.errors import GdnExportError, missing_extra
+from gdn_export.ops.gated_delta_rule.policy import RUNTIMES  # these two are light: --help imports no torch (nor numpy)
 from gdn_export.ops.gated_delta_rule.registry import LOWERINGS
 from gdn_export.weights import ONNX_QUANTIZE_REFUSAL
 
@@ -61,6 +67,8 @@ def _output_format(args) -> str:
     args.runtime = args.runtime or "onnxruntime"
     refused = [("--quantize", args.quantize is not None, ONNX_QUANTIZE_REFUSAL.get(args.quantize, "")),
                ("--quantize-embeddings", args.quantize_embeddings, "tract's Q4_0 format"),
+               ("--q4-rule", args.q4_rule is not None, "tract's Q4_0 format"),
+               ("--calibration", args.calibration is not None, "tract's Q4_0 format"),
                ("--core-dtype", args.core_dtype is not None, "tract's fused op only"),
                ("--chunk-size", args.chunk_size is not None, "tract's chunked lowering only"),
                ("--tract-version", args.tract_version is not None, "an ONNX file is not for one tract version"),
@@ -80,12 +88,20 @@ def _convert(args) -> int:
     if _output_format(args) == "onnx":
         return _convert_onnx(args)
     check_output_path(args.output, args.force, force_hint="--force")
+    if args.quantize != "q4_0" and (args.q4_rule is not None or args.calibration is not None):
+        raise UsageError("--q4-rule and --calibration choose how --quantize q4_0 picks its scales: add --quantize q4_0")
+    if args.calibration is not None and args.q4_rule == "nearest":
+        raise UsageError("--calibration weights the scale search; --q4-rule nearest does not search: drop one")
+    if args.q4_rule == "gptq" and args.calibration is None:
+        raise UsageError("--q4-rule gptq needs --calibration TEXT_FILE (the inputs' second moments)")
     report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
                      tract_version=args.tract_version, check=False if args.no_check else args.check,
                      force=args.force, progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype,
                      chunk_size=args.chunk_size, streamed=not args.in_memory, prompt_len=args.prompt_len,
                      decode_steps=args.decode_steps, quantize=args.quantize,
-                     quantize_embeddings=args.quantize_embeddings, logits=args.logits, serving=args.serving)
+                     quantize_embeddings=args.quantize_embeddings, logits=args.logits, serving=args.serving,
+                     q4_rule=args.q4_rule or "search", calibration=args.calibration,
+                     calibration_tokens=args.calibration_tokens, fold_scales=not args.no_fold)
     print(report)
     return 0
 
@@ -102,7 +118,6 @@ def _convert_onnx(args) -> int:
 
 
 def _check(args) -> int:
-    from gdn_export.errors import GdnExportError
     from gdn_export.pipeline.convert import check
 
     _progress(f"checking {args.model} against {args.checkpoint}: prefill {args.prompt_len} + decode "
@@ -187,15 +202,19 @@ def _count(minimum: int):
 
 
 def _chunk_size(text: str) -> int:
-    from gdn_export.ops.gated_delta_rule.nnef.chunked import chunk_size_error  # the rule itself; imported only when the option is given
-
     value = _count(1)(text)
+    try:
+        from gdn_export.ops.gated_delta_rule.nnef.chunked import chunk_size_error  # the rule; only when given
+    except ModuleNotFoundError:  # no [convert] extra: the conversion says what to install
+        return value
     if chunk_size_error(value):
         raise argparse.ArgumentTypeError(chunk_size_error(value))
     return value
 
 
 def _version(text: str) -> str:
+    from gdn_export.ops.gated_delta_rule.capabilities import parse_version  # numpy: only when given
+
     try:
         parse_version(text)
     except ValueError as err:
@@ -321,6 +340,33 @@ def _generate(args) -> int:
     return 0
 
 
+def _perplexity(args) -> int:
+    """docs/PERPLEXITY.md: llama-perplexity's windows, the second half of each scored."""
+    import json
+
+    from gdn_export.run.perplexity import measure, progress_bar
+
+    reference = None
+    if args.reference is not None:
+        if not os.path.isdir(args.reference):
+            raise UsageError(f"--reference {args.reference} is not a checkpoint folder")
+
+        def reference():
+            from gdn_export.hf.reference import eager_window_logits
+
+            _quiet_transformers()
+            return eager_window_logits(args.reference)
+
+    result = measure(args.model, args.text, ctx=args.ctx, reference=reference, reference_dir=args.reference,
+                     tokenizer_path=args.tokenizer, chunks=args.chunks,
+                     progress=progress_bar(sys.stderr) if not args.quiet else None)
+    for line in result.lines():
+        print(line)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    return 0
+
+
 def _serve(args) -> int:
     from gdn_export.errors import GdnExportError
     from gdn_export.run.generation.executor import ALLOW_LONG_ENV, context_bound
@@ -408,6 +454,18 @@ def parser() -> argparse.ArgumentParser:
                               "matmuls, its input rounded per row in the graph (--dtype float32)")
     convert.add_argument("--quantize-embeddings", action="store_true",
                          help="with --quantize, the embedding table too (refused when the head is tied to it)")
+    convert.add_argument("--q4-rule", choices=["search", "nearest", "gptq"], default=None,
+                         help="how Q4_0 blocks are chosen: search (default: each scale of least squared error), "
+                              "nearest (llama.cpp's plain Q4_0, d = extreme / -8) or gptq (with --calibration: "
+                              "GPTQ's error feedback across columns); docs/QUANTIZATION.md")
+    convert.add_argument("--calibration", metavar="TEXT_FILE", default=None,
+                         help="with --quantize q4_0: weigh each weight's error by its input channel's mean squared "
+                              "activation on this text (llama-imatrix's importance), read with the checkpoint's "
+                              "tokenizer")
+    convert.add_argument("--no-fold", action="store_true",
+                         help="with --calibration: fold no per-channel scales into the norms (docs/QUANTIZATION.md)")
+    convert.add_argument("--calibration-tokens", type=_count(2), default=8192,
+                         help="at most this many tokens of the calibration text, in windows of 512 (default 8192)")
     convert.add_argument("--logits", choices=["all", "last"], default="all",
                          help="logits of every new position (all: scoring, perplexity) or of the last one only "
                               "(last: generation; the head then runs once per call, not per prompt token)")
@@ -460,6 +518,22 @@ def parser() -> argparse.ArgumentParser:
                      help="do not stop at generation_config.json's eos_token_id")
     gen.set_defaults(run=_generate)
     _add_debug(gen)
+    ppl = sub.add_parser("perplexity", help="perplexity of an exported model on a text file (llama-perplexity's "
+                                             "windows), with --reference its KL divergence from the checkpoint")
+    ppl.add_argument("model", type=_existing_archive, help="the .nnef.tgz or .onnx (every position's logits)")
+    ppl.add_argument("text", type=_existing_archive, help="a UTF-8 text file")
+    ppl.add_argument("--ctx", type=_count(4), default=256,
+                     help="tokens per window; the second half of each is scored (default 256)")
+    ppl.add_argument("--chunks", type=_count(1), default=None, help="score the first N windows only (default: all)")
+    ppl.add_argument("--reference", default=None, metavar="CHECKPOINT_DIR",
+                     help="also transformers' float32 perplexity on the same windows, mean and 99th percentile KL "
+                          "divergence and top-1 agreement (needs torch and transformers)")
+    ppl.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
+                     help="a tokenizer.json (or a folder with one) instead of the archive's (an .onnx carries none)")
+    ppl.add_argument("--json", action="store_true", help="also one JSON object on the last line of stdout")
+    ppl.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    ppl.set_defaults(run=_perplexity)
+    _add_debug(ppl)
     srv = sub.add_parser("serve", help="serve an exported model over OpenAI-compatible HTTP")
     srv.add_argument("model", type=_existing_archive, help="the .nnef.tgz")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -536,9 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     _interrupt_on_sigterm()
     try:
-        from gdn_export.errors import GdnExportError  # imports the package (torch): after the arguments parse
-
-        if args.command not in ("generate", "serve"):  # those never import transformers: its import takes seconds
+        if args.command in ("convert", "check"):  # the others never import transformers: its import takes seconds
             _quiet_transformers()
         return args.run(args)
     except KeyboardInterrupt:
@@ -549,6 +621,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except GdnExportError as err:
         return _fail(_first_line(err) or type(err).__name__, args.debug)
+    except BrokenPipeError:  # the reader left (gdn-export info ... | head): stop quietly, as generate does
+        sys.stdout = open(os.devnull, "w")
+        return 0
+    except ModuleNotFoundError as err:  # convert without the [convert] extra, serve without [serve], ...
+        missing = missing_extra(err, f"gdn-export {args.command}")
+        if missing is None:
+            return _fail(f"unexpected {type(err).__name__}: {_first_line(err)} (rerun with --debug for the "
+                         "traceback)", args.debug)
+        return _fail(str(missing), args.debug)
     except OSError as err:  # a file the user named could not be read or written
         where = f"{err.filename}: " if err.filename else ""
         return _fail(f"{where}{err.strerror or err}", args.debug)

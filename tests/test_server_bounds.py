@@ -19,10 +19,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from test_serve import raw, serve_process, serving, wait_for  # the same helpers as the server's other tests
+from helpers import FIXTURES, raw, serve_process, serving, wait_for  # the same helpers as the server's other tests
 
 NAME = "qwen3_5"
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / NAME
+FIXTURE = FIXTURES / NAME
 CONTEXT = json.loads((FIXTURE / "config.json").read_text())["max_position_embeddings"]
 LONG_PROMPT = 100_000
 KEY = "test-key-25"
@@ -101,10 +101,16 @@ def test_a_request_past_its_deadline_is_ended(long_server):
 
 
 @pytest.mark.slow
-def test_tokenizing_a_big_prompt_leaves_the_event_loop_free(keyed_server):
-    """A 1 MB text prompt is tokenized off the event loop: /health keeps answering meanwhile; the prompt, far past
-    the context, gets context_length_exceeded."""
-    base, _ = keyed_server
+def test_tokenizing_a_big_prompt_leaves_the_event_loop_free(long_server, keyed_server):
+    """A 1 MB text prompt is tokenized off the event loop: /health keeps answering meanwhile; the prompt, past even
+    the raised context, gets context_length_exceeded. On the model's own context (256 tokens) it is refused from its
+    length alone, before tokenizing."""
+    status, answer = raw(keyed_server[0], "POST", "/v1/completions",
+                         json.dumps({"prompt": "hello world, the cat sat. " * 10_000}),
+                         {"Authorization": f"Bearer {KEY}"})
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
+    assert "260000 characters, more than 256 tokens can hold" in answer["error"]["message"]
+    base, _ = long_server
     text = "hello world, the cat sat. " * (1_000_000 // 26)
     answered, during = [], threading.Event()
 
@@ -119,12 +125,12 @@ def test_tokenizing_a_big_prompt_leaves_the_event_loop_free(keyed_server):
     pinger.start()
     during.set()
     started = time.monotonic()
-    status, answer = raw(base, "POST", "/v1/completions", json.dumps({"prompt": text}),
-                         {"Authorization": f"Bearer {KEY}"})
+    status, answer = raw(base, "POST", "/v1/completions", json.dumps({"prompt": text}))
     took = time.monotonic() - started
     during.clear()
     pinger.join(30)
     assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+    assert "in the prompt" not in answer["error"]["message"]  # tokenized: 1,000,000 characters fit 3 * LONG_PROMPT
     if took > 1.0:  # long enough that a blocked event loop would have answered nothing meanwhile
         assert answered, f"/health never answered during the {took:.1f} s the big prompt took"
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError
+from gdn_export.run.perplexity import log_softmax
 
 F32_TOLERANCE = 1e-4  # x max(1, max |logit|), on the max abs logit error
 # float16: an export may round each value once more than the reference framework does (tract keeps pieces of a
@@ -119,17 +120,12 @@ def session_logits(session, tokens: np.ndarray, prompt_len: int, decode_seconds:
     return np.concatenate(logits, axis=1).astype(np.float32)
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    shifted = x - x.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-
-
 def _against(logits: np.ndarray, expected: np.ndarray, log_p: np.ndarray):
     """Per-position max abs error, mean KL(reference || logits) and top-1 agreement over every position."""
     per_position = np.abs(logits - expected).max(-1).ravel()
     per_position[~np.isfinite(logits).all(-1).ravel()] = np.inf
     with np.errstate(invalid="ignore", over="ignore"):
-        kl = float((np.exp(log_p) * (log_p - _log_softmax(logits))).sum(-1).mean())
+        kl = float((np.exp(log_p) * (log_p - log_softmax(logits))).sum(-1).mean())
     top1 = float((logits.argmax(-1) == expected.argmax(-1)).mean())
     return per_position, kl, top1
 
@@ -162,7 +158,7 @@ def compare_logits(actual: np.ndarray, expected: np.ndarray, dtype: str,
     if actual.shape != expected.shape or (half and baseline.shape != expected.shape):
         shapes = f"{list(actual.shape)} vs {list(expected.shape)}"
         raise GdnExportError(f"logits of different shapes cannot be compared: {shapes}")
-    log_p = _log_softmax(expected)
+    log_p = log_softmax(expected)
     errors, kl, top1 = _against(actual.astype(np.float64), expected, log_p)
     top2 = np.sort(expected, axis=-1)[..., -2:]
     gap = (top2[..., 1] - top2[..., 0]).ravel()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -40,6 +41,10 @@ class QuantizationReport:
     """What a quantized export stored in Q4_0, and what it left in the export dtype."""
 
     scheme: str | None = None
+    rule: str = q4_0.RULES[0]  # how each block's scale was chosen (gdn_export.weights.q4_0.RULES)
+    calibration: str = ""  # the calibration that weighted the search, in words ("" for none)
+    importance: dict[str, np.ndarray] = field(default_factory=dict)  # checkpoint name -> weight of each input channel
+    grams: dict[str, np.ndarray] = field(default_factory=dict)  # checkpoint name -> E[a a^T] (rule "gptq")
     quantized: list[str] = field(default_factory=list)  # checkpoint parameter names
     kept: Counter = field(default_factory=Counter)  # reason -> count of 2-D weights left unquantized
     bytes_before: int = 0  # of the quantized tensors, in the export dtype
@@ -50,8 +55,11 @@ class QuantizationReport:
     def __str__(self) -> str:
         if self.scheme is None:
             return ""
+        how = f"{self.rule} scales" if self.rule != "gptq" else f"GPTQ for {len(self.grams)} of them, the others search"
+        if self.calibration:
+            how += f", {self.calibration}, {len(self.importance)} of them weighted by input channel"
         text = (f"{len(self.quantized)} weights in {self.scheme.upper()} ({_size(self.bytes_before)} -> "
-                f"{_size(self.bytes_after)})")
+                f"{_size(self.bytes_after)}{f'; {how}' if self.scheme == q4_0.NAME else ''})")
         if self.int8_tables:
             text += (f"; {len(self.int8_tables)} embedding table in int8 (a scale per row, applied to the gathered "
                      f"rows: {_size(self.table_bytes[0])} -> {_size(self.table_bytes[1])})")
@@ -60,6 +68,14 @@ class QuantizationReport:
         if self.scheme == int8.NAME and (warning := int8.slow_here_warning()):
             text += f"; WARNING: {warning}"
         return text
+
+
+    def q4_0_rule(self, name: str) -> tuple[str, np.ndarray | None, np.ndarray | None]:
+        """(rule, importance, second moments) the weight of checkpoint name ``name`` was stored with: GPTQ needs
+        its input's second moments, a weight without them is searched."""
+        if name in self.grams:
+            return "gptq", self.importance.get(name), self.grams[name]
+        return ("search" if self.rule == "gptq" else self.rule), self.importance.get(name), None
 
 
 def _size(n: int) -> str:
@@ -111,8 +127,13 @@ def untied_view(weights, layout, names: tuple[str, str]):
 
 def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, quantize: str | None = None,
                 quantize_embeddings: bool = False, fused_moe: Callable[[str], bool] = lambda gate: False,
-                ) -> tuple[StreamedWeights, QuantizationReport]:
+                q4_rule: str = q4_0.RULES[0], calibration=None) -> tuple[StreamedWeights, QuantizationReport]:
     """The writers of ``lm``'s parameters (``model`` is the checkpoint's model inside it) and what was quantized.
+
+    ``q4_rule``: how each Q4_0 block's scale is chosen (``q4_0.RULES``); ``calibration`` (a
+    ``gdn_export.hf.calibration.Calibration``): the search weighs each weight's error by its input channel's
+    importance, for the weights it measured whose columns the export keeps as they are (no ``part`` or ``pad``
+    recipe); the others are searched unweighted.
 
     ``fused_moe(gate)``: whether a ``moe_ffn`` node of that gate runs as tract's ``tract_moe_ffn`` in this export
     (``extractors.moe_ffn.decide``): only then are its expert stacks quantized (the op's Q4_0 path, all three
@@ -127,7 +148,9 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
     params = {id(param): param for param in lm.parameters()}
     tables = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Embedding)}
     linear = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Linear)}
-    report = QuantizationReport(scheme=quantize)
+    if q4_rule not in q4_0.RULES:
+        raise GdnExportError(f"Q4_0 rule {q4_rule!r} is not one of {', '.join(q4_0.RULES)}")
+    report = QuantizationReport(scheme=quantize, rule=q4_rule, calibration=str(calibration or ""))
     chosen: set[int] = set()
     table8: set[int] = set()
     if quantize is not None:  # a head still tied to the table (no block-sized rows) is the table: kept with it
@@ -168,10 +191,19 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
     for key, group in labels.items():
         param = params[key]
         stored = scheme.NAME if key in chosen else int8.NAME if key in table8 else None
-        writer = _writer(group[0], param, names, weights, dtype, stored,
-                         int8_tables if key in table8 else int8_weights, tuple(group))
         if key in chosen:
-            report.quantized.append(_source_name(param, names))
+            source = _source_name(param, names)
+            recipe = getattr(param, RECIPE, None)
+            if scheme is q4_0 and calibration is not None and source in calibration.importance and (
+                    recipe is None or (recipe.part is None and recipe.pad is None)):
+                report.importance[source] = calibration.importance[source]
+                if q4_rule == "gptq" and source in calibration.grams and param.dim() == 2:
+                    report.grams[source] = calibration.grams[source]
+        writer = _writer(group[0], param, names, weights, dtype, stored,
+                         int8_tables if key in table8 else int8_weights, tuple(group),
+                         report.q4_0_rule(source) if stored == q4_0.NAME else None)
+        if key in chosen:
+            report.quantized.append(source)
             report.bytes_before += param.numel() * dtype.itemsize
             report.bytes_after += scheme.nbytes(tuple(param.shape))
         elif key in table8:
@@ -261,10 +293,12 @@ class DerivedSource:
 
 
 def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, stored: str | None,
-            int8_weights: int8.Int8Weights | None = None, aliases: tuple[str, ...] = ()):
+            int8_weights: int8.Int8Weights | None = None, aliases: tuple[str, ...] = (),
+            q4_0_rule: tuple | None = None):
     """Writes parameter ``label`` from the checkpoint: its tensor, or its recipe's result; in ``stored`` ("q4_0",
     "int8": then its scales go to ``int8_weights``), else in the export dtype; a slice of rows at a time
-    (memory: one slice, or the one source a conversion makes whole). ``aliases``: every label of the parameter."""
+    (memory: one slice, or the one source a conversion makes whole). ``aliases``: every label of the parameter.
+    ``q4_0_rule``: (rule, importance, second moments) of a Q4_0 weight (``QuantizationReport.q4_0_rule``)."""
     entry, recipe = checkpoint_source(label, param, names, weights)
     shape = tuple(param.shape)
     aliases = aliases or (label,)
@@ -279,7 +313,7 @@ def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, stored:
                 scales = int8.write_nnef(file, shape, read)
                 int8_weights.scales.update(dict.fromkeys(aliases, scales))
             elif quantized:
-                q4_0.write_nnef(file, shape, read)
+                q4_0.write_nnef(file, shape, read, *(q4_0_rule or ()))
             else:
                 write_nnef_rows(file, shape, target, read)
         finally:
@@ -309,7 +343,10 @@ def dequantized_view(weights, report: QuantizationReport):
         return weights
     entries = dict(weights.entries)
     for name in report.quantized:
-        entries[name] = _Dequantized(weights.entries[name], SCHEMES[report.scheme].round_trip)
+        round_trip = SCHEMES[report.scheme].round_trip
+        if report.scheme == q4_0.NAME:  # with the rule, importance and second moments it was written with
+            round_trip = partial(q4_0.round_trip, **dict(zip(("rule", "importance", "gram"), report.q4_0_rule(name))))
+        entries[name] = _Dequantized(weights.entries[name], round_trip)
     for name in report.int8_tables:
         entries[name] = _Dequantized(weights.entries[name], int8.round_trip)
     return replace(weights, entries=entries)

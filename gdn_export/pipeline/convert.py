@@ -161,6 +161,10 @@ def convert(
     logits: str = "all",
     format: str = "nnef",
     serving: bool = False,
+    q4_rule: str = "search",
+    calibration: str | os.PathLike | None = None,
+    calibration_tokens: int = 8192,
+    fold_scales: bool = True,
 ) -> ConvertReport:
     """Convert a local checkpoint (config.json + safetensors) into ``out_path`` and check it in tract.
 
@@ -169,7 +173,12 @@ def convert(
     traced with placeholder weights and every weight is written to the archive straight from the checkpoint's
     files, one tensor at a time, so memory stays bounded by the largest tensor; ``streamed=False`` loads the model
     in memory first (the same archive, byte for byte). ``quantize="q4_0"`` stores every linear layer's weight whose
-    inner size is whole blocks of 32 in tract's Q4_0 (``quantize_embeddings``: the embedding table too). ``logits``:
+    inner size is whole blocks of 32 in tract's Q4_0 (``quantize_embeddings``: the embedding table too), each block's
+    scale chosen by ``q4_rule`` ("search", least squared error, or "nearest", llama.cpp's ``d = extreme / -8``);
+    ``calibration``: a text file whose first ``calibration_tokens`` tokens measure each linear layer's input channel
+    importance, which weighs the search (``gdn_export.hf.calibration``; docs/QUANTIZATION.md), and, with
+    ``fold_scales``, per-channel scales folded into the norms whose output only linear layers read
+    (``gdn_export.hf.folding``: exact in float, verified). ``logits``:
     "all" (logits of every new position) or "last" (of the last one only, ``[B, 1, vocab]``: what generation needs;
     the head then runs once per call). ``serving``: the graph ``gdn_export.Engine`` batches requests with (a second
     input ``past_len [B]``, each row's own past length; cache outputs are the new positions only; docs/SERVING.md).
@@ -184,6 +193,20 @@ def convert(
     if serving and format != "nnef":
         raise GdnExportError("serving=True (--serving) builds the NNEF graph gdn_export.Engine runs; it is not "
                              f"available with format={format!r}")
+    from gdn_export.weights.q4_0 import RULES
+
+    if q4_rule not in RULES:
+        raise GdnExportError(f"q4_rule {q4_rule!r} is not one of {', '.join(RULES)}")
+    if quantize != "q4_0" and (q4_rule != "search" or calibration is not None):
+        raise GdnExportError("q4_rule and calibration choose how quantize='q4_0' stores its blocks: they need "
+                             "quantize='q4_0'")
+    if calibration is not None and (quantize is None or q4_rule == "nearest"):
+        raise GdnExportError("calibration weights the Q4_0 scale search: it needs quantize='q4_0' and q4_rule "
+                             "'search' or 'gptq'")
+    if q4_rule == "gptq" and calibration is None:
+        raise GdnExportError("q4_rule='gptq' needs calibration text (the inputs' second moments): calibration=FILE")
+    if calibration is not None and not Path(calibration).is_file():
+        raise GdnExportError(f"calibration text {calibration} is not a file")
     if format != "nnef":  # the ONNX back-end (gdn_export/pipeline/onnx_convert.py); "cpu", NNEF's default, is onnxruntime
         if format != "onnx":
             raise GdnExportError(f"format {format!r} is not one of nnef, onnx")
@@ -227,6 +250,20 @@ def convert(
     materialize(model, weights, export_dtype, placeholders=streamed)
     cast_buffers(model, export_dtype)
     seconds["read"] = time.perf_counter() - start
+    measured, folding, exported = None, None, weights  # exported: the weights written (folds applied)
+    if calibration is not None:
+        from gdn_export.hf.calibration import calibrate
+
+        start = time.perf_counter()
+        say(f"calibrating on {calibration} (at most {calibration_tokens} tokens)")
+        measured = calibrate(checkpoint_dir, calibration, family, layout, weights, max_tokens=calibration_tokens,
+                             grams=q4_rule == "gptq")
+        if fold_scales:
+            from gdn_export.hf.folding import fold
+
+            say("choosing the scales folded into norms")
+            folding, exported, measured = fold(measured, family, layout, weights, measured.sample)
+        seconds["calibrate"] = time.perf_counter() - start
 
     separated = separate_tied_head(model, quantize, quantize_embeddings)
     lm = family.exportable(model, export_dtype)
@@ -234,8 +271,9 @@ def convert(
     if serving and lm.serving_refusal:
         raise GdnExportError(f"{family.name} has no serving graph (--serving): {lm.serving_refusal}")
     lm.serving = serving
-    writers, quantization = plan_writes(lm, model, weights, export_dtype, quantize, quantize_embeddings,
-                                        fused_moe=_fused_moe(runtime, tract_version))
+    writers, quantization = plan_writes(lm, model, exported, export_dtype, quantize, quantize_embeddings,
+                                        fused_moe=_fused_moe(runtime, tract_version), q4_rule=q4_rule,
+                                        calibration=measured)
     if not streamed and quantize is None:
         writers = None  # the in-memory model's own values are written
     inputs, outputs, dynamic = state_names(lm)
@@ -248,6 +286,9 @@ def convert(
         "inputs": inputs, "outputs": outputs, "generation_files": sorted(carried), "quantize": quantize, "logits": logits,
         "serving": serving,
         "quantized": len(quantization.quantized),
+        "q4_rule": q4_rule if quantize else None,
+        "calibration": measured.metadata() if measured is not None else None,
+        "folded_norms": len(folding.folds) if folding is not None else None,
         "states": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."),
                     "kind": s.kind, "layer": s.layer} for s in lm.states],
     }
@@ -267,8 +308,8 @@ def convert(
         result = ConvertReport(out_path, family.name, metadata["model_type"], dtype, report.tract_version,
                                layers=_layer_reports(lm, report.decisions), seconds=seconds,
                                reference=family.reference, weights=weights.summary(), generation_files=sorted(carried),
-                               quantization=str(quantization), moe=moe_report(report.decisions),
-                               quantized_as=_QUANTIZED_AS.get(quantize, ""))
+                               quantization=str(quantization) + (f"; {folding}" if folding is not None else ""),
+                               moe=moe_report(report.decisions), quantized_as=_QUANTIZED_AS.get(quantize, ""))
         del lm, model  # placeholders (or the in-memory model) are not needed by the check
         if check_mode:
             start = time.perf_counter()
@@ -277,7 +318,8 @@ def convert(
                 f"{family.reference}, {CHECK_KINDS[kind]}")
             # a quantized export is checked against the same Q4_0 weights; its quality against the model as published
             published, reference_layout = untied_view(weights, layout, separated) if separated else (weights, layout)
-            result.check = check_with(kind, staged, family, reference_layout, dequantized_view(published, quantization),
+            computed = untied_view(exported, layout, separated)[0] if separated else exported  # folds applied
+            result.check = check_with(kind, staged, family, reference_layout, dequantized_view(computed, quantization),
                                       prompt_len, decode_steps,
                                       quality_weights=published if quantization.quantized else None,
                                       rounded_inputs=int8_reference_linears(quantization))

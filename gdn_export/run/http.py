@@ -567,6 +567,10 @@ def executor_for(session, workers: int, max_queue: int, slots: int | None = None
                       prefill_rows=prefill_rows, **piece)
     from gdn_export.run.generation.executor import WorkerPool
 
+    if progress is not None:
+        progress("planning the model for batches of 1")
+    session.prefill([[0]])  # plans now (seconds): a first request's first piece would otherwise hold its worker for
+    session.reset()  # the whole planning, cancellation or not
     return WorkerPool(session, workers=workers, max_queue=max_queue)
 
 

@@ -10,6 +10,7 @@ the iteration so that the HTTP server drives it from asyncio with the same rules
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -73,13 +74,33 @@ def sampling_from(generation_config: dict | None, temperature: float | None = No
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, logprobs=logprobs)
 
 
+def tokenized(archive: ArchiveText, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """``text``'s token ids through the archive's tokenizer, refused before tokenizing when it is certainly longer
+    than the context (more characters than ``max_model_len`` tokens of the vocabulary's longest can hold:
+    tokenizing megabytes takes seconds and about 200 bytes of memory per character). ``encode_batch`` releases the
+    GIL (``encode`` holds it), so a server's event loop keeps answering meanwhile."""
+    limit = getattr(archive, "max_model_len", None)
+    if limit is not None and len(text) > limit * longest_token(archive.tokenizer):
+        raise ContextLengthError(f"This model's maximum context length is {limit} tokens; the {param} has "
+                                 f"{len(text)} characters, more than {limit} tokens can hold. Please reduce the "
+                                 f"length of the {param}.", param)
+    return archive.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token(tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` decodes to (its longest vocabulary entry, added tokens
+    included: a byte-level entry has one character per byte), computed once per tokenizer."""
+    return max((len(token) for token in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+
 def prompt_ids_of(archive: ArchiveText, prompt: str | Sequence[int], param: str = "prompt") -> tuple[int, ...]:
     """A text prompt through the archive's tokenizer (with its special tokens, as transformers' ``tokenizer(text)``),
     or token ids, checked against the vocabulary."""
     if isinstance(prompt, str):
         if archive.tokenizer is None:
             raise RequestError(f"{archive.path} carries no tokenizer: give the prompt as token ids", param)
-        ids = tuple(archive.tokenizer.encode(prompt, add_special_tokens=True).ids)
+        ids = tuple(tokenized(archive, prompt, True, param))
         if not ids:
             raise RequestError(f"{param} makes no tokens (it is empty, or holds only characters the tokenizer has "
                                "no token for)", param)
@@ -250,4 +271,4 @@ def chat_prompt_ids(archive: ArchiveText, messages) -> tuple[int, ...]:
         raise RequestError(f"{archive.path.name} carries no tokenizer, which a chat needs", "messages")
     text = render_chat(archive.chat_template, messages, add_generation_prompt=True,
                        special_tokens=archive.special_tokens)
-    return prompt_ids_of(archive, archive.tokenizer.encode(text, add_special_tokens=False).ids, "messages")
+    return prompt_ids_of(archive, tokenized(archive, text, False, "messages"), "messages")
