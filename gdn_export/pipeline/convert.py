@@ -145,7 +145,7 @@ class ConvertPlan:
     """``convert``'s options, validated once (``plan_conversion``), and the format that carries them out. The
     orchestration (``run_plan``) and the format's steps read only this."""
 
-    checkpoint_dir: Path
+    checkpoint_dir: str | os.PathLike  # as given (the progress lines and calibration name it so)
     out_path: Path
     format: str  # "nnef" or "onnx"
     dtype: str
@@ -163,7 +163,7 @@ class ConvertPlan:
     logits: str
     serving: bool
     q4_rule: str
-    calibration: Path | None
+    calibration: str | os.PathLike | None
     calibration_tokens: int
     fold_scales: bool
     batch: int = 1
@@ -299,9 +299,8 @@ def plan_conversion(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
     if check_mode:
         validate_check(options.get("prompt_len", 16), options.get("decode_steps", 8), batch)
     out = target.output_path(out_path, force)
-    return ConvertPlan(checkpoint_dir=Path(checkpoint_dir), out_path=out, format=format, runtime=runtime,
-                       check=check_mode, batch=batch, calibration=Path(calibration) if calibration is not None
-                       else None, **{**defaults, **options})
+    return ConvertPlan(checkpoint_dir=checkpoint_dir, out_path=out, format=format, runtime=runtime,
+                       check=check_mode, batch=batch, calibration=calibration, **{**defaults, **options})
 
 
 def format_steps(format: str):
@@ -447,7 +446,7 @@ class NnefSteps:
                seconds: dict) -> Staged:
         from gdn_export.pipeline.export import export  # imports torch-to-nnef (seconds), which check() does not
 
-        lm, extras, checkpoint_dir = traced.lm, traced.extras, plan.checkpoint_dir
+        lm, extras, checkpoint_dir = traced.lm, traced.extras, Path(plan.checkpoint_dir)
         measured, folding, quantization = extras["measured"], extras["folding"], extras["quantization"]
         carried = {name: checkpoint_dir / name for name in GENERATION_FILES if (checkpoint_dir / name).is_file()}
         metadata = {
