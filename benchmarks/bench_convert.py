@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from gdn_export.hf.check import sample_tokens, session_logits, transformers_logits  # noqa: E402
 from gdn_export.hf.checkpoint import load_model, read_config  # noqa: E402
-from gdn_export.hf.convert import convert  # noqa: E402
+from gdn_export.pipeline.convert import convert  # noqa: E402
 from gdn_export.hf.families import all_families, family_for  # noqa: E402
 from gdn_export.run.session import Session  # noqa: E402
 from bench_lowerings import add_allocator_option, apply_allocator_option  # noqa: E402
@@ -93,7 +93,7 @@ def measure(name: str, checkpoint: Path, out: Path, prompt: int, decode: int, on
     config = read_config(checkpoint)
     hf_model = load_model(checkpoint, family_for(config["model_type"]), config)
     if onnx_threads:
-        from gdn_export.onnx import OnnxSession
+        from gdn_export.backends.onnx import OnnxSession
 
         session = OnnxSession(out, "onnxruntime", threads=onnx_threads)
     else:

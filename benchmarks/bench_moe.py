@@ -11,7 +11,7 @@ through ``gdn_export.export``: ``runtime="cpu"`` writes ``tract_moe_ffn`` (only 
 ran before, and what a refused node still gets). ``--routing grouped_sigmoid`` routes as Kimi Linear / DeepSeek-V3
 instead (``blocks.grouped_sigmoid_routing``: 8 groups, the best 4, a score bias, scaling 2.5), which tract has no
 gate mode for: the sparse form is then ``tract_moe_ffn`` gate 'raw' over ``[x | routing]`` with the stacks widened
-by E zero columns (gdn_export/ops/moe_ffn.py), the routing computed in the graph. With ``--dtype float32`` (and
+by E zero columns (gdn_export/ops/moe_ffn/op.py), the routing computed in the graph. With ``--dtype float32`` (and
 inner sizes of whole 32-blocks) a third form is timed: the sparse archive with its three expert stacks in tract's
 Q4_0 (what ``gdn-export convert --quantize q4_0`` writes for them: the same graph, the stacks' ``.dat`` files
 re-encoded here), its error given against the f32 sparse output. The graphs are planned for the token count N
@@ -41,7 +41,7 @@ os.environ.setdefault("RAYON_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gdn_export  # noqa: E402
 from gdn_export.models import blocks  # noqa: E402
-from gdn_export.ops.moe_ffn import QUALNAME, widening  # noqa: E402
+from gdn_export.ops.moe_ffn.op import QUALNAME, widening  # noqa: E402
 from gdn_export.run.runtime import load_tract_model, steady_allocator  # noqa: E402
 from gdn_export.weights import q4_0  # noqa: E402
 

@@ -36,7 +36,7 @@ def realistic(args) -> None:
 
     from bench_convert import realistic_checkpoint, tokens_per_second
     from gdn_export.hf.check import sample_tokens, session_logits
-    from gdn_export.onnx import OnnxSession
+    from gdn_export.backends.onnx import OnnxSession
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -4,7 +4,7 @@
 
 For each variant (GDN, KDA, GDN2 with and without negative eigenvalues, Gated DeltaProduct n=2/3 with
 and without decay, DeltaNet) it feeds the same inputs to FLA's chunk and fused-recurrent kernels and to
-``gdn_export.ops.naive.delta_rule_recurrence`` (float64, CPU), and prints the max abs error of the output
+``gdn_export.ops.gated_delta_rule.naive.delta_rule_recurrence`` (float64, CPU), and prints the max abs error of the output
 and the final state relative to max |reference|. Loads naive.py by path so only torch is needed.
 """
 

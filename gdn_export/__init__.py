@@ -3,7 +3,7 @@
 Importing the package registers ``torch.ops.t2n_extra.gated_delta_scan`` (and ``gated_delta_rule``,
 ``causal_conv1d_update``); everything else (torch-to-nnef and its handlers, tract, transformers) is imported
 on first use of the name that needs it, so ``gdn-export --help`` and ``import gdn_export`` stay fast.
-``gdn_export.export`` registers gdn_export's torch-to-nnef handlers; call ``import gdn_export.extractors``
+``gdn_export.export`` registers gdn_export's torch-to-nnef handlers; call ``import gdn_export.ops.nnef_handlers``
 to register them for your own ``torch_to_nnef.export_model_to_nnef`` call.
 """
 
@@ -57,9 +57,9 @@ if not any(isinstance(f, _CompileHeldBack) for f in sys.meta_path):
     sys.meta_path.insert(0, _CompileHeldBack())
 
 _LAZY = {
-    "ExportReport": "gdn_export.exporter", "export": "gdn_export.exporter",
+    "ExportReport": "gdn_export.pipeline.export", "export": "gdn_export.pipeline.export",
     "CheckpointError": "gdn_export.hf.checkpoint",
-    "ConvertReport": "gdn_export.hf.convert", "check": "gdn_export.hf.convert", "convert": "gdn_export.hf.convert",
+    "ConvertReport": "gdn_export.pipeline.convert", "check": "gdn_export.pipeline.convert", "convert": "gdn_export.pipeline.convert",
     "run_tract": "gdn_export.run.runtime", "Session": "gdn_export.run.session",
     "generate": "gdn_export.run.generation", "SamplingParams": "gdn_export.run.generation", "Engine": "gdn_export.run.serving",
 }

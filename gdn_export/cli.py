@@ -25,16 +25,16 @@ import time
 import warnings
 from typing import Sequence
 
-from gdn_export.lowering.capabilities import parse_version  # these three are light: --help imports no torch
-from gdn_export.lowering.policy import RUNTIMES
-from gdn_export.lowering.registry import LOWERINGS
+from gdn_export.ops.gated_delta_rule.capabilities import parse_version  # these three are light: --help imports no torch
+from gdn_export.ops.gated_delta_rule.policy import RUNTIMES
+from gdn_export.ops.gated_delta_rule.registry import LOWERINGS
 
 
 def _progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-# --format onnx (gdn_export/onnx): where the file will run, and the NNEF options it refuses
+# --format onnx (gdn_export/backends/onnx): where the file will run, and the NNEF options it refuses
 ONNX_RUNTIMES = ("onnxruntime", "tract-onnx", "any")
 ONNX_LOWERINGS = ("auto", "native", "scan")
 
@@ -70,7 +70,7 @@ def _output_format(args) -> str:
 
 
 def _convert(args) -> int:
-    from gdn_export.hf.convert import check_output_path, convert
+    from gdn_export.pipeline.convert import check_output_path, convert
 
     if _output_format(args) == "onnx":
         return _convert_onnx(args)
@@ -86,7 +86,7 @@ def _convert(args) -> int:
 
 
 def _convert_onnx(args) -> int:
-    from gdn_export.hf.convert import convert
+    from gdn_export.pipeline.convert import convert
 
     report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
                      check=False if args.no_check else args.check, force=args.force, progress=_progress,
@@ -98,7 +98,7 @@ def _convert_onnx(args) -> int:
 
 def _check(args) -> int:
     from gdn_export.errors import GdnExportError
-    from gdn_export.hf.convert import check
+    from gdn_export.pipeline.convert import check
 
     _progress(f"checking {args.model} against {args.checkpoint}: prefill {args.prompt_len} + decode "
               f"{args.decode_steps}, batch {args.batch}")
@@ -182,7 +182,7 @@ def _count(minimum: int):
 
 
 def _chunk_size(text: str) -> int:
-    from gdn_export.lowering.chunked import chunk_size_error  # the rule itself; imported only when the option is given
+    from gdn_export.ops.gated_delta_rule.nnef.chunked import chunk_size_error  # the rule itself; imported only when the option is given
 
     value = _count(1)(text)
     if chunk_size_error(value):

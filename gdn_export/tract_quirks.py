@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SEEN_ON = "0.23.9"
-CHUNKED = "gdn_export/lowering/chunked/"  # the chunked lowering's package
+CHUNKED = "gdn_export/ops/gated_delta_rule/nnef/chunked/"  # the chunked lowering's package
 TORCH_TO_NNEF_SEEN_ON = "0.24.12"
 
 
@@ -45,7 +45,7 @@ OUTPUT_NAMED_AFTER_PRODUCER = Quirk(
          "'y = add(x, x)' reports 'y_1'.",
     workaround="after writing the graph, every output tract would rename is re-declared as "
                "'NAME = select(NAME__c, NAME__raw, NAME__raw)' (one copy of that output per call)",
-    applied_in=("gdn_export/output_names.py", "gdn_export/exporter.py"),
+    applied_in=("gdn_export/backends/nnef/output_names.py", "gdn_export/pipeline/export.py"),
     when_fixed="output_names.keep_output_names and the select wrappers can go",
     canary="test_output_named_after_producer",
 )
@@ -55,7 +55,7 @@ SELECT_KEEPS_ITS_NAME = Quirk(
     does="'y = select(c, x, x)' with c computed from the data stays a node named 'y' (tract does not see that "
          "both branches are equal), so Model.output_name reports 'y'.",
     workaround="this is what the renaming workaround relies on",
-    applied_in=("gdn_export/output_names.py",),
+    applied_in=("gdn_export/backends/nnef/output_names.py",),
     when_fixed="if tract starts folding it, output_names.keep_output_names fails loudly (GdnExportError) and "
                "needs another wrapper",
     canary="test_select_keeps_its_name",
@@ -70,7 +70,7 @@ FUSED_OUTPUTS_SHARE_A_NAME = Quirk(
     workaround="keep_output_names wraps the second output; fused.py and conv.py also route each output "
                "through one more op (a cast, or a copy when the dtype already matches, which tract removes: "
                "the wrapper does the work)",
-    applied_in=("gdn_export/output_names.py", "gdn_export/lowering/fused.py", "gdn_export/lowering/conv.py"),
+    applied_in=("gdn_export/backends/nnef/output_names.py", "gdn_export/ops/gated_delta_rule/nnef/fused.py", "gdn_export/ops/causal_conv1d/nnef.py"),
     when_fixed="the extra op after the fused ops and the wrappers on their outputs can go",
     canary="test_fused_outputs_share_a_name",
 )
@@ -82,7 +82,7 @@ SELECT_BROADCAST_SLOW = Quirk(
          "were alike (0.13 and 0.14 ms): the broadcast path pays per run of the innermost axis",
     workaround="the renaming select's condition is eq(NAME__raw, NAME__raw) (the output itself for bool): same "
                "shape, still computed from the data, so still never folded",
-    applied_in=("gdn_export/output_names.py",),
+    applied_in=("gdn_export/backends/nnef/output_names.py",),
     when_fixed="nothing to remove",
     no_canary="a speed effect (benchmarks/bench_serving_graph.py: a B = 4 decode step of the 580M serving graph)",
     kind="measured",
@@ -112,7 +112,7 @@ SCAN_SQUEEZE_MATMUL_NEVER_LOADS = Quirk(
     workaround="the per-token step of the scan lowering and the chunked tail is elementwise arithmetic and "
                "reductions only; the recurrent lowering keeps the size-1 scan axis on its state (rank 6); "
                "chunk bodies move axes with reshapes, not squeeze/unsqueeze",
-    applied_in=("gdn_export/lowering/steps.py", "gdn_export/lowering/recurrent.py", f"{CHUNKED}gdn.py"),
+    applied_in=("gdn_export/ops/gated_delta_rule/nnef/steps.py", "gdn_export/ops/gated_delta_rule/nnef/recurrent.py", f"{CHUNKED}gdn.py"),
     when_fixed="the recurrent body may squeeze its state (rank 5, like the elementwise step that measured 4x "
                "faster) and gdn.heads_first may squeeze",
     canary="test_scan_squeeze_matmul_never_loads",
@@ -208,7 +208,7 @@ SCAN_STATE_SCAN_AXIS_SLOW = Quirk(
          "[1, B, H, K, V] costs ~10% more than [B, H, K, V] (H=16, K=V=128, one token)",
     workaround="the elementwise step runs on [1, B, H, K, V] (value heads on one axis, the scan axis in front: "
                "the state leaves as a squeeze that keeps its output name)",
-    applied_in=("gdn_export/lowering/steps.py",),
+    applied_in=("gdn_export/ops/gated_delta_rule/nnef/steps.py",),
     when_fixed="nothing to remove",
     no_canary="a speed effect (benchmarks/bench_lowerings.py)",
     kind="measured",
@@ -355,7 +355,7 @@ FUSED_GDN_NEEDS_K_EQ_V = Quirk(
     does="tract_transformers_gdn_recurrent refuses K != V ('GDN value must be [b, S, G*hk, w] with "
          "query/key [b, S, hk, w]'), a TractError",
     workaround="the fused lowering refuses every node with K != V (fused.refusal)",
-    applied_in=("gdn_export/lowering/fused.py", "gdn_export/lowering/capabilities.py"),
+    applied_in=("gdn_export/ops/gated_delta_rule/nnef/fused.py", "gdn_export/ops/gated_delta_rule/capabilities.py"),
     when_fixed="fused.refusal's K != V rule can become version-dependent",
     canary="test_fused_gdn_needs_k_eq_v",
 )
@@ -364,7 +364,7 @@ FUSED_GDN_F32_LOG_DECAY = Quirk(
     name="the fused GDN op takes an f32 log-decay only",
     does="an f16 log_decay with f16 q/k/v/beta is refused ('unsupported GDN dtype combination')",
     workaround="fused.py casts g to f32 whatever the operands' dtype",
-    applied_in=("gdn_export/lowering/fused.py",),
+    applied_in=("gdn_export/ops/gated_delta_rule/nnef/fused.py",),
     when_fixed="the cast can go for f16 models",
     canary="test_fused_gdn_f32_log_decay",
 )
@@ -375,7 +375,7 @@ FUSED_GDN_SEMANTICS = Quirk(
          "too (eps 1e-6 added), value head h reading key head h // (H/Hk), any S (symbolic), f32 operands",
     workaround="fused.refusal accepts only nodes that normalize inside the node with scale 1/sqrt(K) "
                "(capabilities.FUSED_TABLE's 0.23.7 row)",
-    applied_in=("gdn_export/lowering/fused.py", "gdn_export/lowering/capabilities.py"),
+    applied_in=("gdn_export/ops/gated_delta_rule/nnef/fused.py", "gdn_export/ops/gated_delta_rule/capabilities.py"),
     when_fixed="if tract changes the op's function, the emitter must stop choosing it",
     canary="test_fused_gdn_semantics",
     kind="reliance",
@@ -387,7 +387,7 @@ CAUSAL_CONV_SEMANTICS = Quirk(
          "silu(sum_i w[:, i] * (state ++ x)[:, :, 1 + i : 1 + i + S]) and the last W columns of state ++ x, "
          "any S, symbolic too",
     workaround="conv.py uses it from 0.23.5 on for t2n_extra::causal_conv1d_update, whatever the GDN lowering",
-    applied_in=("gdn_export/lowering/conv.py",),
+    applied_in=("gdn_export/ops/causal_conv1d/nnef.py",),
     when_fixed="if tract changes the op's function, conv.decide must stop choosing it",
     canary="test_causal_conv_semantics",
     kind="reliance",
@@ -400,7 +400,7 @@ CONV_SHIFTED_SLICES_LENGTH = Quirk(
          "lengths tract could not prove equal to S. Not re-checked: the form is gone from the code",
     workaround="the portable conv (tract < 0.23.5) is NNEF's depthwise conv over state[:, :, 1:] ++ x, whose "
                "S + W - 1 columns give exactly S; from 0.23.5 the fused conv is used whatever the lowering",
-    applied_in=("gdn_export/lowering/conv.py",),
+    applied_in=("gdn_export/ops/causal_conv1d/nnef.py",),
     when_fixed="nothing to remove",
     no_canary="not re-checked: the slice form no longer exists to compare against",
     reproduced=False,
@@ -413,7 +413,7 @@ CUDA_EMPTY_TENSORS = Quirk(
          "tensor fail with CUDA_ERROR_INVALID_VALUE (add, mul and matmul are fine); the chunked graph has "
          "empty pieces whenever S < C (no whole chunk) or C divides S (no remainder)",
     workaround="the cuda policy never offers the chunked lowering",
-    applied_in=("gdn_export/lowering/policy.py",),
+    applied_in=("gdn_export/ops/gated_delta_rule/policy.py",),
     when_fixed="policy.candidates('cuda') may offer 'chunked' (it ran at CPU speed where it ran, so measure)",
     canary="test_cuda_empty_tensors",
     no_canary="needs a CUDA device: the canary skips without one (checked on an H200 for this entry)",
@@ -437,7 +437,7 @@ FUSED_GDN_SLOW_ON_CPU = Quirk(
          "(S=2048: 860-1560 ms against 82 ms for the chunked graph); on CUDA with f16 operands it has a "
          "GPU kernel (29 ms), with f32 operands none",
     workaround="the cpu policy tries chunked first; the cuda policy the fused op",
-    applied_in=("gdn_export/lowering/policy.py",),
+    applied_in=("gdn_export/ops/gated_delta_rule/policy.py",),
     when_fixed="re-measure the policy (benchmarks/bench_lowerings.py, bench_tract_runtimes.py)",
     no_canary="a speed effect (benchmarks/RESULTS.md)",
     kind="measured",
@@ -450,7 +450,7 @@ T2N_TARGET_DOWNLOADS_TRACT = Quirk(
          "specific_tract_binary_path is given, whether or not check_io is set",
     workaround="OfflineTractTarget builds it with TractCli.download replaced by a stand-in that only answers "
                "the version, check_io off; checks run through tract's Python bindings",
-    applied_in=("gdn_export/target.py",),
+    applied_in=("gdn_export/backends/nnef/target.py",),
     when_fixed="the download stand-in can go",
     canary="test_t2n_target_downloads_tract",
     seen_on=TORCH_TO_NNEF_SEEN_ON,
@@ -463,7 +463,7 @@ T2N_REGISTRY_REFUSES_SECOND_HANDLER = Quirk(
          "itself); its fused-op rules refuse any graph with dynamic axes (right for 0.23.5-0.23.6 only)",
     workaround="gdn_export writes its handlers straight into the registry's dict on import; the target is "
                "built with native_gated_delta_op=False",
-    applied_in=("gdn_export/extractors/custom_ops.py", "gdn_export/target.py"),
+    applied_in=("gdn_export/ops/gated_delta_rule/nnef/handlers.py", "gdn_export/backends/nnef/target.py"),
     when_fixed="handlers could be registered through the public decorator",
     canary="test_t2n_registry_refuses_second_handler",
     seen_on=TORCH_TO_NNEF_SEEN_ON,
@@ -501,7 +501,7 @@ T2N_SET_ORDER_NAMES = Quirk(
          "is named list(names)[0] of a set, fragments come from a set of keys: two conversions of one checkpoint "
          "gave different graph.nnef files (c26/c57, hf.lm_head.weight or hf.model.embed_tokens.weight)",
     workaround="those nodes sorted by name, a tensor's names iterated sorted, fragments written sorted",
-    applied_in=("gdn_export/t2n_patches.py",),
+    applied_in=("gdn_export/backends/compat/torch_to_nnef.py",),
     when_fixed="t2n_patches' deterministic order can go",
     no_canary="tests/test_checkpoints.py converts under two PYTHONHASHSEEDs and compares the archives",
     seen_on=TORCH_TO_NNEF_SEEN_ON,
@@ -513,7 +513,7 @@ T2N_QUADRATIC_SHAPE_INFERENCE = Quirk(
     does="_infer_missing_shapes_from_ops_outputs filters its work list with 'op not in list', comparing ops field "
          "by field: a third of a 20-layer conversion (py-spy)",
     workaround="the same loop with ops compared by identity",
-    applied_in=("gdn_export/t2n_patches.py",),
+    applied_in=("gdn_export/backends/compat/torch_to_nnef.py",),
     when_fixed="the replacement loop can go",
     no_canary="a speed effect",
     seen_on=TORCH_TO_NNEF_SEEN_ON,
@@ -569,7 +569,7 @@ CAST_WEIGHT_NOT_FOLDED = Quirk(
          "slower than a packed f32 or f16 matmul (measured by the issue that asked for this test)",
     workaround="weights the graph only casts are stored in the cast's type (weights/casts.py); "
                "tests/test_quantized.py fails when a float16 archive still casts a weight matrix",
-    applied_in=("gdn_export/weights/casts.py", "gdn_export/exporter.py"),
+    applied_in=("gdn_export/weights/casts.py", "gdn_export/pipeline/export.py"),
     when_fixed="the stored-as-cast rewrite can go",
     no_canary="a speed effect; the test checks the graphs instead",
     kind="measured",
@@ -587,7 +587,7 @@ Q4_0_GATHER_NEEDS_DATUM_TYPE = Quirk(
 )
 
 
-# --- tract_moe_ffn (gdn_export/ops/moe_ffn.py) ---------------------------------------------------------
+# --- tract_moe_ffn (gdn_export/ops/moe_ffn/op.py) ---------------------------------------------------------
 MOE_TIES_LOWEST_INDEX = Quirk(
     name="tract_moe_ffn breaks exact router ties by the lowest expert index",
     does="experts with exactly equal router logits at the k-th place: tract_moe_ffn takes the lowest indices "
@@ -595,7 +595,7 @@ MOE_TIES_LOWEST_INDEX = Quirk(
          "in the dense form decides ties its own way too",
     workaround="none: with continuous logits an exact tie does not happen (an all-zero token ties every logit, but "
                "its experts' outputs are all zero, so the choice does not matter)",
-    applied_in=("gdn_export/ops/moe_ffn.py",),
+    applied_in=("gdn_export/ops/moe_ffn/op.py",),
     when_fixed="nothing to change; docs/TRACT.md states the tie rule",
     no_canary="canary in tests/test_moe.py (test_tied_logits_take_the_lowest_experts), beside the op's other checks",
     kind="reliance",
@@ -607,7 +607,7 @@ MOE_UNUSED_ROUTING_DROPPED = Quirk(
          "node is and stays in graph.nnef when tract_moe_ffn (which routes by itself) replaces the node; tract "
          "removes it while optimizing (no TopK or scatter node in the optimized model)",
     workaround="none: the written graph keeps those few unused ops; the archive holds no weight of its own for them",
-    applied_in=("gdn_export/extractors/moe_ffn.py",),
+    applied_in=("gdn_export/ops/moe_ffn/nnef.py",),
     when_fixed="reliance: an unused subgraph must cost nothing at run time",
     no_canary="checked by tests/test_moe.py (test_cpu_export_is_sparse_and_exact: the optimized model's nodes)",
     kind="reliance",

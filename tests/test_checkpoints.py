@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from gdn_export.cli import main as cli
 from gdn_export.hf.checkpoint import CheckpointError
-from gdn_export.hf.convert import check, convert
+from gdn_export.pipeline.convert import check, convert
 from gdn_export.run.session import Session
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -271,7 +271,7 @@ def test_untied_wrapper_exports_its_head(converted_here):
 def test_archive_does_not_depend_on_the_hash_seed(tmp_path):
     """Two processes that differ only in PYTHONHASHSEED (Python's order of a set of names) write the same archive:
     e.g. the tied table's one variable is named the same."""
-    script = ("import sys, torch; torch.set_num_threads(1); from gdn_export.hf.convert import convert; "
+    script = ("import sys, torch; torch.set_num_threads(1); from gdn_export.pipeline.convert import convert; "
               "convert(sys.argv[1], 'm.nnef.tgz', check=False)")
     runs = []
     for seed in ("0", "1"):

@@ -11,7 +11,7 @@ from oracle import gated_delta_head_major, gated_delta_seq_major
 from test_family_variants import VARIANTS, assert_close, graph_inputs, oracle, variant_inputs
 
 import gdn_export
-from gdn_export.lowering.chunked import CHUNK
+from gdn_export.ops.gated_delta_rule.nnef.chunked import CHUNK
 
 LENGTHS = [1, CHUNK - 1, CHUNK, CHUNK + 1, 200]
 F32_TOLERANCE = 1e-4

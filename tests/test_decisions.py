@@ -77,7 +77,7 @@ def test_gdn_export_handler_replaces_torch_to_nnef_handler(tmp_path):
     """torch-to-nnef registers its own gated_delta_scan handler; ours must be the one that runs."""
     from torch_to_nnef.op.extras import _T2N_EXTRA_REGISTRY
 
-    from gdn_export.extractors.custom_ops import handle_gated_delta_scan
+    from gdn_export.ops.gated_delta_rule.nnef.handlers import handle_gated_delta_scan
 
     assert _T2N_EXTRA_REGISTRY.get("gated_delta_scan") is handle_gated_delta_scan
     q, k, v, g, beta, s0 = make_rule_inputs(1, 3, 2, 2, 16, 16)

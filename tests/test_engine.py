@@ -219,7 +219,7 @@ def test_engine_refuses_what_it_cannot_serve(converted, tmp_path):
 
 
 def test_qwen4_exp_has_no_serving_graph(tmp_path):
-    from gdn_export.hf.convert import convert
+    from gdn_export.pipeline.convert import convert
 
     with pytest.raises(GdnExportError, match="no serving graph.*QSA indexer"):
         convert(FIXTURES / "qwen4_exp", tmp_path / "m.nnef.tgz", serving=True)
@@ -231,7 +231,7 @@ def test_serving_graph_with_every_lowering(tmp_path, lowering):
     """The serving graph changes only the attention side: with the other GDN lowerings (chunked is the default,
     above; tract's fused op needs K = V, which no fixture with attention has) it passes convert's check against
     transformers, and the Engine's greedy tokens equal the Session's."""
-    from gdn_export.hf.convert import convert
+    from gdn_export.pipeline.convert import convert
 
     path = tmp_path / f"{lowering}.nnef.tgz"
     report = convert(FIXTURES / "qwen3_5", path, serving=True, lowering=lowering)

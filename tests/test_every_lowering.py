@@ -28,7 +28,7 @@ from conftest import by_fixture
 
 from gdn_export.cli import main as cli
 from gdn_export.hf.check import check_against_transformers
-from gdn_export.hf.convert import convert
+from gdn_export.pipeline.convert import convert
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())

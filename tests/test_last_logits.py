@@ -8,7 +8,7 @@ import pytest
 
 from gdn_export.errors import GdnExportError
 from gdn_export.hf.check import sample_tokens
-from gdn_export.hf.convert import convert
+from gdn_export.pipeline.convert import convert
 from gdn_export.run.session import Session
 
 from conftest import FIXTURES, by_fixture

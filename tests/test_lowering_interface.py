@@ -1,17 +1,14 @@
-"""The lowering interface: the registry, the runtime policy over it, the typed options, the one-way layering."""
+"""The lowering interface: the registry, the runtime policy over it, the typed options."""
 
-import ast
 import dataclasses
 import re
-from pathlib import Path
 
 import pytest
 
 import gdn_export
-from gdn_export.lowering import policy, registry
-from gdn_export.lowering.options import LoweringOptions, validate_options
+from gdn_export.ops.gated_delta_rule import policy, registry
+from gdn_export.ops.options import LoweringOptions, validate_options
 
-PACKAGE = Path(gdn_export.__file__).parent
 
 
 def test_every_registered_lowering_has_the_interface():
@@ -26,7 +23,7 @@ def test_every_registered_lowering_has_the_interface():
 def test_a_lowering_module_needs_a_name_a_refusal_and_a_lower():
     import types
 
-    module = types.ModuleType("gdn_export.lowering.half_done")
+    module = types.ModuleType("gdn_export.ops.gated_delta_rule.nnef.half_done")
     module.NAME, module.lower = "half_done", lambda builder, node, dims, options: []
     with pytest.raises(TypeError, match="half_done is registered as a lowering but has no refusal"):
         registry.Lowering.of(module)
@@ -36,7 +33,7 @@ def test_a_lowering_module_needs_a_name_a_refusal_and_a_lower():
 
 
 def test_the_emitter_and_export_see_the_registry():
-    from gdn_export.lowering.emitter import LOWERINGS
+    from gdn_export.ops.gated_delta_rule.emitter import LOWERINGS
 
     assert LOWERINGS is registry.LOWERINGS
 
@@ -79,7 +76,7 @@ def test_option_values_are_validated_where_the_options_are_made(values, message)
 
 
 def test_the_offline_target_carries_the_options():
-    from gdn_export.target import OfflineTractTarget
+    from gdn_export.backends.nnef.target import OfflineTractTarget
 
     target = OfflineTractTarget("0.23.7", lowering="chunked", dynamic_axes={"q": {1: "S"}}, runtime="cpu",
                                 core_dtype="float16", chunk_size=32)
@@ -94,7 +91,7 @@ def test_the_offline_target_carries_the_options():
 def test_a_plain_torch_to_nnef_target_gets_the_defaults():
     from torch_to_nnef.inference_target.tract import TractNNEF
 
-    from gdn_export.target import _no_download, policy_of
+    from gdn_export.backends.nnef.target import _no_download, policy_of
 
     with _no_download():
         plain = TractNNEF("0.23.9", check_io=False, dynamic_axes={"q": {1: "S"}})
@@ -104,28 +101,4 @@ def test_a_plain_torch_to_nnef_target_gets_the_defaults():
     assert policy_of(plain).gdn_decisions is decisions  # given once
 
 
-def imported_modules(path: Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-        elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-    return found
-
-
-@pytest.mark.parametrize("layer,forbidden", [
-    ("ops", ("gdn_export.lowering", "gdn_export.extractors", "gdn_export.exporter", "gdn_export.target")),
-    ("lowering", ("gdn_export.extractors", "gdn_export.exporter", "gdn_export.target", "gdn_export.hf",
-                  "gdn_export.cli", "gdn_export.run.session")),
-    ("models", ("gdn_export.hf", "gdn_export.layers", "gdn_export.cli", "transformers")),
-    ("layers", ("gdn_export.hf", "gdn_export.cli", "transformers")),
-    ("generation", ("gdn_export.run.serving", "gdn_export.run.http", "gdn_export.cli", "gdn_export.hf")),
-    ("serving", ("gdn_export.run.http", "gdn_export.cli", "gdn_export.hf", "gdn_export.exporter", "torch")),
-])
-def test_layers_depend_one_way(layer, forbidden):
-    """ops <- lowering <- export <- hf/cli, models <- layers <- hf, and generation <- serving <- server/cli: a layer
-    imports nothing built on it (the Engine runs archives: no torch)."""
-    for path in sorted((PACKAGE / layer).rglob("*.py")):
-        bad = {m for m in imported_modules(path) if m.startswith(forbidden)}
-        assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"
+# the one-way layering is checked transitively in tests/test_layering.py

@@ -30,12 +30,12 @@ import tract
 import gdn_export
 from conftest import by_fixture
 from gdn_export import tract_quirks as tq
-from gdn_export.hf.convert import convert
+from gdn_export.pipeline.convert import convert
 from gdn_export.hf.tensors import write_nnef_array
-from gdn_export.lowering.options import LoweringOptions
+from gdn_export.ops.options import LoweringOptions
 from gdn_export.models import blocks
-from gdn_export.extractors.moe_ffn import decide
-from gdn_export.ops import moe_ffn
+from gdn_export.ops.moe_ffn.nnef import decide
+from gdn_export.ops.moe_ffn import op as moe_ffn
 from gdn_export.weights import q4_0
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

@@ -1,4 +1,4 @@
-"""ONNX export (gdn_export/onnx): per-node decisions, onnxruntime's contrib ops and the portable Scan against the
+"""ONNX export (gdn_export/backends/onnx): per-node decisions, onnxruntime's contrib ops and the portable Scan against the
 reference, every GDN family converted and checked in onnxruntime (prefill + decode, batch 1 and 2), the portable
 form in tract's ONNX loader too, and the errors of bad inputs."""
 
@@ -13,7 +13,7 @@ pytest.importorskip("onnxruntime")
 import gdn_export  # noqa: E402
 from gdn_export.cli import main as cli  # noqa: E402
 from gdn_export.errors import GdnExportError, LoweringError  # noqa: E402
-from gdn_export.ops.naive import l2norm  # noqa: E402
+from gdn_export.ops.gated_delta_rule.naive import l2norm  # noqa: E402
 
 from conftest import FIXTURES, by_fixture  # noqa: E402
 
@@ -192,7 +192,7 @@ def test_family_portable_scan_in_tract(onnx_converted, name):
     batch 1 and 2 (Qwen4-Exp: its QSA indexer and hyper-connections too, whose reshapes stay symbolic in B and S:
     symbolics._unflatten)."""
     from gdn_export.hf.checkpoint import open_checkpoint
-    from gdn_export.hf.convert import check_with
+    from gdn_export.pipeline.convert import check_with
     from gdn_export.run.onnx_session import OnnxSession
 
     import onnx
@@ -242,7 +242,7 @@ def test_symbolic_dims_and_names(onnx_converted):
     import onnx
 
     from gdn_export.hf.checkpoint import open_checkpoint
-    from gdn_export.hf.convert import state_names
+    from gdn_export.pipeline.convert import state_names
 
     path = onnx_converted("qwen3_5")
     model = onnx.load(str(path))
@@ -259,7 +259,7 @@ def test_symbolic_dims_and_names(onnx_converted):
 
 def test_external_data(tmp_path, monkeypatch):
     """Above the threshold the weights go to OUT.onnx.data (renamed in first); the file still runs and checks."""
-    from gdn_export.onnx import exporter
+    from gdn_export.backends.onnx import exporter
 
     monkeypatch.setattr(exporter, "EXTERNAL_DATA_BYTES", 1024)
     out = tmp_path / "ext.onnx"

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("onnxruntime")
 
 import gdn_export  # noqa: E402
-from gdn_export.onnx import exporter, streamed  # noqa: E402
+from gdn_export.backends.onnx import exporter, streamed  # noqa: E402
 
 from conftest import FIXTURES, by_fixture  # noqa: E402
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import by_fixture
-from gdn_export.output_names import RAW_SUFFIX, tract_names
+from gdn_export.backends.nnef.output_names import RAW_SUFFIX, tract_names
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import by_fixture
 from gdn_export.errors import GdnExportError
-from gdn_export.hf.convert import convert
+from gdn_export.pipeline.convert import convert
 from gdn_export.weights import q4_0
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

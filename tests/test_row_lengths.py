@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gdn_export.hf.convert import convert
+from gdn_export.pipeline.convert import convert
 from gdn_export.run.runtime import load_tract_model, run_tract
 from gdn_export.run.serving import SlotPool
 from gdn_export.run.session import Session

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gdn_export.hf.convert import convert
+from gdn_export.pipeline.convert import convert
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

@@ -509,7 +509,7 @@ def test_t2n_registry_refuses_second_handler():
     from torch_to_nnef.op import extras
     from torch_to_nnef.op.gated_delta import native_gdn_reject_reason
 
-    from gdn_export.target import OfflineTractTarget
+    from gdn_export.backends.nnef.target import OfflineTractTarget
 
     registry = type(extras._T2N_EXTRA_REGISTRY)(torch_mod_id="gdn_export_canary")  # not the real one
     registry.register(["probe"])(lambda *args, **kwargs: None)

@@ -12,7 +12,7 @@ from torch import nn
 
 from gdn_export.models import blocks
 from gdn_export.models.derived import part_of
-from gdn_export.ops.moe_ffn import widening
+from gdn_export.ops.moe_ffn.op import widening
 
 
 def rope_tables(rotary_emb: nn.Module, positions: torch.Tensor, dtype: torch.dtype):
@@ -48,7 +48,7 @@ def is_silu(act) -> bool:
 
 
 class ExpertStacks(nn.Module):
-    """A transformers ``*Experts`` module's weights in ``moe_ffn``'s layout (``gdn_export/ops/moe_ffn.py``) for
+    """A transformers ``*Experts`` module's weights in ``moe_ffn``'s layout (``gdn_export/ops/moe_ffn/op.py``) for
     routing ``gate``: ``gate_proj`` and ``up_proj`` ``[E, I, D + W]`` the halves of its fused ``gate_up_proj``,
     ``down_proj`` ``[E, D + W, I]`` (``W`` zero columns / rows for a given routing), each a derived parameter
     (``gdn_export.models.derived``) that a streamed export writes straight from the checkpoint's stack, in Q4_0 if
@@ -93,7 +93,7 @@ def routed_experts(experts: nn.Module, stacks: ExpertStacks | None, flat: torch.
                    router_weight: torch.Tensor, top_k: int) -> torch.Tensor:
     """A transformers ``*Experts`` module on ``flat`` ``[N, D]``, mixed by the routing ``weights`` ``[N, E]``: one
     ``t2n_extra::moe_ffn`` node over its ``stacks``, which the export makes sparse where tract's ``tract_moe_ffn``
-    computes the stacks' gate exactly (``gdn_export/ops/moe_ffn.py``).
+    computes the stacks' gate exactly (``gdn_export/ops/moe_ffn/op.py``).
 
     Experts with another activation than SiLU (no ``stacks``) stay plain dense torch code (no MoE decision is
     reported for them).

@@ -251,7 +251,7 @@ def check_archive(path, vocab_size: int, prompt_len: int, decode_steps: int, bat
     from gdn_export.run.session import Session
 
     validate_check(prompt_len, decode_steps, batch)
-    if hasattr(path, "prefill"):  # an open Session (or gdn_export.onnx's OnnxSession)
+    if hasattr(path, "prefill"):  # an open Session (or gdn_export.backends.onnx's OnnxSession)
         session = path
     elif str(path).endswith(".onnx"):  # an ONNX export: run in onnxruntime
         from gdn_export.run.onnx_session import OnnxSession

@@ -6,7 +6,7 @@ parameter is paired with the checkpoint tensor that holds it (``CheckpointWeight
 published layout (``gdn_export.hf.layout``), strictly (a tensor missing, unknown or of another shape is a
 CheckpointError). Weights are then read one tensor at a time: into a float32 model that fits in memory
 (``load_model``, for the check), into one layer while it runs (the layer-by-layer check), or straight into the
-export's ``.dat`` files (``gdn_export.hf.convert``) without a model in memory at all.
+export's ``.dat`` files (``gdn_export.pipeline.convert``) without a model in memory at all.
 """
 
 from __future__ import annotations

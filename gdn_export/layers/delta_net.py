@@ -10,7 +10,7 @@ from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
 from gdn_export.layers.common import split_heads
 from gdn_export.models.blocks import identity_steps
 from gdn_export.models.row_lengths import RowLengths
-from gdn_export.ops.gated_delta_rule import gated_delta_rule
+from gdn_export.ops.gated_delta_rule.op import gated_delta_rule
 
 QK_ACTIVATIONS = {
     "silu": F.silu,

@@ -9,7 +9,7 @@ from gdn_export.layers.base import ConvStates, DeltaLayer, LayerOutput
 from gdn_export.layers.common import decay_parameters, split_heads
 from gdn_export.models.blocks import identity_steps, per_head_decay
 from gdn_export.models.row_lengths import RowLengths
-from gdn_export.ops.gated_delta_rule import gated_delta_rule
+from gdn_export.ops.gated_delta_rule.op import gated_delta_rule
 
 
 class GatedDeltaNet2(DeltaLayer):

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 
-from gdn_export.ops.causal_conv1d import causal_conv1d_update
-from gdn_export.ops.gated_delta_rule import gated_delta_rule
-from gdn_export.ops.moe_ffn import moe_ffn
+from gdn_export.ops.causal_conv1d.op import causal_conv1d_update
+from gdn_export.ops.gated_delta_rule.op import gated_delta_rule
+from gdn_export.ops.moe_ffn.op import moe_ffn
 
 if TYPE_CHECKING:
     from gdn_export.models.row_lengths import RowLengths
@@ -235,7 +235,7 @@ def dense_experts(x: torch.Tensor, weights: torch.Tensor, gate_proj: torch.Tenso
 def routed_moe(x: torch.Tensor, routing: torch.Tensor, router_weight: torch.Tensor, gate_proj: torch.Tensor,
                up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, gate: str) -> torch.Tensor:
     """SwiGLU experts ``[N, D] -> [N, D]`` mixed by ``routing`` ``[N, E]`` as one ``t2n_extra::moe_ffn`` node
-    (``gdn_export/ops/moe_ffn.py``: its contract, the stacks' layout), whose torch kernel is ``dense_experts``.
+    (``gdn_export/ops/moe_ffn/op.py``: its contract, the stacks' layout), whose torch kernel is ``dense_experts``.
     ``gate`` states how ``routing`` was computed from ``x @ router_weight.T``: ``"softmax_topk"``/``"softmax_all"``
     (``top_k_routing`` with and without renormalization) let the export use tract's sparse ``tract_moe_ffn``, and so
     does ``"grouped_sigmoid"`` (``grouped_sigmoid_routing`` with a positive scaling: the routing itself chooses the

@@ -1,7 +1,7 @@
 """Parameters an exportable model derives from the checkpoint's (rows picked, a part of axis 1 kept, zeros
 appended), remembering how.
 
-A converter that streams weights from the checkpoint (``gdn_export.hf.convert``) writes such a parameter from
+A converter that streams weights from the checkpoint (``gdn_export.pipeline.convert``) writes such a parameter from
 its ``Recipe`` (``RECIPE``) rather than from its traced value, which is a placeholder when the source is one
 (``PLACEHOLDER`` marks it): nothing of the weight is computed in memory. A recipe without ``rows`` works slice by
 slice of the first axis (``apply`` on any run of the source's first axis gives that run of the result), so such a

@@ -42,7 +42,7 @@ class StreamedWeights:
     compressed: Mapping[str, str] = field(default_factory=dict)  # label of a block-quantized weight -> float type
     # label -> tract type ("f32", "f16") of each weight matrix (rank >= 2) written in a float type: its file may be
     # written after the trace (``write_deferred``), while tract reads the graph for its output names, which
-    # declares such weights as inputs of that type and never opens their files (gdn_export/output_names.py)
+    # declares such weights as inputs of that type and never opens their files (gdn_export/backends/nnef/output_names.py)
     deferrable: Mapping[str, str] = field(default_factory=dict)
 
 

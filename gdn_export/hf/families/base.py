@@ -98,7 +98,7 @@ class TransformersLM(Decoder, ExportableLM):
         return layer.mlp(x)
 
     def moe_gate(self, index: int, layer: nn.Module) -> str | None:
-        """The ``moe_ffn`` gate (``gdn_export/ops/moe_ffn.py``) of layer ``index``'s routed experts; None where its
+        """The ``moe_ffn`` gate (``gdn_export/ops/moe_ffn/op.py``) of layer ``index``'s routed experts; None where its
         feed-forward is no routed MoE (the default)."""
         return None
 

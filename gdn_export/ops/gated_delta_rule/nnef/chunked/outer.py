@@ -1,0 +1,345 @@
+"""What both chunk bodies share: sizes, names, the split of S, the chunk scan, the per-token tail, the outputs.
+
+The first ``C * floor(S / C)`` tokens run through a ``tract_core_scan`` over chunks of C tokens (C: the
+``chunk_size`` option, by default ``CHUNK``, or ``CHANNEL_CHUNK`` with per-channel decay; ``tokens_per_chunk``),
+whose body (gdn.py or general.py) applies one chunk of the WY / UT chunk form (docs/MATH.md); the last
+``S mod C`` tokens run through the elementwise per-token step of the scan lowering (steps.py; a decode step
+costs one token, never a padded chunk), from the state the chunks leave.
+
+How the graph is shaped by tract 0.23.9 (read in its source, then measured, with C = 64):
+- A binary op whose operands share a symbolic shape never gets tract's fast kernels (its "worth it" test
+  cannot bound ``S/C`` away from 0) and runs ~10x slower; so does a big copy of a symbolic-length
+  tensor. Every per-chunk computation is therefore inside the scan body, where shapes are concrete, and
+  the scan slices the raw q, k, v C tokens at a time (scan chunk C: no reshape of a symbolic axis).
+- tract pulls a body op out of the loop when its only non-constant input is a scan input (it then runs
+  on the whole sequence, slowly), and fails to load a body where such an op is a matmul by a constant
+  or reads the same scan input twice: the bodies first combine each scan input with another one.
+- tract pulls the ops writing a "full" output after the loop unless that output's chunk is > 1: y leaves
+  with chunk C, already in the node's layout.
+- tract pushes slices of an axis back up through the ops that made it and splits matmuls that read a
+  concat into per-piece matmuls (each packing its operands again); blocks are therefore cut on the block
+  axis of reshaped views ``[.., n, s, ...]`` (body.py).
+- A slice ending at ``(len / C) * C`` (``tract_core_shape_of``) keeps a symbolic length as ``C*(S/C)``;
+  a scan counts its iterations on its first scan input, so a per-chunk input (length ``S/C``) goes first:
+  counted on a per-token one the count is ``(C-1 + C*(S/C))/C``, which tract never simplifies, and the
+  model around the node then cannot prove its lengths equal. The outputs' facts are exactly S.
+- A scan of 0 iterations returns a scalar 0 for a "last" output: the chunk scan emits its states as a
+  "full" output (the final state is the last of ``initial ++ states[-1:]``), the tail scan always runs at
+  least one step (a zero step when S is a multiple of C, which leaves the state exactly as it is).
+
+A body is a module with ``variant(node, dims, tokens)`` (a ``Variant`` with a ``name``, one fragment per
+distinct one), ``scan_inputs(b, variant, heads, whole, dims)`` (the scan's inputs, per-chunk
+ones first), ``masks(variant)`` (constants it reads whole) and ``lines(variant)`` (its NNEF lines).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import ModuleType
+
+import numpy as np
+from nnef_tools.model import Tensor as NTensor
+from torch_to_nnef.op.fragment import Fragment
+
+from gdn_export.ops.gated_delta_rule.capabilities import F32
+from gdn_export.ops.gated_delta_rule.nnef.chunked.body import SOLVE_BLOCK
+from gdn_export.ops.gated_delta_rule.nnef.layout import step_operands, write_squeezed
+from gdn_export.backends.nnef.builder import NnefBuilder
+from gdn_export.ops.gated_delta_rule.nnef.steps import elementwise_step_fragment, step_inputs
+from gdn_export.ops.gated_delta_rule.operands import Dims
+
+# --- sizes ----------------------------------------------------------------------------------------
+CHUNK = 64  # tokens per chunk by default
+# per-channel decay: chunks of 32 tokens cut into exact [4, 4, K] decay blocks (general.channel_decay_pairs).
+# Measured (KDA, H=16, K=V=128, S=1024, bench_lowerings --variants): chunk 64 with blocks of 32/16/8/4:
+# 619/267/195/223 ms, chunk 32 with blocks of 8/4: 160/142 ms; the scan takes ~480 ms
+CHANNEL_CHUNK = 32
+
+
+def chunk_size_error(chunk: int) -> str | None:
+    """Why ``chunk`` cannot be a chunk size (None: it can): the solve cuts chunks into blocks of SOLVE_BLOCK."""
+    if not isinstance(chunk, int) or chunk < SOLVE_BLOCK or chunk % SOLVE_BLOCK:
+        return f"a chunk size must be a positive multiple of {SOLVE_BLOCK} tokens, got {chunk!r}"
+    return None
+
+
+def tokens_per_chunk(dims: Dims, size: int | None = None) -> int:
+    """Real tokens per chunk, Cr, for this node: ``size`` (a valid chunk size; None: CHUNK, or CHANNEL_CHUNK with
+    per-channel decay) for one step per token; with n Householder sub-steps, the fewest tokens whose ``n * Cr``
+    sub-steps are at least ``size`` and a multiple of the solve block."""
+    chunk = size or (CHANNEL_CHUNK if dims.channel_decay else CHUNK)
+    n = dims.num_householder
+    unit = SOLVE_BLOCK // math.gcd(SOLVE_BLOCK, n)  # tokens per solve-block multiple
+    return unit * max(1, -(-chunk // (unit * n)))
+
+
+# --- what a body computes, and its name -----------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Variant:
+    """What every chunk body's variant holds (each body adds its own fields); one fragment per distinct one."""
+
+    tokens: int  # real tokens per chunk
+    l2norm: bool
+    scale: float | None
+    head_major: bool
+    key_heads: int
+    heads: int  # value heads H = Hk * G, merged in the output layout
+    width_k: int
+    width_v: int
+
+    @property
+    def semantics(self) -> str:
+        """The part of the fragment's name that the node's semantics and layout set."""
+        scale = "none" if self.scale is None else repr(float(self.scale))
+        scale = scale.replace(".", "p").replace("-", "m").replace("+", "")
+        return f"{'_l2' if self.l2norm else ''}_s{scale}_{'hm' if self.head_major else 'sm'}"
+
+    @classmethod
+    def of(cls, node, dims: Dims, tokens: int, **fields) -> Variant:
+        """The node's variant with ``tokens`` a chunk, plus the body's own ``fields``."""
+        return cls(tokens=tokens, l2norm=node.use_qk_l2norm, scale=node.scale, head_major=node.head_major,
+                   key_heads=dims.key_heads, heads=dims.heads, width_k=dims.width_k, width_v=dims.width_v, **fields)
+
+
+# --- cutting S ------------------------------------------------------------------------------------
+EXTENSIONS = ("tract_registry tract_core",)
+
+SPLIT = Fragment(name="gdn_export_chunk_split", extensions=EXTENSIONS, definition="""fragment gdn_export_chunk_split(
+    input: tensor<scalar>, like: tensor<scalar>, axis: integer, chunk: integer
+) -> ( head: tensor<scalar>, tail: tensor<scalar> ) {
+    # the first chunk*floor(len(like)/chunk) entries of input's axis, and the rest; bounds are shape expressions
+    # (a symbolic axis is cut into chunk*(S/chunk) and the rest), and every operand is cut where q's is, so
+    # tract knows the parts' lengths equal
+    length = squeeze(slice(tract_core_shape_of(like), axes = [0], begin = [axis], end = [axis + 1]), axes = [0]);
+    total = squeeze(slice(tract_core_shape_of(input), axes = [0], begin = [axis], end = [axis + 1]), axes = [0]);
+    cut = (length / chunk) * chunk;
+    head = slice(input, axes = [axis], begin = [0], end = [cut]);
+    tail = slice(input, axes = [axis], begin = [cut], end = [total]);
+}
+
+""")
+
+FINAL = Fragment(name="gdn_export_final_state", extensions=EXTENSIONS, definition="""fragment gdn_export_final_state(
+    initial: tensor<scalar>, states: tensor<scalar>
+) -> ( final: tensor<scalar> ) {
+    # the last of initial ++ states (initial when there are none), copying two entries at most;
+    # the last entry is sliced as [n - 1, n) so that its length simplifies to 1
+    length = squeeze(slice(tract_core_shape_of(states), axes = [0], begin = [0], end = [1]), axes = [0]);
+    both = concat([initial, slice(states, axes = [0], begin = [max(length - 1, 0)], end = [length])], axis = 0);
+    count = squeeze(slice(tract_core_shape_of(both), axes = [0], begin = [0], end = [1]), axes = [0]);
+    final = slice(both, axes = [0], begin = [count - 1], end = [count]);
+}
+
+""")
+
+
+PAD = Fragment(name="gdn_export_pad_step", extensions=EXTENSIONS, definition="""fragment gdn_export_pad_step(
+    input: tensor<scalar>, padding: (integer, integer)[]
+) -> ( output: tensor<scalar> ) {
+    # the first max(len, 1) steps of input ++ one zero step (pad keeps a symbolic batch symbolic)
+    length = squeeze(slice(tract_core_shape_of(input), axes = [0], begin = [0], end = [1]), axes = [0]);
+    padded = pad(input, padding = padding, border = 'constant', value = 0.0);
+    output = slice(padded, axes = [0], begin = [0], end = [max(length, 1)]);
+}
+
+""")
+
+TAKE = Fragment(name="gdn_export_take_steps", extensions=EXTENSIONS, definition="""fragment gdn_export_take_steps(
+    input: tensor<scalar>, like: tensor<scalar>
+) -> ( output: tensor<scalar> ) {
+    # the first len(like) entries of input's axis 3 (the tail's time axis)
+    length = squeeze(slice(tract_core_shape_of(like), axes = [0], begin = [0], end = [1]), axes = [0]);
+    output = slice(input, axes = [3], begin = [0], end = [length]);
+}
+
+""")
+
+
+def split_like(b: NnefBuilder, x: NTensor, like: NTensor, axis: int, chunk: int) -> tuple[NTensor, NTensor]:
+    """Cut x's time axis where ``like``'s (q's) whole chunks end: ``chunk * floor(T / chunk)`` and the rest
+    (either may be empty)."""
+    whole = like.shape[axis] // chunk * chunk
+    shape = list(x.shape)
+    head = b.tensor("head", shape[:axis] + [whole] + shape[axis + 1:], x.dtype)
+    tail = b.tensor("tail", shape[:axis] + [x.shape[axis] - whole] + shape[axis + 1:], x.dtype)
+    b.multi_op(SPLIT.name, (x, like), (head, tail), attribs={"axis": axis, "chunk": chunk})
+    return head, tail
+
+
+def cut_operands(b: NnefBuilder, node, dims: Dims, tokens: int):
+    """The node's operands (``whole``), each cut into its whole chunks (``heads``) and the rest (``tails``).
+
+    With n > 1 sub-steps, k, v and beta get their sub-steps on an axis of their own first (``[B, T, n, ...]``,
+    head-major ``[B, H, T, n, ...]``): tract 0.23.9 gets the length of a reshape of a symbolic tail wrong
+    (with n = 2 and C = 32: S - 64*(S/32) for (2S - 64*(S/32)) / 2)."""
+    time_axis = 2 if node.head_major else 1
+    raw = {"q": node.q, "k": node.k, "v": node.v, "beta": node.beta, "g": node.g, "erase": node.erase,
+           "write": node.write}
+    heads, whole, tails = {}, {}, {}
+    for name, x in raw.items():
+        if x is None:
+            continue
+        if dims.num_householder > 1 and name in ("k", "v", "beta"):
+            x = b.split_axis(x, time_axis, [-1, dims.num_householder])
+        whole[name] = x
+        heads[name], tails[name] = split_like(b, x, node.q, time_axis, tokens)
+    return heads, whole, tails
+
+
+def final_state(b: NnefBuilder, start: NTensor, states: NTensor) -> NTensor:
+    """The last of ``start ++ states`` along axis 0, ``[1, ...]``."""
+    final = b.tensor("final_state", start.shape, F32)
+    b.multi_op(FINAL.name, (start, states), (final,))
+    return final
+
+
+# --- the chunks -----------------------------------------------------------------------------------
+def scan_layout(b: NnefBuilder, x: NTensor, head_major: bool, groups: int, substeps: bool = False) -> NTensor:
+    """``[B, T, H, X]`` (head-major ``[B, H, T, X]``; X absent for gates) -> f32 ``[1, B, Hk, G|1, T, X|1]``;
+    with ``substeps``, ``[B, T, n, H, X]`` (head-major ``[B, H, T, n, X]``) -> ``[1, B, Hk, G|1, T, n, X|1]``."""
+    x = b.cast(x, F32)
+    rank = 5 if substeps else 4
+    if len(x.shape) == rank - 1:
+        x = b.unsqueeze(x, [rank - 1])
+    head_axis = 1 if head_major else rank - 2
+    x = b.split_axis(x, head_axis, [x.shape[head_axis] // groups, groups])
+    if not head_major:  # [B, Hk, G, T, (n,) X]
+        x = b.transpose(x, [0, head_axis, head_axis + 1, *range(1, head_axis), rank])
+    return b.unsqueeze(x, [0])
+
+
+def cumulative_log_decay(b: NnefBuilder, g: NTensor, chunk: int) -> tuple[NTensor, NTensor]:
+    """``g [1, B, Hk, G, N*C, X]`` (X = 1, or K for per-channel decay) -> the cumulative sums inside each chunk
+    (same shape) and each chunk's total ``[.., N, X]``: a matmul by a lower-triangular constant."""
+    lead, steps, width = g.shape[:4], g.shape[4], g.shape[5]
+    chunks = b.reshape(g, 4, 1, [-1, chunk], (*lead, steps // chunk, chunk, width))
+    lower = np.tril(np.ones((chunk, chunk), np.float32)).reshape((1,) * 5 + (chunk, chunk))
+    gamma = b.matmul(b.constant("cumsum", lower), chunks)  # [1, B, Hk, G, N, C, X]
+    end = b.op("slice", gamma, shape=(*lead, steps // chunk, 1, width),
+               attribs={"axes": [5], "begin": [chunk - 1], "end": [chunk]})
+    flat = lambda x: b.reshape(x, 4, 2, [-1], (*lead, x.shape[4] * x.shape[5], width))  # noqa: E731
+    return flat(gamma), flat(end)
+
+
+def chunk_ones(b: NnefBuilder, like: NTensor, chunk: int) -> NTensor:
+    """Ones ``[1, B, Hk, G, N, 1]``, one per chunk, from ``like [1, B, Hk, G, N*C, 1]`` (a tiny tensor)."""
+    lead, steps = like.shape[:4], like.shape[4]
+    chunks = b.reshape(like, 4, 1, [-1, chunk], (*lead, steps // chunk, chunk, 1))
+    first = b.op("slice", chunks, shape=(*lead, steps // chunk, 1, 1), attribs={"axes": [5], "begin": [0], "end": [1]})
+    flat = b.reshape(first, 4, 2, [-1], (*lead, steps // chunk, 1))
+    return b.binary("add", b.binary("mul", flat, b.scalar(0.0, F32)), b.scalar(1.0, F32))
+
+
+def chunk_scan(b: NnefBuilder, body: ModuleType, variant, heads: dict[str, NTensor], whole: dict[str, NTensor],
+               s0: NTensor, dims: Dims):
+    """The chunk scan: (y ``[B, N*C, H, V]`` or head-major ``[B, H, N*C, V]``, state after the chunks, fragment).
+
+    ``heads`` are the operands cut to their whole chunks, ``whole`` the uncut ones. q, k, v enter uncut: the
+    scan runs as many steps as its first input (a per-chunk one, N = floor(T/C) entries) has, and reads nothing
+    past them, so no copy of the first N*C tokens is made (a big symbolic-length copy runs ~10x slower in tract
+    0.23.9 than the body's chunk reads)."""
+    scanned = body.scan_inputs(b, variant, heads, whole, dims)
+    masks = {name: b.constant(name, value) for name, value in body.masks(variant).items()}
+    fragment = scan_over_chunks(variant.name, body.lines(variant),
+                                {name: tuple(axis_chunk) for name, (_, *axis_chunk) in scanned.items()}, tuple(masks),
+                                2 if variant.head_major else 1, variant.tokens)
+    batch, steps = heads["q"].shape[0], heads["q"].shape[2 if variant.head_major else 1]
+    shape = (batch, dims.heads, steps, dims.width_v) if variant.head_major else (batch, steps, dims.heads, dims.width_v)
+    y = b.tensor("chunk_y", shape, F32)
+    states = b.tensor("chunk_states", (steps // variant.tokens, *s0.shape[1:]), F32)
+    b.multi_op(fragment.name, (*(x for x, *_ in scanned.values()), *masks.values(), s0), (y, states))
+    return y, final_state(b, s0, states), fragment
+
+
+def scan_over_chunks(name: str, body: list[str], scanned: dict[str, tuple[int, int]], masks: tuple[str, ...],
+                     y_axis: int, y_chunk: int) -> Fragment:
+    """A chunk body and the ``tract_core_scan`` running it. ``scanned``: each scan input's (axis, chunk), C
+    along the tokens, 1 for per-chunk inputs; ``masks`` are read whole every step. Outputs y (``y_chunk``
+    tokens a step along ``y_axis``) and the state after every chunk (a "full" output: see the module doc)."""
+    step, scan = f"{name}_step", f"{name}_scan"
+    inputs = [f"{name}_t" for name in scanned] + list(masks)
+    definition = f"""fragment {step}(
+    s_prev: tensor<scalar>, {", ".join(f"{name}: tensor<scalar>" for name in inputs)}
+) -> ( s_t: tensor<scalar>, y_t: tensor<scalar> ) {{
+{chr(10).join(body)}
+}}
+
+fragment {scan}(
+    {", ".join(f"{name}: tensor<scalar>" for name in (*scanned, *masks))}, s_init: tensor<scalar>
+) -> ( y: tensor<scalar>, states: tensor<scalar> ) {{
+    (y, states) = tract_core_scan(
+        body = "{step}",
+        scan = [{", ".join(f'("{name}_t", {name}, {axis}, {step_})' for name, (axis, step_) in scanned.items())}],
+        full = [{", ".join(f'("{name}", {name})' for name in masks)}],
+        state = [("s_prev", s_init, "s_t")],
+        output = [("y_t", "full", {y_axis}, {y_chunk}), ("s_t", "full", 0, 1)],
+        skip = 0
+    );
+}}
+
+"""
+    return Fragment(name=scan, extensions=EXTENSIONS, definition=definition)
+
+
+# --- the tail, token by token ---------------------------------------------------------------------
+def tail_fragment(num_householder: int, has_decay: bool) -> Fragment:
+    """The elementwise per-token step of the scan lowering under its own name; its state leaves as a "last"
+    output, so the tail always runs at least one step (see ``pad_step``)."""
+    return elementwise_step_fragment("chunk_tail", num_householder, has_decay)
+
+
+def pad_step(b: NnefBuilder, x: NTensor) -> NTensor:
+    """``[R, ...]`` -> the first ``max(R, 1)`` steps of ``x ++ 0``: one zero step when R = 0.
+
+    A zero step (q = k = e = u = 0, log-decay 0) leaves the state exactly as it is; it lets the tail scan
+    use a "last" state output, which tract gets wrong (a scalar 0) for a scan of no iteration."""
+    out = b.tensor("padded", (max(x.shape[0], 1), *x.shape[1:]), F32)
+    b.multi_op(PAD.name, (x,), (out,), attribs={"padding": [(0, 1)] + [(0, 0)] * (len(x.shape) - 1)})
+    return out
+
+
+def token_part(b: NnefBuilder, ops, state: NTensor, dims: Dims):
+    """The last ``R = S mod C`` tokens from ``state [1, B, Hk, G, K, V]``: (y ``[1, B, H, R, V]``, final state
+    ``[1, B, H, K, V]``)."""
+    operands = step_inputs(b, ops, dims.groups, lambda x: pad_step(b, x))  # the zero step's decay is exp(0) = 1
+    count = max(ops.q.shape[0], 1)
+    y = b.tensor("tail_y", (1, dims.batch, dims.heads, count, dims.width_v), F32)
+    final = b.tensor("tail_state", (1, dims.batch, dims.heads, dims.width_k, dims.width_v), F32)
+    b.multi_op(tail_fragment(len(ops.keys), ops.log_decay is not None).name, (*operands, b.merge_axes(state, 2, 2)),
+               (final, y))
+    taken = b.tensor("tail_y_taken", (*y.shape[:3], ops.q.shape[0], y.shape[4]), F32)
+    b.multi_op(TAKE.name, (y, ops.q), (taken,))
+    return taken, final
+
+
+# --- outputs --------------------------------------------------------------------------------------
+def write_outputs(b: NnefBuilder, node, dims: Dims, y_head: NTensor, y_tail: NTensor, state: NTensor) -> None:
+    """Chunk outputs (already in the node's layout) ++ tail outputs ``[1, B, H, R, V]`` over time; the state
+    ``[1, B, H, K, V]`` (from ``token_part``)."""
+    tail = b.squeeze(y_tail, [0])  # [B, H, R, V]
+    if node.head_major:
+        axis = 2
+    else:
+        tail, axis = b.transpose(tail, [0, 2, 1, 3]), 1  # [B, R, H, V]
+    shape = list(y_head.shape)
+    shape[axis] = dims.seq
+    if np.dtype(node.y.dtype) == np.dtype(F32):  # the concat itself is the output: it keeps its name in tract,
+        b.op("concat", [y_head, tail], shape=shape, attribs={"axis": axis}, out=node.y)  # no renaming copy
+    else:
+        b.cast(b.op("concat", [y_head, tail], shape=shape, attribs={"axis": axis}), node.y.dtype, out=node.y)
+    write_squeezed(b, state, node.s_final)
+
+
+# --- the whole lowering ---------------------------------------------------------------------------
+def lower(b: NnefBuilder, node, dims: Dims, body: ModuleType, tokens: int) -> list:
+    """Write the chunked lowering of ``node`` with ``body`` (gdn.py or general.py), ``tokens`` real tokens a
+    chunk (``tokens_per_chunk``); return the fragments it uses."""
+    variant = body.variant(node, dims, tokens)
+    heads, whole, tails = cut_operands(b, node, dims, tokens)
+    s0 = b.unsqueeze(b.split_axis(b.cast(node.s0, F32), 1, [dims.key_heads, dims.groups]), [0])  # [1, B, Hk, G, K, V]
+    y_head, state, scan = chunk_scan(b, body, variant, heads, whole, s0, dims)
+    tail_ops = step_operands(b, dataclasses.replace(node, **tails), dims, substeps_split=dims.num_householder > 1)
+    y_tail, final = token_part(b, tail_ops, state, dims)
+    write_outputs(b, node, dims, y_head, y_tail, final)
+    return [SPLIT, FINAL, PAD, TAKE, scan, tail_fragment(dims.num_householder, tail_ops.log_decay is not None)]

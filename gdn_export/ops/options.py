@@ -1,0 +1,58 @@
+"""What an export asks of the lowerings: one frozen, validated value, carried by the target.
+
+Validation lives here only: ``LoweringOptions(...)`` (or ``validate_options``, before the tract version is
+known) raises LoweringError with the same message wherever the values come from (``export()``, the CLI, a
+plain torch-to-nnef target).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gdn_export.errors import LoweringError
+from gdn_export.ops.gated_delta_rule.nnef.chunked import chunk_size_error
+from gdn_export.ops.gated_delta_rule.policy import RUNTIMES
+from gdn_export.ops.gated_delta_rule.registry import LOWERINGS
+
+CORE_DTYPES = (None, "float16")
+
+
+def validate_options(lowering: str = "auto", runtime: str = "any", core_dtype: str | None = None,
+                     chunk_size: int | None = None) -> None:
+    """Raise LoweringError naming the first export option that is not valid (before any work is done)."""
+    if lowering not in LOWERINGS:
+        raise LoweringError(f"lowering {lowering!r} is not one of {', '.join(LOWERINGS)}")
+    if runtime not in RUNTIMES:
+        raise LoweringError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
+    if core_dtype not in CORE_DTYPES:
+        raise LoweringError(f"core_dtype {core_dtype!r}: only 'float16' (or None, the model's own) is supported")
+    if chunk_size is not None and chunk_size_error(chunk_size):
+        raise LoweringError(f"chunk_size: {chunk_size_error(chunk_size)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoweringOptions:
+    """The export's choices the emitter and the lowerings read.
+
+    ``lowering``: one of LOWERINGS ("auto": the first exact lowering in the runtime's order, policy.py);
+    ``runtime``: where tract will run ("any", "cpu", "cuda"); ``core_dtype``: "float16" lets the fused op take
+    f16 q/k/v/beta whatever the model's dtype (an explicit, inexact choice); ``chunk_size``: tokens per chunk
+    of the chunked form (None: the body's default, chunked/outer.py); ``tract_version``: the target version,
+    ``(0, 23, 9)``; ``seq_may_vary``: dynamic axes were declared, so traced extents may be symbolic.
+    """
+
+    tract_version: tuple[int, int, int]
+    lowering: str = "auto"
+    runtime: str = "any"
+    core_dtype: str | None = None
+    chunk_size: int | None = None
+    seq_may_vary: bool = False
+
+    def __post_init__(self) -> None:
+        validate_options(lowering=self.lowering, runtime=self.runtime, core_dtype=self.core_dtype,
+                         chunk_size=self.chunk_size)
+
+    @property
+    def core_f16(self) -> bool:
+        """The caller asked for an f16 core (the fused op rounds q/k/v/beta to float16)."""
+        return self.core_dtype == "float16"

@@ -1,0 +1,387 @@
+"""``gdn_export.convert``: a local Hugging Face checkpoint to a checked ``.nnef.tgz`` in one call."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from functools import partial
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from gdn_export.errors import GdnExportError, ParityError
+from gdn_export.run.archive import nnef_tgz_path, read_metadata
+from gdn_export.ops.gated_delta_rule.capabilities import parse_version
+from gdn_export.hf.check import LogitCheck, check_archive, transformers_references, validate_check
+from gdn_export.hf.checkpoint import (CheckpointError, cast_buffers, empty_model, materialize, model_in_memory,
+                                      open_checkpoint, read_config)
+from gdn_export.hf.layerwise import layerwise_logits
+from gdn_export.hf.layout import resolve_layout
+from gdn_export.hf.weight_writers import dequantized_view, plan_writes, separate_tied_head, untied_view
+from gdn_export.run.runtime import lean_allocator
+from gdn_export.hf.families import family_for
+from gdn_export.models.decoder import serving_inputs
+from gdn_export.ops.moe_ffn.op import moe_report
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+LOGITS = ("all", "last")  # the logits a call returns: of every new position, or of the last one only
+FORMAT_VERSION = 1
+
+
+@dataclass
+class LayerReport:
+    index: int
+    kind: str  # "gated delta rule" or "attention"
+    lowering: str = "-"
+    reason: str = ""
+
+
+@dataclass
+class ConvertReport:
+    path: Path
+    family: str
+    model_type: str
+    dtype: str
+    tract_version: str
+    layers: list[LayerReport] = field(default_factory=list)
+    check: LogitCheck | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    reference: str = "transformers"
+    weights: str = ""  # what was read from the checkpoint, and what was left out
+    generation_files: list[str] = field(default_factory=list)  # tokenizer, chat template... carried in the archive
+    check_kind: str = ""
+    quantization: str = ""  # what was stored in Q4_0
+    moe: list[str] = field(default_factory=list)  # MoE feed-forwards: sparse or dense, and why (ops/moe_ffn.py)
+
+    @property
+    def quality(self) -> LogitCheck | None:
+        """A quantized export against the unquantized reference (reported, not judged)."""
+        return self.check.quality if self.check is not None else None
+
+    def __str__(self) -> str:
+        gdn = sum(1 for layer in self.layers if layer.kind == "gated delta rule")
+        lines = [f"{self.path}: {self.family} ({self.model_type}), {len(self.layers)} layers ({gdn} gated delta rule, "
+                 f"{len(self.layers) - gdn} attention), {self.dtype}, tract {self.tract_version}"]
+        for layer in self.layers:
+            if layer.kind == "gated delta rule":
+                lines.append(f"  layer {layer.index}: {layer.lowering} - {layer.reason}")
+        lines.extend(f"  {line}" for line in self.moe)
+        if self.weights:
+            lines.append(f"  weights: {self.weights}")
+        lines.append("  for generation: " + (", ".join(self.generation_files) if self.generation_files else
+                                             "no tokenizer, chat template or generation config in the checkpoint: "
+                                             "the archive takes token ids"))
+        if self.quantization:
+            lines.append(f"  quantized: {self.quantization}")
+        if self.check is not None:
+            against = " with the same Q4_0 weights" if self.quantization else ""
+            lines.append(f"  check vs {self.reference}{against} ({self.check_kind}): {self.check}")
+        else:  # a report is returned only once its check passed: no check means check=False
+            lines.append("  not checked (check=False / --no-check): tract's logits were not compared with anything")
+        if self.quality is not None:
+            lines.append(f"  quality vs the unquantized model (reported, not judged): mean KL {self.quality.mean_kl:.2e}"
+                         f" nats, top-1 agreement {100 * self.quality.top1_all:.1f}%, max |logit error| "
+                         f"{self.quality.max_abs_error:.2e}")
+        lines.append("  time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items()))
+        return "\n".join(lines)
+
+
+def state_names(lm) -> tuple[list[str], list[str], dict]:
+    served = serving_inputs(lm.serving, lm.states)
+    inputs = ["input_ids"] + served + [f"in_{s.name}" for s in lm.states]
+    outputs = ["logits"] + [f"out_{s.name}" for s in lm.states]
+    dynamic = {"input_ids": {0: "B", 1: "S"}, **{name: {0: "B"} for name in served}}
+    dynamic.update({f"in_{s.name}": s.dynamic_axes for s in lm.states})
+    return inputs, outputs, dynamic
+
+
+def example_inputs(lm, vocab_size: int, dtype: torch.dtype, batch: int = 1, seq: int = 3, past: int = 2):
+    """Traced example: a non-empty past (so P is a real axis) and random states (so the export check means something);
+    a serving graph's ``past_len`` one short of the cache, so that the check sees a padded key masked, and its
+    ``seq_len`` all S tokens."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (batch, seq), generator=gen)
+    served = {"past_len": past - 1, "seq_len": seq}
+    states = [torch.full((batch,), served[name], dtype=torch.int64) for name in serving_inputs(lm.serving, lm.states)]
+    for spec in lm.states:
+        shape = [batch if d == "B" else past if d == "P" else d for d in spec.shape]
+        states.append((0.1 * torch.randn(shape, generator=gen)).to(spec.dtype))
+    return (ids, *states)
+
+
+def check_output_path(out_path: str | os.PathLike, force: bool, force_hint: str = "force=True") -> Path:
+    """Refuse before any work: a wrong suffix, a folder, an existing file without ``force``, or a folder where
+    no file can be created; ``force_hint`` names the option that overwrites (the CLI says ``--force``)."""
+    out_path = nnef_tgz_path(out_path)
+    if out_path.is_dir():
+        raise GdnExportError(f"{out_path} is a directory; the output must name the .nnef.tgz file to write")
+    if out_path.exists() and not force:
+        raise GdnExportError(f"{out_path} exists; pass {force_hint} to overwrite it")
+    folder = out_path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise GdnExportError(f"cannot write {out_path}: no file can be created in {folder} ({err.strerror})") from None
+    return out_path
+
+
+CHECKS = ("auto", "full", "layerwise")
+# what a check's reference is, for the report
+CHECK_KINDS = {"full": "whole model in memory", "layerwise": "layer by layer (one decoder layer in memory at a time)"}
+# files of a checkpoint folder that the archive carries, to generate text (tract ignores them)
+GENERATION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "chat_template.json", "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def convert(
+    checkpoint_dir: str | os.PathLike,
+    out_path: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    lowering: str = "auto",
+    tract_version: str | None = None,
+    check: bool | str = True,
+    force: bool = False,
+    prompt_len: int = 16,
+    decode_steps: int = 8,
+    progress: Callable[[str], None] | None = None,
+    runtime: str = "cpu",
+    core_dtype: str | None = None,
+    chunk_size: int | None = None,
+    streamed: bool = True,
+    quantize: str | None = None,
+    quantize_embeddings: bool = False,
+    logits: str = "all",
+    format: str = "nnef",
+    serving: bool = False,
+) -> ConvertReport:
+    """Convert a local checkpoint (config.json + safetensors) into ``out_path`` and check it in tract.
+
+    The graph serves prefill and decode (symbolic batch, sequence and past); ``runtime`` ("cpu", "cuda",
+    "any") picks the fastest exact lowering for where tract will run it. ``streamed`` (the default): the model is
+    traced with placeholder weights and every weight is written to the archive straight from the checkpoint's
+    files, one tensor at a time, so memory stays bounded by the largest tensor; ``streamed=False`` loads the model
+    in memory first (the same archive, byte for byte). ``quantize="q4_0"`` stores every linear layer's weight whose
+    inner size is whole blocks of 32 in tract's Q4_0 (``quantize_embeddings``: the embedding table too). ``logits``:
+    "all" (logits of every new position) or "last" (of the last one only, ``[B, 1, vocab]``: what generation needs;
+    the head then runs once per call). ``serving``: the graph ``gdn_export.Engine`` batches requests with (a second
+    input ``past_len [B]``, each row's own past length; cache outputs are the new positions only; docs/SERVING.md).
+    The check
+    then compares tract with the reference computing with the same Q4_0 weights (exactness, the float rule), and
+    the report adds the quality against the model as published (mean KL, top-1), which is not judged. ``check``: True or "auto" checks a prefill of
+    ``prompt_len`` tokens and ``decode_steps`` single-token steps in tract against transformers' eager model,
+    whole in memory where it fits ("full") or else one layer at a time ("layerwise"), beyond tolerance
+    ParityError; False runs no check at all. Every argument is validated before any work; ``out_path`` appears
+    only once written and checked: on any error or interruption nothing is left, neither it nor a temporary file.
+    """
+    if serving and format != "nnef":
+        raise GdnExportError("serving=True (--serving) builds the NNEF graph gdn_export.Engine runs; it is not "
+                             f"available with format={format!r}")
+    if format != "nnef":  # the ONNX back-end (gdn_export/pipeline/onnx_convert.py); "cpu", NNEF's default, is onnxruntime
+        if format != "onnx":
+            raise GdnExportError(f"format {format!r} is not one of nnef, onnx")
+        from gdn_export.pipeline.onnx_convert import convert_onnx
+
+        return convert_onnx(checkpoint_dir, out_path, dtype=dtype, lowering=lowering, check=check, force=force,
+                            prompt_len=prompt_len, decode_steps=decode_steps, progress=progress,
+                            runtime="onnxruntime" if runtime == "cpu" else runtime, quantize=quantize,
+                            quantize_embeddings=quantize_embeddings, core_dtype=core_dtype, chunk_size=chunk_size,
+                            tract_version=tract_version, logits=logits, streamed=streamed)
+    # here, not at the top: they import torch-to-nnef (seconds), which check() does not need
+    from gdn_export.pipeline.export import export
+    from gdn_export.ops.options import validate_options
+
+    say = progress or (lambda message: None)
+    if dtype not in DTYPES:
+        raise GdnExportError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    check_mode = "auto" if check is True else check or None
+    if check_mode is not None and check_mode not in CHECKS:
+        raise GdnExportError(f"check {check!r} is not one of True, False, {', '.join(repr(c) for c in CHECKS)}")
+    validate_options(lowering, runtime, core_dtype, chunk_size)
+    if logits not in LOGITS:
+        raise GdnExportError(f"logits {logits!r} is not one of {', '.join(LOGITS)}")
+    if tract_version is not None:
+        try:
+            parse_version(tract_version)
+        except ValueError as err:
+            raise GdnExportError(str(err)) from None
+    if check_mode:
+        validate_check(prompt_len, decode_steps)
+    out_path = check_output_path(out_path, force)
+    seconds: dict[str, float] = {}
+    export_dtype = DTYPES[dtype]
+
+    lean_allocator()  # copies of weights are freed as they come (see its docstring)
+    start = time.perf_counter()
+    say(f"reading {checkpoint_dir}")
+    family, layout, model, weights = open_checkpoint(checkpoint_dir)
+    say(f"  {weights.summary()}")
+    materialize(model, weights, export_dtype, placeholders=streamed)
+    cast_buffers(model, export_dtype)
+    seconds["read"] = time.perf_counter() - start
+
+    separated = separate_tied_head(model, quantize, quantize_embeddings)
+    lm = family.exportable(model, export_dtype)
+    lm.last_logits_only = logits == "last"
+    if serving and lm.serving_refusal:
+        raise GdnExportError(f"{family.name} has no serving graph (--serving): {lm.serving_refusal}")
+    lm.serving = serving
+    writers, quantization = plan_writes(lm, model, weights, export_dtype, quantize, quantize_embeddings,
+                                        fused_moe=_fused_moe(runtime, tract_version))
+    if not streamed and quantize is None:
+        writers = None  # the in-memory model's own values are written
+    inputs, outputs, dynamic = state_names(lm)
+    vocab_size = layout.config["vocab_size"]
+    carried = {name: Path(checkpoint_dir) / name for name in GENERATION_FILES if (Path(checkpoint_dir) / name).is_file()}
+    metadata = {
+        "format": FORMAT_VERSION, "family": family.name, "model_type": layout.checkpoint_model_type,
+        "text_model_type": layout.model_type, "dtype": dtype, "core_dtype": core_dtype, "vocab_size": vocab_size,
+        "inputs": inputs, "outputs": outputs, "generation_files": sorted(carried), "quantize": quantize, "logits": logits,
+        "serving": serving,
+        "quantized": len(quantization.quantized),
+        "states": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."),
+                    "kind": s.kind, "layer": s.layer} for s in lm.states],
+    }
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    handle, staged_name = tempfile.mkstemp(prefix=".gdn_export_", suffix=".nnef.tgz", dir=out_path.parent)
+    os.close(handle)
+    staged = Path(staged_name)
+    try:
+        say(f"exporting {family.name} ({len(lm.layer_types) if hasattr(lm, 'layer_types') else '?'} layers, {dtype}"
+            f"{', weights streamed from the checkpoint' if streamed else ''}) to {out_path}")
+        report = export(lm, example_inputs(lm, vocab_size, export_dtype), staged, tract_version=tract_version,
+                        lowering=lowering, input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
+                        metadata={**metadata, "runtime": runtime}, check=bool(check_mode) and writers is None,
+                        runtime=runtime, core_dtype=core_dtype, chunk_size=chunk_size, weights=writers,
+                        extra_files=carried)
+        seconds.update(report.seconds)
+        result = ConvertReport(out_path, family.name, metadata["model_type"], dtype, report.tract_version,
+                               layers=_layer_reports(lm, report.decisions), seconds=seconds,
+                               reference=family.reference, weights=weights.summary(), generation_files=sorted(carried),
+                               quantization=str(quantization), moe=moe_report(report.decisions))
+        del lm, model  # placeholders (or the in-memory model) are not needed by the check
+        if check_mode:
+            start = time.perf_counter()
+            kind = check_mode if check_mode != "auto" else reference_fits(weights, export_dtype)
+            say(f"checking {out_path} in tract: prefill {prompt_len} + decode {decode_steps} against "
+                f"{family.reference}, {CHECK_KINDS[kind]}")
+            # a quantized export is checked against the same Q4_0 weights; its quality against the model as published
+            published, reference_layout = untied_view(weights, layout, separated) if separated else (weights, layout)
+            result.check = check_with(kind, staged, family, reference_layout, dequantized_view(published, quantization),
+                                      prompt_len, decode_steps,
+                                      quality_weights=published if quantization.quantized else None)
+            result.check_kind = CHECK_KINDS[kind]
+            seconds["check"] = time.perf_counter() - start
+            if not result.check.ok:
+                raise ParityError({"logits": result.check.error}, {"logits": result.check.tolerance},
+                                  f"{out_path} does not match {family.reference}: {result.check}")
+        os.replace(staged, out_path)
+    finally:
+        staged.unlink(missing_ok=True)
+    return result
+
+
+def _fused_moe(runtime: str, tract_version: str | None):
+    """Whether a ``moe_ffn`` node of a gate will run as tract's fused op in this export (the extractor's own rule)."""
+    from gdn_export.ops.moe_ffn.nnef import decide
+    from gdn_export.ops.options import LoweringOptions
+    from gdn_export.ops.moe_ffn.op import OP_NAME
+    from gdn_export.run.runtime import tract_version as installed
+
+    options = LoweringOptions(tract_version=parse_version(tract_version or installed()), runtime=runtime)
+    return lambda gate: decide(gate, options)[0] == OP_NAME
+
+
+def reference_fits(weights, export_dtype: torch.dtype) -> str:
+    """"full" when transformers' float32 model (and its float16 copy for a float16 export) and tract's model fit
+    in half of the memory available now, else "layerwise"."""
+    numel = sum(int(np.prod(source.shape, dtype=np.int64)) for source in weights.entries.values())
+    itemsize = torch.finfo(export_dtype).bits // 8
+    needed = numel * (4 + (itemsize if itemsize < 4 else 0) + 2 * itemsize)  # reference(s) + tract (packed + file)
+    available = _available_memory()
+    return "full" if available is None or needed < available / 2 else "layerwise"
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_with(kind: str, archive, family, layout, weights, prompt_len: int, decode_steps: int, batch: int = 1,
+               quality_weights=None) -> LogitCheck:
+    """The check of ``archive`` against the checkpoint's model: "full" (the whole model in memory, prefill then
+    decode with its cache) or "layerwise" (``gdn_export.hf.layerwise``: one layer in memory, one causal pass).
+    ``quality_weights``: a second set of weights (a quantized export's unquantized ones) compared with the same tract
+    logits, into the result's ``quality``."""
+
+    def references(source):
+        if kind == "full":
+            return transformers_references(model_in_memory(family, layout, source), prompt_len)
+
+        def logits(dtype: torch.dtype, tokens: np.ndarray) -> np.ndarray:
+            return layerwise_logits(empty_model(family, layout), source, tokens, dtype)
+
+        return partial(logits, torch.float32), logits
+
+    def quality(tokens: np.ndarray) -> np.ndarray:  # its model is built only once the export's logits are in
+        return references(quality_weights)[0](tokens)
+
+    return check_archive(archive, layout.config["vocab_size"], prompt_len, decode_steps, batch, 0,
+                         *references(weights), quality_reference=quality if quality_weights is not None else None)
+
+
+def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len: int = 16,
+          decode_steps: int = 8, batch: int = 1, kind: str = "auto") -> LogitCheck:
+    """Re-check an exported model against the checkpoint it came from; an archive converted from another kind of
+    model (model type or vocabulary) is refused before anything runs. ``kind``: see ``convert``'s ``check``."""
+    validate_check(prompt_len, decode_steps, batch)
+    if kind not in CHECKS:
+        raise GdnExportError(f"check kind {kind!r} is not one of {', '.join(CHECKS)}")
+    if str(path).endswith(".onnx"):  # an ONNX export (gdn_export/backends/onnx): its metadata, checked in onnxruntime
+        from gdn_export.run.onnx_session import read_onnx_metadata
+
+        metadata = read_onnx_metadata(path)
+    else:
+        metadata = read_metadata(path)
+    if not metadata or "states" not in metadata:
+        raise GdnExportError(f"{path} was not written by gdn-export convert (no gdn_export.json with states)")
+    config = read_config(checkpoint_dir)
+    family = family_for(config["model_type"])
+    if metadata.get("model_type") != config["model_type"]:
+        raise GdnExportError(f"{path} holds a {metadata.get('family')} model ({metadata.get('model_type')}); "
+                             f"{checkpoint_dir} is {family.name} ({config['model_type']})")
+    vocab = resolve_layout(config).config.get("vocab_size")
+    if vocab is not None and metadata.get("vocab_size") != vocab:
+        raise GdnExportError(f"{path} has a vocabulary of {metadata.get('vocab_size')} tokens; {checkpoint_dir}'s "
+                             f"config.json says {vocab}")
+    family, layout, _, weights = open_checkpoint(checkpoint_dir, family, config)
+    kind = kind if kind != "auto" else reference_fits(weights, getattr(torch, metadata.get("dtype", "float32")))
+    return check_with(kind, path, family, layout, weights, prompt_len, decode_steps, batch)
+
+
+def _layer_reports(lm, decisions) -> list[LayerReport]:
+    rules = [d for d in decisions if d.dims is not None]
+    layers = []
+    for index, kind in enumerate(lm.hf.config.layer_types):
+        if kind == "linear_attention":
+            decision = rules.pop(0) if rules else None
+            layers.append(LayerReport(index, "gated delta rule", decision.lowering if decision else "-",
+                                      decision.reason if decision else ""))
+        else:
+            layers.append(LayerReport(index, "attention"))
+    return layers
+
+
+__all__ = ["CheckpointError", "ConvertReport", "check", "convert"]

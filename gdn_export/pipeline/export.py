@@ -1,0 +1,220 @@
+"""``gdn_export.export``: a torch module to a ``.nnef.tgz`` that tract runs, checked against torch."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from gdn_export.run.archive import METADATA_FILE, nnef_tgz_path, pack
+from gdn_export.errors import GdnExportError
+from gdn_export.ops.gated_delta_rule.emitter import Decision
+from gdn_export.ops.options import validate_options
+from gdn_export.backends.nnef.output_names import declared_outputs, keep_output_names
+from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
+from gdn_export.weights.casts import fold_weight_casts, weights_cast_before_use
+from gdn_export.weights.streamed import (StreamedWeights, annotate_compressed_gathers, check_all_written,
+                                         streamed_writes, write_deferred)
+from gdn_export.run.runtime import alongside, load_tract_model, run_tract, tract_version as installed_tract_version
+from gdn_export.backends.nnef.target import OfflineTractTarget
+
+
+@dataclass
+class ExportReport:
+    """What an export wrote and decided."""
+
+    path: Path
+    tract_version: str
+    decisions: list[Decision] = field(default_factory=list)
+    parity: ParityResult | None = None
+    # trace (torch-to-nnef), write (streamed weights), names (tract's output names; while most weights are written),
+    # pack
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def lowerings(self) -> list[str]:
+        return [d.lowering for d in self.decisions]
+
+    def __str__(self) -> str:
+        lines = [f"wrote {self.path} for tract {self.tract_version}"]
+        for d in self.decisions:
+            lines.append(f"  {d.node} ({d.entry}): {d.lowering} - {d.reason}")
+        if self.parity is not None:
+            lines.append(str(self.parity))
+        return "\n".join(lines)
+
+
+def validate_dynamic_axes(dynamic_axes: dict | None, input_names: Sequence[str], args: Sequence) -> None:
+    """Every dynamic axis names a traced input and one of its axes, and one symbol never stands for two traced
+    lengths (tract would fail deep in its loader, e.g. "T should be equal to 2*T")."""
+    seen: dict[str, tuple[str, int, int]] = {}  # symbol -> (input, axis, traced length)
+    for name, axes in (dynamic_axes or {}).items():
+        if name not in input_names:
+            raise GdnExportError(f"dynamic_axes names {name!r}, which is not an input (inputs: {', '.join(input_names)})")
+        arg = args[list(input_names).index(name)]
+        rank = arg.dim() if isinstance(arg, torch.Tensor) else 0
+        for axis, symbol in axes.items():
+            if not isinstance(axis, int) or not -rank <= axis < rank:
+                raise GdnExportError(f"dynamic_axes[{name!r}]: axis {axis!r} does not exist on a rank-{rank} input")
+            length = int(arg.shape[axis])
+            if symbol in seen and seen[symbol][2] != length:
+                other, other_axis, other_length = seen[symbol]
+                raise GdnExportError(
+                    f"dynamic_axes: symbol {symbol!r} names axis {other_axis} of {other!r} (traced length {other_length}) "
+                    f"and axis {axis} of {name!r} (traced length {length}); one symbol must have one length "
+                    f"(name the other axis with its own symbol or an expression such as '2*{symbol}')")
+            seen.setdefault(symbol, (name, axis, length))
+
+
+def export(
+    module: torch.nn.Module,
+    args: Sequence[torch.Tensor],
+    path: str | os.PathLike,
+    *,
+    tract_version: str | None = None,
+    lowering: str = "auto",
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    dynamic_axes: dict[str, dict[int, str]] | None = None,
+    check: bool = True,
+    metadata: dict | None = None,
+    runtime: str = "any",
+    core_dtype: str | None = None,
+    chunk_size: int | None = None,
+    weights: StreamedWeights | None = None,
+    extra_files: Mapping[str, Path] | None = None,
+    format: str = "nnef",
+) -> ExportReport:
+    """Export ``module(*args)`` to ``path`` (a ``.nnef.tgz``) for tract.
+
+    ``tract_version`` defaults to the installed tract; ``lowering`` is "auto" (the fastest exact lowering
+    for ``runtime``: see gdn_export/ops/gated_delta_rule/policy.py), "native" (the fused op, LoweringError where it
+    cannot be exact), or one portable lowering forced ("scan", "recurrent", "chunked"). ``runtime`` is
+    where tract will run: "any" (fused op where exact, else the scan), "cpu" or "cuda".
+    ``core_dtype="float16"`` lets the fused op take f16 q/k/v/beta in an f32 model (tract's CUDA kernel exists
+    for f16 only): inexact, never chosen unless asked, stated in the report, and checked with the float16
+    tolerance. ``chunk_size`` sets the tokens per chunk of the chunked lowering (a multiple of 16; None: 64, or
+    32 with per-channel decay). ``metadata`` (JSON-serializable) is stored in the archive as ``gdn_export.json``
+    beside the graph, with the lowering decisions added. With ``check``, the file is run in tract on ``args``
+    and every output compared with torch; beyond tolerance ParityError is raised. The file appears at ``path``
+    only once written and checked: on any error or interruption nothing is left there.
+
+    ``weights`` (``gdn_export.weights.streamed``): writers of the parameters' variables by parameter name, for a
+    ``module`` traced with placeholder parameters; ``check`` must then be False (the module's values are not the
+    model's) and the caller checks the archive against its own reference. ``extra_files`` (archive name -> file)
+    are stored beside the graph (a tokenizer, a chat template: tract ignores them).
+    """
+    if format != "nnef":  # the one seam between the back-ends: format="onnx" is gdn_export/backends/onnx (a ``.onnx`` file)
+        return _export_other_format(format, module, args, path, lowering=lowering, input_names=input_names,
+                                    output_names=output_names, dynamic_axes=dynamic_axes, check=check,
+                                    metadata=metadata, runtime=runtime, core_dtype=core_dtype, chunk_size=chunk_size,
+                                    tract_version=tract_version, weights=weights, extra_files=extra_files)
+    import gdn_export.ops.nnef_handlers  # noqa: F401  (handlers must be registered before tracing)
+    from torch_to_nnef import export_model_to_nnef
+
+    from gdn_export.backends.compat import torch_to_nnef as t2n_patches
+
+    t2n_patches.install()
+
+    validate_options(lowering, runtime, core_dtype, chunk_size)
+    if weights is not None and check:
+        raise GdnExportError("an export with streamed weights cannot be checked against its module (its parameters "
+                             "are placeholders): pass check=False and check the archive against the model")
+    path = nnef_tgz_path(path)
+    args = tuple(args)
+    version = tract_version or installed_tract_version()
+    input_names = list(input_names) if input_names else [f"input_{i}" for i in range(len(args))]
+    validate_dynamic_axes(dynamic_axes, input_names, args)
+    target = OfflineTractTarget(version, lowering=lowering, dynamic_axes=dynamic_axes, runtime=runtime,
+                                core_dtype=core_dtype, chunk_size=chunk_size)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".gdn_export_", dir=path.parent) as tmp:
+        folder = Path(tmp) / "model.nnef"
+        start = time.perf_counter()
+        with torch.no_grad(), streamed_writes(weights) as written:
+            export_model_to_nnef(
+                model=module, args=args, file_path_export=folder, inference_target=target,
+                input_names=input_names, output_names=list(output_names) if output_names else None,
+                compression_level=None, log_level=logging.ERROR,
+            )
+        if weights is not None and (folder / "graph.nnef").is_file():
+            graph = (folder / "graph.nnef").read_text()
+            check_all_written(weights, written, graph)
+            if weights.compressed:
+                (folder / "graph.nnef").write_text(annotate_compressed_gathers(graph, weights.compressed))
+        seconds = {"trace": time.perf_counter() - start - written["seconds"], "write": written["seconds"]}
+        if not (folder / "graph.nnef").is_file():
+            raise GdnExportError(f"torch-to-nnef wrote no graph for {path}")
+        deferred = written["deferred"]
+        if deferred:  # the weights the cast folding reads first; the others while tract reads the graph
+            cast = weights_cast_before_use((folder / "graph.nnef").read_text())
+            seconds["write"] += write_deferred(weights, [d for d in deferred if d[1] in cast])
+            deferred = [d for d in deferred if d[1] not in cast]
+        folded = fold_weight_casts(folder)
+        pending = {label: weights.deferrable[label] for _, label in deferred}
+        # no weight matrix is read (and it loads faster); tract loads in a thread while this one writes the rest
+        (renamed, seconds["names"]), late_writes = alongside(
+            lambda: keep_output_names(folder, inputs_from_bytes=0, pending=pending),
+            lambda: write_deferred(weights, deferred) if deferred else 0.0)
+        seconds["write"] += late_writes
+        if metadata is not None:
+            metadata = {**metadata, "output_names_kept": renamed, "weights_stored_as_cast": folded,
+                        "decisions": [d.summary() for d in target.gdn_decisions]}
+            (folder / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
+        for name, source in (extra_files or {}).items():
+            if (folder / name).exists() or "/" in name:
+                raise GdnExportError(f"extra file {name!r} would overwrite a file of the graph or leave the archive root")
+            shutil.copyfile(source, folder / name)
+        staged = Path(tmp) / "model.nnef.tgz"
+        start = time.perf_counter()
+        pack(folder, staged)
+        seconds["pack"] = time.perf_counter() - start
+        report = ExportReport(path=path, tract_version=version, decisions=list(target.gdn_decisions),
+                              seconds=seconds)
+        if check:
+            declared = declared_outputs(folder)
+            report.parity = _check_against_torch(module, args, staged, declared, half=core_dtype == "float16")
+            report.parity.raise_if_failed()
+        os.replace(staged, path)
+    return report
+
+
+def _export_other_format(format: str, module, args, path, *, lowering, input_names, output_names, dynamic_axes,
+                         check, metadata, runtime, core_dtype, chunk_size, tract_version, weights, extra_files):
+    """``format="onnx"``: ``gdn_export.backends.onnx.export_onnx`` (runtime "onnxruntime", "tract-onnx" or "any"); the NNEF
+    options it has no use for are refused rather than ignored."""
+    if format != "onnx":
+        raise GdnExportError(f"format {format!r} is not one of nnef, onnx")
+    unused = {"core_dtype": core_dtype, "chunk_size": chunk_size, "tract_version": tract_version, "weights": weights,
+              "extra_files": extra_files}
+    for name, value in unused.items():
+        if value is not None:
+            raise GdnExportError(f"{name} is an NNEF option: not available with format='onnx'")
+    from gdn_export.backends.onnx import export_onnx
+
+    validate_dynamic_axes(dynamic_axes, list(input_names) if input_names else
+                          [f"input_{i}" for i in range(len(args))], tuple(args))
+    return export_onnx(module, args, path, input_names=input_names, output_names=output_names,
+                       dynamic_axes=dynamic_axes, check=check, metadata=metadata, runtime=runtime, lowering=lowering)
+
+
+def _check_against_torch(module, args: tuple, archive: Path, names: list[str], half: bool) -> ParityResult:
+    """Every output of the archive run in tract on ``args`` against ``module(*args)`` in torch; tract must report
+    the declared output ``names``."""
+    with torch.no_grad():
+        expected = module(*args)
+    expected = [expected] if isinstance(expected, torch.Tensor) else list(expected)
+    actual = run_tract(load_tract_model(archive, expect_outputs=names), [a.detach().numpy() for a in args])
+    # an output computed from f16 inputs (or through an f16 core) carries f16 rounding, whatever its own dtype
+    half = half or any(isinstance(a, torch.Tensor) and a.dtype == torch.float16 for a in args)
+    relative = RELATIVE_TOLERANCE[np.dtype(np.float16 if half else np.float32)]
+    return check_parity(names, [e.detach().numpy() for e in expected], actual, relative)
