@@ -127,9 +127,10 @@ class Engine(QueuedExecutor):
     ``one_plan=False`` each is planned and a decode batch is padded to the next (with one plan, the default, a
     decode batch runs at its own size);
     ``prefill_piece``: prompt tokens per prefill call (a multiple of 64); ``prefill_rows``: prompts whose pieces run
-    together in one call (each its own length; 1, the default, plans no extra batch size for prefill: each plan
-    holds its own packed weights); ``prefix_cache_mib``: the prefix cache's
-    bound (0: none); ``plan_now``: plan every bucket before returning (else on first use, seconds each);
+    together in one call (each its own length; with ``one_plan=False`` each row count is one more plan, with its
+    own packed weights); ``prefix_cache_mib``: the prefix cache's bound (0: none); ``plan_now``: plan before
+    returning (else on first use, seconds); ``one_plan``: one plan for every call (the default: one packed copy of
+    the weights), or a plan per batch size (``Plans``);
     ``keep_logits``: every ``TokenEvent`` carries the logits row its token was sampled from.
     """
 
