@@ -94,16 +94,18 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+")
 GDN_FORMATS = {"f32": ["--dtype", "float32"], "f16": ["--dtype", "float16"],
-               "q4_0": ["--dtype", "float32", "--quantize", "q4_0"]}
-GGUF_FORMATS = {"f32": "F32", "f16": "F16", "q4_0": "Q4_0"}
+               "q4_0": ["--dtype", "float32", "--quantize", "q4_0"], "int8": ["--dtype", "float32", "--quantize", "int8"]}
+GGUF_FORMATS = {"f32": "F32", "f16": "F16", "q4_0": "Q4_0", "int8": "Q8_0"}  # int8 against llama.cpp's Q8_0
+QUANTIZED = ("q4_0", "int8")  # GGUFs made by llama-quantize of the F32 one
 
 CONVERT_WRAPPER = '''"""Run llama.cpp's convert_hf_to_gguf.py, accepting an unknown BPE pre-tokenizer hash as "qwen35".
 
 Written by gdn_export's benchmarks/bench_vs_llamacpp.py: its tokenizer is synthetic, so the converter's hash of
 the tokenized check text matches no known model. Usage: python THIS LLAMA_CPP_DIR CONVERTER_ARGS...
 """
-import logging, runpy, sys
+import logging, os, runpy, sys
 tree = sys.argv[1]
+fallback = os.environ.get("GDN_GGUF_PRE", "qwen35")  # bench_quality.py: the trained tokenizer splits as Qwen2
 sys.path.insert(0, tree)
 sys.path.insert(1, tree + "/gguf-py")
 import conversion.base as base
@@ -113,8 +115,8 @@ def get_vocab_base_pre(self, tokenizer):
     try:
         return original(self, tokenizer)
     except NotImplementedError:
-        logging.getLogger("bench_vs_llamacpp").warning("synthetic tokenizer: pre-tokenizer set to qwen35")
-        return "qwen35"
+        logging.getLogger("bench_vs_llamacpp").warning("unknown tokenizer: pre-tokenizer set to %s", fallback)
+        return fallback
 owner.get_vocab_base_pre = get_vocab_base_pre
 sys.argv = [tree + "/convert_hf_to_gguf.py", *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
@@ -399,15 +401,21 @@ class LlamaCpp:
 
 # ----------------------------------------------------------------------------------------------- the run
 
-def q4_0_layout(archive: Path) -> str:
-    """What a q4_0 archive holds for the tied table: a head of its own (a Q4_0 copy) or the f32 table alone."""
+def quantized_layout(archive: Path, fmt: str) -> str:
+    """What a quantized archive holds for the tied table: a head of its own (a quantized copy) or the table alone,
+    and the table's type (read from its .dat header)."""
     import tarfile
 
     with tarfile.open(archive) as tar:
         names = set(tar.getnames())
+        table = next((n for n in names if n.endswith("embed_tokens.weight.dat")), None)
+        item = tuple(int(v) for v in np.frombuffer(tar.extractfile(table).read(128), np.uint32, 2, 44)) \
+            if table else (0, 0)
     head = any(n.endswith("lm_head.weight.dat") for n in names)
-    return "linear layers + a Q4_0 copy of the tied head; embeddings f32" if head else \
-        "linear layers; tied table f32, head included"
+    kind = {"q4_0": "Q4_0", "int8": "int8"}[fmt]
+    table_type = {(32, 0): "f32", (16, 0): "f16", (8, 4): "int8 + a scale per row"}.get(item, "?")
+    return f"linear layers + a copy of the tied head in {kind}; table {table_type}" if head else \
+        f"linear layers; tied table {table_type}, head included"
 
 
 def versions() -> str:
@@ -439,7 +447,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-cpp", type=Path, help="a llama.cpp tree with build/bin (llama-bench, llama-quantize, "
                         "libllama.so); without it the llama.cpp rows are skipped")
     parser.add_argument("--layers", type=int, default=24, help="decoder layers (24: Qwen3.5 0.8B)")
-    parser.add_argument("--formats", default="f32,f16,q4_0", help="a subset of f32,f16,q4_0")
+    parser.add_argument("--formats", default="f32,f16,q4_0", help="a subset of f32,f16,q4_0,int8 (int8: against "
+                        "llama.cpp's Q8_0)")
+    parser.add_argument("--sizes-only", action="store_true", help="convert every format and print the file sizes "
+                        "only (no reference, no speed or quality): for a format too slow to run on this machine")
     parser.add_argument("--prompt", type=int, default=512, help="prefill length, tokens")
     parser.add_argument("--decode", type=int, default=64, help="decode steps after the prefill")
     parser.add_argument("--reps", type=int, default=3, help="measured rounds (median), both engines")
@@ -492,6 +503,8 @@ def run(args, formats: list[str], workdir: Path) -> int:
     tokens.tofile(tokens_path)
 
     start = time.perf_counter()
+    if args.sizes_only:
+        return sizes_only(args, formats, workdir, checkpoint, llama, host, built)
     run_worker(["reference", str(checkpoint), str(tokens_path), str(workdir / "reference.npy")], None)
     reference = np.load(workdir / "reference.npy")
     (workdir / "reference.npy").unlink()
@@ -506,24 +519,25 @@ def run(args, formats: list[str], workdir: Path) -> int:
         call([sys.executable, "-m", "gdn_export.cli", "convert", str(checkpoint), "-o", str(archive), "--force",
               "--no-check", "--logits", "last", *GDN_FORMATS[fmt]])
         seconds = time.perf_counter() - start
-        label = {"f32": "f32", "f16": "f16", "q4_0": f"q4_0 ({q4_0_layout(archive)})"}[fmt]
+        label = f"{fmt} ({quantized_layout(archive, fmt)})" if fmt in QUANTIZED else fmt
         made["gdn", fmt] = (archive, seconds, label)
         log(f"gdn_export {fmt}: converted in {seconds:.1f}s, {archive.stat().st_size / 1e9:.2f} GB; "
             f"load average {load_average()}")
     if llama is not None:
-        order = ["f32", *[f for f in formats if f != "f32"]] if "q4_0" in formats else formats
+        order = ["f32", *[f for f in formats if f != "f32"]] if set(QUANTIZED) & set(formats) else formats
         for fmt in order:
             gguf = workdir / f"model-{GGUF_FORMATS[fmt]}.gguf"
             start = time.perf_counter()
-            if fmt == "q4_0":
-                llama.quantize(made["llama", "f32"][0], gguf, "Q4_0")
+            if fmt in QUANTIZED:
+                llama.quantize(made["llama", "f32"][0], gguf, GGUF_FORMATS[fmt])
             else:
                 llama.convert(checkpoint, gguf, fmt)
             seconds = time.perf_counter() - start
-            if fmt == "q4_0":  # a quantized GGUF's cost includes its F32 source's conversion
+            if fmt in QUANTIZED:  # a quantized GGUF's cost includes its F32 source's conversion
                 seconds += made["llama", "f32"][1]
             types = llama.tensor_types(gguf)
-            label = GGUF_FORMATS[fmt] if fmt != "q4_0" else f"Q4_0 (token_embd {types.get('token_embd.weight', '?')})"
+            label = GGUF_FORMATS[fmt] if fmt not in QUANTIZED else \
+                f"{GGUF_FORMATS[fmt]} (token_embd {types.get('token_embd.weight', '?')})"
             made["llama", fmt] = (gguf, seconds, label)
             log(f"llama.cpp {GGUF_FORMATS[fmt]}: made in {seconds:.1f}s, {gguf.stat().st_size / 1e9:.2f} GB, "
                 f"{describe(types)}; load average {load_average()}")
@@ -567,6 +581,41 @@ def run(args, formats: list[str], workdir: Path) -> int:
     print_table(rows, args, host, built, skipped, args.markdown)
     print(f"load average (1 min) before each measurement: {min(loads):.2f} to {max(loads):.2f} "
           f"({os.cpu_count()} cores; other processes share the machine when it is over ~1)")
+    return 0
+
+
+def sizes_only(args, formats: list[str], workdir: Path, checkpoint: Path, llama, host: str, built) -> int:
+    """``--sizes-only``: each format converted by both engines (gdn_export with --no-check), the file sizes."""
+    print(f"machine: {host}; {args.versions}")
+    print(f"model: Qwen3.5 0.8B text shape, {args.layers} layers, vocab {VOCAB}, tied, random weights "
+          f"({built.parameters / 1e9:.3f} B parameters); file sizes only")
+    print("| format | gdn_export | GB | llama.cpp | GB | ratio |")
+    print("|---|---|---|---|---|---|")
+    f32_gguf = None
+    for fmt in formats:
+        archive = workdir / f"model-{fmt}.nnef.tgz"
+        call([sys.executable, "-m", "gdn_export.cli", "convert", str(checkpoint), "-o", str(archive), "--force",
+              "--no-check", "--logits", "last", *GDN_FORMATS[fmt]])
+        label = f"{fmt} ({quantized_layout(archive, fmt)})" if fmt in QUANTIZED else fmt
+        size, llama_size, llama_label = archive.stat().st_size, float("nan"), "-"
+        archive.unlink()
+        if llama is not None:
+            gguf = workdir / f"model-{GGUF_FORMATS[fmt]}.gguf"
+            if fmt in QUANTIZED:
+                if f32_gguf is None:
+                    f32_gguf = workdir / "model-F32.gguf"
+                    llama.convert(checkpoint, f32_gguf, "f32")
+                llama.quantize(f32_gguf, gguf, GGUF_FORMATS[fmt])
+            else:
+                llama.convert(checkpoint, gguf, fmt)
+            types = llama.tensor_types(gguf)
+            llama_label = f"{GGUF_FORMATS[fmt]} (token_embd {types.get('token_embd.weight', '?')})"
+            llama_size = gguf.stat().st_size
+            gguf.unlink()
+        print(f"| {fmt} | {label} | {size / 1e9:.3f} | {llama_label} | {llama_size / 1e9:.3f} | "
+              f"{size / llama_size:.2f}x |", flush=True)
+    if f32_gguf is not None:
+        f32_gguf.unlink(missing_ok=True)
     return 0
 
 

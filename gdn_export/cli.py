@@ -9,10 +9,20 @@
     gdn-export info OUT.nnef.tgz
     gdn-export generate MODEL.nnef.tgz (--prompt TEXT | --prompt-ids 1,2,3) [--chat] [--max-new-tokens N]
                         [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop TEXT]... [--ignore-eos]
+                        [--max-model-len N]
     gdn-export serve MODEL.nnef.tgz [--host 127.0.0.1] [--port N] [--workers W] [--max-queue Q] [--slots N]
+                     [--api-key KEY] [--max-model-len N] [--request-timeout S] [--shutdown-grace S]
+    gdn-export perplexity MODEL.nnef.tgz|MODEL.onnx TEXT_FILE [--ctx 256] [--chunks N] [--reference CHECKPOINT_DIR]
+                          [--tokenizer TOKENIZER_JSON] [--json]
 
 Exit status 0 on success; 1 with a one-line reason on any failure (``--debug``: the traceback too); 2 on a
-usage error (checked before any work); 130 when interrupted (Ctrl-C, SIGTERM), leaving no output behind.
+usage error (checked before any work; for ``generate`` also a prompt + new tokens longer than the model's context);
+130 when interrupted (Ctrl-C, SIGTERM), leaving no output behind; ``serve`` stopped by SIGTERM or Ctrl-C exits 0
+once its requests were answered or ended (docs/SERVER.md).
+
+``info``, ``generate`` and ``serve`` run on the base install (numpy, tract; text and chat: ``[generate]``; HTTP:
+``[serve]``) and never import torch; ``convert`` and ``check`` need the ``[convert]`` extra (torch, torch-to-nnef,
+transformers, onnx) and say so in one line when it is missing.
 """
 
 from __future__ import annotations
@@ -25,9 +35,10 @@ import time
 import warnings
 from typing import Sequence
 
-from gdn_export.ops.gated_delta_rule.capabilities import parse_version  # these three are light: --help imports no torch
-from gdn_export.ops.gated_delta_rule.policy import RUNTIMES
+from gdn_export.errors import GdnExportError, missing_extra
+from gdn_export.ops.gated_delta_rule.policy import RUNTIMES  # these two are light: --help imports no torch (nor numpy)
 from gdn_export.ops.gated_delta_rule.registry import LOWERINGS
+from gdn_export.weights import ONNX_QUANTIZE_REFUSAL
 
 
 def _progress(message: str) -> None:
@@ -54,8 +65,10 @@ def _output_format(args) -> str:
     if args.runtime is not None and args.runtime not in ONNX_RUNTIMES:
         raise UsageError(f"--runtime {args.runtime} is tract's (NNEF); an ONNX file runs in: {', '.join(ONNX_RUNTIMES)}")
     args.runtime = args.runtime or "onnxruntime"
-    refused = [("--quantize", args.quantize is not None, "tract's Q4_0 format: an ONNX file keeps float weights"),
+    refused = [("--quantize", args.quantize is not None, ONNX_QUANTIZE_REFUSAL.get(args.quantize, "")),
                ("--quantize-embeddings", args.quantize_embeddings, "tract's Q4_0 format"),
+               ("--q4-rule", args.q4_rule is not None, "tract's Q4_0 format"),
+               ("--calibration", args.calibration is not None, "tract's Q4_0 format"),
                ("--core-dtype", args.core_dtype is not None, "tract's fused op only"),
                ("--chunk-size", args.chunk_size is not None, "tract's chunked lowering only"),
                ("--tract-version", args.tract_version is not None, "an ONNX file is not for one tract version"),
@@ -75,12 +88,20 @@ def _convert(args) -> int:
     if _output_format(args) == "onnx":
         return _convert_onnx(args)
     check_output_path(args.output, args.force, force_hint="--force")
+    if args.quantize != "q4_0" and (args.q4_rule is not None or args.calibration is not None):
+        raise UsageError("--q4-rule and --calibration choose how --quantize q4_0 picks its scales: add --quantize q4_0")
+    if args.calibration is not None and args.q4_rule == "nearest":
+        raise UsageError("--calibration weights the scale search; --q4-rule nearest does not search: drop one")
+    if args.q4_rule == "gptq" and args.calibration is None:
+        raise UsageError("--q4-rule gptq needs --calibration TEXT_FILE (the inputs' second moments)")
     report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
                      tract_version=args.tract_version, check=False if args.no_check else args.check,
                      force=args.force, progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype,
                      chunk_size=args.chunk_size, streamed=not args.in_memory, prompt_len=args.prompt_len,
                      decode_steps=args.decode_steps, quantize=args.quantize,
-                     quantize_embeddings=args.quantize_embeddings, logits=args.logits, serving=args.serving)
+                     quantize_embeddings=args.quantize_embeddings, logits=args.logits, serving=args.serving,
+                     q4_rule=args.q4_rule or "search", calibration=args.calibration,
+                     calibration_tokens=args.calibration_tokens, fold_scales=not args.no_fold)
     print(report)
     return 0
 
@@ -97,7 +118,6 @@ def _convert_onnx(args) -> int:
 
 
 def _check(args) -> int:
-    from gdn_export.errors import GdnExportError
     from gdn_export.pipeline.convert import check
 
     _progress(f"checking {args.model} against {args.checkpoint}: prefill {args.prompt_len} + decode "
@@ -182,15 +202,19 @@ def _count(minimum: int):
 
 
 def _chunk_size(text: str) -> int:
-    from gdn_export.ops.gated_delta_rule.nnef.chunked import chunk_size_error  # the rule itself; imported only when the option is given
-
     value = _count(1)(text)
+    try:
+        from gdn_export.ops.gated_delta_rule.nnef.chunked import chunk_size_error  # the rule; only when given
+    except ModuleNotFoundError:  # no [convert] extra: the conversion says what to install
+        return value
     if chunk_size_error(value):
         raise argparse.ArgumentTypeError(chunk_size_error(value))
     return value
 
 
 def _version(text: str) -> str:
+    from gdn_export.ops.gated_delta_rule.capabilities import parse_version  # numpy: only when given
+
     try:
         parse_version(text)
     except ValueError as err:
@@ -213,13 +237,31 @@ def _existing_archive(text: str) -> str:
 
 
 def _token_ids(text: str) -> list[int]:
+    parts = text.replace(" ", "").split(",")
     try:
-        ids = [int(part) for part in text.replace(" ", "").split(",") if part != ""]
+        ids = [int(part) for part in parts]  # an empty part (1,,2 or a trailing comma) is not a token id
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids, e.g. 1,2,3") from None
     if not ids or min(ids) < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: give one or more token ids >= 0, e.g. 1,2,3")
     return ids
+
+
+def _stop_text(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("an empty stop string would stop before the first token; give some text")
+    return text
+
+
+def _max_model_len(text: str) -> int:
+    """--max-model-len: tokens >= 1 (vLLM also takes 1k / 32K, powers of 1000 / 1024 as its case says)."""
+    multiplier = {"k": 1000, "K": 1024, "m": 1000 ** 2, "M": 1024 ** 2}.get(text[-1:], 1)
+    value = _count(1)(text[:-1] if multiplier > 1 else text)
+    return value * multiplier
+
+
+def _seconds(text: str) -> float:
+    return _number(0, open_below=True)(text)
 
 
 def _number(minimum: float, maximum: float | None = None, open_below: bool = False):
@@ -240,14 +282,23 @@ def _number(minimum: float, maximum: float | None = None, open_below: bool = Fal
 
 
 def _generate(args) -> int:
+    from gdn_export.errors import GdnExportError
     from gdn_export.run.generation import RequestError, SamplingError, generate
     from gdn_export.run.generation.chat import ChatTemplateError
     from gdn_export.run.generation.executor import InlineExecutor
     from gdn_export.run.generation.generate import chat_prompt_ids
     from gdn_export.run.session import Session
 
+    from gdn_export.run.generation.executor import ALLOW_LONG_ENV
+
     executor = InlineExecutor(Session(args.model))
     archive = executor.archive
+    try:
+        archive.limit_context(args.max_model_len, os.environ.get(ALLOW_LONG_ENV) == "1")
+    except GdnExportError as err:
+        raise UsageError(str(err)) from None
+    if args.max_model_len is None and archive.context_note:
+        _progress(f"warning: {archive.context_note}")
     prompt = args.prompt if args.prompt_ids is None else args.prompt_ids
     try:
         if args.chat:
@@ -289,14 +340,50 @@ def _generate(args) -> int:
     return 0
 
 
+def _perplexity(args) -> int:
+    """docs/PERPLEXITY.md: llama-perplexity's windows, the second half of each scored."""
+    import json
+
+    from gdn_export.run.perplexity import measure, progress_bar
+
+    reference = None
+    if args.reference is not None:
+        if not os.path.isdir(args.reference):
+            raise UsageError(f"--reference {args.reference} is not a checkpoint folder")
+
+        def reference():
+            from gdn_export.hf.reference import eager_window_logits
+
+            _quiet_transformers()
+            return eager_window_logits(args.reference)
+
+    result = measure(args.model, args.text, ctx=args.ctx, reference=reference, reference_dir=args.reference,
+                     tokenizer_path=args.tokenizer, chunks=args.chunks,
+                     progress=progress_bar(sys.stderr) if not args.quiet else None)
+    for line in result.lines():
+        print(line)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    return 0
+
+
 def _serve(args) -> int:
-    from gdn_export.run.http import default_slots, model_name_of, serve
+    from gdn_export.errors import GdnExportError
+    from gdn_export.run.generation.executor import ALLOW_LONG_ENV, context_bound
+    from gdn_export.run.http import API_KEY_ENV, default_slots, model_name_of, serve
 
     name = args.served_model_name or model_name_of(os.path.basename(args.model))
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    allow_long = os.environ.get(ALLOW_LONG_ENV) == "1"
 
     from gdn_export.run.archive import read_metadata
 
-    batched = bool((read_metadata(args.model) or {}).get("serving"))
+    metadata = read_metadata(args.model) or {}
+    batched = bool(metadata.get("serving"))
+    try:
+        context_bound(metadata.get("context_length"), args.max_model_len, allow_long)
+    except GdnExportError as err:
+        raise UsageError(str(err)) from None
     if batched and args.prefill_piece is not None:
         from gdn_export.run.serving.prefix_cache import ALIGN
 
@@ -318,15 +405,24 @@ def _serve(args) -> int:
     try:
         serve(args.model, args.host, args.port, workers=args.workers, max_queue=args.max_queue, model_name=name,
               log_level=args.log_level, ready=ready, slots=args.slots, progress=_progress,
-              prefill_piece=args.prefill_piece, prefill_rows=args.prefill_rows)
-    except KeyboardInterrupt:
+              prefill_piece=args.prefill_piece, prefill_rows=args.prefill_rows, api_key=api_key,
+              request_timeout=args.request_timeout, max_model_len=args.max_model_len, allow_long=allow_long,
+              shutdown_grace=args.shutdown_grace)
+    except KeyboardInterrupt:  # SIGTERM or Ctrl-C: the requests in flight were answered or ended (docs/SERVER.md)
         pass
     _progress("stopped")
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line (the usage block only with --help)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="gdn-export", description=__doc__.splitlines()[0])
+    top = _Parser(prog="gdn-export", description=__doc__.splitlines()[0])
     sub = top.add_subparsers(dest="command", required=True)
     convert = sub.add_parser("convert", help="convert a local Hugging Face checkpoint to .nnef.tgz and check it")
     convert.add_argument("checkpoint", help="folder with config.json and *.safetensors")
@@ -352,10 +448,24 @@ def parser() -> argparse.ArgumentParser:
                          help="the check's reference: transformers' whole model in memory (full), one decoder "
                               "layer in memory at a time (layerwise), or full where it fits (auto)")
     convert.add_argument("--no-check", action="store_true", help="run no check at all")
-    convert.add_argument("--quantize", choices=["q4_0"], default=None,
-                         help="store every linear layer's weight (inner size a multiple of 32) in tract's Q4_0")
+    convert.add_argument("--quantize", choices=["q4_0", "int8"], default=None,
+                         help="q4_0: every linear layer's weight (inner size a multiple of 32) in tract's Q4_0; int8: "
+                              "every linear layer's weight in int8 (a scale per output channel) on tract's integer "
+                              "matmuls, its input rounded per row in the graph (--dtype float32)")
     convert.add_argument("--quantize-embeddings", action="store_true",
                          help="with --quantize, the embedding table too (refused when the head is tied to it)")
+    convert.add_argument("--q4-rule", choices=["search", "nearest", "gptq"], default=None,
+                         help="how Q4_0 blocks are chosen: search (default: each scale of least squared error), "
+                              "nearest (llama.cpp's plain Q4_0, d = extreme / -8) or gptq (with --calibration: "
+                              "GPTQ's error feedback across columns); docs/QUANTIZATION.md")
+    convert.add_argument("--calibration", metavar="TEXT_FILE", default=None,
+                         help="with --quantize q4_0: weigh each weight's error by its input channel's mean squared "
+                              "activation on this text (llama-imatrix's importance), read with the checkpoint's "
+                              "tokenizer")
+    convert.add_argument("--no-fold", action="store_true",
+                         help="with --calibration: fold no per-channel scales into the norms (docs/QUANTIZATION.md)")
+    convert.add_argument("--calibration-tokens", type=_count(2), default=8192,
+                         help="at most this many tokens of the calibration text, in windows of 512 (default 8192)")
     convert.add_argument("--logits", choices=["all", "last"], default="all",
                          help="logits of every new position (all: scoring, perplexity) or of the last one only "
                               "(last: generation; the head then runs once per call, not per prompt token)")
@@ -399,11 +509,31 @@ def parser() -> argparse.ArgumentParser:
                      help="keep the most probable tokens whose probability reaches P")
     gen.add_argument("--top-k", type=_count(0), default=None, help="keep the K most probable tokens (0: all)")
     gen.add_argument("--seed", type=_count(0), default=None, help="seed of the sampling (reproducible draws)")
-    gen.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
+    gen.add_argument("--stop", action="append", default=[], type=_stop_text,
+                     help="stop before this text (repeatable)")
+    gen.add_argument("--max-model-len", type=_max_model_len, default=None, metavar="TOKENS",
+                     help="prompt + new tokens at most (default: the model's context, stored in the archive; "
+                          "docs/SERVER.md)")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="do not stop at generation_config.json's eos_token_id")
     gen.set_defaults(run=_generate)
     _add_debug(gen)
+    ppl = sub.add_parser("perplexity", help="perplexity of an exported model on a text file (llama-perplexity's "
+                                             "windows), with --reference its KL divergence from the checkpoint")
+    ppl.add_argument("model", type=_existing_archive, help="the .nnef.tgz or .onnx (every position's logits)")
+    ppl.add_argument("text", type=_existing_archive, help="a UTF-8 text file")
+    ppl.add_argument("--ctx", type=_count(4), default=256,
+                     help="tokens per window; the second half of each is scored (default 256)")
+    ppl.add_argument("--chunks", type=_count(1), default=None, help="score the first N windows only (default: all)")
+    ppl.add_argument("--reference", default=None, metavar="CHECKPOINT_DIR",
+                     help="also transformers' float32 perplexity on the same windows, mean and 99th percentile KL "
+                          "divergence and top-1 agreement (needs torch and transformers)")
+    ppl.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
+                     help="a tokenizer.json (or a folder with one) instead of the archive's (an .onnx carries none)")
+    ppl.add_argument("--json", action="store_true", help="also one JSON object on the last line of stdout")
+    ppl.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    ppl.set_defaults(run=_perplexity)
+    _add_debug(ppl)
     srv = sub.add_parser("serve", help="serve an exported model over OpenAI-compatible HTTP")
     srv.add_argument("model", type=_existing_archive, help="the .nnef.tgz")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -425,6 +555,16 @@ def parser() -> argparse.ArgumentParser:
                           "(default 8)")
     srv.add_argument("--served-model-name", default=None,
                      help="the model's name in the API (default: the file name without .nnef.tgz)")
+    srv.add_argument("--api-key", default=None, metavar="KEY",
+                     help="ask every /v1 request for 'Authorization: Bearer KEY' (default: the GDN_EXPORT_API_KEY "
+                          "environment variable; none: no key asked)")
+    srv.add_argument("--max-model-len", type=_max_model_len, default=None, metavar="TOKENS",
+                     help="prompt + new tokens at most (default: the model's context, stored in the archive)")
+    srv.add_argument("--request-timeout", type=_seconds, default=None, metavar="SECONDS",
+                     help="a request still unanswered after this long is ended (408; default: no deadline)")
+    srv.add_argument("--shutdown-grace", type=_number(0), default=10.0, metavar="SECONDS",
+                     help="on SIGTERM, in-flight requests get this long to finish before they are ended with an "
+                          "error (default 10)")
     srv.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="warning",
                      help="uvicorn's log level (info logs every request)")
     srv.set_defaults(run=_serve)
@@ -470,9 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     _interrupt_on_sigterm()
     try:
-        from gdn_export.errors import GdnExportError  # imports the package (torch): after the arguments parse
-
-        if args.command not in ("generate", "serve"):  # those never import transformers: its import takes seconds
+        if args.command in ("convert", "check"):  # the others never import transformers: its import takes seconds
             _quiet_transformers()
         return args.run(args)
     except KeyboardInterrupt:
@@ -483,6 +621,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except GdnExportError as err:
         return _fail(_first_line(err) or type(err).__name__, args.debug)
+    except BrokenPipeError:  # the reader left (gdn-export info ... | head): stop quietly, as generate does
+        sys.stdout = open(os.devnull, "w")
+        return 0
+    except ModuleNotFoundError as err:  # convert without the [convert] extra, serve without [serve], ...
+        missing = missing_extra(err, f"gdn-export {args.command}")
+        if missing is None:
+            return _fail(f"unexpected {type(err).__name__}: {_first_line(err)} (rerun with --debug for the "
+                         "traceback)", args.debug)
+        return _fail(str(missing), args.debug)
     except OSError as err:  # a file the user named could not be read or written
         where = f"{err.filename}: " if err.filename else ""
         return _fail(f"{where}{err.strerror or err}", args.debug)

@@ -28,7 +28,7 @@ class Quirk:
     workaround: str  # what gdn_export does about it
     applied_in: tuple[str, ...]  # modules carrying the workaround (or the reliance)
     when_fixed: str  # what can change once the behaviour is gone
-    canary: str | None = None  # test function in tests/test_tract_quirks.py
+    canary: str | None = None  # test function in tests/test_tract_quirks.py, or "test_compat.py::test_x"
     no_canary: str | None = None  # why there is no canary
     seen_on: str = SEEN_ON
     library: str = "tract"
@@ -450,7 +450,7 @@ T2N_TARGET_DOWNLOADS_TRACT = Quirk(
          "specific_tract_binary_path is given, whether or not check_io is set",
     workaround="OfflineTractTarget builds it with TractCli.download replaced by a stand-in that only answers "
                "the version, check_io off; checks run through tract's Python bindings",
-    applied_in=("gdn_export/backends/nnef/target.py",),
+    applied_in=("gdn_export/backends/nnef/target.py", "gdn_export/backends/compat/torch_to_nnef.py"),
     when_fixed="the download stand-in can go",
     canary="test_t2n_target_downloads_tract",
     seen_on=TORCH_TO_NNEF_SEEN_ON,
@@ -461,9 +461,10 @@ T2N_REGISTRY_REFUSES_SECOND_HANDLER = Quirk(
     name="torch-to-nnef's t2n_extra registry asserts on a second registration, and its own GDN rules are stale",
     does="OpRegistry.register asserts the name is new ('gated_delta_scan' is registered by torch-to-nnef "
          "itself); its fused-op rules refuse any graph with dynamic axes (right for 0.23.5-0.23.6 only)",
-    workaround="gdn_export writes its handlers straight into the registry's dict on import; the target is "
-               "built with native_gated_delta_op=False",
-    applied_in=("gdn_export/ops/gated_delta_rule/nnef/handlers.py", "gdn_export/backends/nnef/target.py"),
+    workaround="gdn_export writes its handlers (backends/nnef/registry.py) into the registry's dict for the "
+               "duration of an export, torch-to-nnef's own restored after; the target is built with "
+               "native_gated_delta_op=False",
+    applied_in=("gdn_export/backends/nnef/registry.py", "gdn_export/backends/compat/torch_to_nnef.py", "gdn_export/backends/nnef/target.py"),
     when_fixed="handlers could be registered through the public decorator",
     canary="test_t2n_registry_refuses_second_handler",
     seen_on=TORCH_TO_NNEF_SEEN_ON,
@@ -502,8 +503,8 @@ T2N_SET_ORDER_NAMES = Quirk(
          "gave different graph.nnef files (c26/c57, hf.lm_head.weight or hf.model.embed_tokens.weight)",
     workaround="those nodes sorted by name, a tensor's names iterated sorted, fragments written sorted",
     applied_in=("gdn_export/backends/compat/torch_to_nnef.py",),
-    when_fixed="t2n_patches' deterministic order can go",
-    no_canary="tests/test_checkpoints.py converts under two PYTHONHASHSEEDs and compares the archives",
+    when_fixed="compat's deterministic order can go",
+    canary="test_compat.py::test_t2n_set_order_names",  # and test_checkpoints.py converts under two PYTHONHASHSEEDs
     seen_on=TORCH_TO_NNEF_SEEN_ON,
     library="torch-to-nnef",
 )
@@ -515,7 +516,7 @@ T2N_QUADRATIC_SHAPE_INFERENCE = Quirk(
     workaround="the same loop with ops compared by identity",
     applied_in=("gdn_export/backends/compat/torch_to_nnef.py",),
     when_fixed="the replacement loop can go",
-    no_canary="a speed effect",
+    canary="test_compat.py::test_t2n_quadratic_shape_inference",  # the code replaced; the effect is a speed
     seen_on=TORCH_TO_NNEF_SEEN_ON,
     library="torch-to-nnef",
     kind="measured",
@@ -526,9 +527,9 @@ T2N_CLONES_TENSORS_PER_OP = Quirk(
     does="NamedTensor.__torch_function__ clones every module tensor it passes to an op (the jit trace and the "
          "shape inference after it): a full copy of a 1.2 GB head per op, and a placeholder's pages written",
     workaround="outside the jit trace, a streamed export's placeholder is 'cloned' as a new placeholder",
-    applied_in=("gdn_export/weights/streamed.py",),
+    applied_in=("gdn_export/weights/streamed.py", "gdn_export/backends/compat/torch_to_nnef.py"),
     when_fixed="the clone wrapper can go",
-    no_canary="a speed and memory effect (benchmarks/RESULTS.md)",
+    canary="test_compat.py::test_t2n_streamed_weight_hooks",  # the code wrapped; the effect: benchmarks/RESULTS.md
     seen_on=TORCH_TO_NNEF_SEEN_ON,
     library="torch-to-nnef",
     kind="measured",
@@ -538,11 +539,12 @@ T2N_COMPILES_AT_IMPORT = Quirk(
     name="torch-to-nnef compiles a function at import",
     does="tensor/quant/base.py wraps QScalePerGroupF16._dequantize in torch.compile when imported, which imports "
          "torch's inductor: about 1.2 s of CPU in every process that imports torch-to-nnef",
-    workaround="gdn_export's meta-path finder runs that one module with torch.compile as the identity (its "
-               "quantized tensors, which gdn_export never uses, dequantize eagerly)",
-    applied_in=("gdn_export/__init__.py",),
+    workaround="gdn_export imports torch-to-nnef with a meta-path finder, for that import only, that runs that one "
+               "module with torch.compile as the identity (its quantized tensors, which gdn_export never uses, "
+               "dequantize eagerly)",
+    applied_in=("gdn_export/backends/compat/torch_to_nnef.py", "gdn_export/backends/nnef/__init__.py", "gdn_export/pipeline/export.py"),
     when_fixed="the finder can go",
-    no_canary="an import-time effect, measured in gdn_export/__init__.py's docstring",
+    canary="test_compat.py::test_t2n_compiles_at_import",
     seen_on=TORCH_TO_NNEF_SEEN_ON,
     library="torch-to-nnef",
     kind="measured",
@@ -554,9 +556,9 @@ T2N_READS_WEIGHT_VALUES = Quirk(
          "with placeholder weights a (1 + w) norm lost its multiplication (logit error 4.2)",
     workaround="streamed exports trace parameters under 1 MiB with their real values; a neutral-op drop on, or a "
                "written constant of, 1 MiB or more that is no weight stops the export",
-    applied_in=("gdn_export/weights/streamed.py", "gdn_export/hf/checkpoint.py"),
+    applied_in=("gdn_export/weights/streamed.py", "gdn_export/backends/compat/torch_to_nnef.py", "gdn_export/hf/checkpoint.py"),
     when_fixed="reliance: placeholders must stay out of those decisions",
-    no_canary="tests/test_streamed.py compares streamed and in-memory archives, matrices as placeholders",
+    canary="test_compat.py::test_t2n_streamed_weight_hooks",  # and test_streamed.py compares streamed / in memory
     seen_on=TORCH_TO_NNEF_SEEN_ON,
     library="torch-to-nnef",
     kind="reliance",
@@ -629,6 +631,21 @@ CONST_FOLD_NO_GROWTH = Quirk(
     kind="workaround",
 )
 
+
+# --- torch ---------------------------------------------------------------------------------------------
+TORCH_ONNX_PASSES_HOOKED = Quirk(
+    name="torch's ONNX exporter folds and deduplicates initializers from their values, with no hook",
+    does="the TorchScript exporter's constant folding (_jit_pass_onnx_constant_fold) and initializer "
+         "deduplication read parameter values: with placeholder weights they would fold or merge wrong values, and "
+         "nothing says which initializer came from which parameter",
+    workaround="the streamed ONNX writer wraps the three torch._C passes for one export (one at a time): "
+               "placeholders become sentinels, risky folds are recorded and refused, the final initializers kept",
+    applied_in=("gdn_export/backends/compat/torch_onnx.py", "gdn_export/backends/onnx/streamed.py"),
+    when_fixed="a public hook (or the dynamo exporter's external weights) could replace the wrapping",
+    canary="test_compat.py::test_torch_onnx_passes_hooked",
+    seen_on="2.13.0",
+    library="torch",
+)
 
 QUIRKS: tuple[Quirk, ...] = tuple(value for value in list(globals().values()) if isinstance(value, Quirk))
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gdn_export
-from conftest import NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, make_rule_inputs
+from helpers import NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, make_rule_inputs
 
 FUSED, SCAN = "tract_transformers_gdn_recurrent", "gdn_export_delta_scan"
 
@@ -74,12 +74,19 @@ def test_report_says_why(tmp_path):
 
 
 def test_gdn_export_handler_replaces_torch_to_nnef_handler(tmp_path):
-    """torch-to-nnef registers its own gated_delta_scan handler; ours must be the one that runs."""
+    """torch-to-nnef registers its own gated_delta_scan handler; ours must be the one that runs, during an export
+    only: torch-to-nnef's own is back afterwards."""
     from torch_to_nnef.op.extras import _T2N_EXTRA_REGISTRY
 
+    from gdn_export.backends.compat.torch_to_nnef import conversion
+    from gdn_export.backends.nnef.registry import CUSTOM_OPS
     from gdn_export.ops.gated_delta_rule.nnef.handlers import handle_gated_delta_scan
 
-    assert _T2N_EXTRA_REGISTRY.get("gated_delta_scan") is handle_gated_delta_scan
+    theirs = _T2N_EXTRA_REGISTRY.get("gated_delta_scan")
+    assert theirs is not handle_gated_delta_scan
+    with conversion(CUSTOM_OPS):
+        assert _T2N_EXTRA_REGISTRY.get("gated_delta_scan") is handle_gated_delta_scan
+    assert _T2N_EXTRA_REGISTRY.get("gated_delta_scan") is theirs
     q, k, v, g, beta, s0 = make_rule_inputs(1, 3, 2, 2, 16, 16)
     inputs = [x.transpose(1, 2).contiguous() for x in (q, k, v, g, beta)] + [s0]
     path = tmp_path / "op.nnef.tgz"
@@ -91,8 +98,8 @@ def test_gdn_export_handler_replaces_torch_to_nnef_handler(tmp_path):
 
 
 @pytest.mark.parametrize("runtime,dtype,core_dtype,expected", [
-    ("cpu", torch.float32, None, "chunked"),
-    ("cpu", torch.float16, None, "chunked"),
+    pytest.param("cpu", torch.float32, None, "chunked", marks=pytest.mark.slow),  # a chunked export: seconds
+    pytest.param("cpu", torch.float16, None, "chunked", marks=pytest.mark.slow),
     ("cuda", torch.float16, None, "native"),
     ("cuda", torch.float32, None, "native"),
     ("cuda", torch.float32, "float16", "native"),
@@ -109,6 +116,7 @@ def test_runtime_policy_picks_the_fastest_exact_lowering(runtime, dtype, core_dt
     assert ("rounded to float16" in decision.reason) == (core_dtype is not None)
 
 
+@pytest.mark.slow
 def test_cpu_policy_picks_chunked_for_every_variant_and_falls_back_where_it_is_not_exact(tmp_path):
     q, k, v, _, beta, s0 = make_rule_inputs(1, 5, 2, 2, 32, 32)
 

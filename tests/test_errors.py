@@ -2,11 +2,12 @@
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
 import gdn_export
-from conftest import NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, make_rule_inputs
+from helpers import NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, make_rule_inputs
 
 
 def _rule_inputs():
@@ -85,7 +86,8 @@ def test_dynamic_axes_naming_one_symbol_for_two_lengths(tmp_path):
     with pytest.raises(gdn_export.GdnExportError, match=r"dynamic_axes\['q'\]: axis 4 does not exist on a rank-4"):
         gdn_export.export(GatedDeltaRuleModel(), _rule_inputs(), tmp_path / "x.nnef.tgz", dynamic_axes={"q": {4: "S"}},
                           **NAMES)
-    with pytest.raises(gdn_export.GdnExportError, match=r"dynamic_axes names 'x', which is not an input"):
+    with pytest.raises(gdn_export.GdnExportError, match=r"dynamic_axes names 'x', which is neither an input "
+                                                        r"\(q, k, v, g, beta, s0\) nor an output \(o, state\)"):
         gdn_export.export(GatedDeltaRuleModel(), _rule_inputs(), tmp_path / "x.nnef.tgz", dynamic_axes={"x": {1: "S"}},
                           **NAMES)
     assert list(tmp_path.iterdir()) == []
@@ -114,4 +116,47 @@ def test_native_refuses_variants_the_fused_op_does_not_compute(tmp_path):
 
     with pytest.raises(gdn_export.LoweringError, match="scalar-gated GDN only; this node has channel-wise decay"):
         gdn_export.export(Kda(), [q, k, v, channel_g, beta, s0], tmp_path / "k.nnef.tgz", lowering="native", **NAMES)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("format", ["nnef", "onnx"])
+def test_dynamic_axes_may_name_outputs(tmp_path, format):
+    """``dynamic_axes`` naming an output, as torch.onnx.export and torch-to-nnef accept: the graph exported at T=4
+    runs at T=7 and matches the float64 oracle; an output name is checked against the traced outputs."""
+    from oracle import gated_delta_seq_major
+
+    dynamic = {**{name: {1: "T"} for name in ("q", "k", "v", "g", "beta")}, "o": {1: "T"}}
+    path = tmp_path / ("x.nnef.tgz" if format == "nnef" else "x.onnx")
+    report = gdn_export.export(GatedDeltaRuleModel(), _rule_inputs(), path, dynamic_axes=dynamic, format=format,
+                               check=False, **NAMES)
+    longer = [x.numpy() for x in make_rule_inputs(1, 7, 2, 4, 16, 16, seed=1)]
+    if format == "nnef":
+        o, state = gdn_export.run_tract(report.path, longer)
+    else:
+        from gdn_export.run.onnx_session import run_model
+
+        names, (o, state) = run_model(report.path, longer)
+        assert names == ["o", "state"]
+    ref_o, ref_state = gated_delta_seq_major(*longer, use_qk_l2norm=True)
+    assert o.shape == ref_o.shape == (1, 7, 4, 16)
+    np.testing.assert_allclose(o, ref_o, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(state, ref_state, rtol=1e-4, atol=1e-4)
+
+
+def test_dynamic_axes_naming_an_output_is_checked(tmp_path):
+    model, inputs = GatedDeltaRuleModel(), _rule_inputs()
+    with pytest.raises(gdn_export.GdnExportError, match=r"dynamic_axes\['state'\]: axis 4 does not exist on a "
+                                                        r"rank-4 output"):
+        gdn_export.export(model, inputs, tmp_path / "x.nnef.tgz", dynamic_axes={"state": {4: "S"}}, **NAMES)
+    with pytest.raises(gdn_export.GdnExportError, match=r"symbol 'T' names axis 1 of 'q' \(traced length 4\) and "
+                                                        r"axis 3 of 'o' \(traced length 16\)"):
+        gdn_export.export(model, inputs, tmp_path / "x.nnef.tgz", dynamic_axes={"q": {1: "T"}, "o": {3: "T"}},
+                          **NAMES)
+    with pytest.raises(gdn_export.GdnExportError, match=r"dynamic_axes names output 'extra' \(output 2 of "
+                                                        r"output_names\), but the module returns 2 outputs"):
+        gdn_export.export(model, inputs, tmp_path / "x.nnef.tgz", input_names=NAMES["input_names"],
+                          output_names=["o", "state", "extra"], dynamic_axes={"extra": {0: "B"}})
+    with pytest.raises(gdn_export.GdnExportError, match=r"nor an output \(none named: pass output_names\)"):
+        gdn_export.export(model, inputs, tmp_path / "x.nnef.tgz", input_names=NAMES["input_names"],
+                          dynamic_axes={"o": {1: "T"}})
     assert list(tmp_path.iterdir()) == []

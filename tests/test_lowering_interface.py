@@ -76,24 +76,27 @@ def test_option_values_are_validated_where_the_options_are_made(values, message)
 
 
 def test_the_offline_target_carries_the_options():
-    from gdn_export.backends.nnef.target import OfflineTractTarget
+    from gdn_export.pipeline.export import nnef_target
 
-    target = OfflineTractTarget("0.23.7", lowering="chunked", dynamic_axes={"q": {1: "S"}}, runtime="cpu",
-                                core_dtype="float16", chunk_size=32)
+    target = nnef_target("0.23.7", lowering="chunked", dynamic_axes={"q": {1: "S"}}, runtime="cpu",
+                         core_dtype="float16", chunk_size=32)
     assert target.gdn_options == LoweringOptions(tract_version=(0, 23, 7), lowering="chunked", runtime="cpu",
                                                  core_dtype="float16", chunk_size=32, seq_may_vary=True)
     assert target.gdn_decisions == []
     assert not target.with_dynamic_axes({}).gdn_options.seq_may_vary
     with pytest.raises(gdn_export.LoweringError, match="runtime 'tpu'"):
-        OfflineTractTarget("0.23.9", runtime="tpu")
+        nnef_target("0.23.9", runtime="tpu")
 
 
 def test_a_plain_torch_to_nnef_target_gets_the_defaults():
     from torch_to_nnef.inference_target.tract import TractNNEF
 
-    from gdn_export.backends.nnef.target import _no_download, policy_of
+    from gdn_export.backends.compat import patched
+    from gdn_export.backends.compat.torch_to_nnef import no_download
+    from gdn_export.backends.nnef.target import _NoBinary
+    from gdn_export.ops.options import policy_of
 
-    with _no_download():
+    with patched(no_download(_NoBinary)):
         plain = TractNNEF("0.23.9", check_io=False, dynamic_axes={"q": {1: "S"}})
     assert policy_of(plain) is plain
     assert plain.gdn_options == LoweringOptions(tract_version=(0, 23, 9), seq_may_vary=True)

@@ -16,8 +16,7 @@ from gdn_export.run.runtime import load_tract_model, run_tract
 from gdn_export.run.serving import SlotPool
 from gdn_export.run.session import Session
 
-from conftest import FIXTURES
-from test_engine import FAMILIES, GREEDY, alone, prompts_for, relative_error
+from helpers import FAMILIES, FIXTURES, GREEDY, alone, prompts_for, relative_error
 
 PASTS = (5, 0, 70)  # each slot's tokens before the call: a short past, none, one across the 64-token chunk
 NEW = (1, 9, 4)  # each row's real tokens in the call (S = 9: rows 0 and 2 padded)

@@ -8,12 +8,9 @@ carried no tokenizer and no chat template). Every answer is compared with ``gdn_
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
-import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,42 +21,11 @@ import pytest
 from gdn_export.run.generation import generate
 from gdn_export.run.generation.executor import ArchiveText, WorkerPool
 from gdn_export.run.generation.generate import chat_prompt_ids
+from helpers import raw, serve_process, serving, wait_for
 
 NAME = "qwen3_5"
 PROMPT = "Hello world. The"
 pytestmark = pytest.mark.xdist_group(NAME)
-
-
-def wait_for(condition, timeout: float = 30.0, what: str = "the condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-@contextlib.contextmanager
-def serving(pool, name: str):
-    """``pool`` served under ``name`` by uvicorn in a thread of this process, on a free port of 127.0.0.1: the
-    base url. (``gdn-export serve`` itself, a process of its own, is driven by ``test_gdn_export_serve``.)"""
-    import uvicorn
-
-    from gdn_export.run.http import listen, make_app
-
-    sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(make_app(pool, name), log_level="error", lifespan="off", http="h11"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: server.started, 30, "the server to start")
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
-        pool.close()
 
 
 # session-scoped: one server per test process, however pytest-xdist spreads and interleaves this module's tests
@@ -81,21 +47,6 @@ def client(server):
 @pytest.fixture(scope="session")
 def session(shared_session):
     return shared_session(NAME)
-
-
-def raw(base: str, method: str, path: str, body: bytes | str | None = None) -> tuple[int, dict | str]:
-    host, port = base.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    try:
-        connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
-        response = connection.getresponse()
-        data = response.read().decode()
-    finally:
-        connection.close()
-    try:
-        return response.status, json.loads(data)
-    except ValueError:
-        return response.status, data
 
 
 def expected(session, prompt=PROMPT, max_tokens=16, **kw):
@@ -232,6 +183,7 @@ def engine_server(converted):
     from gdn_export.run.serving import Engine
 
     engine = Engine(converted(NAME, serving=True), slots=4, workers=2, max_queue=1)
+    engine.archive.limit_context(200_000, allow_longer=True)  # a client below asks for more than the 256-token context
     with serving(engine, NAME) as base:
         yield base, engine
 
@@ -330,11 +282,13 @@ def test_bad_chat_requests_and_routes(server, client):
 
 @pytest.fixture(scope="session")
 def small_server(session):
-    """One worker, no queue, the archive read as if it carried no tokenizer and no chat template: (base url, pool)."""
+    """One worker, no queue, the archive read as if it carried no tokenizer and no chat template, its context raised
+    past the model's (streams below stay busy until cancelled): (base url, pool)."""
     from gdn_export.run.session import Session
 
     pool = WorkerPool(Session.sharing_plan(session), workers=1, max_queue=0)
     pool.archive.tokenizer, pool.archive.chat_template = None, None
+    pool.archive.limit_context(200_000, allow_longer=True)
     with serving(pool, "bare") as base:
         yield base, pool
 
@@ -407,25 +361,10 @@ def test_gdn_export_serve(converted, session, tmp_path, served):
     """The command: listens on the port it prints, serves, and stops cleanly (exit 0) on SIGTERM; a serving
     archive on the batched Engine."""
     log = tmp_path / "stderr.txt"
-    with open(log, "w") as err:
-        process = subprocess.Popen([sys.executable, "-m", "gdn_export.cli", "serve",
-                                    str(converted(NAME, serving=served)),
-                                    "--host", "127.0.0.1", "--port", "0", "--workers", "2", "--max-queue", "1",
-                                    "--served-model-name", NAME, "--prefill-piece", "64"]
-                                   + (["--slots", "4", "--prefill-rows", "2"] if served else []),
-                                   stdout=subprocess.DEVNULL, stderr=err,
-                                   stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-
-    def listening():
-        if process.poll() is not None:
-            raise AssertionError(f"gdn-export serve exited with {process.returncode}: {log.read_text()}")
-        for line in log.read_text().splitlines():
-            if " on http://127.0.0.1:" in line:
-                return int(line.split(" on http://127.0.0.1:")[1].split()[0])
-        return None
-
+    process, base = serve_process([str(converted(NAME, serving=served)), "--host", "127.0.0.1", "--workers", "2",
+                                   "--max-queue", "1", "--served-model-name", NAME, "--prefill-piece", "64"]
+                                  + (["--slots", "4", "--prefill-rows", "2"] if served else []), log)
     try:
-        base = f"http://127.0.0.1:{wait_for(listening, 90, 'gdn-export serve to listen')}"
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == [NAME]
         health = raw(base, "GET", "/health")[1]

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError
+from gdn_export.run.perplexity import log_softmax
 
 F32_TOLERANCE = 1e-4  # x max(1, max |logit|), on the max abs logit error
 # float16: an export may round each value once more than the reference framework does (tract keeps pieces of a
@@ -119,17 +120,12 @@ def session_logits(session, tokens: np.ndarray, prompt_len: int, decode_seconds:
     return np.concatenate(logits, axis=1).astype(np.float32)
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    shifted = x - x.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-
-
 def _against(logits: np.ndarray, expected: np.ndarray, log_p: np.ndarray):
     """Per-position max abs error, mean KL(reference || logits) and top-1 agreement over every position."""
     per_position = np.abs(logits - expected).max(-1).ravel()
     per_position[~np.isfinite(logits).all(-1).ravel()] = np.inf
     with np.errstate(invalid="ignore", over="ignore"):
-        kl = float((np.exp(log_p) * (log_p - _log_softmax(logits))).sum(-1).mean())
+        kl = float((np.exp(log_p) * (log_p - log_softmax(logits))).sum(-1).mean())
     top1 = float((logits.argmax(-1) == expected.argmax(-1)).mean())
     return per_position, kl, top1
 
@@ -144,7 +140,8 @@ def _typical(errors: np.ndarray, phases: list[slice]) -> list[float]:
 
 
 def compare_logits(actual: np.ndarray, expected: np.ndarray, dtype: str,
-                   baseline: np.ndarray | None = None, prompt_len: int | None = None) -> LogitCheck:
+                   baseline: np.ndarray | None = None, prompt_len: int | None = None,
+                   allowance: float = F16_ULP) -> LogitCheck:
     """Judge ``actual`` (the export's logits, [B, S, vocab]) against ``expected`` (the float32 reference).
 
     float32: max abs error against ``F32_TOLERANCE * max(1, max |logit|)``. Reduced ``dtype``: ``baseline`` is
@@ -161,7 +158,7 @@ def compare_logits(actual: np.ndarray, expected: np.ndarray, dtype: str,
     if actual.shape != expected.shape or (half and baseline.shape != expected.shape):
         shapes = f"{list(actual.shape)} vs {list(expected.shape)}"
         raise GdnExportError(f"logits of different shapes cannot be compared: {shapes}")
-    log_p = _log_softmax(expected)
+    log_p = log_softmax(expected)
     errors, kl, top1 = _against(actual.astype(np.float64), expected, log_p)
     top2 = np.sort(expected, axis=-1)[..., -2:]
     gap = (top2[..., 1] - top2[..., 0]).ravel()
@@ -182,14 +179,14 @@ def compare_logits(actual: np.ndarray, expected: np.ndarray, dtype: str,
                          _typical(own.reshape(expected.shape[:2]), phases)))
     def share_of_allowance(pair: tuple[float, float]) -> float:
         error, own_error = pair
-        return float("inf") if not np.isfinite(error + own_error) else error / (F16_MULTIPLE * own_error + F16_ULP * scale)
+        return float("inf") if not np.isfinite(error + own_error) else error / (F16_MULTIPLE * own_error + allowance * scale)
 
     error, own_error = max(per_phase, key=share_of_allowance)
     # decisive: the reference's top-2 gap exceeds twice the larger f16 error at that position (the export's or
     # the framework's): no rounding of that size reorders the pair, in either model
     decisive = gap > 2 * np.maximum(errors, own)
     agreement = float(same[decisive].mean()) if decisive.any() else 1.0
-    tolerance = F16_MULTIPLE * own_error + F16_ULP * scale
+    tolerance = F16_MULTIPLE * own_error + allowance * scale
     return LogitCheck(top1_agreement=agreement, tolerance=tolerance if np.isfinite(tolerance) else float("nan"),
                       need_top1=True, ambiguous=int((~decisive).sum()), error=error, baseline_error=own_error,
                       baseline_max_abs_error=float(own.max()), baseline_mean_kl=own_kl, baseline_top1_all=own_top1,
@@ -243,11 +240,14 @@ def transformers_references(hf_model, prompt_len: int, half_model=None):
 
 
 def check_archive(path, vocab_size: int, prompt_len: int, decode_steps: int, batch: int, seed: int,
-                  reference, half_reference, quality_reference=None) -> LogitCheck:
+                  reference, half_reference, quality_reference=None, rounding_baseline=None) -> LogitCheck:
     """The check of ``path`` (a .nnef.tgz or an open Session) on random tokens against ``reference(tokens)`` (float32
     logits [B, S, vocab]) and, for a reduced-precision archive, ``half_reference(dtype, tokens)`` (the reference
     framework's own model in that dtype). ``quality_reference(tokens)``: another float32 model (a quantized export's
-    unquantized one), compared with the same tract logits into the result's ``quality``, reported, not judged."""
+    unquantized one), compared with the same tract logits into the result's ``quality``, reported, not judged.
+    ``rounding_baseline(tokens)``: for an int8 archive (whose graph rounds activations), the reference with its
+    rounding inputs perturbed by a few float32 roundings (``gdn_export.weights.int8``); the archive is then judged
+    by the float16 rule against it, with the float32 rule's allowance in place of one float16 rounding."""
     from gdn_export.run.session import Session
 
     validate_check(prompt_len, decode_steps, batch)
@@ -278,7 +278,11 @@ def check_archive(path, vocab_size: int, prompt_len: int, decode_steps: int, bat
         except Exception as err:  # e.g. an op without a CPU float16 kernel in this torch
             raise GdnExportError(f"the reference's own {dtype} model could not run, so a {dtype} export cannot be "
                                  f"judged: {type(err).__name__}: {err}") from err
-    result = compare_logits(actual, expected, dtype, baseline, judged_prefill)
+    if rounding_baseline is not None and dtype == "float32":
+        result = compare_logits(actual, expected, "float32 (int8 rounding)", rounding_baseline(tokens)[:, first:],
+                                judged_prefill, allowance=F32_TOLERANCE)
+    else:
+        result = compare_logits(actual, expected, dtype, baseline, judged_prefill)
     if quality_reference is not None:
         result.quality = compare_logits(actual, quality_reference(tokens)[:, first:], "float32")
     return result

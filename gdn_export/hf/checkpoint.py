@@ -45,6 +45,67 @@ def read_config(checkpoint_dir: str | os.PathLike) -> dict:
     return config
 
 
+# config.json fields that size the model: each, where present, an integer >= 1 (>= 0 for the counts that may be none)
+POSITIVE_SIZES = ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings", "linear_key_head_dim",
+                  "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_conv_kernel_dim",
+                  "linear_head_dim", "linear_num_heads", "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "num_experts_per_tok", "num_heads", "num_kv_heads", "num_v_heads", "conv_size", "qk_head_dim",
+                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+COUNTS = ("num_experts", "num_shared_experts", "num_householder")
+# of those, the sizes that are a tensor's dimension (or a count of tensors): none can exceed what the checkpoint
+# holds, which is checked from the safetensors headers before the model is built (its parameters are allocated
+# once, then moved to meta: a hidden_size of 10**9 would allocate terabytes before the shapes were compared)
+TENSOR_SIZES = tuple(name for name in POSITIVE_SIZES + COUNTS
+                     if name not in ("max_position_embeddings", "num_experts_per_tok"))
+
+
+def check_config(config: dict, where: str = "config.json") -> None:
+    """The model-sizing fields of ``config`` (a language model's): integers of the right range, or a CheckpointError
+    naming the field."""
+    for name in POSITIVE_SIZES + COUNTS:
+        value = config.get(name)
+        if value is None:
+            continue
+        low = 0 if name in COUNTS else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise CheckpointError(f"{where}: {name} must be an integer >= {low}, got {json.dumps(value)[:60]}")
+
+
+def check_config_against(config: dict, index: TensorIndex, where: str = "config.json") -> None:
+    """Every size of ``config`` that is a tensor dimension (``TENSOR_SIZES``) within what ``index``'s tensors hold:
+    at most their largest dimension or their count, checked before anything is allocated."""
+    largest = max((d for entry in index for d in entry.shape), default=0)
+    bound = max(largest, len(index))
+    for name in TENSOR_SIZES:
+        value = config.get(name)
+        if isinstance(value, int) and value > bound:
+            raise CheckpointError(f"{where}: {name} {value} is larger than any tensor of the checkpoint allows (its "
+                                  f"largest dimension is {largest}, it holds {len(index)} tensors): config.json does "
+                                  "not describe these weights")
+
+
+def check_generation_config(folder: Path, vocab_size: int | None) -> None:
+    """generation_config.json, where present: JSON whose token ids (eos, bos, pad) lie in the vocabulary."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} must be a JSON object")
+    for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        value = config.get(name)
+        ids = value if isinstance(value, list) else [value] if value is not None else []
+        for token in ids:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (
+                    vocab_size is not None and token >= vocab_size):
+                raise CheckpointError(f"{path}: {name} {json.dumps(value)[:60]} is not a token id of the "
+                                      f"vocabulary [0, {vocab_size}) config.json gives")
+
+
 @contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Modules built inside get their parameters on the meta device (shapes only) and their buffers as usual."""
@@ -139,11 +200,20 @@ def open_checkpoint(checkpoint_dir: str | os.PathLike, family=None, config: dict
     """``(family, layout, model, weights)`` for a checkpoint folder: its family, its layout, the empty model
     (parameters on meta) and every parameter's tensor, all checked; no weight is read."""
     from gdn_export.hf.families import family_for
+    from gdn_export.megatron.checkpoint import is_megatron_checkpoint
 
+    if family is None and config is None and is_megatron_checkpoint(checkpoint_dir):
+        from gdn_export.megatron.family import open_megatron
+
+        return open_megatron(checkpoint_dir)
     config = read_config(checkpoint_dir) if config is None else config
     layout = resolve_layout(config)
+    where = "config.json" + ("'s text_config" if layout.wrapper else "")
+    check_config(layout.config, where)
     family = family or family_for(layout.model_type)
     index = TensorIndex(checkpoint_dir)
+    check_config_against(layout.config, index, where)
+    check_generation_config(Path(checkpoint_dir), layout.config.get("vocab_size"))
     model = empty_model(family, layout)
     layout = layout.with_ignored(family.ignored_on_load())
     return family, layout, model, CheckpointWeights.match(index, layout, model)

@@ -9,12 +9,16 @@ reference as the in-memory check's, computed in bounded memory: the largest laye
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import numpy as np
 import torch
 from torch import nn
 
 from gdn_export.hf.checkpoint import CheckpointWeights, cast_buffers, materialize, release
 from gdn_export.hf.tensors import CheckpointError
+
+T = TypeVar("T")
 
 
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -29,6 +33,15 @@ def layerwise_logits(model: nn.Module, weights: CheckpointWeights, tokens: np.nd
                      dtype: torch.dtype = torch.float32) -> np.ndarray:
     """transformers' logits [B, S, vocab] for ``tokens`` with ``model`` (parameters on meta, as ``empty_model``
     builds it) in ``dtype``, every weight read from ``weights`` when its layer runs."""
+    ids = torch.from_numpy(tokens)
+    return layerwise_call(model, weights, lambda m: m(input_ids=ids, use_cache=False).logits, dtype).float().numpy()
+
+
+def layerwise_call(model: nn.Module, weights: CheckpointWeights, call: Callable[[nn.Module], T],
+                   dtype: torch.dtype = torch.float32) -> T:
+    """``call(model)`` (under no_grad) with ``model``'s parameters (on meta, as ``empty_model`` builds them) in
+    ``dtype``: those outside ``model.layers`` resident, each decoder layer's read from ``weights`` just before it
+    runs and released right after."""
     name, layers = decoder_layers(model)
     prefix = f"{name}."
     materialize(model, weights, dtype, exclude=prefix)  # the embedding, final norm and head: resident
@@ -41,9 +54,8 @@ def layerwise_logits(model: nn.Module, weights: CheckpointWeights, tokens: np.nd
         hooks.append(layer.register_forward_hook(lambda module, args, out, p=layer_prefix: release(model, p)))
     try:
         with torch.no_grad():
-            out = model(input_ids=torch.from_numpy(tokens), use_cache=False)
+            return call(model)
     finally:
         for hook in hooks:
             hook.remove()
         release(model, "")
-    return out.logits.float().numpy()

@@ -176,14 +176,27 @@ class TensorIndex:
         return sum(e.nbytes for e in self.entries.values())
 
 
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's bound on a header
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _header_entries(path: Path) -> list[TensorEntry]:
-    """The tensors a safetensors file's header declares, refused if the file is too short for them."""
+    """The tensors a safetensors file's header declares, checked as the safetensors library checks them: a header
+    of at most 100 MB that is a JSON object, every entry a known dtype, a shape of sizes >= 0 and byte offsets that
+    match it, and the data offsets, sorted, contiguous from 0 to the end of the file (no overlap, no gap, nothing
+    outside it)."""
     size = path.stat().st_size
     with path.open("rb") as handle:
         head = handle.read(8)
         header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
         if header_len < 0 or 8 + header_len > size:
             raise CheckpointError(f"{path.name} is truncated or not a safetensors file (no complete header)")
+        if header_len > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{path.name}: its safetensors header claims {header_len} bytes, more than the "
+                                  f"{MAX_HEADER_BYTES} the format allows")
         try:
             header = json.loads(handle.read(header_len))
             if not isinstance(header, dict):
@@ -196,12 +209,17 @@ def _header_entries(path: Path) -> list[TensorEntry]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+            if not (isinstance(shape, list) and all(_is_count(d) for d in shape) and isinstance(offsets, list)
+                    and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+                raise TypeError
+            shape, (begin, end) = tuple(shape), offsets
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path.name}: tensor {name} has a malformed header entry") from None
+            raise CheckpointError(f"{path.name}: tensor {name} has a malformed header entry (expected dtype, a shape "
+                                  "of sizes >= 0 and data_offsets [begin, end] >= 0)") from None
         if dtype not in SOURCE_DTYPES:
             raise CheckpointError(f"{path.name}: tensor {name} is {dtype}; gdn_export reads F32, F16 and BF16 weights")
-        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(SOURCE_DTYPES[dtype]).itemsize
+        expected = int(np.prod(shape, dtype=object)) * np.dtype(SOURCE_DTYPES[dtype]).itemsize
         if end - begin != expected:
             raise CheckpointError(f"{path.name}: tensor {name} of shape {list(shape)} {dtype} needs {expected} bytes, "
                                   f"its header gives {end - begin}")
@@ -209,4 +227,15 @@ def _header_entries(path: Path) -> list[TensorEntry]:
             raise CheckpointError(f"{path.name} is truncated: its header needs {end} bytes of data for {name}, the file "
                                   f"has {size - start}")
         entries.append(TensorEntry(name, path, dtype, shape, start + begin, start + end))
+    covered = 0  # the data section, tensor after tensor in offset order
+    for entry in sorted(entries, key=lambda e: (e.begin, e.end)):
+        if entry.begin != start + covered:
+            what = "overlaps the tensor before it" if entry.begin < start + covered else "leaves a gap before it"
+            raise CheckpointError(f"{path.name}: tensor {entry.name}'s data (offsets {entry.begin - start}-"
+                                  f"{entry.end - start}) {what}: its tensors' data must be contiguous and "
+                                  "non-overlapping, as the safetensors format requires")
+        covered = entry.end - start
+    if start + covered != size:
+        raise CheckpointError(f"{path.name}: its tensors' data ends at byte {covered} of a data section of "
+                              f"{size - start} bytes (the safetensors format has nothing after the last tensor)")
     return entries

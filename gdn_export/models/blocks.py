@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from gdn_export.ops.causal_conv1d.op import causal_conv1d_update
 from gdn_export.ops.gated_delta_rule.op import gated_delta_rule
+from gdn_export.ops.moe_ffn.naive import (dense_experts, grouped_sigmoid_routing,  # noqa: F401  (the families'
+                                          softmax_gate, top_k_routing)               # names for them)
 from gdn_export.ops.moe_ffn.op import moe_ffn
 
 if TYPE_CHECKING:
@@ -177,61 +179,6 @@ def cached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out.flatten(2), key, value
 
 
-def top_k_routing(router_logits: torch.Tensor, top_k: int, normalize: bool) -> torch.Tensor:
-    """Dense routing weights ``[N, E]``: the top-k softmax probabilities (renormalized if asked), zeros elsewhere.
-
-    The scatter names its axis as 1, not -1: torch_to_nnef passes the axis to tract's scatter_elements
-    unnormalized, and tract 0.23 panics (index out of bounds) on a negative one.
-    """
-    probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
-    top_values, top_index = torch.topk(probs, top_k, dim=-1)
-    if normalize:
-        top_values = top_values / top_values.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(probs).scatter(1, top_index, top_values).to(router_logits.dtype)
-
-
-def grouped_sigmoid_routing(router_logits: torch.Tensor, score_bias: torch.Tensor, *, top_k: int, groups: int,
-                            top_groups: int, normalize: bool, scaling: float) -> torch.Tensor:
-    """DeepSeek-V3 routing (transformers' ``KimiLinearTopkRouter``) as dense weights ``[N, E]``, zero for unselected
-    experts.
-
-    Sigmoid scores plus the correction bias choose the experts: first the ``top_groups`` groups with the best
-    top-2 sum, then the top k experts inside them; the chosen experts weigh their unbiased scores
-    (renormalized if asked) times ``scaling``. Selection is topk, one-hot masks and where, so nothing data-dependent
-    reaches Python. The topks are sorted (transformers' are not: torch_to_nnef exports only sorted topk; the
-    chosen set, hence the scattered weights, is the same). The scatter names axis 1: tract 0.23 panics on
-    torch_to_nnef's unnormalized axis -1.
-    """
-    experts = router_logits.shape[-1]
-    # spelled with exp: tract's sigmoid bottoms out at ~4.5e-7 below x ~ -14.6, and renormalizing top-k scores
-    # of that size would turn the floor into O(1) weight errors
-    scores = 1.0 / (1.0 + torch.exp(-router_logits))
-    choice = scores + score_bias.float()
-    group_scores = choice.reshape(-1, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)  # [N, G]
-    group_index = torch.topk(group_scores, k=top_groups, dim=-1)[1]
-    # one-hot rows summed, not a scatter: tract panics on torch_to_nnef's scatter of a scalar source
-    group_mask = (group_index[:, :, None] == torch.arange(groups)).sum(1)  # [N, G], 1 for a chosen group
-    expert_mask = group_mask[:, :, None].expand(-1, groups, experts // groups).reshape(-1, experts)
-    choice = torch.where(expert_mask > 0, choice, float("-inf"))
-    top_index = torch.topk(choice, k=top_k, dim=-1)[1]
-    top_weights = scores.gather(1, top_index)
-    if normalize:
-        top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return torch.zeros_like(scores).scatter(1, top_index, top_weights * scaling)
-
-
-def dense_experts(x: torch.Tensor, weights: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor,
-                  down_proj: torch.Tensor, act) -> torch.Tensor:
-    """Every expert on every token, mixed by dense ``weights`` ``[N, E]`` (zero for unselected experts).
-
-    x ``[N, D]``; gate_proj, up_proj ``[E, I, D]``; down_proj ``[E, D, I]``; the weights are cast to x's dtype
-    before mixing, as transformers casts its routing scores.
-    """
-    gate, up = torch.einsum("nd,eid->nei", x, gate_proj), torch.einsum("nd,eid->nei", x, up_proj)
-    expert_out = torch.einsum("nei,edi->ned", act(gate) * up, down_proj)  # [N, E, D]
-    return (expert_out * weights[..., None].to(expert_out.dtype)).sum(1)
-
-
 def routed_moe(x: torch.Tensor, routing: torch.Tensor, router_weight: torch.Tensor, gate_proj: torch.Tensor,
                up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, gate: str) -> torch.Tensor:
     """SwiGLU experts ``[N, D] -> [N, D]`` mixed by ``routing`` ``[N, E]`` as one ``t2n_extra::moe_ffn`` node
@@ -241,8 +188,3 @@ def routed_moe(x: torch.Tensor, routing: torch.Tensor, router_weight: torch.Tens
     does ``"grouped_sigmoid"`` (``grouped_sigmoid_routing`` with a positive scaling: the routing itself chooses the
     experts; its stacks come widened); any other name keeps the dense form."""
     return moe_ffn(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate)
-
-
-def softmax_gate(normalize: bool) -> str:
-    """The ``moe_ffn`` gate of ``top_k_routing(..., normalize)``."""
-    return "softmax_topk" if normalize else "softmax_all"

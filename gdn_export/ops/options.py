@@ -1,4 +1,5 @@
-"""What an export asks of the lowerings: one frozen, validated value, carried by the target.
+"""What an export asks of the ops: one frozen, validated value (the plan every op's ``decide`` reads), carried by
+the NNEF target.
 
 Validation lives here only: ``LoweringOptions(...)`` (or ``validate_options``, before the tract version is
 known) raises LoweringError with the same message wherever the values come from (``export()``, the CLI, a
@@ -10,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gdn_export.errors import LoweringError
-from gdn_export.ops.gated_delta_rule.nnef.chunked import chunk_size_error
+from gdn_export.ops.gated_delta_rule.capabilities import parse_version
+from gdn_export.ops.gated_delta_rule.chunking import chunk_size_error
 from gdn_export.ops.gated_delta_rule.policy import RUNTIMES
 from gdn_export.ops.gated_delta_rule.registry import LOWERINGS
 
@@ -56,3 +58,14 @@ class LoweringOptions:
     def core_f16(self) -> bool:
         """The caller asked for an f16 core (the fused op rounds q/k/v/beta to float16)."""
         return self.core_dtype == "float16"
+
+
+def policy_of(target):
+    """The torch-to-nnef target with the ops' state (``gdn_options``, ``gdn_decisions``): one built by the export
+    carries them already; a plain ``TractNNEF`` (torch-to-nnef's own export) gets the default options for its
+    version, once."""
+    if not hasattr(target, "gdn_options"):
+        target.gdn_options = LoweringOptions(tract_version=parse_version(target.version.to_str()),
+                                             seq_may_vary=bool(getattr(target, "dynamic_axes", None)))
+        target.gdn_decisions = []
+    return target

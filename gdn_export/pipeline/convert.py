@@ -14,14 +14,15 @@ import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError, ParityError
-from gdn_export.run.archive import nnef_tgz_path, read_metadata
+from gdn_export.run.archive import GENERATION_FILES, nnef_tgz_path, read_metadata
 from gdn_export.ops.gated_delta_rule.capabilities import parse_version
 from gdn_export.hf.check import LogitCheck, check_archive, transformers_references, validate_check
 from gdn_export.hf.checkpoint import (CheckpointError, cast_buffers, empty_model, materialize, model_in_memory,
                                       open_checkpoint, read_config)
 from gdn_export.hf.layerwise import layerwise_logits
 from gdn_export.hf.layout import resolve_layout
-from gdn_export.hf.weight_writers import dequantized_view, plan_writes, separate_tied_head, untied_view
+from gdn_export.hf.weight_writers import (QUANTIZATIONS, dequantized_view, int8_reference_linears, plan_writes,
+                                          separate_tied_head, untied_view)
 from gdn_export.run.runtime import lean_allocator
 from gdn_export.hf.families import family_for
 from gdn_export.models.decoder import serving_inputs
@@ -54,7 +55,8 @@ class ConvertReport:
     weights: str = ""  # what was read from the checkpoint, and what was left out
     generation_files: list[str] = field(default_factory=list)  # tokenizer, chat template... carried in the archive
     check_kind: str = ""
-    quantization: str = ""  # what was stored in Q4_0
+    quantization: str = ""  # what was stored in Q4_0 or int8
+    quantized_as: str = ""  # "Q4_0", or "int8" (the reference then rounds the inputs of those layers as tract)
     moe: list[str] = field(default_factory=list)  # MoE feed-forwards: sparse or dense, and why (ops/moe_ffn.py)
 
     @property
@@ -78,7 +80,7 @@ class ConvertReport:
         if self.quantization:
             lines.append(f"  quantized: {self.quantization}")
         if self.check is not None:
-            against = " with the same Q4_0 weights" if self.quantization else ""
+            against = f" with the same {self.quantized_as} weights" if self.quantization else ""
             lines.append(f"  check vs {self.reference}{against} ({self.check_kind}): {self.check}")
         else:  # a report is returned only once its check passed: no check means check=False
             lines.append("  not checked (check=False / --no-check): tract's logits were not compared with anything")
@@ -135,9 +137,7 @@ def check_output_path(out_path: str | os.PathLike, force: bool, force_hint: str 
 CHECKS = ("auto", "full", "layerwise")
 # what a check's reference is, for the report
 CHECK_KINDS = {"full": "whole model in memory", "layerwise": "layer by layer (one decoder layer in memory at a time)"}
-# files of a checkpoint folder that the archive carries, to generate text (tract ignores them)
-GENERATION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                    "chat_template.json", "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+# the files of a checkpoint folder that the archive carries to generate text (tract ignores them): GENERATION_FILES
 
 
 def convert(
@@ -161,6 +161,10 @@ def convert(
     logits: str = "all",
     format: str = "nnef",
     serving: bool = False,
+    q4_rule: str = "search",
+    calibration: str | os.PathLike | None = None,
+    calibration_tokens: int = 8192,
+    fold_scales: bool = True,
 ) -> ConvertReport:
     """Convert a local checkpoint (config.json + safetensors) into ``out_path`` and check it in tract.
 
@@ -169,7 +173,12 @@ def convert(
     traced with placeholder weights and every weight is written to the archive straight from the checkpoint's
     files, one tensor at a time, so memory stays bounded by the largest tensor; ``streamed=False`` loads the model
     in memory first (the same archive, byte for byte). ``quantize="q4_0"`` stores every linear layer's weight whose
-    inner size is whole blocks of 32 in tract's Q4_0 (``quantize_embeddings``: the embedding table too). ``logits``:
+    inner size is whole blocks of 32 in tract's Q4_0 (``quantize_embeddings``: the embedding table too), each block's
+    scale chosen by ``q4_rule`` ("search", least squared error, or "nearest", llama.cpp's ``d = extreme / -8``);
+    ``calibration``: a text file whose first ``calibration_tokens`` tokens measure each linear layer's input channel
+    importance, which weighs the search (``gdn_export.hf.calibration``; docs/QUANTIZATION.md), and, with
+    ``fold_scales``, per-channel scales folded into the norms whose output only linear layers read
+    (``gdn_export.hf.folding``: exact in float, verified). ``logits``:
     "all" (logits of every new position) or "last" (of the last one only, ``[B, 1, vocab]``: what generation needs;
     the head then runs once per call). ``serving``: the graph ``gdn_export.Engine`` batches requests with (a second
     input ``past_len [B]``, each row's own past length; cache outputs are the new positions only; docs/SERVING.md).
@@ -184,6 +193,20 @@ def convert(
     if serving and format != "nnef":
         raise GdnExportError("serving=True (--serving) builds the NNEF graph gdn_export.Engine runs; it is not "
                              f"available with format={format!r}")
+    from gdn_export.weights.q4_0 import RULES
+
+    if q4_rule not in RULES:
+        raise GdnExportError(f"q4_rule {q4_rule!r} is not one of {', '.join(RULES)}")
+    if quantize != "q4_0" and (q4_rule != "search" or calibration is not None):
+        raise GdnExportError("q4_rule and calibration choose how quantize='q4_0' stores its blocks: they need "
+                             "quantize='q4_0'")
+    if calibration is not None and (quantize is None or q4_rule == "nearest"):
+        raise GdnExportError("calibration weights the Q4_0 scale search: it needs quantize='q4_0' and q4_rule "
+                             "'search' or 'gptq'")
+    if q4_rule == "gptq" and calibration is None:
+        raise GdnExportError("q4_rule='gptq' needs calibration text (the inputs' second moments): calibration=FILE")
+    if calibration is not None and not Path(calibration).is_file():
+        raise GdnExportError(f"calibration text {calibration} is not a file")
     if format != "nnef":  # the ONNX back-end (gdn_export/pipeline/onnx_convert.py); "cpu", NNEF's default, is onnxruntime
         if format != "onnx":
             raise GdnExportError(f"format {format!r} is not one of nnef, onnx")
@@ -207,6 +230,7 @@ def convert(
     validate_options(lowering, runtime, core_dtype, chunk_size)
     if logits not in LOGITS:
         raise GdnExportError(f"logits {logits!r} is not one of {', '.join(LOGITS)}")
+    validate_quantize(quantize, quantize_embeddings, dtype)
     if tract_version is not None:
         try:
             parse_version(tract_version)
@@ -226,6 +250,20 @@ def convert(
     materialize(model, weights, export_dtype, placeholders=streamed)
     cast_buffers(model, export_dtype)
     seconds["read"] = time.perf_counter() - start
+    measured, folding, exported = None, None, weights  # exported: the weights written (folds applied)
+    if calibration is not None:
+        from gdn_export.hf.calibration import calibrate
+
+        start = time.perf_counter()
+        say(f"calibrating on {calibration} (at most {calibration_tokens} tokens)")
+        measured = calibrate(checkpoint_dir, calibration, family, layout, weights, max_tokens=calibration_tokens,
+                             grams=q4_rule == "gptq")
+        if fold_scales:
+            from gdn_export.hf.folding import fold
+
+            say("choosing the scales folded into norms")
+            folding, exported, measured = fold(measured, family, layout, weights, measured.sample)
+        seconds["calibrate"] = time.perf_counter() - start
 
     separated = separate_tied_head(model, quantize, quantize_embeddings)
     lm = family.exportable(model, export_dtype)
@@ -233,8 +271,9 @@ def convert(
     if serving and lm.serving_refusal:
         raise GdnExportError(f"{family.name} has no serving graph (--serving): {lm.serving_refusal}")
     lm.serving = serving
-    writers, quantization = plan_writes(lm, model, weights, export_dtype, quantize, quantize_embeddings,
-                                        fused_moe=_fused_moe(runtime, tract_version))
+    writers, quantization = plan_writes(lm, model, exported, export_dtype, quantize, quantize_embeddings,
+                                        fused_moe=_fused_moe(runtime, tract_version), q4_rule=q4_rule,
+                                        calibration=measured)
     if not streamed and quantize is None:
         writers = None  # the in-memory model's own values are written
     inputs, outputs, dynamic = state_names(lm)
@@ -243,9 +282,13 @@ def convert(
     metadata = {
         "format": FORMAT_VERSION, "family": family.name, "model_type": layout.checkpoint_model_type,
         "text_model_type": layout.model_type, "dtype": dtype, "core_dtype": core_dtype, "vocab_size": vocab_size,
+        "context_length": layout.config.get("max_position_embeddings"),  # prompt + new tokens (docs/SERVER.md)
         "inputs": inputs, "outputs": outputs, "generation_files": sorted(carried), "quantize": quantize, "logits": logits,
         "serving": serving,
         "quantized": len(quantization.quantized),
+        "q4_rule": q4_rule if quantize else None,
+        "calibration": measured.metadata() if measured is not None else None,
+        "folded_norms": len(folding.folds) if folding is not None else None,
         "states": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."),
                     "kind": s.kind, "layer": s.layer} for s in lm.states],
     }
@@ -265,7 +308,8 @@ def convert(
         result = ConvertReport(out_path, family.name, metadata["model_type"], dtype, report.tract_version,
                                layers=_layer_reports(lm, report.decisions), seconds=seconds,
                                reference=family.reference, weights=weights.summary(), generation_files=sorted(carried),
-                               quantization=str(quantization), moe=moe_report(report.decisions))
+                               quantization=str(quantization) + (f"; {folding}" if folding is not None else ""),
+                               moe=moe_report(report.decisions), quantized_as=_QUANTIZED_AS.get(quantize, ""))
         del lm, model  # placeholders (or the in-memory model) are not needed by the check
         if check_mode:
             start = time.perf_counter()
@@ -274,9 +318,11 @@ def convert(
                 f"{family.reference}, {CHECK_KINDS[kind]}")
             # a quantized export is checked against the same Q4_0 weights; its quality against the model as published
             published, reference_layout = untied_view(weights, layout, separated) if separated else (weights, layout)
-            result.check = check_with(kind, staged, family, reference_layout, dequantized_view(published, quantization),
+            computed = untied_view(exported, layout, separated)[0] if separated else exported  # folds applied
+            result.check = check_with(kind, staged, family, reference_layout, dequantized_view(computed, quantization),
                                       prompt_len, decode_steps,
-                                      quality_weights=published if quantization.quantized else None)
+                                      quality_weights=published if quantization.quantized else None,
+                                      rounded_inputs=int8_reference_linears(quantization))
             result.check_kind = CHECK_KINDS[kind]
             seconds["check"] = time.perf_counter() - start
             if not result.check.ok:
@@ -286,6 +332,23 @@ def convert(
     finally:
         staged.unlink(missing_ok=True)
     return result
+
+
+_QUANTIZED_AS = {"q4_0": "Q4_0", "int8": "int8 (inputs rounded per row as in the graph)"}
+
+
+def validate_quantize(quantize: str | None, quantize_embeddings: bool, dtype: str) -> None:
+    """Before any work: a known scheme; int8 computes around its integer matmuls in float32 and chooses the
+    table's format itself."""
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise GdnExportError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if quantize == "int8" and dtype != "float32":
+        raise GdnExportError(f"quantize='int8' with dtype {dtype!r}: the int8 graph scales and rounds its activations "
+                             "in float32; convert with dtype='float32' (--dtype float32)")
+    if quantize == "int8" and quantize_embeddings:
+        raise GdnExportError("quantize_embeddings (--quantize-embeddings) with quantize='int8': the embedding table "
+                             "of an int8 archive is stored in int8 already (a scale per row, applied to the gathered "
+                             "rows); drop the option")
 
 
 def _fused_moe(runtime: str, tract_version: str | None):
@@ -320,26 +383,36 @@ def _available_memory() -> int | None:
 
 
 def check_with(kind: str, archive, family, layout, weights, prompt_len: int, decode_steps: int, batch: int = 1,
-               quality_weights=None) -> LogitCheck:
+               quality_weights=None, rounded_inputs: frozenset = frozenset()) -> LogitCheck:
     """The check of ``archive`` against the checkpoint's model: "full" (the whole model in memory, prefill then
     decode with its cache) or "layerwise" (``gdn_export.hf.layerwise``: one layer in memory, one causal pass).
     ``quality_weights``: a second set of weights (a quantized export's unquantized ones) compared with the same tract
-    logits, into the result's ``quality``."""
+    logits, into the result's ``quality``. ``rounded_inputs``: names of the reference's ``nn.Linear`` modules whose
+    input is rounded as an int8 graph rounds it (``gdn_export.weights.int8``), in the judged reference only."""
+    from gdn_export.weights.int8 import reference_hooks
 
-    def references(source):
+    def references(source, rounded=frozenset(), jitter_seed=None):
         if kind == "full":
-            return transformers_references(model_in_memory(family, layout, source), prompt_len)
+            model = model_in_memory(family, layout, source)
+            reference_hooks(model, rounded, jitter_seed)
+            return transformers_references(model, prompt_len)
 
         def logits(dtype: torch.dtype, tokens: np.ndarray) -> np.ndarray:
-            return layerwise_logits(empty_model(family, layout), source, tokens, dtype)
+            model = empty_model(family, layout)
+            reference_hooks(model, rounded, jitter_seed)
+            return layerwise_logits(model, source, tokens, dtype)
 
         return partial(logits, torch.float32), logits
+
+    def rounding_baseline(tokens: np.ndarray) -> np.ndarray:  # the int8 reference, its rounding inputs perturbed
+        return references(weights, rounded_inputs, jitter_seed=0)[0](tokens)
 
     def quality(tokens: np.ndarray) -> np.ndarray:  # its model is built only once the export's logits are in
         return references(quality_weights)[0](tokens)
 
     return check_archive(archive, layout.config["vocab_size"], prompt_len, decode_steps, batch, 0,
-                         *references(weights), quality_reference=quality if quality_weights is not None else None)
+                         *references(weights, rounded_inputs), quality_reference=quality if quality_weights is not None else None,
+                         rounding_baseline=rounding_baseline if rounded_inputs else None)
 
 
 def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len: int = 16,
@@ -357,7 +430,10 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
         metadata = read_metadata(path)
     if not metadata or "states" not in metadata:
         raise GdnExportError(f"{path} was not written by gdn-export convert (no gdn_export.json with states)")
-    config = read_config(checkpoint_dir)
+    from gdn_export.megatron.checkpoint import is_megatron_checkpoint
+
+    megatron = is_megatron_checkpoint(checkpoint_dir)  # no config.json: its args give the model
+    config = open_checkpoint(checkpoint_dir)[1].config if megatron else read_config(checkpoint_dir)
     family = family_for(config["model_type"])
     if metadata.get("model_type") != config["model_type"]:
         raise GdnExportError(f"{path} holds a {metadata.get('family')} model ({metadata.get('model_type')}); "
@@ -366,7 +442,7 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
     if vocab is not None and metadata.get("vocab_size") != vocab:
         raise GdnExportError(f"{path} has a vocabulary of {metadata.get('vocab_size')} tokens; {checkpoint_dir}'s "
                              f"config.json says {vocab}")
-    family, layout, _, weights = open_checkpoint(checkpoint_dir, family, config)
+    family, layout, _, weights = open_checkpoint(checkpoint_dir, *(() if megatron else (family, config)))
     kind = kind if kind != "auto" else reference_fits(weights, getattr(torch, metadata.get("dtype", "float32")))
     return check_with(kind, path, family, layout, weights, prompt_len, decode_steps, batch)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -10,18 +11,20 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from gdn_export.run.archive import METADATA_FILE, nnef_tgz_path, pack
 from gdn_export.errors import GdnExportError
-from gdn_export.ops.gated_delta_rule.emitter import Decision
-from gdn_export.ops.options import validate_options
+from gdn_export.ops.protocol import Decision
+from gdn_export.ops.gated_delta_rule.capabilities import parse_version
+from gdn_export.ops.options import LoweringOptions, validate_options
 from gdn_export.backends.nnef.output_names import declared_outputs, keep_output_names
 from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
 from gdn_export.weights.casts import fold_weight_casts, weights_cast_before_use
+from gdn_export.weights import int8
 from gdn_export.weights.streamed import (StreamedWeights, annotate_compressed_gathers, check_all_written,
                                          streamed_writes, write_deferred)
 from gdn_export.run.runtime import alongside, load_tract_model, run_tract, tract_version as installed_tract_version
@@ -52,18 +55,34 @@ class ExportReport:
         return "\n".join(lines)
 
 
-def validate_dynamic_axes(dynamic_axes: dict | None, input_names: Sequence[str], args: Sequence) -> None:
-    """Every dynamic axis names a traced input and one of its axes, and one symbol never stands for two traced
-    lengths (tract would fail deep in its loader, e.g. "T should be equal to 2*T")."""
-    seen: dict[str, tuple[str, int, int]] = {}  # symbol -> (input, axis, traced length)
+def validate_dynamic_axes(dynamic_axes: dict | None, input_names: Sequence[str], args: Sequence,
+                          output_names: Sequence[str] | None = None,
+                          outputs: Callable[[], Sequence] | None = None) -> None:
+    """Every dynamic axis names an input or an output (as ``torch.onnx.export`` and torch-to-nnef accept) and one
+    of its axes, and one symbol never stands for two traced lengths (tract would fail deep in its loader, e.g. "T
+    should be equal to 2*T"). ``outputs()`` gives the traced outputs, called only when an output is named."""
+    seen: dict[str, tuple[str, int, int]] = {}  # symbol -> (input or output, axis, traced length)
+    output_names = list(output_names or ())
+    traced: list | None = None
     for name, axes in (dynamic_axes or {}).items():
-        if name not in input_names:
-            raise GdnExportError(f"dynamic_axes names {name!r}, which is not an input (inputs: {', '.join(input_names)})")
-        arg = args[list(input_names).index(name)]
+        if name in input_names:
+            arg, kind = args[list(input_names).index(name)], "input"
+        elif name in output_names:
+            if traced is None:
+                traced = list(outputs()) if outputs is not None else []
+            index = output_names.index(name)
+            if index >= len(traced):
+                raise GdnExportError(f"dynamic_axes names output {name!r} (output {index} of output_names), but the "
+                                     f"module returns {len(traced)} output{'s' if len(traced) != 1 else ''}")
+            arg, kind = traced[index], "output"
+        else:
+            outputs_named = ", ".join(output_names) if output_names else "none named: pass output_names"
+            raise GdnExportError(f"dynamic_axes names {name!r}, which is neither an input ({', '.join(input_names)}) "
+                                 f"nor an output ({outputs_named})")
         rank = arg.dim() if isinstance(arg, torch.Tensor) else 0
         for axis, symbol in axes.items():
             if not isinstance(axis, int) or not -rank <= axis < rank:
-                raise GdnExportError(f"dynamic_axes[{name!r}]: axis {axis!r} does not exist on a rank-{rank} input")
+                raise GdnExportError(f"dynamic_axes[{name!r}]: axis {axis!r} does not exist on a rank-{rank} {kind}")
             length = int(arg.shape[axis])
             if symbol in seen and seen[symbol][2] != length:
                 other, other_axis, other_length = seen[symbol]
@@ -72,6 +91,19 @@ def validate_dynamic_axes(dynamic_axes: dict | None, input_names: Sequence[str],
                     f"and axis {axis} of {name!r} (traced length {length}); one symbol must have one length "
                     f"(name the other axis with its own symbol or an expression such as '2*{symbol}')")
             seen.setdefault(symbol, (name, axis, length))
+
+
+def traced_outputs(module: torch.nn.Module, args: Sequence) -> Callable[[], list]:
+    """The module's outputs on ``args`` (run once, on first call): what ``dynamic_axes`` naming an output is
+    checked against."""
+
+    @functools.cache
+    def run() -> list:
+        with torch.no_grad():
+            out = module(*args)
+        return [out] if isinstance(out, torch.Tensor) else list(out)
+
+    return run
 
 
 def export(
@@ -117,12 +149,13 @@ def export(
                                     output_names=output_names, dynamic_axes=dynamic_axes, check=check,
                                     metadata=metadata, runtime=runtime, core_dtype=core_dtype, chunk_size=chunk_size,
                                     tract_version=tract_version, weights=weights, extra_files=extra_files)
-    import gdn_export.ops.nnef_handlers  # noqa: F401  (handlers must be registered before tracing)
+    from gdn_export.backends.compat.torch_to_nnef import conversion, import_torch_to_nnef
+
+    import_torch_to_nnef()  # first, with its compile at import held back
+    import gdn_export.ops.nnef_handlers  # noqa: F401  (every op registers its handlers with the NNEF back-end)
     from torch_to_nnef import export_model_to_nnef
 
-    from gdn_export.backends.compat import torch_to_nnef as t2n_patches
-
-    t2n_patches.install()
+    from gdn_export.backends.nnef.registry import CUSTOM_OPS
 
     validate_options(lowering, runtime, core_dtype, chunk_size)
     if weights is not None and check:
@@ -132,15 +165,15 @@ def export(
     args = tuple(args)
     version = tract_version or installed_tract_version()
     input_names = list(input_names) if input_names else [f"input_{i}" for i in range(len(args))]
-    validate_dynamic_axes(dynamic_axes, input_names, args)
-    target = OfflineTractTarget(version, lowering=lowering, dynamic_axes=dynamic_axes, runtime=runtime,
-                                core_dtype=core_dtype, chunk_size=chunk_size)
+    validate_dynamic_axes(dynamic_axes, input_names, args, output_names, traced_outputs(module, args))
+    target = nnef_target(version, lowering=lowering, dynamic_axes=dynamic_axes, runtime=runtime,
+                         core_dtype=core_dtype, chunk_size=chunk_size)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".gdn_export_", dir=path.parent) as tmp:
         folder = Path(tmp) / "model.nnef"
         start = time.perf_counter()
-        with torch.no_grad(), streamed_writes(weights) as written:
+        with torch.no_grad(), conversion(CUSTOM_OPS), streamed_writes(weights) as written:
             export_model_to_nnef(
                 model=module, args=args, file_path_export=folder, inference_target=target,
                 input_names=input_names, output_names=list(output_names) if output_names else None,
@@ -151,6 +184,10 @@ def export(
             check_all_written(weights, written, graph)
             if weights.compressed:
                 (folder / "graph.nnef").write_text(annotate_compressed_gathers(graph, weights.compressed))
+            if weights.int8 is not None:  # torch-to-nnef's linear of each int8 weight, to tract's integer matmul
+                int8.lower_folder(folder, weights.int8)
+            if weights.int8_tables is not None:  # gathers of an int8 table: codes and scales
+                int8.lower_folder(folder, weights.int8_tables, gathers=True)
         seconds = {"trace": time.perf_counter() - start - written["seconds"], "write": written["seconds"]}
         if not (folder / "graph.nnef").is_file():
             raise GdnExportError(f"torch-to-nnef wrote no graph for {path}")
@@ -188,6 +225,14 @@ def export(
     return report
 
 
+def nnef_target(version: str, *, lowering: str = "auto", dynamic_axes: dict | None = None, runtime: str = "any",
+                core_dtype: str | None = None, chunk_size: int | None = None) -> OfflineTractTarget:
+    """The torch-to-nnef target of an export, carrying its plan (validated here: LoweringError on a bad value)."""
+    options = LoweringOptions(tract_version=parse_version(version), lowering=lowering, runtime=runtime,
+                              core_dtype=core_dtype, chunk_size=chunk_size, seq_may_vary=bool(dynamic_axes))
+    return OfflineTractTarget(version, options=options, dynamic_axes=dynamic_axes)
+
+
 def _export_other_format(format: str, module, args, path, *, lowering, input_names, output_names, dynamic_axes,
                          check, metadata, runtime, core_dtype, chunk_size, tract_version, weights, extra_files):
     """``format="onnx"``: ``gdn_export.backends.onnx.export_onnx`` (runtime "onnxruntime", "tract-onnx" or "any"); the NNEF
@@ -199,10 +244,12 @@ def _export_other_format(format: str, module, args, path, *, lowering, input_nam
     for name, value in unused.items():
         if value is not None:
             raise GdnExportError(f"{name} is an NNEF option: not available with format='onnx'")
+    import gdn_export.ops.onnx_handlers  # noqa: F401  (every op registers its ONNX lowering)
     from gdn_export.backends.onnx import export_onnx
 
     validate_dynamic_axes(dynamic_axes, list(input_names) if input_names else
-                          [f"input_{i}" for i in range(len(args))], tuple(args))
+                          [f"input_{i}" for i in range(len(args))], tuple(args), output_names,
+                          traced_outputs(module, tuple(args)))
     return export_onnx(module, args, path, input_names=input_names, output_names=output_names,
                        dynamic_axes=dynamic_axes, check=check, metadata=metadata, runtime=runtime, lowering=lowering)
 

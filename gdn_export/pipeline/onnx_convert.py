@@ -21,7 +21,10 @@ import torch
 
 from gdn_export.errors import GdnExportError, ParityError
 from gdn_export.pipeline.convert import ConvertReport
-from gdn_export.ops.gated_delta_rule import onnx as onnx_decisions
+import gdn_export.ops.onnx_handlers  # noqa: F401  (every op registers its ONNX lowering)
+from gdn_export.backends.onnx.registry import validate
+from gdn_export.ops.causal_conv1d.onnx import CONV_QUALNAME
+from gdn_export.weights import ONNX_QUANTIZE_REFUSAL
 
 
 @dataclass
@@ -36,7 +39,7 @@ class _OnnxExtras:
 def _conv_report(decisions) -> list[str]:
     counts: dict[tuple[str, str], int] = {}
     for d in decisions:
-        if d.entry == onnx_decisions.CONV_QUALNAME:
+        if d.entry == CONV_QUALNAME:
             counts[d.lowering, d.reason] = counts.get((d.lowering, d.reason), 0) + 1
     return [f"short conv ({n} node{'s' if n > 1 else ''}): {lowering} - {reason}"
             for (lowering, reason), n in counts.items()]
@@ -93,7 +96,7 @@ def convert_onnx(checkpoint_dir, out_path, *, dtype: str = "float32", lowering: 
     for name, value in (("quantize", quantize), ("core_dtype", core_dtype), ("chunk_size", chunk_size),
                         ("tract_version", tract_version)):
         if value is not None:
-            hint = " (tract's Q4_0 format; an ONNX export keeps float weights)" if name == "quantize" else ""
+            hint = f" ({ONNX_QUANTIZE_REFUSAL.get(value, '')})" if name == "quantize" else ""
             raise GdnExportError(f"{name}={value!r} is an NNEF option: not available with format='onnx'{hint}")
     if logits != "all":
         raise GdnExportError(f"logits={logits!r} is not available with format='onnx' (its graph returns the logits of "
@@ -102,7 +105,7 @@ def convert_onnx(checkpoint_dir, out_path, *, dtype: str = "float32", lowering: 
         raise GdnExportError("quantize_embeddings is an NNEF option: not available with format='onnx'")
     if dtype not in nnef_convert.DTYPES:
         raise GdnExportError(f"dtype {dtype!r} is not one of {', '.join(nnef_convert.DTYPES)}")
-    onnx_decisions.validate(runtime, lowering)
+    validate(runtime, lowering)
     check_mode = "auto" if check is True else check or None
     if check_mode is not None and check_mode not in nnef_convert.CHECKS:
         raise GdnExportError(f"check {check!r} is not one of True, False, "
@@ -128,7 +131,8 @@ def convert_onnx(checkpoint_dir, out_path, *, dtype: str = "float32", lowering: 
     metadata = {
         "format": nnef_convert.FORMAT_VERSION, "container": "onnx", "family": family.name,
         "model_type": layout.checkpoint_model_type, "text_model_type": layout.model_type, "dtype": dtype,
-        "core_dtype": None, "vocab_size": vocab_size, "inputs": inputs, "outputs": outputs, "runtime": runtime,
+        "core_dtype": None, "vocab_size": vocab_size, "context_length": layout.config.get("max_position_embeddings"),
+        "inputs": inputs, "outputs": outputs, "runtime": runtime,
         "states": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."),
                     "kind": s.kind, "layer": s.layer} for s in lm.states],
     }

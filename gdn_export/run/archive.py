@@ -5,11 +5,25 @@ from __future__ import annotations
 import json
 import os
 import tarfile
+import zlib
 from pathlib import Path
 
 from gdn_export.errors import GdnExportError
 
 METADATA_FILE = "gdn_export.json"
+MIB = 1 << 20
+# what an archive member may hold before it is refused (read whole into memory, so bounded): a tokenizer.json of a
+# 250k-token vocabulary is ~11 MiB; the other files are configs and templates of kilobytes
+MEMBER_LIMITS = {"tokenizer.json": 64 * MIB, "tokenizer.model": 64 * MIB, "vocab.json": 64 * MIB,
+                 "merges.txt": 64 * MIB}
+DEFAULT_MEMBER_LIMIT = 16 * MIB
+# the checkpoint files an archive carries for generation (convert copies those the checkpoint has; tract ignores them)
+GENERATION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "chat_template.json", "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+class ArchiveError(GdnExportError):
+    """An archive that is damaged, not gdn_export's, or whose gdn_export.json breaks its schema."""
 
 
 # gzip without compression ("stored" blocks): tract reads the gzip stream all the same, and deflate even at its
@@ -24,22 +38,203 @@ def pack(folder: Path, archive: Path) -> None:
             tar.add(file, arcname=file.name)
 
 
+def _members(tar: tarfile.TarFile, names) -> dict[str, tarfile.TarInfo]:
+    """The members named ``names``, the archive's headers read in order only until all are found (the metadata
+    lies near an archive's start: ``pack`` sorts the names)."""
+    wanted, found = set(names), {}
+    for member in tar:
+        if member.name in wanted and member.name not in found:
+            found[member.name] = member
+            if len(found) == len(wanted):
+                break
+    return found
+
+
+def read_member(tar: tarfile.TarFile, name: str, path: Path, limit: int | None = None,
+                member: tarfile.TarInfo | None = None) -> bytes | None:
+    """The bytes of archive member ``name`` (None when absent), refused unless it is a regular file of at most
+    ``limit`` bytes (default: ``MEMBER_LIMITS``'s, else ``DEFAULT_MEMBER_LIMIT``): a member is read whole, so its
+    size is checked from its header before anything is read (a sparse 3 GiB member is refused at once)."""
+    member = member or _members(tar, [name]).get(name)
+    if member is None:
+        return None
+    if not member.isfile():
+        kind = "a symbolic link" if member.issym() or member.islnk() else "not a regular file"
+        raise ArchiveError(f"{path}: member {name} is {kind}; gdn_export reads only regular files")
+    limit = MEMBER_LIMITS.get(name, DEFAULT_MEMBER_LIMIT) if limit is None else limit
+    if member.size > limit:
+        raise ArchiveError(f"{path}: member {name} is {member.size / MIB:.1f} MiB, more than the {limit / MIB:.0f} MiB "
+                           "gdn_export reads")
+    handle = tar.extractfile(member)
+    return handle.read(limit + 1) if handle is not None else None
+
+
+def read_members(path: str | os.PathLike, names) -> dict[str, bytes]:
+    """The members ``names`` that the archive at ``path`` holds (``read_member``'s checks), each read once."""
+    path = Path(path)
+    with _opened(path) as tar:
+        members = _members(tar, names)
+        found = {name: read_member(tar, name, path, member=member) for name, member in members.items()}
+    return {name: data for name, data in found.items() if data is not None}
+
+
+class _opened:
+    """``tarfile.open(path)`` whose damage (a truncated or corrupted gzip, a broken tar) is an ArchiveError naming
+    it, raised from opening or from any read inside the block."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> tarfile.TarFile:
+        try:
+            self.tar = tarfile.open(self.path)
+        except BaseException as err:
+            self.__exit__(type(err), err, None)
+            raise
+        return self.tar
+
+    def __exit__(self, kind, err, traceback) -> None:
+        tar = getattr(self, "tar", None)
+        if tar is not None:
+            tar.close()
+        if err is not None and isinstance(err, (tarfile.TarError, EOFError, OSError, zlib.error)):
+            raise ArchiveError(damage(self.path, err)) from None
+
+
+def damage(path: Path, err: BaseException) -> str:
+    """What is wrong with the archive at ``path``, which failed to read with ``err``: a damaged gzip stream named as
+    such, else "not a .nnef.tgz archive"."""
+    reason = str(err).strip().splitlines()[0].rstrip(":") if str(err).strip() else type(err).__name__
+    corrupt = gzip_damage(path)
+    if corrupt is not None:
+        return damaged_message(path, corrupt)
+    return f"{path} is not a .nnef.tgz archive that gdn-export wrote ({reason})"
+
+
+def damaged_message(path: Path, why: str) -> str:
+    return f"{path} is a damaged gzip file ({why}): the archive is truncated or corrupted; convert it again"
+
+
+def gzip_damage(path: Path) -> str | None:
+    """Why the file at ``path`` is a gzip stream that does not decompress to its end (None: not gzip, or whole)."""
+    import gzip
+
+    try:
+        with open(path, "rb") as raw:
+            if raw.read(2) != b"\x1f\x8b":
+                return None
+        with gzip.open(path, "rb") as stream:
+            while stream.read(MIB):
+                pass
+    except (OSError, EOFError, zlib.error) as err:
+        return str(err).strip() or type(err).__name__
+    return None
+
+
 def read_metadata(path: str | os.PathLike) -> dict | None:
-    """The ``gdn_export.json`` stored in an archive by ``export(..., metadata=...)``, or None; GdnExportError when
-    ``path`` is not a readable .nnef.tgz archive."""
+    """The ``gdn_export.json`` stored in an archive by ``export(..., metadata=...)``, checked against its schema
+    (``check_metadata``), or None; GdnExportError when ``path`` is not a readable .nnef.tgz archive."""
     path = Path(path)
     if not path.is_file():
         raise GdnExportError(f"no file at {path} (expected a .nnef.tgz written by gdn-export)")
+    with _opened(path) as tar:
+        data = read_member(tar, METADATA_FILE, path)
+    if data is None:
+        corrupt = gzip_damage(path)  # a stream damaged before the metadata member reads as a tar ending early
+        if corrupt is not None:
+            raise ArchiveError(damaged_message(path, corrupt))
+        return None
     try:
-        with tarfile.open(path) as tar:
-            try:
-                member = tar.extractfile(METADATA_FILE)
-            except KeyError:
-                return None
-            return json.loads(member.read()) if member is not None else None
-    except (tarfile.TarError, EOFError, OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise GdnExportError(f"{path} is not a .nnef.tgz archive that gdn-export wrote ({reason.rstrip(':')})") from None
+        metadata = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ArchiveError(f"{path}: {METADATA_FILE} is not valid JSON ({err})") from None
+    return check_metadata(metadata, f"{path}: {METADATA_FILE}")
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def text_member(data: bytes, name: str, path: Path) -> str:
+    """Member ``name``'s bytes as UTF-8 text, or an ArchiveError."""
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise ArchiveError(f"{path}: {name} is not UTF-8 text") from None
+
+
+def json_member(data: bytes, name: str, path: Path) -> dict:
+    """Member ``name``'s bytes as a JSON object, or an ArchiveError."""
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ArchiveError(f"{path}: {name} is not valid JSON ({first_line(err)})") from None
+    if not isinstance(value, dict):
+        raise ArchiveError(f"{path}: {name} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+# --- gdn_export.json's schema: every field a reader uses, its type and range ----------------------------------
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _names(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) and v for v in value)
+
+
+def _dimension(value) -> bool:
+    return (_is_int(value) and value >= 0) or value in ("B", "P", "S")
+
+
+def _state(value) -> bool:
+    return (isinstance(value, dict) and isinstance(value.get("name"), str) and value["name"]
+            and isinstance(value.get("shape"), list) and all(_dimension(d) for d in value["shape"])
+            and value.get("dtype") in ("float32", "float16") and isinstance(value.get("kind", ""), str)
+            and (value.get("layer") is None or _is_int(value["layer"])))
+
+
+# field: (test, what it must be, required)
+METADATA_SCHEMA = {
+    "format": (lambda v: _is_int(v) and v >= 1, "an integer >= 1", False),
+    "family": (lambda v: isinstance(v, str), "a string", False),
+    "model_type": (lambda v: isinstance(v, str), "a string", False),
+    "text_model_type": (lambda v: isinstance(v, str), "a string", False),
+    "dtype": (lambda v: v in ("float32", "float16"), "float32 or float16", False),
+    "core_dtype": (lambda v: v is None or v == "float16", "null or float16", False),
+    "vocab_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1", False),
+    "context_length": (lambda v: v is None or _is_int(v) and v >= 1, "null or an integer >= 1", False),
+    "inputs": (_names, "a list of names", False),
+    "outputs": (_names, "a list of names", False),
+    "generation_files": (lambda v: isinstance(v, list) and all(n in GENERATION_FILES for n in v),
+                         f"a list of names among {', '.join(GENERATION_FILES)}", False),
+    "quantize": (lambda v: v in (None, "q4_0", "int8"), "null, q4_0 or int8", False),
+    "logits": (lambda v: v in ("all", "last"), "all or last", False),
+    "serving": (lambda v: isinstance(v, bool), "true or false", False),
+    "quantized": (lambda v: _is_int(v) and v >= 0, "an integer >= 0", False),
+    "states": (lambda v: isinstance(v, list) and all(_state(s) for s in v),
+               "a list of {name, shape (sizes >= 0, B, P or S), dtype float32|float16, kind, layer}", False),
+    "runtime": (lambda v: isinstance(v, str), "a string", False),
+    "decisions": (lambda v: isinstance(v, list) and all(isinstance(d, dict) for d in v), "a list of objects", False),
+}
+
+
+def check_metadata(metadata, where: str = METADATA_FILE) -> dict:
+    """``metadata`` (a parsed gdn_export.json) returned as it is once every field a reader uses has its type and
+    range (``METADATA_SCHEMA``), else an ArchiveError naming the field; fields it does not know are kept (a later
+    version's, or those of ``export(metadata=...)``'s caller). A ``Session`` further needs ``states``."""
+    if not isinstance(metadata, dict):
+        raise ArchiveError(f"{where} must be a JSON object, got {type(metadata).__name__}")
+    for name, (test, expected, required) in METADATA_SCHEMA.items():
+        if name not in metadata:
+            if required:
+                raise ArchiveError(f"{where} has no '{name}' (not written by gdn-export convert)")
+            continue
+        if not test(metadata[name]):
+            raise ArchiveError(f"{where}: '{name}' must be {expected}, got {json.dumps(metadata[name])[:80]}")
+    return metadata
 
 
 def nnef_tgz_path(path: str | os.PathLike) -> Path:

@@ -3,8 +3,9 @@
     POST /v1/completions        prompt (text or token ids), max_tokens, temperature, top_p, top_k, seed, stop,
                                 stream (server-sent events), logprobs, stop_token_ids, ignore_eos
     POST /v1/chat/completions   messages through the archive's chat template (400 where it has none)
-    GET  /v1/models             the one model served
-    GET  /health                200 and the executor's load (workers, busy, queued)
+    GET  /v1/models             the one model served (its served name)
+    GET  /v1/models/{id}        that model (404 for any other name)
+    GET  /health                200 and the executor's load (workers, busy, queued); 503 once shutting down
 
 Every choice carries ``token_ids`` (the generated ids, as vLLM's ``return_token_ids``; an archive without a
 tokenizer is served in token ids) and ``prompt_token_ids``. Bad requests get a 4xx with OpenAI's error body
@@ -15,11 +16,17 @@ Requests run on an executor (``gdn_export.run.generation.executor``'s interface)
 (``convert --serving``) the batched ``gdn_export.Engine`` (continuous batching over ``slots`` slots, ``workers``
 threads); for any other a ``WorkerPool`` of ``workers`` threads, each a ``Session`` of its own over one tract plan,
 one request at a time each.
+
+Operating it (docs/SERVER.md): prompt + new tokens bounded by the model's context (400 ``context_length_exceeded``);
+an API key checked on every ``/v1`` route (401); a per-request deadline; on SIGTERM new requests get 503, those in
+flight finish within a grace period and are then ended with an error body (a stream: an error event and ``[DONE]``).
+Parsing, tokenizing and chat-template rendering run off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -27,13 +34,15 @@ from typing import Any
 
 from gdn_export.errors import GdnExportError
 from gdn_export.run.generation.chat import ChatTemplateError
-from gdn_export.run.generation.executor import ExecutorFull
+from gdn_export.run.generation.executor import ExecutorFull, context_bound
 from gdn_export.run.generation.generate import Generation, RequestError, chat_prompt_ids, prompt_ids_of, sampling_from
 from gdn_export.run.generation.sampling import MAX_LOGPROBS, SamplingError
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (lowered to what the context leaves)
 DEFAULT_CHAT_TOKENS = 512
+API_KEY_ENV = "GDN_EXPORT_API_KEY"  # vLLM's VLLM_API_KEY
+DEFAULT_SHUTDOWN_GRACE = 10.0  # seconds in-flight requests get to finish after SIGTERM
 
 
 class ApiError(Exception):
@@ -69,8 +78,12 @@ async def _json_body(request) -> dict:
         if size > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
         chunks.append(chunk)
+    return await asyncio.to_thread(_parsed, b"".join(chunks))  # megabytes of JSON: off the event loop
+
+
+def _parsed(data: bytes) -> dict:
     try:
-        body = json.loads(b"".join(chunks), parse_constant=_refuse_constant)
+        body = json.loads(data, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError) as err:
         raise ApiError(400, f"the request body is not valid JSON: {err}") from None
     if not isinstance(body, dict):
@@ -122,13 +135,71 @@ def _refuse_unsupported(body: dict) -> None:
         raise ApiError(400, "response_format is not supported (only {\"type\": \"text\"})", "response_format")
 
 
-class App:
-    """The HTTP side: requests parsed and checked, run on ``executor``, answered in OpenAI's formats."""
+class _Flight:
+    """One request being answered: its stream once submitted, and why it was ended early (None: it was not; else
+    "timeout" or "shutdown")."""
 
-    def __init__(self, executor, model_name: str) -> None:
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline, self.stream, self.ended = deadline, None, None
+        self.timer = None
+
+    def end(self, why: str) -> None:
+        if self.ended is None:
+            self.ended = why
+        if self.stream is not None:
+            self.stream.cancel()
+
+    def error(self, timeout: float | None) -> ApiError | None:
+        if self.ended == "timeout":
+            return ApiError(408, f"the request ran past its deadline of {timeout:g} s (the server's "
+                                 "--request-timeout)", None, "request_timeout", "timeout_error")
+        if self.ended == "shutdown":
+            return ApiError(503, "the server shut down before the request finished", None, "server_shutdown",
+                            "server_error")
+        return None
+
+
+class App:
+    """The HTTP side: requests parsed and checked, run on ``executor``, answered in OpenAI's formats.
+
+    ``api_key``: the key every ``/v1`` route asks for (``Authorization: Bearer KEY``; None: none asked);
+    ``request_timeout``: seconds a request may take from its arrival (None: no deadline)."""
+
+    def __init__(self, executor, model_name: str, api_key: str | None = None,
+                 request_timeout: float | None = None) -> None:
+        if request_timeout is not None and not request_timeout > 0:
+            raise GdnExportError(f"request_timeout must be > 0 seconds, got {request_timeout}")
         self.executor, self.model_name = executor, model_name
         self.archive = executor.archive
         self.created = int(time.time())
+        self.api_key, self.request_timeout = api_key, request_timeout
+        self.draining = False
+        self.flights: set[_Flight] = set()
+
+    # --- shutdown ---
+    def drain(self, grace: float) -> None:
+        """Stop admitting (503) and end what is still in flight after ``grace`` seconds (from the event loop)."""
+        self.draining = True
+        asyncio.get_running_loop().call_later(grace, self.end_all)
+
+    def end_all(self) -> None:
+        for flight in list(self.flights):
+            flight.end("shutdown")
+
+    def _flight(self) -> _Flight:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", None, "server_shutting_down", "server_error")
+        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+        flight = _Flight(deadline)
+        if deadline is not None:
+            flight.timer = asyncio.get_running_loop().call_later(self.request_timeout, flight.end, "timeout")
+        self.flights.add(flight)
+        return flight
+
+    def _landed(self, flight: _Flight) -> None:
+        self.flights.discard(flight)
+        if flight.timer is not None:
+            flight.timer.cancel()
 
     # --- the parts both endpoints share ---
     def _check_model(self, body: dict) -> None:
@@ -140,10 +211,13 @@ class App:
     def _generation(self, body: dict, prompt, chat: bool) -> tuple[Generation, int | None]:
         """The request's Generation and its number of top logprobs (None: none asked)."""
         _refuse_unsupported(body)
+        tokens_param = "max_tokens"
         if chat:
             max_tokens = _field(body, "max_completion_tokens", "integer", minimum=1)
             if max_tokens is None:
-                max_tokens = _field(body, "max_tokens", "integer", DEFAULT_CHAT_TOKENS, minimum=1)
+                max_tokens = _field(body, "max_tokens", "integer", minimum=1)
+            else:
+                tokens_param = "max_completion_tokens"
             if _field(body, "logprobs", "boolean", False):
                 top = _field(body, "top_logprobs", "integer", 0, minimum=0, maximum=MAX_LOGPROBS)
             else:
@@ -151,7 +225,7 @@ class App:
                     raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
                 top = None
         else:
-            max_tokens = _field(body, "max_tokens", "integer", DEFAULT_COMPLETION_TOKENS, minimum=1)
+            max_tokens = _field(body, "max_tokens", "integer", minimum=1)
             top = _field(body, "logprobs", "integer", minimum=0, maximum=MAX_LOGPROBS)
         temperature = _field(body, "temperature", "number", minimum=0)
         top_p = _field(body, "top_p", "number")
@@ -170,11 +244,13 @@ class App:
         try:
             sampling = sampling_from(self.archive.generation_config, temperature, top_k, top_p, seed, top)
             generation = Generation(self.archive, prompt, max_tokens, stop=stop, stop_token_ids=stop_token_ids,
-                                    sampling=sampling)
+                                    sampling=sampling, prompt_param="messages" if chat else "prompt",
+                                    tokens_param=tokens_param,
+                                    default_new_tokens=DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS)
         except SamplingError as err:
             raise ApiError(400, str(err), err.param) from None
         except RequestError as err:
-            raise ApiError(400, str(err), err.param) from None
+            raise ApiError(400, str(err), err.param, getattr(err, "code", None)) from None
         return generation, top
 
     def _prompt(self, body: dict):
@@ -194,28 +270,37 @@ class App:
         except RequestError as err:
             raise ApiError(400, str(err), err.param) from None
 
-    def _submit(self, generation: Generation):
+    def _submit(self, generation: Generation, flight: _Flight):
+        error = flight.error(self.request_timeout)
+        if error is not None:  # the deadline passed (or shutdown came) while the prompt was prepared
+            raise error
         try:
-            return self.executor.submit(generation.request)
+            flight.stream = self.executor.submit(generation.request)
         except ExecutorFull as err:
             raise ApiError(503, f"the server is full: {err}", None, "server_busy", "server_overloaded") from None
+        return flight.stream
 
     def _usage(self, generation: Generation) -> dict:
         prompt, completion = len(generation.prompt_ids), len(generation.token_ids)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def _tokens(self, generation: Generation, stream):
-        """The request's GeneratedTokens as its events come; a stop string cancels the rest."""
+    async def _tokens(self, generation: Generation, stream, flight: _Flight):
+        """The request's GeneratedTokens as its events come; a stop string cancels the rest; a request ended by its
+        deadline or by shutdown raises its ApiError once its stream stopped."""
         try:
             async for event in stream:
                 token = generation.step(event)
                 yield token
                 if token.finish_reason is not None:
                     return
+            error = flight.error(self.request_timeout)
+            if error is not None:
+                raise error
         finally:
             stream.cancel()
+            self._landed(flight)
 
-    async def _collect(self, request, generation: Generation, stream) -> list:
+    async def _collect(self, request, generation: Generation, stream, flight: _Flight) -> list:
         """Every token of a request answered at once; the client leaving cancels it."""
         async def watch():
             while True:
@@ -226,11 +311,41 @@ class App:
 
         watcher = asyncio.ensure_future(watch())
         try:
-            return [token async for token in self._tokens(generation, stream)]
+            return [token async for token in self._tokens(generation, stream, flight)]
         except GdnExportError as err:
             raise ApiError(500, f"the model failed: {err}") from None
         finally:
             watcher.cancel()
+
+    async def _started(self, request, chat: bool):
+        """(Generation, top logprobs, flight, token stream, stream mode, usage in the stream) of a request submitted
+        to the executor, its parsing, tokenizing and template rendering off the event loop; the flight is registered
+        (ended by shutdown or the deadline) from its arrival."""
+        flight = self._flight()
+        try:
+            body = await _json_body(request)
+            generation, top = await asyncio.to_thread(self._chat if chat else self._completion, body)
+            stream_mode = _field(body, "stream", "boolean", False)
+            usage_in_stream = bool(_field(body, "stream_options", "object", {}).get("include_usage"))
+            stream = self._submit(generation, flight)
+        except BaseException:
+            self._landed(flight)
+            raise
+        return generation, top, flight, stream, stream_mode, usage_in_stream
+
+    def _completion(self, body: dict):
+        self._check_model(body)
+        return self._generation(body, self._prompt(body), chat=False)
+
+    def _chat(self, body: dict):
+        self._check_model(body)
+        if "messages" not in body:
+            raise ApiError(400, "'messages' is required", "messages")
+        try:
+            prompt = chat_prompt_ids(self.archive, body["messages"])
+        except (ChatTemplateError, RequestError) as err:
+            raise ApiError(400, str(err), err.param, getattr(err, "code", None)) from None
+        return self._generation(body, prompt, chat=True)
 
     def _sse(self, chunks):
         """Server-sent events: one ``data:`` line per chunk, then ``data: [DONE]``; the stream cancelled when the
@@ -241,10 +356,14 @@ class App:
             try:
                 async for chunk in chunks:
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-            except Exception as err:  # the model failed mid-stream: said in the stream, which then ends
-                message = f"the model failed: {err}" if isinstance(err, GdnExportError) else \
-                    f"unexpected {type(err).__name__}: {err}"
-                yield f"data: {json.dumps(ApiError(500, message).body())}\n\n"
+            except Exception as err:  # the model failed mid-stream, or the deadline or shutdown ended it: said in
+                # the stream, which then ends
+                if isinstance(err, ApiError):
+                    error = err
+                else:
+                    error = ApiError(500, f"the model failed: {err}" if isinstance(err, GdnExportError) else
+                                     f"unexpected {type(err).__name__}: {err}")
+                yield f"data: {json.dumps(error.body())}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
@@ -276,16 +395,11 @@ class App:
 
     # --- endpoints ---
     async def completions(self, request):
-        body = await _json_body(request)
-        self._check_model(body)
-        generation, top = self._generation(body, self._prompt(body), chat=False)
-        stream_mode = _field(body, "stream", "boolean", False)
-        usage_in_stream = bool(_field(body, "stream_options", "object", {}).get("include_usage"))
-        stream = self._submit(generation)
+        generation, top, flight, stream, stream_mode, usage_in_stream = await self._started(request, chat=False)
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": ident, "object": "text_completion", "created": created, "model": self.model_name}
         if not stream_mode:
-            tokens = await self._collect(request, generation, stream)
+            tokens = await self._collect(request, generation, stream, flight)
             choice = {"index": 0, "text": generation.text,
                       "logprobs": self._completion_logprobs(generation, tokens, top),
                       "finish_reason": generation.finish_reason, "stop_reason": generation.stop_reason,
@@ -294,7 +408,7 @@ class App:
 
         async def chunks():
             first = True
-            async for token in self._tokens(generation, stream):
+            async for token in self._tokens(generation, stream, flight):
                 choice = {"index": 0, "text": token.text,
                           "logprobs": self._completion_logprobs(generation, [token], top),
                           "finish_reason": token.finish_reason, "stop_reason": token.stop_reason,
@@ -308,22 +422,11 @@ class App:
         return self._sse(chunks())
 
     async def chat_completions(self, request):
-        body = await _json_body(request)
-        self._check_model(body)
-        if "messages" not in body:
-            raise ApiError(400, "'messages' is required", "messages")
-        try:
-            prompt = chat_prompt_ids(self.archive, body["messages"])
-        except (ChatTemplateError, RequestError) as err:
-            raise ApiError(400, str(err), err.param) from None
-        generation, top = self._generation(body, prompt, chat=True)
-        stream_mode = _field(body, "stream", "boolean", False)
-        usage_in_stream = bool(_field(body, "stream_options", "object", {}).get("include_usage"))
-        stream = self._submit(generation)
+        generation, top, flight, stream, stream_mode, usage_in_stream = await self._started(request, chat=True)
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": ident, "object": "chat.completion", "created": created, "model": self.model_name}
         if not stream_mode:
-            tokens = await self._collect(request, generation, stream)
+            tokens = await self._collect(request, generation, stream, flight)
             choice = {"index": 0, "message": {"role": "assistant", "content": generation.text},
                       "logprobs": self._chat_logprobs(generation, tokens, top),
                       "finish_reason": generation.finish_reason, "stop_reason": generation.stop_reason,
@@ -336,7 +439,7 @@ class App:
             yield dict(head, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None, "token_ids": []}],
                        prompt_token_ids=list(generation.prompt_ids))
-            async for token in self._tokens(generation, stream):
+            async for token in self._tokens(generation, stream, flight):
                 delta = {"content": token.text} if token.text or token.finish_reason is None else {}
                 yield dict(head, choices=[{"index": 0, "delta": delta,
                                            "logprobs": self._chat_logprobs(generation, [token], top),
@@ -347,12 +450,34 @@ class App:
 
         return self._sse(chunks())
 
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "gdn_export",
+                "root": self.model_name, "max_model_len": self.archive.max_model_len}
+
     async def models(self, request):
-        return _json({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                                  "owned_by": "gdn_export", "root": str(self.archive.path)}]})
+        return _json({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request):
+        name = request.path_params["name"]
+        if name != self.model_name:
+            raise ApiError(404, f"the model '{name}' does not exist (this server serves '{self.model_name}')",
+                           "model", "model_not_found")
+        return _json(self._model_card())
 
     async def health(self, request):
+        if self.draining:
+            from starlette.responses import JSONResponse
+
+            return JSONResponse(dict(status="shutting down", **self.executor.stats()), status_code=503)
         return _json(dict(status="ok", **self.executor.stats()))
+
+    def authorized(self, scope) -> bool:
+        """Whether a request may use a ``/v1`` route: no key is set, or its ``Authorization: Bearer`` gives it."""
+        if self.api_key is None:
+            return True
+        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        scheme, _, key = given.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.api_key.encode())
 
 
 def _json(data: dict):
@@ -361,13 +486,17 @@ def _json(data: dict):
     return Response(json.dumps(data, ensure_ascii=False), media_type="application/json")
 
 
-def make_app(executor, model_name: str):
-    """The starlette application serving ``executor`` under ``model_name``."""
+def make_app(executor, model_name: str, api_key: str | None = None, request_timeout: float | None = None,
+             state: list | None = None):
+    """The ASGI application serving ``executor`` under ``model_name`` (``App``'s options); ``state``, when given,
+    receives the ``App`` (what ``serve`` drains on shutdown)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.routing import Route
 
-    app = App(executor, model_name)
+    app = App(executor, model_name, api_key, request_timeout)
+    if state is not None:
+        state.append(app)
 
     def guarded(endpoint):
         async def run(request):
@@ -387,8 +516,23 @@ def make_app(executor, model_name: str):
     routes = [Route("/v1/completions", guarded(app.completions), methods=["POST"]),
               Route("/v1/chat/completions", guarded(app.chat_completions), methods=["POST"]),
               Route("/v1/models", guarded(app.models), methods=["GET"]),
+              Route("/v1/models/{name:path}", guarded(app.model), methods=["GET"]),
               Route("/health", guarded(app.health), methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: unexpected})
+    routed = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: unexpected})
+
+    async def keyed(scope, receive, send):
+        """Every ``/v1`` path (known or not) asks for the key first: 401 with OpenAI's body without it."""
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and not app.authorized(scope):
+            from starlette.responses import JSONResponse
+
+            error = ApiError(401, "Incorrect API key provided: pass it as 'Authorization: Bearer KEY' (the "
+                                  "server's --api-key)", None, "invalid_api_key")
+            response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        await routed(scope, receive, send)
+
+    return keyed
 
 
 def model_name_of(path) -> str:
@@ -423,6 +567,10 @@ def executor_for(session, workers: int, max_queue: int, slots: int | None = None
                       prefill_rows=prefill_rows, **piece)
     from gdn_export.run.generation.executor import WorkerPool
 
+    if progress is not None:
+        progress("planning the model for batches of 1")
+    session.prefill([[0]])  # plans now (seconds): a first request's first piece would otherwise hold its worker for
+    session.reset()  # the whole planning, cancellation or not
     return WorkerPool(session, workers=workers, max_queue=max_queue)
 
 
@@ -434,32 +582,76 @@ def listen(host: str, port: int):
     return socket.create_server((host, port), family=family, backlog=128)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def graceful_server(config, app_state: list, grace: float):
+    """A ``uvicorn.Server`` whose shutdown (SIGTERM, Ctrl-C) stops admitting at once (503), gives the requests in
+    flight ``grace`` seconds to finish, then ends them with an error body (a stream: an error event and ``[DONE]``)
+    before uvicorn closes their connections; a second signal forces the exit."""
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            for app in app_state:
+                app.drain(grace)
+            await super().shutdown(sockets)
+
+    config.timeout_graceful_shutdown = grace + 5  # the ended requests' last words, then uvicorn cancels the rest
+    return GracefulServer(config)
+
+
 def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max_queue: int = 16,
           model_name: str | None = None, log_level: str = "warning", ready=None, slots: int | None = None,
-          progress=None, prefill_piece: int | None = None, prefill_rows: int = 1) -> None:
+          progress=None, prefill_piece: int | None = None, prefill_rows: int = 1, *, api_key: str | None = None,
+          request_timeout: float | None = None, max_model_len: int | None = None, allow_long: bool = False,
+          shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE) -> None:
     """Serve the archive at ``path`` until interrupted (Ctrl-C, SIGTERM): ``workers`` threads over one tract
     plan, at most ``max_queue`` requests waiting; a serving archive on an ``Engine`` of ``slots`` slots (default 8;
     every batch-size bucket planned before the server answers); ``prefill_piece``: prompt tokens per prefill call (a
-smaller piece holds up the other requests' next tokens for less time, at some prefill speed; on an Engine a
-multiple of 64); ``prefill_rows``: an Engine's prompts prefilled in one call. ``ready(host, port)`` is called once the socket
-    listens (connections made from then on are served once the model is loaded)."""
+    smaller piece holds up the other requests' next tokens for less time, at some prefill speed; on an Engine a
+    multiple of 64); ``prefill_rows``: an Engine's prompts prefilled in one call. ``ready(host, port)`` is called once
+    the socket listens (connections made from then on are served once the model is loaded). ``api_key``: asked on
+    every /v1 route; ``request_timeout``: each request's deadline in seconds; ``max_model_len``: prompt + new tokens
+    at most (default: the model's context; longer only with ``allow_long``); ``shutdown_grace``: seconds in-flight
+    requests get after SIGTERM (docs/SERVER.md)."""
     import uvicorn
 
     from gdn_export.run.session import Session
 
+    say = progress or (lambda message: None)
+    if shutdown_grace < 0:
+        raise GdnExportError(f"shutdown_grace must be >= 0 seconds, got {shutdown_grace}")
     session = Session(path)
+    context_bound(session.metadata.get("context_length"), max_model_len, allow_long)  # refused before any planning
     if (slots is not None or prefill_rows != 1) and not session.serving:
         option = "--slots" if slots is not None else "--prefill-rows"
         raise GdnExportError(f"{option} batches requests over a serving graph; {path} has none (convert it with "
                              "--serving)")
+    if api_key is None and not is_loopback(host):
+        say(f"warning: listening on {host} without an API key: anyone who reaches this port can use the model "
+            f"(--api-key KEY or {API_KEY_ENV})")
     sock = listen(host, port)
     executor = None
     try:
         executor = executor_for(session, workers, max_queue, slots, progress, prefill_piece,  # plans: seconds
                                 prefill_rows)
-        app = make_app(executor, model_name or model_name_of(path))
-        config = uvicorn.Config(app, log_level=log_level, http="h11", lifespan="off", timeout_graceful_shutdown=1)
-        server = uvicorn.Server(config)
+        executor.archive.limit_context(max_model_len, allow_long)
+        if max_model_len is None and executor.archive.context_note:
+            say(f"warning: {executor.archive.context_note}")
+        state: list = []
+        app = make_app(executor, model_name or model_name_of(path), api_key, request_timeout, state)
+        config = uvicorn.Config(app, log_level=log_level, http="h11", lifespan="off")
+        server = graceful_server(config, state, shutdown_grace)
         if ready is not None:
             bound = sock.getsockname()
             ready(bound[0], bound[1])

@@ -52,6 +52,11 @@ def load_tract_model(path: str | os.PathLike, symbols: dict[str, int] | None = N
     except TractRuntimeError:
         raise
     except Exception as err:  # tract raises plain Exceptions with its own message
+        from gdn_export.run.archive import damaged_message, gzip_damage
+
+        damaged = gzip_damage(path) if path.is_file() else None
+        if damaged is not None:  # say what is wrong with the file rather than what tract tripped on
+            raise TractRuntimeError(damaged_message(path, damaged)) from None
         raise TractRuntimeError(f"tract could not load {path}: {err}") from err
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from gdn_export.errors import GdnExportError
-from gdn_export.run.archive import read_metadata
+from gdn_export.run.archive import first_line, json_member, read_metadata, text_member
 from gdn_export.run.runtime import load_tract_model, run_tract_tensors
 from gdn_export.run.runtime import steady_allocator as keep_buffers_mapped
 
@@ -68,11 +68,9 @@ class Session:
     def _generation_files(self) -> dict[str, bytes]:
         """The checkpoint files for generation the archive carries (``metadata["generation_files"]``), read once."""
         if self._generation is None:
-            import tarfile
+            from gdn_export.run.archive import read_members
 
-            names = self.metadata.get("generation_files", [])
-            with tarfile.open(self.path) as tar:
-                self._generation = {name: tar.extractfile(name).read() for name in names}
+            self._generation = read_members(self.path, self.metadata.get("generation_files", []))
         return self._generation
 
     @functools.cached_property
@@ -86,30 +84,34 @@ class Session:
             from tokenizers import Tokenizer
         except ImportError:
             raise GdnExportError("reading the archive's tokenizer needs the tokenizers package: pip install tokenizers") from None
-        return Tokenizer.from_str(data.decode())
+        try:
+            return Tokenizer.from_str(text_member(data, "tokenizer.json", self.path))
+        except Exception as err:  # tokenizers raises plain Exceptions
+            raise GdnExportError(f"{self.path}: tokenizer.json does not load ({first_line(err)})") from None
 
     @property
     def chat_template(self) -> str | None:
         """The checkpoint's chat template (chat_template.jinja, or tokenizer_config.json's), or None."""
-        import json
-
         files = self._generation_files()
         if "chat_template.jinja" in files:
-            return files["chat_template.jinja"].decode()
+            return text_member(files["chat_template.jinja"], "chat_template.jinja", self.path)
         for name in ("chat_template.json", "tokenizer_config.json"):
             if name in files:
-                template = json.loads(files[name]).get("chat_template")
+                template = json_member(files[name], name, self.path).get("chat_template")
+                if isinstance(template, list):  # named templates (transformers): the "default" one
+                    template = next((t.get("template") for t in template if isinstance(t, dict)
+                                     and t.get("name") == "default"), None)
                 if template:
+                    if not isinstance(template, str):
+                        raise GdnExportError(f"{self.path}: {name}'s chat_template must be a string")
                     return template
         return None
 
     @property
     def generation_config(self) -> dict | None:
         """The checkpoint's generation_config.json (sampling defaults, stop tokens), or None."""
-        import json
-
         data = self._generation_files().get("generation_config.json")
-        return json.loads(data) if data is not None else None
+        return json_member(data, "generation_config.json", self.path) if data is not None else None
 
     def _runnable(self, batch: int):
         if self._planned is None or self._planned[0] != batch:

@@ -1,1 +1,10 @@
-"""How weights reach an archive: streamed from their source (``streamed``), and in which encoding (``q4_0``)."""
+"""How weights reach an archive: streamed from their source (``streamed``), and in which encoding (``q4_0``,
+``int8``)."""
+
+# why each quantization stays NNEF-only (the CLI's message and format="onnx"'s); here, light for the CLI's import
+ONNX_QUANTIZE_REFUSAL = {
+    "q4_0": "tract's Q4_0 format; an ONNX export keeps float weights",
+    "int8": "the ONNX exporter writes float weights only: its integer route with the same numbers (Abs, ReduceMax, "
+            "Round, Cast, MatMulInteger without zero points) is not written; DynamicQuantizeLinear rounds "
+            "asymmetrically to uint8, other numbers",
+}

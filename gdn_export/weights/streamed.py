@@ -44,6 +44,9 @@ class StreamedWeights:
     # written after the trace (``write_deferred``), while tract reads the graph for its output names, which
     # declares such weights as inputs of that type and never opens their files (gdn_export/backends/nnef/output_names.py)
     deferrable: Mapping[str, str] = field(default_factory=dict)
+    int8: object = None  # gdn_export.weights.int8.Int8Weights of an int8 export: the graph's linears of them lowered
+    # the embedding tables stored in int8 (Int8Weights): every gather of them takes codes and scales
+    int8_tables: object = None
 
 
 REAL_BYTES = 1 << 20  # parameters below this size are traced with their values
@@ -52,7 +55,6 @@ REAL_BYTES = 1 << 20  # parameters below this size are traced with their values
 GUARD_BYTES = 1 << 20
 
 _ACTIVE = threading.local()
-_INSTALLED = threading.Lock()
 
 
 @contextmanager
@@ -60,21 +62,16 @@ def streamed_writes(weights: StreamedWeights | None) -> Iterator[dict]:
     """Route torch-to-nnef's writes of the variables labelled in ``weights.writers`` to them, in this thread; yields
     a dict that collects ``{"written": set of labels, "seconds": time spent in the writers, "deferred": [(file,
     label)]}``: the ``deferrable`` weights are not written yet but listed (``write_deferred`` writes them)."""
-    from torch_to_nnef.nnef_io import writer
-    from torch_to_nnef.op.aten import math
-    from torch_to_nnef.tensor.named import NamedTensor
+    from gdn_export.backends.compat import patched
+    from gdn_export.backends.compat.torch_to_nnef import streamed_weight_patches
 
-    with _INSTALLED:
-        if not getattr(writer.write_nnef_tensor, "gdn_export_dispatch", False):
-            writer.write_nnef_tensor = _dispatching(writer.write_nnef_tensor)
-            math.remap_if_neutral_op = _guarded_neutral(math.remap_if_neutral_op)
-            NamedTensor.clone = _placeholder_clone(NamedTensor.clone)
     record = {"written": set(), "seconds": 0.0, "deferred": []}
-    _ACTIVE.weights, _ACTIVE.record = weights, record
-    try:
-        yield record
-    finally:
-        _ACTIVE.weights = None
+    with patched(*streamed_weight_patches(_dispatching, _guarded_neutral, _placeholder_clone)):
+        _ACTIVE.weights, _ACTIVE.record = weights, record
+        try:
+            yield record
+        finally:
+            _ACTIVE.weights = None
 
 
 def _active() -> StreamedWeights | None:
@@ -101,7 +98,6 @@ def _dispatching(original):
         _write(weights, Path(filename), label)
         record["seconds"] += time.perf_counter() - start
 
-    write_nnef_tensor.gdn_export_dispatch = True
     return write_nnef_tensor
 
 
@@ -182,3 +178,4 @@ def annotate_compressed_gathers(graph: str, compressed: Mapping[str, str]) -> st
         return f"{match.group(1)}tract_core_gather({match.group(2)}{match.group(3)}, datum_type = '{datum}');"
 
     return re.sub(r"^(\s*\w+\s*=\s*)tract_core_gather\((\w+)([^;]*)\);", annotate, graph, flags=re.M)
+

@@ -1,4 +1,5 @@
-"""torch-to-nnef behaviour gdn_export corrects at export time (each listed in ``gdn_export.tract_quirks``).
+"""torch-to-nnef's internals as gdn_export patches them for one export (``conversion()``; each patch names its
+``Quirk`` in ``gdn_export.tract_quirks``; written for torch-to-nnef 0.24.12, ``require``d).
 
 Node order and names (torch-to-nnef 0.24.12). ``TorchModuleIRGraph._filter_nodes_not_in_trace_between_inputs_and_
 outputs`` drops unused nodes and re-sorts the kept ones by their index in the traced graph; nodes created after the
@@ -25,26 +26,121 @@ nodes): such a re-run recomputes and stores exactly what the last one stored. gd
 
 from __future__ import annotations
 
-import threading
+import importlib
+import importlib.machinery
+import sys
+from contextlib import ExitStack, contextmanager
+from typing import Callable, Iterator, Mapping
 
-_INSTALLED = threading.Lock()
+from gdn_export.backends.compat import Patch, _LOCK, patched, require
+
 OWN_OPS = "t2n_extra::"  # the custom ops of gdn_export.ops
 
 
-def install() -> None:
-    """Apply the corrections (idempotent)."""
+def order_and_shape_patches() -> list[Patch]:
+    """Deterministic names and order, linear shape inference (the module docstring): every export needs them."""
     import torch_to_nnef.export as t2n_export
     from torch_to_nnef.tensor.updater import ModTensorUpdater
     from torch_to_nnef.torch_graph.ir_graph import TorchModuleIRGraph
 
-    with _INSTALLED:
-        method = TorchModuleIRGraph._filter_nodes_not_in_trace_between_inputs_and_outputs
-        if getattr(method, "gdn_export_patch", False):
-            return
-        TorchModuleIRGraph._filter_nodes_not_in_trace_between_inputs_and_outputs = _filter_nodes
-        ModTensorUpdater.__init__ = _sorted_names(ModTensorUpdater.__init__)
-        TorchModuleIRGraph._infer_missing_shapes_from_ops_outputs = _infer_missing_shapes
-        t2n_export._build_nnef_graph_and_fragments = _sorted_fragments(t2n_export._build_nnef_graph_and_fragments)
+    return [
+        Patch(TorchModuleIRGraph, "_filter_nodes_not_in_trace_between_inputs_and_outputs", lambda _: _filter_nodes,
+              quirk="T2N_SET_ORDER_NAMES"),
+        Patch(ModTensorUpdater, "__init__", _sorted_names, quirk="T2N_SET_ORDER_NAMES"),
+        Patch(TorchModuleIRGraph, "_infer_missing_shapes_from_ops_outputs", lambda _: _infer_missing_shapes,
+              quirk="T2N_QUADRATIC_SHAPE_INFERENCE"),
+        Patch(t2n_export, "_build_nnef_graph_and_fragments", _sorted_fragments, quirk="T2N_SET_ORDER_NAMES"),
+    ]
+
+
+def handler_patches(handlers: Mapping[str, Callable]) -> list[Patch]:
+    """gdn_export's ``t2n_extra`` handlers written into torch-to-nnef's registry dict (its ``register`` asserts on
+    a name it has, and it has its own stale ``gated_delta_scan``), each restored afterwards."""
+    from torch_to_nnef.op import extras
+
+    registry = extras._T2N_EXTRA_REGISTRY._registry
+    return [Patch(registry, name, lambda _, handler=handler: handler, quirk="T2N_REGISTRY_REFUSES_SECOND_HANDLER")
+            for name, handler in sorted(handlers.items())]
+
+
+def no_download(stand_in: Callable) -> Patch:
+    """``TractCli.download`` answering ``stand_in(version)`` instead of fetching a tract binary."""
+    from torch_to_nnef.inference_target.tract import TractCli
+
+    return Patch(TractCli, "download", lambda _: classmethod(lambda cls, version: stand_in(version)),
+                 quirk="T2N_TARGET_DOWNLOADS_TRACT")
+
+
+def streamed_weight_patches(write_nnef_tensor: Callable, remap_if_neutral_op: Callable,
+                            clone: Callable) -> list[Patch]:
+    """The hooks of a streamed export (``gdn_export.weights.streamed``): each a wrapper factory of the original."""
+    from torch_to_nnef.nnef_io import writer
+    from torch_to_nnef.op.aten import math
+    from torch_to_nnef.tensor.named import NamedTensor
+
+    return [Patch(writer, "write_nnef_tensor", write_nnef_tensor, quirk="T2N_READS_WEIGHT_VALUES"),
+            Patch(math, "remap_if_neutral_op", remap_if_neutral_op, quirk="T2N_READS_WEIGHT_VALUES"),
+            Patch(NamedTensor, "clone", clone, quirk="T2N_CLONES_TENSORS_PER_OP")]
+
+
+@contextmanager
+def conversion(handlers: Mapping[str, Callable] = {}) -> Iterator[None]:
+    """What one torch-to-nnef export needs, for its duration: the version check, the order and shape patches, and
+    ``handlers`` registered. Wrap your own ``torch_to_nnef.export_model_to_nnef`` call in it (with
+    ``gdn_export.backends.nnef.registry.CUSTOM_OPS`` after ``import gdn_export.ops.nnef_handlers``) to export
+    gdn_export's ops."""
+    require("torch_to_nnef")
+    import_torch_to_nnef()
+    with ExitStack() as stack:
+        stack.enter_context(patched(*order_and_shape_patches(), *handler_patches(handlers)))
+        yield
+
+
+class _CompileHeldBack:
+    """A meta-path finder that runs one module of torch-to-nnef with ``torch.compile`` as the identity.
+
+    torch-to-nnef 0.24.12's ``tensor/quant/base.py`` wraps the dequantization of its own quantized tensors in
+    ``torch.compile`` at import, which imports inductor: 1.2 s of CPU in every process that exports (measured:
+    3.5-4.2 s against 2.5 s for ``import torch_to_nnef``). gdn_export writes its Q4_0 itself and never dequantizes
+    those tensors, which stay correct, only eager (tract_quirks.T2N_COMPILES_AT_IMPORT)."""
+
+    MODULE = "torch_to_nnef.tensor.quant.base"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_held_back(module) -> None:
+            import torch
+
+            compile_ = torch.compile
+            torch.compile = lambda model=None, *args, **kwargs: model
+            try:
+                exec_module(module)
+            finally:
+                torch.compile = compile_
+
+        spec.loader.exec_module = exec_held_back
+        return spec
+
+
+def import_torch_to_nnef() -> None:
+    """Import torch-to-nnef, its quantized-tensor module with ``torch.compile`` held back (the finder is in
+    ``sys.meta_path`` for this import only)."""
+    if _CompileHeldBack.MODULE in sys.modules:
+        return
+    with _LOCK:
+        finder = _CompileHeldBack()
+        sys.meta_path.insert(0, finder)
+        try:
+            importlib.import_module(_CompileHeldBack.MODULE)
+            importlib.import_module("torch_to_nnef")
+        finally:
+            sys.meta_path.remove(finder)
 
 
 class _SortedSet(set):
@@ -107,8 +203,6 @@ def _filter_nodes(self):
     nodes = sorted(used, key=lambda node: (before.get(hash(node), -1), "" if hash(node) in before else _name(node)))
     self.data_nodes = ReactiveNamedItemDict(nodes)
 
-
-_filter_nodes.gdn_export_patch = True
 
 
 def _name(node) -> str:

@@ -9,18 +9,14 @@ answers the version, and with torch-to-nnef's own I/O check off.
 from __future__ import annotations
 
 import dataclasses
-import threading
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any
 
 from torch_to_nnef.inference_target.tract import TractCli, TractNNEF
 from torch_to_nnef.utils import SemanticVersion
 
-from gdn_export.ops.gated_delta_rule.capabilities import parse_version
-from gdn_export.ops.options import LoweringOptions
-
-_CONSTRUCTION_LOCK = threading.Lock()
+from gdn_export.backends.compat import patched
+from gdn_export.backends.compat.torch_to_nnef import no_download
 
 
 class _NoBinary(TractCli):
@@ -34,48 +30,34 @@ class _NoBinary(TractCli):
         raise RuntimeError("gdn_export runs tract through its Python bindings, not a binary")
 
 
-@contextmanager
-def _no_download() -> Iterator[None]:
-    original = TractCli.__dict__["download"]
-    TractCli.download = classmethod(lambda cls, version: _NoBinary(version))
-    try:
-        yield
-    finally:
-        TractCli.download = original
+class _NoBinaryAnswer:
+    """The stand-in ``TractCli.download`` answers while a target is built."""
+
+    def __call__(self, version: SemanticVersion) -> _NoBinary:
+        return _NoBinary(version)
 
 
 class OfflineTractTarget(TractNNEF):
-    """``TractNNEF`` without a binary, carrying what the emitter reads: ``gdn_options`` (a
-    ``LoweringOptions``, validated here: LoweringError on a bad value) and ``gdn_decisions`` (the emitter
-    appends one Decision per node)."""
+    """``TractNNEF`` without a binary, carrying what the ops' handlers read: ``gdn_options`` (the export's plan,
+    ``ops.options.LoweringOptions``, given by the pipeline) and ``gdn_decisions`` (one Decision appended per node).
+    The back-end never looks inside the plan."""
 
     # the versions gdn_export's tests run (torch-to-nnef warns beyond its own list)
     OFFICIAL_SUPPORTED_VERSIONS = [SemanticVersion.from_str(v) for v in ("0.23.9", "0.22.1")]
 
-    def __init__(self, version: str, *, lowering: str = "auto", dynamic_axes: dict | None = None,
-                 runtime: str = "any", core_dtype: str | None = None, chunk_size: int | None = None) -> None:
-        with _CONSTRUCTION_LOCK, _no_download():
+    def __init__(self, version: str, *, options: Any = None, dynamic_axes: dict | None = None) -> None:
+        with patched(no_download(_NoBinaryAnswer())):
             super().__init__(
                 version, check_io=False, dynamic_axes=dynamic_axes, dump_identity_properties=False,
                 native_gated_delta_op=False,
             )
-        self.gdn_options = LoweringOptions(tract_version=parse_version(version), lowering=lowering, runtime=runtime,
-                                           core_dtype=core_dtype, chunk_size=chunk_size,
-                                           seq_may_vary=bool(self.dynamic_axes))
-        self.gdn_decisions: list = []
+        if options is not None:
+            self.gdn_options = options
+            self.gdn_decisions: list = []
 
     def with_dynamic_axes(self, dynamic_axes):
         """torch-to-nnef's copy with other dynamic axes; whether traced extents may be symbolic follows them."""
         copy = super().with_dynamic_axes(dynamic_axes)
-        copy.gdn_options = dataclasses.replace(copy.gdn_options, seq_may_vary=bool(dynamic_axes))
+        if hasattr(copy, "gdn_options"):
+            copy.gdn_options = dataclasses.replace(copy.gdn_options, seq_may_vary=bool(dynamic_axes))
         return copy
-
-
-def policy_of(target) -> TractNNEF:
-    """The target with the emitter's state (``gdn_options``, ``gdn_decisions``): a plain TractNNEF
-    (torch-to-nnef's own export) gets the default options for its version, once."""
-    if not hasattr(target, "gdn_options"):
-        target.gdn_options = LoweringOptions(tract_version=parse_version(target.version.to_str()),
-                                             seq_may_vary=bool(getattr(target, "dynamic_axes", None)))
-        target.gdn_decisions = []
-    return target

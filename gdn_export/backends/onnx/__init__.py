@@ -2,7 +2,7 @@
 ONNX for onnxruntime (its contrib ops where exact) or any ONNX runtime with ``Scan`` (tract's ONNX loader too).
 
 ``export_onnx`` (``gdn_export.export(..., format="onnx")``), ``OnnxSession``, ``run_model``. Per-node decisions:
-``gdn_export.ops.gated_delta_rule.onnx``.
+each op's ``onnx`` module (``gdn_export/ops/onnx_handlers.py``), through ``registry.py``.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError
-from gdn_export.ops.gated_delta_rule import onnx as onnx_decisions
+from gdn_export.backends.onnx.registry import SHAPED, validate
 
 if TYPE_CHECKING:
     from gdn_export.backends.onnx.streamed import Source
@@ -154,10 +154,6 @@ def write_onnx(module: torch.nn.Module, args: Sequence[torch.Tensor], folder: Pa
     return path, data, decisions, seconds
 
 
-# the custom ops whose placeholders need their operands' sizes, by placeholder op type
-_SHAPED = {"t2n_extra::gated_delta_rule": "GatedDeltaRule", "t2n_extra::gated_delta_scan": "GatedDeltaRule"}
-
-
 def _operand_shapes(module, args) -> dict[str, list]:
     """Run ``module(*args)`` once, recording the tensor operands' shapes of each gated delta-rule call, in order:
     the TorchScript graph's types can leave a size symbolic that is static (a head count of a view to -1)."""
@@ -167,7 +163,7 @@ def _operand_shapes(module, args) -> dict[str, list]:
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            op = _SHAPED.get(func._schema.name)
+            op = SHAPED.get(func._schema.name)  # the ops whose rewriters read operand sizes
             if op is not None:
                 calls.setdefault(op, []).append([list(a.shape) for a in args if isinstance(a, torch.Tensor)])
             return func(*args, **(kwargs or {}))
@@ -203,7 +199,7 @@ def export_onnx(module: torch.nn.Module, args: Sequence[torch.Tensor], path, *, 
     compute exactly the node), "tract-onnx" or "any" (the portable forms). With ``check``, the file runs in
     onnxruntime on ``args`` (tract's ONNX loader for ``runtime="tract-onnx"``) and every output is compared with
     torch (ParityError beyond tolerance). The file appears at ``path`` only once written, validated and checked."""
-    onnx_decisions.validate(runtime, lowering)
+    validate(runtime, lowering)
     path = onnx_path(path)
     args = tuple(args)
     input_names = list(input_names) if input_names else [f"input_{i}" for i in range(len(args))]

@@ -132,50 +132,49 @@ def _risky_folds(graph, params: Mapping[str, torch.Tensor], placeholders: set[st
 def capture(sources: Mapping[int, Source], module: torch.nn.Module) -> Iterator[Capture]:
     """Within: a ``torch.onnx.export`` of ``module`` (TorchScript exporter) records its final initializers (with
     sentinels for the placeholders) into the yielded ``Capture``; ``sources``: placeholder storage data_ptr ->
-    its source. Not thread-safe (patches ``torch._C`` passes for the duration)."""
+    its source. The ``torch._C`` passes are hooked for the duration (backends/compat/torch_onnx.py: one export at a
+    time)."""
     record = Capture(sources)
     record.real_storages = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
                             if t.untyped_storage().data_ptr() not in sources}
-    peephole = torch._C._jit_pass_onnx_eval_peephole
-    fold = torch._C._jit_pass_onnx_constant_fold
-    dedup = torch._C._jit_pass_onnx_deduplicate_initializers
+    from gdn_export.backends.compat import patched
+    from gdn_export.backends.compat.torch_onnx import onnx_pass_patches
 
-    def eval_peephole(graph, params):
-        if any(n.kind() == "onnx::BatchNormalization" for n in graph.nodes()):  # fused into Conv from the values
-            record.folded_from_placeholders.append("onnx::BatchNormalization")
-        return peephole(graph, params)
+    def eval_peephole(peephole):
+        def hooked(graph, params):
+            if any(n.kind() == "onnx::BatchNormalization" for n in graph.nodes()):  # fused into Conv from the values
+                record.folded_from_placeholders.append("onnx::BatchNormalization")
+            return peephole(graph, params)
+        return hooked
 
-    def constant_fold(graph, params, opset):
-        placeholders = set()
-        for name, t in list(params.items()):
-            source = sources.get(t.untyped_storage().data_ptr())
-            if source is not None:
-                if tuple(t.shape) != tuple(source.shape) or not t.is_contiguous() or t.storage_offset():
-                    record.folded_from_placeholders.append(f"a view of {source.name} as a parameter")
-                sentinel = _sentinel(t)
-                record.sentinels[sentinel.untyped_storage().data_ptr()] = (source, sentinel)
-                params[name] = sentinel
-                placeholders.add(name)
-        risky = _risky_folds(graph, params, placeholders)
-        result = fold(graph, params, opset)
-        left = {v.unique() for n in graph.nodes() for v in n.outputs()}
-        record.folded_from_placeholders += [kind for kind, outs in risky if not all(o in left for o in outs)]
-        return result
+    def constant_fold(fold):
+        def hooked(graph, params, opset):
+            placeholders = set()
+            for name, t in list(params.items()):
+                source = sources.get(t.untyped_storage().data_ptr())
+                if source is not None:
+                    if tuple(t.shape) != tuple(source.shape) or not t.is_contiguous() or t.storage_offset():
+                        record.folded_from_placeholders.append(f"a view of {source.name} as a parameter")
+                    sentinel = _sentinel(t)
+                    record.sentinels[sentinel.untyped_storage().data_ptr()] = (source, sentinel)
+                    params[name] = sentinel
+                    placeholders.add(name)
+            risky = _risky_folds(graph, params, placeholders)
+            result = fold(graph, params, opset)
+            left = {v.unique() for n in graph.nodes() for v in n.outputs()}
+            record.folded_from_placeholders += [kind for kind, outs in risky if not all(o in left for o in outs)]
+            return result
+        return hooked
 
-    def deduplicate(graph, params, training):
-        result = dedup(graph, params, training)
-        record.params = dict(result)
-        return result
+    def deduplicate(dedup):
+        def hooked(graph, params, training):
+            result = dedup(graph, params, training)
+            record.params = dict(result)
+            return result
+        return hooked
 
-    torch._C._jit_pass_onnx_eval_peephole = eval_peephole
-    torch._C._jit_pass_onnx_constant_fold = constant_fold
-    torch._C._jit_pass_onnx_deduplicate_initializers = deduplicate
-    try:
+    with patched(*onnx_pass_patches(eval_peephole, constant_fold, deduplicate)):
         yield record
-    finally:
-        torch._C._jit_pass_onnx_eval_peephole = peephole
-        torch._C._jit_pass_onnx_constant_fold = fold
-        torch._C._jit_pass_onnx_deduplicate_initializers = dedup
 
 
 def _view_recipe(name: str, t: torch.Tensor, source: Source, sentinel: torch.Tensor) -> Weight:

@@ -9,14 +9,15 @@ from gdn_export.hf.families.base import ExportableLM, Family, StateSpec
 
 # one module per family, each defining FAMILY
 FAMILY_MODULES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "qwen4_exp", "lara_mini", "kimi_linear",
-                 "fla")
+                 "fla", "megatron")
 
 
 def all_families() -> list[Family]:
     families = []
     for name in FAMILY_MODULES:
         try:
-            module = importlib.import_module(f"gdn_export.hf.families.{name}")
+            module = importlib.import_module("gdn_export.megatron.family" if name == "megatron"
+                                             else f"gdn_export.hf.families.{name}")
         except ModuleNotFoundError as err:
             if err.name == f"gdn_export.hf.families.{name}":
                 continue  # not written yet

@@ -1,4 +1,4 @@
-"""Lowerings of ``t2n_extra::causal_conv1d_update``: tract's fused op where the target has it, else plain NNEF.
+"""``t2n_extra::causal_conv1d_update`` in NNEF: tract's fused op where the target has it, else plain NNEF.
 
 The fused ``tract_transformers_causal_conv1d_update(x [B, C, S], weight [C, W], state [B, C, W])`` exists
 from tract 0.23.5 and runs any S, symbolic too (probed against numpy: it convolves the last W-1 state
@@ -14,6 +14,10 @@ import numpy as np
 from nnef_tools.model import Tensor as NTensor
 
 from gdn_export.backends.nnef.builder import NnefBuilder
+from gdn_export.backends.nnef.registry import custom_op, output_tensors, positional, require_tract
+from gdn_export.ops.causal_conv1d.op import check_conv_operands
+from gdn_export.ops.options import policy_of
+from gdn_export.ops.protocol import Decision
 
 if TYPE_CHECKING:
     from gdn_export.ops.options import LoweringOptions
@@ -61,3 +65,16 @@ def lower(builder: NnefBuilder, x: NTensor, weight: NTensor, state: NTensor, y: 
     builder.cast(last, new_state.dtype, out=new_state)
     # torch-to-nnef's fragment: a slice whose bound counts from the end of a symbolic axis
     return ["dyn_slice_begin", "within_bound_index"]
+
+
+@custom_op("causal_conv1d_update")
+def handle_causal_conv1d_update(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
+    """The GDN short conv: tract's fused conv op where the target has it, else portable slices."""
+    require_tract(inference_target, node.kind)
+    x, weight, state = positional(op_helper, node)
+    check_conv_operands(x.shape, weight.shape, state.shape)
+    y, new_state = output_tensors(op_helper, node, name_to_tensor)
+    target = policy_of(inference_target)
+    lowering, reason = decide(target.gdn_options)
+    target.gdn_decisions.append(Decision(y.name, "t2n_extra::causal_conv1d_update", lowering, reason, None))
+    return lower(NnefBuilder(g, y.name), x, weight, state, y, new_state, lowering)

@@ -1,7 +1,7 @@
 """The emitter: the one place that validates a gated delta-rule node and decides how tract runs it.
 
 Both entry points (the ``t2n_extra`` custom-op handlers and the module extractor) describe their node
-as a :class:`GdnNode` and call :func:`emit`. It validates the operands, decides between the registered
+as a :class:`GdnNode` and call ``nnef.handlers.emit``, which validates the operands, decides between the registered
 lowerings (registry.py: native (module fused.py), scan, recurrent, chunked): the requested one where it can be exact, or for
 ``lowering="auto"`` the first exact one in the order of the runtime's policy (policy.py); it records the
 decision and has the chosen lowering write the node.
@@ -9,33 +9,19 @@ decision and has the chosen lowering write the node.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from nnef_tools.model import Graph as NGraph
+from typing import TYPE_CHECKING
 
 from gdn_export.errors import LoweringError
 from gdn_export.ops.gated_delta_rule import policy, registry
-from gdn_export.backends.nnef.builder import NnefBuilder
-from gdn_export.ops.gated_delta_rule.nnef.node import GdnNode
-from gdn_export.ops.options import LoweringOptions
-from gdn_export.ops.gated_delta_rule.registry import LOWERINGS
 from gdn_export.ops.gated_delta_rule.operands import Dims, validate_operands
+from gdn_export.ops.gated_delta_rule.registry import LOWERINGS
+from gdn_export.ops.protocol import Decision
 
-__all__ = ["LOWERINGS", "Decision", "GdnNode", "decide", "emit", "node_dims"]
+if TYPE_CHECKING:
+    from gdn_export.ops.gated_delta_rule.nnef.node import GdnNode
+    from gdn_export.ops.options import LoweringOptions
 
-
-@dataclass(frozen=True)
-class Decision:
-    """Which lowering one node got, and why; the export report lists these."""
-
-    node: str
-    entry: str
-    lowering: str  # a registered lowering's NAME (registry.py); for the short conv, "native" or "portable"
-    reason: str
-    dims: Dims | None  # None for nodes that are not a gated delta rule (the short conv)
-
-    def summary(self) -> dict:
-        return {"node": self.node, "entry": self.entry, "lowering": self.lowering, "reason": self.reason}
+__all__ = ["LOWERINGS", "Decision", "decide", "node_dims"]
 
 
 def node_dims(node: GdnNode) -> Dims:
@@ -72,13 +58,3 @@ def decide(node: GdnNode, dims: Dims, options: LoweringOptions) -> Decision:
             return Decision(node.name, node.entry, name, reason, dims)
         skipped.append(f"{lowering.label} refused: {why_not}")
     raise LoweringError(f"{node.name}: no lowering fits: {'; '.join(skipped)}")  # the scan always fits
-
-
-def emit(graph: NGraph, node: GdnNode, options: LoweringOptions, decisions: list) -> list:
-    """Validate, decide (appending the Decision to ``decisions``), write the chosen lowering; return the
-    fragments/extensions it needs."""
-    dims = node_dims(node)
-    decision = decide(node, dims, options)
-    decisions.append(decision)
-    builder = NnefBuilder(graph, prefix=node.y.name)
-    return registry.get(decision.lowering).lower(builder, node, dims, options)

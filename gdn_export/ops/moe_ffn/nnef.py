@@ -8,13 +8,12 @@ from __future__ import annotations
 import numpy as np
 from torch_to_nnef import torch_graph as tg
 
-from gdn_export.ops.gated_delta_rule.nnef.handlers import _require_tract, output_tensors
-from gdn_export.ops.gated_delta_rule.emitter import Decision
 from gdn_export.backends.nnef.builder import NnefBuilder
-from gdn_export.ops.options import LoweringOptions
+from gdn_export.backends.nnef.registry import custom_op, output_tensors, require_tract
 from gdn_export.ops.moe_ffn.op import (FIRST_VERSION, GIVEN_ROUTING_GATES, OP_NAME, QUALNAME, TRACT_GATES,
-                                    UNSUPPORTED_GATES, check_moe_operands)
-from gdn_export.backends.nnef.target import policy_of
+                                       UNSUPPORTED_GATES, check_moe_operands)
+from gdn_export.ops.options import LoweringOptions, policy_of
+from gdn_export.ops.protocol import Decision
 
 
 def decide(gate: str, options: LoweringOptions) -> tuple[str, str]:
@@ -35,9 +34,10 @@ def decide(gate: str, options: LoweringOptions) -> tuple[str, str]:
     return OP_NAME, f"{OP_NAME} gate={TRACT_GATES[gate]} computes this routing exactly: only the top-k experts run"
 
 
+@custom_op("moe_ffn")
 def handle(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
     """torch-to-nnef handler of ``t2n_extra::moe_ffn``: the fused op or the dense form, the decision recorded."""
-    _require_tract(inference_target, node.kind)
+    require_tract(inference_target, node.kind)
     constants = [i.data for i in node.inputs if isinstance(i, tg.PythonConstant)]
     tensors = [i for i in node.inputs if not isinstance(i, tg.PythonConstant)]
     top_k, gate = int(constants[0]), str(constants[1])

@@ -16,7 +16,7 @@ are zero: the stacks come widened as tract's fused op needs them, so that the ar
 them (a widening in the graph would not fold over a Q4_0 stack). The gate and up stacks are separate operands
 (transformers fuses them into one ``gate_up_proj``) for the same reason: tract cannot slice a Q4_0 constant.
 
-The torch kernel is the reference: ``models.blocks.dense_experts`` (every expert on every token, mixed by
+The torch kernel is the reference: ``naive.dense_experts`` (every expert on every token, mixed by
 ``routing``), the code the dense form always ran. ``gate`` says how ``routing`` was computed from the router, so
 that tract's fused ``tract_moe_ffn`` can compute it again by itself:
 
@@ -24,7 +24,7 @@ that tract's fused ``tract_moe_ffn`` can compute it again by itself:
   renormalized: Qwen with ``norm_topk_prob``), which is tract's ``gate = 'softmax_topk'`` (softmax over the
   top-k logits: the same numbers);
 - ``"softmax_all"``: the same without renormalization, tract's ``gate = 'softmax_all'``;
-- ``"grouped_sigmoid"`` (DeepSeek-V3's, Kimi Linear; ``models.blocks.grouped_sigmoid_routing``): a routing none
+- ``"grouped_sigmoid"`` (DeepSeek-V3's, Kimi Linear; ``naive.grouped_sigmoid_routing``): a routing none
   of tract's gate modes computes from the router, but whose ``routing`` rows are non-negative with at most
   ``top_k`` non-zero entries, exactly the chosen experts (a *given* routing, ``GIVEN_ROUTING_GATES``). Then the top
   k of ``routing`` itself are the chosen experts and its values their weights: tract's ``gate = 'raw'`` (the top-k
@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from gdn_export.errors import OperandError
+from gdn_export.ops.moe_ffn.naive import dense_experts
 from gdn_export.ops.registration import define_or_reuse
 
 QUALNAME = "t2n_extra::moe_ffn"
@@ -114,8 +115,6 @@ def check_moe_operands(x_shape, routing_shape, router_shape, gate_shape, up_shap
 
 
 def _reference(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate):
-    from gdn_export.models.blocks import dense_experts
-
     tokens, width, _, _ = check_moe_operands(x.shape, routing.shape, router_weight.shape, gate_proj.shape,
                                              up_proj.shape, down_proj.shape, top_k, gate)
     return dense_experts(x, routing, gate_proj[..., :width], up_proj[..., :width], down_proj[:, :width],

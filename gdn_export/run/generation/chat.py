@@ -12,9 +12,20 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import re
+import sys
+import time
 from datetime import datetime
 
 from gdn_export.errors import GdnExportError
+
+# What one rendering may make and take (the template is the checkpoint's: untrusted). The output is a prompt, which the
+# context bounds long before: 8 Mi characters is the request body's own bound (gdn_export.run.http). A template renders
+# in milliseconds; 5 s leaves room on a loaded machine.
+MAX_RENDERED_CHARS = 8 * 1024 * 1024
+MAX_RENDER_SECONDS = 5.0
+_WIDTH = re.compile(r"%[-#0 +]*(\d+)")
 
 
 class ChatTemplateError(GdnExportError):
@@ -23,6 +34,50 @@ class ChatTemplateError(GdnExportError):
     def __init__(self, message: str, param: str | None = "messages") -> None:
         super().__init__(message)
         self.param = param
+
+
+class TemplateLimitError(ChatTemplateError):
+    """The chat template made more text, or took more time, than a rendering may (``MAX_RENDERED_CHARS``,
+    ``MAX_RENDER_SECONDS``): the archive's template is at fault, not the request."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, None)
+
+
+def _too_big(what: str) -> TemplateLimitError:
+    return TemplateLimitError(f"the chat template {what}: more than the {MAX_RENDERED_CHARS} characters a rendering "
+                              "may make")
+
+
+def _check_sizes(args, kwargs) -> None:
+    """A call's integer arguments bounded: a width or count beyond the output bound (``'x'.ljust(10**9)``,
+    ``center``, ``indent``) would make a string past it in one C call, which nothing could interrupt."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_RENDERED_CHARS:
+            raise _too_big(f"asked for a size of {value}")
+
+
+def _bounded_binop(operator: str, left, right):
+    """``left operator right`` for the operators that can make a huge value in one step (``*``, ``**``, ``%``,
+    ``+``), refused when the result would pass the output bound."""
+    sized = (str, list, tuple)
+    if operator == "*":
+        for seq, count in ((left, right), (right, left)):
+            if isinstance(seq, sized) and isinstance(count, int) and len(seq) * max(count, 0) > MAX_RENDERED_CHARS:
+                raise _too_big(f"repeats a value {count} times")
+    elif operator == "**" and isinstance(left, (int, float)) and isinstance(right, (int, float)):
+        if abs(left) > 1 and right > 0 and right * math.log2(abs(left)) > 4096:
+            raise _too_big(f"raises {left} to the power {right}")
+    elif operator == "%" and isinstance(left, str):
+        widths = [int(w) for w in _WIDTH.findall(left)]
+        _check_sizes(right if isinstance(right, tuple) else (right,), {})
+        if widths and max(widths) > MAX_RENDERED_CHARS:
+            raise _too_big(f"formats a field {max(widths)} characters wide")
+    elif operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+        if len(left) + len(right) > MAX_RENDERED_CHARS:
+            raise _too_big("joins values")
+    return {"*": lambda a, b: a * b, "**": lambda a, b: a ** b, "%": lambda a, b: a % b,
+            "+": lambda a, b: a + b}[operator](left, right)
 
 
 @functools.lru_cache(maxsize=8)
@@ -72,6 +127,8 @@ def compile_template(template: str):
 
         def __setitem__(self, name, value):
             TemplateNamespace._check_name(name)
+            if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_RENDERED_CHARS:
+                raise _too_big("grew a value")
             jinja2.utils.Namespace.__setitem__(self, name, value)
 
         @staticmethod
@@ -79,9 +136,34 @@ def compile_template(template: str):
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"chat templates cannot store underscore names: {name!r}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        """The sandbox, with the operators and calls that make a big value in one step checked first."""
+
+        intercepted_binops = frozenset({"*", "**", "%", "+"})
+
+        def call_binop(self, context, operator, left, right):
+            return _bounded_binop(operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own spelling)
+            _check_sizes(args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
+
+    def bounded(function):
+        @functools.wraps(function)
+        def call(*args, **kwargs):
+            _check_sizes(args[1:], kwargs)  # the first is the value filtered (jinja may pass the context first)
+            return function(*args, **kwargs)
+        return call
+
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
+    for name, function in list(env.filters.items()):
+        wrapped = bounded(function)
+        for marker in ("jinja_pass_arg",):  # pass_context / pass_environment markers stay on the wrapper
+            if hasattr(function, marker):
+                setattr(wrapped, marker, getattr(function, marker))
+        env.filters[name] = wrapped
+    env.globals.pop("lipsum", None)  # generates text by the paragraph: nothing a chat template needs
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
                        namespace=TemplateNamespace)
     try:
@@ -138,12 +220,54 @@ def render_chat(template: str, messages, *, add_generation_prompt: bool = True,
 
     compiled = compile_template(template)
     data = {**(special_tokens or {}), **_plain(kwargs, "the template's arguments")}
+    messages = normalize_messages(messages)
     try:
-        return compiled.render(messages=normalize_messages(messages), add_generation_prompt=add_generation_prompt,
-                               tools=None, documents=None, **data)
+        with _time_and_size_guard(MAX_RENDER_SECONDS):
+            pieces, size = [], 0
+            for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                           tools=None, documents=None, **data):
+                size += len(piece)
+                if size > MAX_RENDERED_CHARS:
+                    raise _too_big("rendered more text")
+                pieces.append(piece)
+            return "".join(pieces)
+    except TemplateLimitError:
+        raise
+    except (MemoryError, RecursionError, OverflowError) as err:
+        raise TemplateLimitError(f"the chat template failed: {type(err).__name__} {err}") from None
     except jinja2.exceptions.SecurityError as err:
         raise ChatTemplateError(f"the chat template did something its sandbox refuses: {err}") from None
     except jinja2.exceptions.TemplateError as err:
         raise ChatTemplateError(f"the chat template refused the messages: {err}") from None
     except (TypeError, ValueError, KeyError, AttributeError) as err:  # a template reading what the messages lack
         raise ChatTemplateError(f"the chat template could not render these messages: {err}") from None
+
+
+class _time_and_size_guard:
+    """While a template renders in this thread, every line it runs (and every line of jinja's runtime it calls)
+    checks the clock, and every line of the template's own code checks the size of its variables: a template that
+    loops for long or grows a value (``{% set s = s ~ s %}``) past ``MAX_RENDERED_CHARS`` is stopped within a line
+    (a ``TemplateLimitError`` raised in it). Python's trace hook, this thread only, for the rendering only."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __enter__(self):
+        deadline, template_code = time.monotonic() + self.seconds, "<template>"
+
+        def local(frame, event, arg):
+            if event == "line":
+                if time.monotonic() > deadline:
+                    raise TemplateLimitError(f"the chat template ran longer than {self.seconds:g} s")
+                if frame.f_code.co_filename == template_code:
+                    for value in frame.f_locals.values():
+                        if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_RENDERED_CHARS:
+                            raise _too_big("grew a value")
+            return local
+
+        self.previous = sys.gettrace()
+        sys.settrace(lambda frame, event, arg: local)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(self.previous)

@@ -37,6 +37,12 @@ if TYPE_CHECKING:
     from gdn_export.run.session import Session
 
 
+# prompt + new tokens of an archive that carries no context length (docs/SERVER.md)
+DEFAULT_CONTEXT_LENGTH = 4096
+ALLOW_LONG_ENV = "GDN_EXPORT_ALLOW_LONG_MAX_MODEL_LEN"  # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN
+PROMPT_PIECE = 128  # prompt tokens per call when the session sets none: the unit of work between cancellation checks
+
+
 class ExecutorFull(GdnExportError):
     """Every worker is busy and the queue is full (the HTTP server answers 503)."""
 
@@ -170,15 +176,19 @@ class ArchiveText:
     tokenizer config's special tokens (the names a chat template may use), vocabulary size."""
 
     def __init__(self, session: Session) -> None:
-        import json
+        from gdn_export.run.archive import json_member
 
         files = session._generation_files()
         self.path = session.path
         self.vocab_size: int | None = session.metadata.get("vocab_size")
+        # the model's context from the checkpoint's config (None: the archive predates it, or the config gave none)
+        self.model_context: int | None = session.metadata.get("context_length")
+        self.max_model_len: int = context_bound(self.model_context)  # prompt + new tokens, at most
         self.tokenizer = session.tokenizer
         self.chat_template = session.chat_template
         self.generation_config: dict = session.generation_config or {}
-        config = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
+        config = json_member(files["tokenizer_config.json"], "tokenizer_config.json", session.path) \
+            if "tokenizer_config.json" in files else {}
         self.special_tokens = {}
         for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
             value = config.get(name)
@@ -192,7 +202,39 @@ class ArchiveText:
         ids = self.generation_config.get("eos_token_id")
         if ids is None:
             return frozenset()
-        return frozenset([ids] if isinstance(ids, int) else ids)
+        ids = [ids] if not isinstance(ids, list) else ids
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise GdnExportError(f"{self.path}: generation_config.json's eos_token_id must be a token id or a list of "
+                                 f"them, got {self.generation_config.get('eos_token_id')!r}")
+        return frozenset(ids)
+
+    @property
+    def context_note(self) -> str | None:
+        """Why the context bound is what it is, when the archive does not give it (None when it does)."""
+        if self.model_context is not None:
+            return None
+        return (f"{self.path.name} carries no context length (converted before gdn-export stored the checkpoint's "
+                f"max_position_embeddings, or its config has none): prompt + new tokens are bounded by "
+                f"{DEFAULT_CONTEXT_LENGTH} (--max-model-len sets another bound)")
+
+    def limit_context(self, max_model_len: int | None, allow_longer: bool = False) -> None:
+        """Bound prompt + new tokens by ``max_model_len`` (vLLM's option): at most the model's context, unless
+        ``allow_longer`` (positions past the trained context give untrained outputs)."""
+        self.max_model_len = context_bound(self.model_context, max_model_len, allow_longer)
+
+
+def context_bound(model_context: int | None, max_model_len: int | None = None, allow_longer: bool = False) -> int:
+    """Prompt + new tokens at most: ``max_model_len`` where given (checked: an integer >= 1, at most
+    ``model_context`` unless ``allow_longer``), else the model's context, else ``DEFAULT_CONTEXT_LENGTH``."""
+    if max_model_len is None:
+        return model_context or DEFAULT_CONTEXT_LENGTH
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
+        raise GdnExportError(f"max_model_len must be an integer >= 1, got {max_model_len!r}")
+    if model_context is not None and max_model_len > model_context and not allow_longer:
+        raise GdnExportError(f"max_model_len {max_model_len} is longer than the model's context of {model_context} "
+                             f"tokens (its config's max_position_embeddings); set {ALLOW_LONG_ENV}=1 to allow it "
+                             "(outputs past the trained context are untrained)")
+    return max_model_len
 
 
 class Executor(Protocol):
@@ -209,9 +251,9 @@ def request_tokens(session: Session, request: TokenRequest, cancelled: Callable[
     """Run one request through a batch-1 ``session`` (reset first): prefill, then sample and decode a token at a
     time until a stop token, ``max_new_tokens`` or ``cancelled()`` (asked before every decode step)."""
     session.reset()
-    if cancelled():
+    logits = prefill_pieces(session, request.prompt_ids, cancelled)
+    if logits is None:
         return
-    logits = session.prefill(np.asarray([request.prompt_ids], dtype=np.int64))[0, -1]
     sampler = Sampler(request.sampling)
     for produced in range(1, request.max_new_tokens + 1):
         if cancelled():
@@ -225,6 +267,20 @@ def request_tokens(session: Session, request: TokenRequest, cancelled: Callable[
         if cancelled():
             return
         logits = session.decode(np.asarray([[choice.token_id]], dtype=np.int64))[0, -1]
+
+
+def prefill_pieces(session: Session, prompt_ids, cancelled: Callable[[], bool]) -> np.ndarray | None:
+    """The last prompt position's logits, the prompt run a piece at a time (the session's ``prefill_piece``, else
+    ``PROMPT_PIECE`` tokens) with ``cancelled()`` asked before each piece: a cancelled request stops within one piece,
+    whatever the prompt's length (None then). Only the last piece's logits are kept."""
+    piece = session.prefill_piece or PROMPT_PIECE
+    ids = np.asarray([prompt_ids], dtype=np.int64)
+    logits = None
+    for begin in range(0, ids.shape[1], piece):
+        if cancelled():
+            return None
+        logits = session.prefill(ids[:, begin:begin + piece])[0, -1]
+    return logits
 
 
 class InlineStream:

@@ -10,6 +10,7 @@ the iteration so that the HTTP server drives it from asyncio with the same rules
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -27,6 +28,13 @@ class RequestError(GdnExportError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ContextLengthError(RequestError):
+    """Prompt + new tokens exceed the model's context (``ArchiveText.max_model_len``): OpenAI's
+    ``context_length_exceeded``."""
+
+    code = "context_length_exceeded"
 
 
 @dataclass(frozen=True)
@@ -66,13 +74,33 @@ def sampling_from(generation_config: dict | None, temperature: float | None = No
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, logprobs=logprobs)
 
 
+def tokenized(archive: ArchiveText, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """``text``'s token ids through the archive's tokenizer, refused before tokenizing when it is certainly longer
+    than the context (more characters than ``max_model_len`` tokens of the vocabulary's longest can hold:
+    tokenizing megabytes takes seconds and about 200 bytes of memory per character). ``encode_batch`` releases the
+    GIL (``encode`` holds it), so a server's event loop keeps answering meanwhile."""
+    limit = getattr(archive, "max_model_len", None)
+    if limit is not None and len(text) > limit * longest_token(archive.tokenizer):
+        raise ContextLengthError(f"This model's maximum context length is {limit} tokens; the {param} has "
+                                 f"{len(text)} characters, more than {limit} tokens can hold. Please reduce the "
+                                 f"length of the {param}.", param)
+    return archive.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token(tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` decodes to (its longest vocabulary entry, added tokens
+    included: a byte-level entry has one character per byte), computed once per tokenizer."""
+    return max((len(token) for token in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+
 def prompt_ids_of(archive: ArchiveText, prompt: str | Sequence[int], param: str = "prompt") -> tuple[int, ...]:
     """A text prompt through the archive's tokenizer (with its special tokens, as transformers' ``tokenizer(text)``),
     or token ids, checked against the vocabulary."""
     if isinstance(prompt, str):
         if archive.tokenizer is None:
             raise RequestError(f"{archive.path} carries no tokenizer: give the prompt as token ids", param)
-        ids = tuple(archive.tokenizer.encode(prompt, add_special_tokens=True).ids)
+        ids = tuple(tokenized(archive, prompt, True, param))
         if not ids:
             raise RequestError(f"{param} makes no tokens (it is empty, or holds only characters the tokenizer has "
                                "no token for)", param)
@@ -102,13 +130,15 @@ class Generation:
     def __init__(self, archive: ArchiveText, prompt: str | Sequence[int], max_new_tokens: int | None = None, *,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, logprobs: int | None = None, stop: str | Sequence[str] | None = None,
-                 stop_token_ids: Sequence[int] | None = None, sampling: SamplingParams | None = None) -> None:
+                 stop_token_ids: Sequence[int] | None = None, sampling: SamplingParams | None = None,
+                 default_new_tokens: int | None = None, prompt_param: str = "prompt",
+                 tokens_param: str = "max_new_tokens") -> None:
         self.archive = archive
-        self.prompt_ids = prompt_ids_of(archive, prompt)
-        if max_new_tokens is None:
-            max_new_tokens = archive.generation_config.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}", "max_new_tokens")
+        self.prompt_ids = prompt_ids_of(archive, prompt, prompt_param)
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                                           or max_new_tokens < 1):
+            raise RequestError(f"{tokens_param} must be an integer >= 1, got {max_new_tokens!r}", tokens_param)
+        max_new_tokens = self._bounded(max_new_tokens, default_new_tokens, prompt_param, tokens_param)
         if sampling is None:
             sampling = sampling_from(archive.generation_config, temperature, top_k, top_p, seed, logprobs)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -127,6 +157,29 @@ class Generation:
         self._decoded = 0  # length of the detokenized text so far
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+
+    def _bounded(self, max_new_tokens: int | None, default: int | None, prompt_param: str, tokens_param: str) -> int:
+        """``max_new_tokens`` checked against the context (``archive.max_model_len``: prompt + new tokens), or, when
+        not given, the default (``default``, else generation_config.json's ``max_new_tokens``, else 256) lowered to
+        what the context leaves."""
+        limit = getattr(self.archive, "max_model_len", None)
+        prompt = len(self.prompt_ids)
+        if limit is not None and prompt >= limit:
+            raise ContextLengthError(f"This model's maximum context length is {limit} tokens; the {prompt_param} has "
+                                     f"{prompt} tokens, which leaves no room for a new one. Please reduce the length of "
+                                     f"the {prompt_param}.", prompt_param)
+        if max_new_tokens is None:
+            config_default = self.archive.generation_config.get("max_new_tokens")
+            if isinstance(config_default, bool) or not isinstance(config_default, int) or config_default < 1:
+                config_default = None
+            max_new_tokens = default or config_default or DEFAULT_MAX_NEW_TOKENS
+            return max_new_tokens if limit is None else min(max_new_tokens, limit - prompt)
+        if limit is not None and prompt + max_new_tokens > limit:
+            raise ContextLengthError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                                     f"{prompt + max_new_tokens} tokens ({prompt} in the {prompt_param}, "
+                                     f"{max_new_tokens} in the completion). Please reduce the length of the "
+                                     f"{prompt_param} or {tokens_param}.", tokens_param)
+        return max_new_tokens
 
     @property
     def done(self) -> bool:
@@ -218,4 +271,4 @@ def chat_prompt_ids(archive: ArchiveText, messages) -> tuple[int, ...]:
         raise RequestError(f"{archive.path.name} carries no tokenizer, which a chat needs", "messages")
     text = render_chat(archive.chat_template, messages, add_generation_prompt=True,
                        special_tokens=archive.special_tokens)
-    return prompt_ids_of(archive, archive.tokenizer.encode(text, add_special_tokens=False).ids, "messages")
+    return prompt_ids_of(archive, tokenized(archive, text, False, "messages"), "messages")

@@ -7,7 +7,8 @@ from torch_to_nnef.exceptions import T2NErrorNotImplemented
 from torch_to_nnef.op import helper
 from torch_to_nnef.op.custom_extractors.base import ModuleInfoExtractor
 
-from gdn_export.ops.gated_delta_rule.nnef.handlers import _require_tract, emit_for
+from gdn_export.backends.nnef.registry import require_tract
+from gdn_export.ops.gated_delta_rule.nnef.handlers import emit_for
 from gdn_export.ops.gated_delta_rule.nnef.node import GdnNode
 from gdn_export.ops.gated_delta_rule.op import GatedDeltaRule, default_scale
 
@@ -21,7 +22,7 @@ class GatedDeltaRuleExtractor(ModuleInfoExtractor):
         return mod(*args[:3], None, *args[3:]) if len(args) == 5 else mod(*args)
 
     def convert_to_nnef(self, g, node, name_to_tensor, null_ref, torch_graph, inference_target, **kwargs):
-        _require_tract(inference_target, "GatedDeltaRule")
+        require_tract(inference_target, "GatedDeltaRule")
         tensors = [i for i in node.inputs if isinstance(i, tg.TensorVariable)]
         if len(tensors) not in (5, 6) or len(node.outputs) != 2:
             raise T2NErrorNotImplemented(

@@ -35,7 +35,6 @@ ones first), ``masks(variant)`` (constants it reads whole) and ``lines(variant)`
 from __future__ import annotations
 
 import dataclasses
-import math
 from types import ModuleType
 
 import numpy as np
@@ -43,35 +42,15 @@ from nnef_tools.model import Tensor as NTensor
 from torch_to_nnef.op.fragment import Fragment
 
 from gdn_export.ops.gated_delta_rule.capabilities import F32
-from gdn_export.ops.gated_delta_rule.nnef.chunked.body import SOLVE_BLOCK
 from gdn_export.ops.gated_delta_rule.nnef.layout import step_operands, write_squeezed
 from gdn_export.backends.nnef.builder import NnefBuilder
 from gdn_export.ops.gated_delta_rule.nnef.steps import elementwise_step_fragment, step_inputs
+from gdn_export.ops.gated_delta_rule.chunking import (CHANNEL_CHUNK, CHUNK, SOLVE_BLOCK,  # noqa: F401
+                                                     chunk_size_error, tokens_per_chunk)
 from gdn_export.ops.gated_delta_rule.operands import Dims
 
-# --- sizes ----------------------------------------------------------------------------------------
-CHUNK = 64  # tokens per chunk by default
-# per-channel decay: chunks of 32 tokens cut into exact [4, 4, K] decay blocks (general.channel_decay_pairs).
-# Measured (KDA, H=16, K=V=128, S=1024, bench_lowerings --variants): chunk 64 with blocks of 32/16/8/4:
-# 619/267/195/223 ms, chunk 32 with blocks of 8/4: 160/142 ms; the scan takes ~480 ms
-CHANNEL_CHUNK = 32
-
-
-def chunk_size_error(chunk: int) -> str | None:
-    """Why ``chunk`` cannot be a chunk size (None: it can): the solve cuts chunks into blocks of SOLVE_BLOCK."""
-    if not isinstance(chunk, int) or chunk < SOLVE_BLOCK or chunk % SOLVE_BLOCK:
-        return f"a chunk size must be a positive multiple of {SOLVE_BLOCK} tokens, got {chunk!r}"
-    return None
-
-
-def tokens_per_chunk(dims: Dims, size: int | None = None) -> int:
-    """Real tokens per chunk, Cr, for this node: ``size`` (a valid chunk size; None: CHUNK, or CHANNEL_CHUNK with
-    per-channel decay) for one step per token; with n Householder sub-steps, the fewest tokens whose ``n * Cr``
-    sub-steps are at least ``size`` and a multiple of the solve block."""
-    chunk = size or (CHANNEL_CHUNK if dims.channel_decay else CHUNK)
-    n = dims.num_householder
-    unit = SOLVE_BLOCK // math.gcd(SOLVE_BLOCK, n)  # tokens per solve-block multiple
-    return unit * max(1, -(-chunk // (unit * n)))
+# sizes (CHUNK, CHANNEL_CHUNK, chunk_size_error, tokens_per_chunk): ops/gated_delta_rule/chunking.py, which the
+# export's options validate with before any NNEF is written
 
 
 # --- what a body computes, and its name -----------------------------------------------------------

@@ -1,0 +1,356 @@
+"""Reading a Megatron-core checkpoint folder without executing anything from it.
+
+Two layouts, as Megatron-LM's training loop writes them (``megatron/training/checkpointing.py``):
+
+* ``torch_dist`` (``megatron.core.dist_checkpointing``): ``iter_NNNNNNN/`` holding ``.metadata`` (a pickled
+  ``torch.distributed.checkpoint.metadata.Metadata``: every tensor's global shape, dtype and chunks, and where each
+  chunk's bytes lie), ``__<rank>_<n>.distcp`` files (each stored item a ``torch.save`` blob at an offset) and the
+  common state (``args``, ``checkpoint_version``, ``iteration``): in ``common.pt`` (older Megatron) or as the
+  ``common_state`` object inside the ``.distcp`` files (newer). Tensors are global: Megatron cuts them into chunks
+  (tensor-parallel shards, the two halves of a SwiGLU ``linear_fc1``) and stores each at its offsets.
+* legacy ``iter_NNNNNNN/mp_rank_00/model_optim_rng.pt`` (one ``torch.save`` per model-parallel rank).
+
+``latest_checkpointed_iteration.txt`` in the parent folder names the iteration; either folder may be given.
+
+Nothing is unpickled with the standard unpickler: ``.metadata`` goes through ``RestrictedUnpickler`` (the
+checkpoint dataclasses of ``torch.distributed.checkpoint``, ``torch.Size`` and dtypes; anything else is a
+``MegatronCheckpointError``), and every ``torch.save`` blob through ``torch.load(weights_only=True)`` with
+``argparse.Namespace`` (Megatron-LM's ``args``) as the one extra allowed class. torch's own
+``FileSystemReader.read_metadata`` is not used: it calls ``pickle.load``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gdn_export.hf.tensors import CheckpointError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+LEGACY_FILE = "model_optim_rng.pt"
+TORCH_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+class MegatronCheckpointError(CheckpointError):
+    """A Megatron checkpoint that is malformed, unsafe or unsupported."""
+
+
+def _dcp_classes() -> dict[tuple[str, str], object]:
+    from torch.distributed.checkpoint import filesystem, metadata, planner
+
+    allowed = {}
+    for module in (metadata, planner):
+        for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING", "SavePlan",
+                     "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem", "LoadItemType"):
+            if hasattr(module, name):
+                allowed[(module.__name__, name)] = getattr(module, name)
+    allowed[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
+    return allowed
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata`` file: only the classes a checkpoint's metadata is made of can be named."""
+
+    def find_class(self, module: str, name: str):
+        allowed = _dcp_classes()
+        if (module, name) in allowed:
+            return allowed[(module, name)]
+        if module == "torch" and name == "Size":
+            return torch.Size
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
+            return getattr(torch, name)
+        if module == "torch.serialization" and name == "_get_layout":
+            return torch.serialization._get_layout
+        if module == "collections" and name == "OrderedDict":
+            import collections
+
+            return collections.OrderedDict
+        raise MegatronCheckpointError(f"checkpoint metadata names {module}.{name}, which a Megatron checkpoint's "
+                                      "metadata never holds (refusing to unpickle it)")
+
+
+def restricted_loads(data: bytes, what: str):
+    try:
+        return RestrictedUnpickler(io.BytesIO(data)).load()
+    except MegatronCheckpointError:
+        raise
+    except Exception as err:  # a truncated or garbled pickle
+        raise MegatronCheckpointError(f"{what} is not a readable checkpoint metadata file: "
+                                      f"{type(err).__name__}: {str(err)[:120]}") from None
+
+
+class MegatronObject:
+    """An inert stand-in for an object of one of Megatron's own classes inside the pickled ``args`` (e.g. the
+    ``AttnBackend`` enum): it keeps what it was built from and runs nothing."""
+
+    def __init__(self, *args) -> None:
+        self.args = args
+
+    def __setstate__(self, state) -> None:
+        self.state = state
+
+
+def _stand_ins(data) -> list[type]:
+    """Stand-in classes for the ``megatron.*`` globals a ``torch.save`` blob names (weights_only refuses them):
+    Megatron-LM's ``args`` holds a few of its enums. Any other unsafe global is still refused."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(data)
+    except Exception:  # not a readable torch.save file: torch.load reports it
+        return []
+    finally:
+        if hasattr(data, "seek"):
+            data.seek(0)
+    classes = []
+    for name in names:
+        module, _, qualname = name.rpartition(".")
+        if module.split(".")[0] == "megatron" and qualname.isidentifier():
+            classes.append(type(qualname, (MegatronObject,), {"__module__": module, "__qualname__": qualname}))
+    return classes
+
+
+def safe_torch_load(data, what: str):
+    """``torch.load(weights_only=True)``, with Megatron-LM's ``argparse.Namespace`` and inert stand-ins for
+    Megatron's own classes allowed."""
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace, *_stand_ins(data)]):
+            return torch.load(data, map_location="cpu", weights_only=True)
+    except Exception as err:
+        message = str(err).strip().splitlines()
+        detail = next((line for line in message if "GLOBAL" in line or "Unsupported" in line), message[0] if message
+                      else type(err).__name__)
+        raise MegatronCheckpointError(f"{what} cannot be read safely (weights_only): {detail[:200]}") from None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def find_iteration(folder: Path) -> Path | None:
+    """The iteration folder of a Megatron checkpoint (``folder`` itself or the one its tracker names), or None
+    when ``folder`` is no Megatron checkpoint."""
+    if (folder / ".metadata").is_file() or (folder / "common.pt").is_file() or any(folder.glob("mp_rank_*")):
+        return folder
+    tracker = folder / TRACKER
+    if tracker.is_file():
+        text = tracker.read_text(errors="replace").strip()
+        if text == "release":
+            return folder / "release"
+        if not text.isdigit():
+            raise MegatronCheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration number")
+        return folder / f"iter_{int(text):07d}"
+    iterations = sorted(folder.glob("iter_*"))
+    return iterations[-1] if len(iterations) == 1 else None
+
+
+def is_megatron_checkpoint(folder: str | os.PathLike) -> bool:
+    folder = Path(folder)
+    return folder.is_dir() and not (folder / "config.json").exists() and find_iteration(folder) is not None
+
+
+class MegatronCheckpoint:
+    """A Megatron checkpoint's ``args`` and tensors (by name), read lazily one tensor at a time."""
+
+    format: str
+    args: dict
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        root = Path(folder)
+        iteration = find_iteration(root)
+        if iteration is None or not iteration.is_dir():
+            raise MegatronCheckpointError(f"{root} is no Megatron checkpoint (expected iter_*/ with .metadata + "
+                                          f"*.distcp, or iter_*/mp_rank_00/{LEGACY_FILE})")
+        self.folder = iteration
+        ranks = sorted(p.name for p in iteration.glob("mp_rank_*"))
+        if (iteration / ".metadata").is_file():
+            self.format = "torch_dist"
+            self._open_dist()
+        elif ranks:
+            self.format = "legacy"
+            if ranks != ["mp_rank_00"]:
+                raise MegatronCheckpointError(
+                    f"{iteration} holds {len(ranks)} model-parallel shards ({', '.join(ranks[:4])}): only "
+                    "tensor- and pipeline-parallel size 1 is supported (mp_rank_00 alone; or a torch_dist checkpoint)")
+            self._open_legacy(iteration / "mp_rank_00" / LEGACY_FILE)
+        else:
+            raise MegatronCheckpointError(f"{iteration} has neither .metadata (torch_dist) nor mp_rank_00/ (legacy)")
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            size = self.args.get(key, 1) or 1
+            if size != 1:
+                raise MegatronCheckpointError(
+                    f"the checkpoint was saved with {key}={size}: only tensor- and pipeline-parallel size 1 is "
+                    "supported (re-save it with size 1, e.g. Megatron's checkpoint converter)")
+
+    # --- torch_dist --------------------------------------------------------------------------------------------
+
+    def _open_dist(self) -> None:
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+        path = self.folder / ".metadata"
+        metadata = restricted_loads(path.read_bytes(), str(path))
+        if not hasattr(metadata, "state_dict_metadata") or not hasattr(metadata, "storage_data"):
+            raise MegatronCheckpointError(f"{path} is not a torch.distributed.checkpoint Metadata")
+        self._storage = metadata.storage_data
+        self._tensors: dict[str, TensorStorageMetadata] = {}
+        self._objects: dict[str, BytesStorageMetadata] = {}
+        for name, item in metadata.state_dict_metadata.items():
+            if isinstance(item, TensorStorageMetadata):
+                self._tensors[name] = item
+            else:
+                self._objects[name] = item
+        for index, info in self._storage.items():
+            if getattr(info, "transform_descriptors", None):
+                raise MegatronCheckpointError(f"{index.fqn} is stored with transforms {info.transform_descriptors} "
+                                              "(compressed?): only plain torch_dist storage is supported")
+            file = self.folder / info.relative_path
+            if Path(info.relative_path).name != info.relative_path or not file.is_file():
+                raise MegatronCheckpointError(f"{self.folder} lacks {info.relative_path}, a shard the metadata lists "
+                                              f"(it holds {index.fqn})")
+            if info.offset + info.length > file.stat().st_size:
+                raise MegatronCheckpointError(f"{file} is shorter than the metadata says ({index.fqn} ends at byte "
+                                              f"{info.offset + info.length})")
+        common = self.folder / "common.pt"
+        if common.is_file():
+            state = safe_torch_load(str(common), str(common))
+        else:
+            keys = [k for k in self._objects if k.split("/")[0] == "common_state"]
+            if not keys:
+                raise MegatronCheckpointError(f"{self.folder} has neither common.pt nor a common_state object: "
+                                              "no model arguments")
+            state = safe_torch_load(io.BytesIO(self._blob(keys[0])), f"{self.folder}'s common_state")
+        self.args = self._args_of(state)
+
+    def _entries(self, fqn: str):
+        return [(index, info) for index, info in self._storage.items() if index.fqn == fqn]
+
+    def _blob(self, fqn: str, index=None) -> bytes:
+        for key, info in self._storage.items():
+            if key.fqn == fqn and (index is None or key == index):
+                with (self.folder / info.relative_path).open("rb") as handle:
+                    handle.seek(info.offset)
+                    return handle.read(info.length)
+        raise MegatronCheckpointError(f"the checkpoint lists {fqn} but stores no bytes for it")
+
+    def _read_dist(self, name: str) -> torch.Tensor:
+        meta = self._tensors[name]
+        out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        covered = 0
+        by_offset = {tuple(index.offset): (index, info) for index, info in self._entries(name)}
+        for chunk in meta.chunks:
+            found = by_offset.get(tuple(chunk.offsets))
+            if found is None:
+                raise MegatronCheckpointError(f"{name}: the chunk at {list(chunk.offsets)} is missing from the shards")
+            value = safe_torch_load(io.BytesIO(self._blob(name, found[0])), f"{name} (chunk {list(chunk.offsets)})")
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(chunk.sizes):
+                raise MegatronCheckpointError(f"{name}: the chunk at {list(chunk.offsets)} is not a tensor of shape "
+                                              f"{list(chunk.sizes)}")
+            region = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+            out[region] = value
+            covered += value.numel()
+        if covered != out.numel():
+            raise MegatronCheckpointError(f"{name}: its chunks cover {covered} of {out.numel()} elements")
+        return out
+
+    # --- legacy ------------------------------------------------------------------------------------------------
+
+    def _open_legacy(self, path: Path) -> None:
+        if not path.is_file():
+            raise MegatronCheckpointError(f"{path} is missing")
+        state = safe_torch_load(str(path), str(path))
+        model = state.get("model") if isinstance(state, dict) else None
+        if not isinstance(model, dict):
+            raise MegatronCheckpointError(f"{path} holds no 'model' state dict (pipeline stages or virtual pipeline "
+                                          "models are not supported)")
+        self._legacy = {k: v for k, v in model.items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+        self.args = self._args_of(state)
+
+    # --- common ------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _args_of(state) -> dict:
+        if isinstance(state, list) and state and isinstance(state[0], dict):  # newer Megatron: one per rank
+            state = state[0]
+        args = state.get("args") if isinstance(state, dict) else None
+        if isinstance(args, argparse.Namespace):
+            return vars(args)
+        if isinstance(args, dict):
+            return args
+        raise MegatronCheckpointError("the checkpoint's common state has no 'args' (Megatron-LM's arguments)")
+
+    def names(self) -> list[str]:
+        return list(self._tensors) if self.format == "torch_dist" else list(self._legacy)
+
+    def info(self, name: str) -> TensorInfo:
+        if self.format == "torch_dist":
+            meta = self._tensors[name]
+            return TensorInfo(name, tuple(meta.size), meta.properties.dtype)
+        value = self._legacy[name]
+        return TensorInfo(name, tuple(value.shape), value.dtype)
+
+    def has(self, name: str) -> bool:
+        return name in (self._tensors if self.format == "torch_dist" else self._legacy)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._read_dist(name) if self.format == "torch_dist" else self._legacy[name]
+
+
+Piece = tuple[str, object]  # (checkpoint tensor, the rows taken from it: a slice, a list of row indices, or None)
+
+
+@dataclass
+class MegatronSource:
+    """One model parameter's value: the rows ``pieces`` name (whole tensors, a section of a fused projection, the
+    query rows of every group of ``linear_qkv``) concatenated on the first axis and reshaped to ``shape``; the
+    interface of ``hf.tensors.TensorEntry`` (``name``, ``dtype``, ``shape``, ``nbytes``, ``read``, ``rows``)."""
+
+    checkpoint: MegatronCheckpoint
+    pieces: list[Piece]
+    shape: tuple[int, ...]
+    _whole: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        first = self.pieces[0][0]
+        return first if len(self.pieces) == 1 and self.pieces[0][1] is None else f"{first} (+{len(self.pieces) - 1})"
+
+    @property
+    def dtype(self) -> str:
+        return TORCH_DTYPES.get(self.checkpoint.info(self.pieces[0][0]).dtype, "F32")
+
+    @property
+    def nbytes(self) -> int:
+        bits = torch.finfo(self.checkpoint.info(self.pieces[0][0]).dtype).bits
+        return int(np.prod(self.shape, dtype=np.int64)) * bits // 8
+
+    def read(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        parts = []
+        for tensor, rows in self.pieces:
+            value = self.checkpoint.read(tensor)
+            parts.append(value if rows is None else value[rows])
+        value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if value.numel() != int(np.prod(self.shape, dtype=np.int64)):
+            raise MegatronCheckpointError(f"{self.name}: {list(value.shape)} in the checkpoint, {list(self.shape)} "
+                                          "expected from the model's arguments")
+        return value.reshape(self.shape).to(dtype)
+
+    def rows(self, start: int, stop: int, target: np.dtype) -> np.ndarray:
+        """Rows ``start:stop`` as ``target``, flat: the whole value is read once (a .distcp item is one
+        ``torch.save`` blob) and kept until ``release``, as the writers read a slice of rows at a time."""
+        if self._whole is None or self._whole.dtype != np.dtype(target):
+            dtype = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}[np.dtype(target)]
+            self._whole = self.read(dtype).numpy()
+        return self._whole[start:stop].reshape(-1)
+
+    def release(self) -> None:
+        self._whole = None
+

@@ -1,0 +1,322 @@
+"""A Megatron-core hybrid checkpoint as a family: its arguments, its model, and every parameter's source tensor."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+from gdn_export.hf.checkpoint import CheckpointWeights
+from gdn_export.hf.families.base import Family
+from gdn_export.hf.families.fla import FlaLM
+from gdn_export.hf.layout import Layout
+from gdn_export.megatron.checkpoint import MegatronCheckpoint, MegatronCheckpointError, MegatronSource
+from gdn_export.megatron.model import (MIXER_NAMES, GatedDeltaNet2Mixer, GatedDeltaNetMixer, GatedDeltaProductMixer,
+                                       MegatronConfig, MegatronHybridLM)
+
+MODEL_TYPE = "megatron_hybrid"
+SUPPORTED_SYMBOLS = {"G": "GatedDeltaNet / GatedDeltaNet2", "M": "GatedDeltaProductMixer", "*": "SelfAttention",
+                     "-": "MLP"}
+
+
+def _arg(args: dict, *names, default=None):
+    for name in names:
+        if args.get(name) is not None:
+            return args[name]
+    return default
+
+
+def _pattern(args: dict) -> str:
+    pattern = _arg(args, "hybrid_layer_pattern", "hybrid_override_pattern")
+    if not isinstance(pattern, str) or not pattern:
+        raise MegatronCheckpointError("the checkpoint's args have no hybrid_layer_pattern: only Megatron hybrid "
+                                      "models (HybridModel / MambaModel with a layer pattern) are supported")
+    return pattern.split("/")[0].replace("|", "")
+
+
+def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
+    """The model's arguments from ``args``, checked against what gdn_export computes exactly."""
+    args = checkpoint.args
+    pattern = _pattern(args)
+    unknown = sorted({s for s in pattern if s not in SUPPORTED_SYMBOLS})
+    if unknown:
+        raise MegatronCheckpointError(
+            f"layer pattern {pattern!r} has layer symbol(s) {' '.join(repr(s) for s in unknown)}: supported are "
+            + ", ".join(f"{s!r} ({name})" for s, name in SUPPORTED_SYMBOLS.items()))
+
+    def refuse_if(condition: bool, what: str) -> None:
+        if condition:
+            raise MegatronCheckpointError(f"{what} is not supported")
+
+    refuse_if(_arg(args, "normalization", default="LayerNorm") != "RMSNorm",
+              f"normalization {_arg(args, 'normalization', default='LayerNorm')!r} (only RMSNorm)")
+    refuse_if(bool(_arg(args, "apply_layernorm_1p", "layernorm_zero_centered_gamma", default=False)),
+              "a zero-centered norm weight (apply_layernorm_1p)")
+    refuse_if(bool(_arg(args, "add_bias_linear", default=False)), "add_bias_linear (linear layers with biases)")
+    refuse_if(bool(_arg(args, "attention_output_gate", default=False)), "attention_output_gate")
+    refuse_if((_arg(args, "rotary_percent", default=1.0) or 1.0) != 1.0, "rotary_percent != 1")
+    refuse_if(bool(_arg(args, "rotary_interleaved", default=False)), "rotary_interleaved")
+    if "*" in pattern:
+        refuse_if(_arg(args, "position_embedding_type", default="rope") != "rope",
+                  f"position_embedding_type {_arg(args, 'position_embedding_type')!r} (only rope)")
+    swiglu, squared = bool(_arg(args, "swiglu", default=False)), bool(_arg(args, "squared_relu", default=False))
+    if "-" in pattern and not (swiglu or squared):
+        raise MegatronCheckpointError("the MLP activation is neither swiglu nor squared_relu (only those are supported)")
+    variant = _arg(args, "experimental_attention_variant", default="gdn")
+    refuse_if("G" in pattern and variant not in ("gdn", "gdn2", "gated_delta_net"),
+              f"experimental_attention_variant {variant!r} for 'G' layers (gdn or gdn2)")
+    hidden = int(_arg(args, "hidden_size"))
+    heads = int(_arg(args, "num_attention_heads", default=1))
+    groups = int(_arg(args, "num_query_groups", default=heads) if _arg(args, "group_query_attention", default=True)
+                 else heads)
+    kv_channels = int(_arg(args, "kv_channels", default=hidden // heads))
+    if "*" in pattern:
+        refuse_if(kv_channels * heads != hidden, f"kv_channels {kv_channels} x {heads} heads != hidden {hidden}")
+    embedding = checkpoint.info("embedding.word_embeddings.weight") if checkpoint.has(
+        "embedding.word_embeddings.weight") else None
+    if embedding is None:
+        raise MegatronCheckpointError("the checkpoint has no embedding.word_embeddings.weight")
+    tied = not bool(_arg(args, "untie_embeddings_and_output_weights", default=False))
+    kinds = {"G": "gdn2" if variant == "gdn2" else "gdn", "M": "gdp", "*": "attention"}
+    blocks = []
+    for index, symbol in enumerate(pattern):
+        if symbol == "-":
+            if not blocks:
+                raise MegatronCheckpointError(f"layer pattern {pattern!r} starts with an MLP layer: a mixer must come "
+                                              "first")
+            blocks[-1][2].append(index)
+        else:
+            if symbol == "M" and checkpoint.has(f"decoder.layers.{index}.mixer.D"):
+                raise MegatronCheckpointError(f"layer {index} ('M') is a Mamba2 mixer (it has D): only "
+                                              "GatedDeltaProductMixer 'M' layers are supported")
+            blocks.append((kinds[symbol], index, []))
+    conv = int(_arg(args, "linear_conv_kernel_dim", default=4))
+    gdp_conv = 4
+    for kind, index, _ in blocks:
+        if kind == "gdp":
+            gdp_conv = int(checkpoint.info(_first(checkpoint, f"decoder.layers.{index}.mixer.conv1d.weight")).shape[-1])
+            break
+    return MegatronConfig(
+        model_type=MODEL_TYPE, vocab_size=embedding.shape[0], hidden_size=hidden,
+        norm_eps=float(_arg(args, "layernorm_epsilon", "norm_epsilon", default=1e-5)),
+        layer_types=["linear_attention" if kind != "attention" else "full_attention" for kind, _, _ in blocks],
+        tie_word_embeddings=tied, pattern=pattern, blocks=blocks, num_attention_heads=heads, num_query_groups=groups,
+        kv_channels=kv_channels, qk_layernorm=bool(_arg(args, "qk_layernorm", default=False)),
+        add_qkv_bias=bool(_arg(args, "add_qkv_bias", default=False)),
+        rotary_base=float(_arg(args, "rotary_base", default=10000)),
+        ffn_hidden_size=int(_arg(args, "ffn_hidden_size", default=4 * hidden)),
+        mlp_activation="swiglu" if swiglu else "squared_relu", linear_conv_kernel_dim=conv,
+        linear_key_head_dim=int(_arg(args, "linear_key_head_dim", default=128)),
+        linear_value_head_dim=int(_arg(args, "linear_value_head_dim", default=128)),
+        linear_num_key_heads=int(_arg(args, "linear_num_key_heads", default=16)),
+        linear_num_value_heads=int(_arg(args, "linear_num_value_heads", default=32)),
+        mamba_state_dim=int(_arg(args, "mamba_state_dim", default=128)),
+        mamba_head_dim=int(_arg(args, "mamba_head_dim", default=64)),
+        mamba_num_groups=int(_arg(args, "mamba_num_groups", default=8)),
+        mamba_num_heads=int(_arg(args, "mamba_num_heads", default=0) or 0),
+        gdp_num_householder=int(_arg(args, "gdp_num_householder", default=3)), gdp_conv_kernel_dim=gdp_conv)
+
+
+def _first(checkpoint: MegatronCheckpoint, base: str) -> str:
+    """``base`` or the first of its split parts (``base.<part>``) that the checkpoint holds."""
+    if checkpoint.has(base):
+        return base
+    for name in checkpoint.names():
+        if name.startswith(base + "."):
+            return name
+    raise MegatronCheckpointError(f"the checkpoint has no {base}")
+
+
+def _sections_source(checkpoint, base: str, sections: list[tuple[str, int]], wanted: list[str], shape) -> MegatronSource:
+    """The rows of parts ``wanted`` of a fused tensor: split keys ``base.<part>`` (torch_dist) or row ranges of
+    ``base`` itself (legacy)."""
+    if all(checkpoint.has(f"{base}.{part}") for part in wanted):
+        return MegatronSource(checkpoint, [(f"{base}.{part}", None) for part in wanted], shape)
+    if not checkpoint.has(base):
+        missing = next(f"{base}.{part}" for part in wanted if not checkpoint.has(f"{base}.{part}"))
+        raise MegatronCheckpointError(f"weights missing from the checkpoint: {missing}")
+    offsets, start = {}, 0
+    for name, size in sections:
+        offsets[name] = (start, start + size)
+        start += size
+    total = checkpoint.info(base).shape[0]
+    if total != start:
+        raise MegatronCheckpointError(f"{base} has {total} rows; the model's arguments give {start}")
+    return MegatronSource(checkpoint, [(base, slice(*offsets[part])) for part in wanted], shape)
+
+
+def _whole(checkpoint, shape, *names) -> MegatronSource:
+    for name in names:
+        if checkpoint.has(name):
+            return MegatronSource(checkpoint, [(name, None)], shape)
+    raise MegatronCheckpointError(f"weights missing from the checkpoint: {names[0]}")
+
+
+def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -> tuple[dict, Counter]:
+    """Every model parameter's ``MegatronSource``, and the checkpoint tensors left out (by reason); a checkpoint
+    tensor that makes nothing is an error."""
+    config: MegatronConfig = model.config
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    sources: dict[str, MegatronSource] = {}
+    used: set[str] = set()
+
+    def put(name: str, source: MegatronSource) -> None:
+        sources[name] = source
+        used.update(piece for piece, _ in source.pieces)
+
+    put("model.embeddings.weight", _whole(checkpoint, shapes["model.embeddings.weight"], "embedding.word_embeddings.weight"))
+    put("model.norm.weight", _whole(checkpoint, shapes["model.norm.weight"], "decoder.final_norm.weight"))
+    if not config.tie_word_embeddings:
+        put("lm_head.weight", _whole(checkpoint, shapes["lm_head.weight"], "output_layer.weight"))
+    for b, (kind, index, mlps) in enumerate(config.blocks):
+        layer, prefix = f"decoder.layers.{index}.", f"model.layers.{b}."
+        mixer = model.model.layers[b].attn
+        if kind == "attention":
+            put(prefix + "attn_norm.weight", _whole(checkpoint, (config.hidden_size,),
+                                                    layer + "self_attention.linear_qkv.layer_norm_weight",
+                                                    layer + "input_layernorm.weight"))
+            _attention_sources(checkpoint, config, layer + "self_attention.", prefix + "attn.", shapes, put)
+            continue
+        where = layer + ("mixer." if kind == "gdp" else "self_attention.")
+        put(prefix + "attn_norm.weight", _whole(checkpoint, (config.hidden_size,), where + "in_proj.layer_norm_weight",
+                                                layer + ("norm.weight" if kind == "gdp" else "input_layernorm.weight")))
+        sections = type(mixer).sections(config)
+        for part, _ in sections:
+            name = f"{prefix}attn.in_proj.{part}.weight"
+            put(name, _sections_source(checkpoint, where + "in_proj.weight", sections, [part], shapes[name]))
+        conv_parts = ([f"V{i}" for i in range(config.gdp_num_householder)]
+                      + [f"K{i}" for i in range(config.gdp_num_householder)] + ["Q"]) if kind == "gdp" else \
+            ["query", "key", "value"]
+        conv_sections = [(p, s) for p, s in sections if p in conv_parts]
+        put(prefix + "attn.conv.weight", _sections_source(checkpoint, where + "conv1d.weight", conv_sections,
+                                                          conv_parts, shapes[prefix + "attn.conv.weight"]))
+        for param in ("A_log", "dt_bias"):
+            put(prefix + "attn." + param, _whole(checkpoint, shapes[prefix + "attn." + param], where + param))
+        if kind == "gdp":
+            put(prefix + "attn.norm", _whole(checkpoint, shapes[prefix + "attn.norm"], where + "norm.weight"))
+        else:
+            put(prefix + "attn.out_norm.weight", _whole(checkpoint, shapes[prefix + "attn.out_norm.weight"],
+                                                        where + "out_norm.weight"))
+        put(prefix + "attn.out_proj.weight", _whole(checkpoint, shapes[prefix + "attn.out_proj.weight"],
+                                                    where + "out_proj.weight"))
+        for bias in ("in_proj.bias", "out_proj.bias", "conv1d.bias"):
+            if any(n == where + bias or n.startswith(where + bias + ".") for n in checkpoint.names()):
+                raise MegatronCheckpointError(f"{where + bias}: biases in the delta-rule mixers are not supported")
+    for b, (_, _, mlps) in enumerate(config.blocks):
+        for j, index in enumerate(mlps):
+            layer, prefix = f"decoder.layers.{index}.", f"model.layers.{b}.mlps.{j}."
+            put(f"model.layers.{b}.mlp_norms.{j}.weight", _whole(
+                checkpoint, (config.hidden_size,), layer + "mlp.linear_fc1.layer_norm_weight",
+                layer + "pre_mlp_layernorm.weight"))
+            ffn = config.ffn_hidden_size
+            if config.mlp_activation == "swiglu":
+                put(prefix + "gate_proj.weight", MegatronSource(checkpoint, [(layer + "mlp.linear_fc1.weight",
+                                                                              slice(0, ffn))], (ffn, config.hidden_size)))
+                put(prefix + "up_proj.weight", MegatronSource(checkpoint, [(layer + "mlp.linear_fc1.weight",
+                                                                            slice(ffn, 2 * ffn))], (ffn, config.hidden_size)))
+                fc1 = checkpoint.info(layer + "mlp.linear_fc1.weight") if checkpoint.has(
+                    layer + "mlp.linear_fc1.weight") else None
+                if fc1 is None or fc1.shape != (2 * ffn, config.hidden_size):
+                    raise MegatronCheckpointError(f"{layer}mlp.linear_fc1.weight should be [{2 * ffn}, "
+                                                  f"{config.hidden_size}] (SwiGLU), got {fc1 and list(fc1.shape)}")
+            else:
+                put(prefix + "up_proj.weight", _whole(checkpoint, (ffn, config.hidden_size), layer + "mlp.linear_fc1.weight"))
+            put(prefix + "down_proj.weight", _whole(checkpoint, shapes[prefix + "down_proj.weight"],
+                                                    layer + "mlp.linear_fc2.weight"))
+    missing = sorted(set(shapes) - set(sources))
+    if missing:
+        raise MegatronCheckpointError(f"no checkpoint tensor for {', '.join(missing[:5])}")
+    for name, source in sources.items():
+        for piece, rows in source.pieces:
+            info = checkpoint.info(piece)
+            if rows is None and len(source.pieces) == 1 and info.shape != shapes[name]:
+                raise MegatronCheckpointError(f"{piece} is {list(info.shape)} in the checkpoint; the model's "
+                                              f"arguments give {list(shapes[name])}")
+    skipped: Counter = Counter()
+    for name in checkpoint.names():
+        if name in used:
+            continue
+        if name.startswith("mtp.") or ".mtp." in name:
+            skipped["multi-token prediction layers"] += 1
+        elif name.endswith("rotary_pos_emb.inv_freq") or name.endswith("_extra_state"):
+            skipped["buffers"] += 1
+        elif name == "output_layer.weight" and config.tie_word_embeddings:
+            skipped["tied to the embedding table"] += 1
+        else:
+            raise MegatronCheckpointError(f"the checkpoint has {name}, which the model's arguments do not describe")
+    return sources, skipped
+
+
+def _attention_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, shapes, put) -> None:
+    """``linear_qkv`` rows are per query group ``[q (heads/groups · d) | k (d) | v (d)]``: gathered into q, k, v."""
+    d, groups = config.kv_channels, config.num_query_groups
+    per_group = config.num_attention_heads // groups
+    stride = (per_group + 2) * d
+    rows = {"q": [], "k": [], "v": []}
+    for g in range(groups):
+        base = g * stride
+        rows["q"] += range(base, base + per_group * d)
+        rows["k"] += range(base + per_group * d, base + (per_group + 1) * d)
+        rows["v"] += range(base + (per_group + 1) * d, base + stride)
+    for part in ("q", "k", "v"):
+        put(f"{prefix}{part}_proj.weight", MegatronSource(checkpoint, [(where + "linear_qkv.weight", rows[part])],
+                                                          shapes[f"{prefix}{part}_proj.weight"]))
+        if config.add_qkv_bias:
+            put(f"{prefix}{part}_proj.bias", MegatronSource(checkpoint, [(where + "linear_qkv.bias", rows[part])],
+                                                            shapes[f"{prefix}{part}_proj.bias"]))
+    put(prefix + "o_proj.weight", _whole(checkpoint, shapes[prefix + "o_proj.weight"], where + "linear_proj.weight"))
+    if config.qk_layernorm:
+        put(prefix + "q_norm.weight", _whole(checkpoint, (d,), where + "q_layernorm.weight"))
+        put(prefix + "k_norm.weight", _whole(checkpoint, (d,), where + "k_layernorm.weight"))
+
+
+class MegatronWeights(CheckpointWeights):
+    """``CheckpointWeights`` whose summary names the checkpoint's format and Megatron layer types."""
+
+    description: str = ""
+
+    def summary(self) -> str:
+        return f"{self.description}; {super().summary()}"
+
+
+class MegatronFamily(Family):
+    def classes(self):
+        raise MegatronCheckpointError("Megatron checkpoints have no transformers classes")
+
+    def build(self, config: dict | MegatronConfig) -> MegatronHybridLM:
+        return MegatronHybridLM(config["megatron"] if isinstance(config, dict) else config)
+
+    def ignored_on_load(self) -> tuple[str, ...]:
+        return ()
+
+
+FAMILY = MegatronFamily(name="Megatron-LM hybrid", model_types=(MODEL_TYPE,), lm_class=FlaLM,
+                        reference="gdn_export's eager Megatron model (matched against Megatron's own logits in tests)")
+
+
+def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
+    names = {**MIXER_NAMES, "gdp": f"{MIXER_NAMES['gdp']} (n={config.gdp_num_householder})"}
+    used = sorted({names[kind] for kind, _, _ in config.blocks}) + (["MLP"] if "-" in config.pattern else [])
+    return (f"Megatron {checkpoint.format} checkpoint, pattern {config.pattern} "
+            f"({', '.join(used)})")
+
+
+def open_megatron(folder: str | os.PathLike):
+    """``(family, layout, model, weights)`` for a Megatron checkpoint folder, as ``hf.checkpoint.open_checkpoint``
+    returns for a Hugging Face one: every parameter's tensor found and checked, nothing read."""
+    from gdn_export.hf.checkpoint import parameters_on_meta
+
+    checkpoint = MegatronCheckpoint(Path(folder))
+    config = read_config(checkpoint)
+    with parameters_on_meta():
+        model = MegatronHybridLM(config).eval()
+    sources, skipped = parameter_sources(model, checkpoint)
+    layout = Layout(model_type=MODEL_TYPE, config={"model_type": MODEL_TYPE, "vocab_size": config.vocab_size,
+                                                   "megatron": config})
+    weights = MegatronWeights(sources, skipped, None)
+    weights.description = describe(config, checkpoint)
+    return FAMILY, layout, model, weights
+
+
+__all__ = ["FAMILY", "MIXER_NAMES", "GatedDeltaNet2Mixer", "GatedDeltaNetMixer", "GatedDeltaProductMixer",
+           "open_megatron", "read_config"]

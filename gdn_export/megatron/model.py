@@ -1,0 +1,289 @@
+"""Megatron-core hybrid models in plain torch, on the project's ops, with explicit states.
+
+A Megatron hybrid stack (``megatron/core/models/hybrid/hybrid_block.py``) is a list of single-purpose layers named
+by the pattern's symbols; each has a pre-norm and a residual:
+
+| symbol | Megatron layer | here |
+|---|---|---|
+| ``G`` | ``TransformerLayer`` + ``ssm.gated_delta_net.GatedDeltaNet`` | ``GatedDeltaNetMixer`` |
+| ``G`` with ``experimental_attention_variant='gdn2'`` | ``TransformerLayer`` + ``GatedDeltaNet2`` | ``GatedDeltaNet2Mixer`` |
+| ``M`` (a ``GatedDeltaProductMixer`` spec) | ``MambaLayer`` + ``ssm.gated_delta_product.GatedDeltaProductMixer`` | ``GatedDeltaProductMixer`` |
+| ``*`` | ``TransformerLayer`` + ``SelfAttention`` (GQA, rotary) | ``gdn_export.layers.Attention`` |
+| ``-`` | ``MLPLayer`` + ``MLP`` (SwiGLU or squared ReLU) | ``MegatronMLP`` |
+
+The project's decoder loop runs blocks of one mixer followed by the MLP layers after it (``Block``); each block is
+one "layer" of the export (its states are ``conv_<i>``/``state_<i>`` or ``key_<i>``/``value_<i>``, i the block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gdn_export.layers.attention import Attention
+from gdn_export.layers.common import RMSNorm, ShortConvolution, decay_parameters, rms_normalize, split_heads
+from gdn_export.layers.lm import FlaForCausalLM, LMConfig
+from gdn_export.models.blocks import gated_delta_mixer, gdn_decay, identity_steps, per_head_decay, short_conv
+from gdn_export.models.state import StateSpec, conv_state, delta_states, recurrent_state
+from gdn_export.ops.gated_delta_rule.op import gated_delta_rule
+
+MIXER_NAMES = {"gdn": "GatedDeltaNet", "gdn2": "GatedDeltaNet2", "gdp": "GatedDeltaProductMixer",
+               "attention": "SelfAttention"}
+
+
+@dataclass
+class MegatronConfig(LMConfig):
+    """The model's arguments as read from the checkpoint (``gdn_export.megatron.args``)."""
+
+    pattern: str = ""  # the main pattern, one symbol per Megatron layer
+    blocks: list = field(default_factory=list)  # per block: (mixer kind, Megatron index, [MLP Megatron indices])
+    num_attention_heads: int = 0
+    num_query_groups: int = 0
+    kv_channels: int = 0
+    qk_layernorm: bool = False
+    add_qkv_bias: bool = False
+    rotary_base: float = 10000.0
+    ffn_hidden_size: int = 0
+    mlp_activation: str = "swiglu"  # or "squared_relu"
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    mamba_state_dim: int = 0
+    mamba_head_dim: int = 0
+    mamba_num_groups: int = 0
+    mamba_num_heads: int = 0
+    gdp_num_householder: int = 1
+    gdp_conv_kernel_dim: int = 4
+
+
+def _linear(inputs: int, outputs: int) -> nn.Linear:
+    return nn.Linear(inputs, outputs, bias=False)
+
+
+class _DeltaMixer(nn.Module):
+    """What the three Megatron delta-rule mixers share: one conv cache and one recurrent state."""
+
+    conv: ShortConvolution
+    heads: int
+    width_k: int
+    width_v: int
+
+    def state_specs(self, layer: int, dtype: torch.dtype) -> list[StateSpec]:
+        return delta_states(layer, self.conv.hidden_size, self.conv.kernel_size, self.heads, self.width_k,
+                            self.width_v, dtype)
+
+    def forward_states(self, x, states, context=None):
+        out, conv, state = self(x, states[0], states[1], None if context is None else context.rows)
+        return out, [conv, state]
+
+
+class _GatedNormOut(nn.Module):
+    """``out_norm`` (RMSNorm over a value head) times ``silu(z)``, then ``out_proj`` (``_GDNBase._apply_gated_norm``)."""
+
+    def __init__(self, width_v: int, value_dim: int, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.out_norm = RMSNorm(width_v, eps=eps)
+        self.out_proj = _linear(value_dim, hidden)
+
+    def project_out(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        y = self.out_norm(core) * F.silu(split_heads(z, core.shape[-1]).float())
+        return self.out_proj(y.to(core.dtype).flatten(-2))
+
+
+class _GDNBase(_DeltaMixer, _GatedNormOut):
+    """What Megatron's ``_GDNBase`` gives both GDN variants: the split ``in_proj`` (``sections``), the conv over
+    ``[q|k|v]``, ``A_log``/``dt_bias`` of the variant's sizes, and the gated output norm."""
+
+    def __init__(self, config: MegatronConfig, a_log_size: int, dt_bias_size: int) -> None:
+        c = config
+        value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+        _GatedNormOut.__init__(self, c.linear_value_head_dim, value_dim, c.hidden_size, c.norm_eps)
+        self.heads, self.key_heads = c.linear_num_value_heads, c.linear_num_key_heads
+        self.width_k, self.width_v = c.linear_key_head_dim, c.linear_value_head_dim
+        self.in_proj = nn.ModuleDict({name: _linear(c.hidden_size, size) for name, size in self.sections(c)})
+        self.conv = ShortConvolution(2 * self.key_heads * self.width_k + value_dim, c.linear_conv_kernel_dim)
+        self.A_log, self.dt_bias = decay_parameters(a_log_size, dt_bias_size, 1.0, 16.0)
+
+    @staticmethod
+    def sections(c: MegatronConfig) -> list[tuple[str, int]]:
+        raise NotImplementedError
+
+
+class GatedDeltaNetMixer(_GDNBase):
+    """Megatron's ``GatedDeltaNet``: ``in_proj`` = ``[query, key, value, z, beta, alpha]``, one conv over
+    ``[q|k|v]``, ``g = -exp(A_log)·softplus(alpha + dt_bias)`` per value head, ``β = σ(beta)``, q/k L2-normalized."""
+
+    def __init__(self, config: MegatronConfig) -> None:
+        super().__init__(config, config.linear_num_value_heads, config.linear_num_value_heads)
+
+    @staticmethod
+    def sections(c: MegatronConfig) -> list[tuple[str, int]]:
+        key_dim, value_dim = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+        return [("query", key_dim), ("key", key_dim), ("value", value_dim), ("z", value_dim),
+                ("beta", c.linear_num_value_heads), ("alpha", c.linear_num_value_heads)]
+
+    def forward(self, x, conv_state_, state, rows=None):
+        p = {name: linear(x) for name, linear in self.in_proj.items()}
+        mixed = torch.cat([p["query"], p["key"], p["value"]], dim=-1)
+        g = gdn_decay(p["alpha"], self.A_log, self.dt_bias)
+        core, conv_state_, state = gated_delta_mixer(mixed, self.conv.weight.squeeze(1), conv_state_, state, g,
+                                                     p["beta"].sigmoid(), key_heads=self.key_heads, heads=self.heads,
+                                                     width_k=self.width_k, width_v=self.width_v, rows=rows)
+        return self.project_out(core, p["z"]), conv_state_, state
+
+
+class GatedDeltaNet2Mixer(_GDNBase):
+    """Megatron's ``GatedDeltaNet2``: ``in_proj`` = ``[query, key, value, z, f, b, w]`` (full rank), per-channel
+    decay ``g = -exp(A_log[key head])·softplus(f + dt_bias)``, erase ``σ(b)`` on K, write ``σ(w)`` on V."""
+
+    def __init__(self, config: MegatronConfig) -> None:
+        super().__init__(config, config.linear_num_key_heads, config.linear_num_key_heads * config.linear_key_head_dim)
+
+    @staticmethod
+    def sections(c: MegatronConfig) -> list[tuple[str, int]]:
+        key_dim, value_dim = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+        return [("query", key_dim), ("key", key_dim), ("value", value_dim), ("z", value_dim), ("f", key_dim),
+                ("b", key_dim), ("w", value_dim)]
+
+    def forward(self, x, conv_state_, state, rows=None):
+        p = {name: linear(x) for name, linear in self.in_proj.items()}
+        mixed = torch.cat([p["query"], p["key"], p["value"]], dim=-1)
+        convolved, conv_state_ = short_conv(mixed.transpose(1, 2), self.conv.weight.squeeze(1), conv_state_, rows)
+        q, k, v = torch.split(convolved.transpose(1, 2), [self.key_heads * self.width_k] * 2 + [self.heads * self.width_v], -1)
+        g = per_head_decay(split_heads(p["f"], self.width_k), self.A_log, self.dt_bias)
+        erase = split_heads(p["b"].sigmoid(), self.width_k)
+        write = split_heads(p["w"].sigmoid(), self.width_v)
+        groups = self.heads // self.key_heads
+        if groups > 1:  # the op repeats q and k itself; the K-side gates live on the value heads
+            g, erase = g.repeat_interleave(groups, dim=2), erase.repeat_interleave(groups, dim=2)
+        g, erase, write = identity_steps(rows, g, erase, write)
+        core, state = gated_delta_rule(split_heads(q, self.width_k), split_heads(k, self.width_k),
+                                       split_heads(v, self.width_v), g, None, state, erase=erase, write=write,
+                                       use_qk_l2norm=True)
+        return self.project_out(core, p["z"]), conv_state_, state
+
+
+class GatedDeltaProductMixer(_DeltaMixer):
+    """Megatron's ``GatedDeltaProductMixer``: ``in_proj`` = ``[z, V0..Vn-1, K0..Kn-1, Q, b0..bn-1, a]``, one conv over
+    ``[V.., K.., Q]``, n Householder sub-steps per token (sub-step j of token t at t·n + j), ``β = σ(b)``,
+    ``g = -exp(A_log)·softplus(a + dt_bias)`` per head, then mamba_ssm's gated RMSNorm with ``norm_before_gate=False``
+    over groups of ``d_inner / ngroups`` channels: ``rmsnorm(y ⊙ silu(z)) ⊙ weight``."""
+
+    def __init__(self, config: MegatronConfig) -> None:
+        super().__init__()
+        c = config
+        self.n, self.heads, self.groups = c.gdp_num_householder, c.mamba_num_heads, c.mamba_num_groups
+        self.width_k, self.width_v = c.mamba_state_dim, c.mamba_head_dim
+        self.d_inner = self.heads * self.width_v
+        self.in_proj = nn.ModuleDict({name: _linear(c.hidden_size, size) for name, size in self.sections(c)})
+        self.conv = ShortConvolution(self.n * self.d_inner + (self.n + 1) * self.groups * self.width_k,
+                                     c.gdp_conv_kernel_dim)
+        self.A_log, self.dt_bias = decay_parameters(self.heads, self.heads, 0.0, 16.0)
+        self.norm = nn.Parameter(torch.ones(self.d_inner))
+        self.out_proj = _linear(self.d_inner, c.hidden_size)
+
+    @staticmethod
+    def sections(c: MegatronConfig) -> list[tuple[str, int]]:
+        n, d_inner, group_state = c.gdp_num_householder, c.mamba_num_heads * c.mamba_head_dim, c.mamba_num_groups * c.mamba_state_dim
+        return ([("z", d_inner)] + [(f"V{i}", d_inner) for i in range(n)] + [(f"K{i}", group_state) for i in range(n)]
+                + [("Q", group_state)] + [(f"b{i}", c.mamba_num_heads) for i in range(n)] + [("a", c.mamba_num_heads)])
+
+    def forward(self, x, conv_state_, state, rows=None):
+        p = {name: linear(x) for name, linear in self.in_proj.items()}
+        n = self.n
+        mixed = torch.cat([p[f"V{i}"] for i in range(n)] + [p[f"K{i}"] for i in range(n)] + [p["Q"]], dim=-1)
+        convolved, conv_state_ = short_conv(mixed.transpose(1, 2), self.conv.weight.squeeze(1), conv_state_, rows)
+        group_state = self.groups * self.width_k
+        v, k, q = torch.split(convolved.transpose(1, 2), [n * self.d_inner, n * group_state, group_state], -1)
+        batch = x.shape[0]
+        # 'b l (m h p) -> b (l m) h p': a row-major reshape, a token's sub-steps stay adjacent
+        v = v.reshape(batch, -1, self.heads, self.width_v)
+        k = k.reshape(batch, -1, self.groups, self.width_k)
+        q = split_heads(q, self.width_k)
+        beta = torch.cat([p[f"b{i}"] for i in range(n)], dim=-1).sigmoid()  # [B, S, n·H], (m h) order
+        g, beta = identity_steps(rows, gdn_decay(p["a"], self.A_log, self.dt_bias), beta)
+        core, state = gated_delta_rule(q, k, v, g, beta.reshape(batch, -1, self.heads), state,
+                                       num_householder=n, use_qk_l2norm=True)
+        y = core.flatten(-2).float() * F.silu(p["z"].float())
+        y = rms_normalize(y.reshape(*y.shape[:-1], self.groups, -1), 1e-5).flatten(-2) * self.norm.float()
+        return self.out_proj(y.to(x.dtype)), conv_state_, state
+
+    def state_specs(self, layer: int, dtype: torch.dtype) -> list[StateSpec]:
+        return [conv_state(f"conv_{layer}", layer, self.conv.hidden_size, self.conv.kernel_size, dtype),
+                recurrent_state(layer, self.heads, self.width_k, self.width_v)]
+
+
+class MegatronMLP(nn.Module):
+    """Megatron's ``MLP`` without biases: SwiGLU (``linear_fc1`` = ``[gate; up]``) or squared ReLU."""
+
+    def __init__(self, hidden: int, ffn: int, activation: str) -> None:
+        super().__init__()
+        self.activation = activation
+        if activation == "swiglu":
+            self.gate_proj = _linear(hidden, ffn)
+        self.up_proj = _linear(hidden, ffn)
+        self.down_proj = _linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "swiglu":
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class Block(nn.Module):
+    """One mixer layer (``attn_norm``, ``attn``) and the Megatron MLP layers after it (``mlp_norms``, ``mlps``)."""
+
+    def __init__(self, config: MegatronConfig, mixer: nn.Module, mlp_count: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn = mixer
+        self.mlp_norms = nn.ModuleList(RMSNorm(config.hidden_size, eps=config.norm_eps) for _ in range(mlp_count))
+        self.mlps = nn.ModuleList(MegatronMLP(config.hidden_size, config.ffn_hidden_size, config.mlp_activation)
+                                  for _ in range(mlp_count))
+
+    def forward(self, step, *args):
+        return step(*args)
+
+
+def build_mixer(kind: str, config: MegatronConfig, index: int) -> nn.Module:
+    if kind == "gdn":
+        return GatedDeltaNetMixer(config)
+    if kind == "gdn2":
+        return GatedDeltaNet2Mixer(config)
+    if kind == "gdp":
+        return GatedDeltaProductMixer(config)
+    attention = Attention(config.hidden_size, config.num_attention_heads, config.num_query_groups,
+                          qkv_bias=config.add_qkv_bias, qk_norm=config.qk_layernorm, rope_theta=config.rotary_base,
+                          layer_idx=index)
+    if config.qk_layernorm:
+        attention.q_norm.eps = attention.k_norm.eps = config.norm_eps
+    return attention
+
+
+class MegatronHybridLM(FlaForCausalLM):
+    """The hybrid model: FLA's stack layout (``model.embeddings``, ``model.layers``, ``model.norm``, ``lm_head``) and
+    its decoder loop, with Megatron's blocks (a mixer and the MLP layers after it)."""
+
+    def __init__(self, config: MegatronConfig) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.model = nn.Module()
+        self.model.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(
+            Block(config, build_mixer(kind, config, i), len(mlps)) for i, (kind, _, mlps) in enumerate(config.blocks))
+        self.model.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embeddings.weight
+
+    def layer_step(self, index, layer, x, states, context):
+        x, *new_states = self.residual(index, layer, "mixer", x,
+                                       lambda h: self.mixer(index, layer, h, states, context))
+        for norm, mlp in zip(layer.mlp_norms, layer.mlps):
+            x = x + mlp(norm(x))
+        return (x, *new_states)

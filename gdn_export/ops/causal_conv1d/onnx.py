@@ -1,0 +1,51 @@
+"""``t2n_extra::causal_conv1d_update`` in ONNX: ``contrib`` is ``com.microsoft::CausalConvWithState`` with
+``activation='silu'``, fed ``state[:, :, 1:]`` (the op keeps W-1 past inputs, our state W: the oldest never
+reaches an output), the new state a slice of ``state ++ x`` as in the reference; ``portable`` a depthwise ``Conv``
+over ``state[:, :, 1:] ++ x`` then SiLU."""
+
+from __future__ import annotations
+
+from gdn_export.backends.onnx.registry import CONTRIB_VERIFIED, Context, ort_version, placeholder
+from gdn_export.backends.onnx.rewrite import INT64_MAX, MS_DOMAIN, Builder, DTYPES, operand_info
+from gdn_export.errors import GdnExportError
+from gdn_export.ops.protocol import Decision
+
+CONV_QUALNAME = "t2n_extra::causal_conv1d_update"
+
+
+def decide_conv(name: str, runtime: str, lowering: str) -> Decision:
+    if runtime == "onnxruntime" and lowering != "scan":
+        version = ort_version()
+        if version is not None and version >= CONTRIB_VERIFIED:
+            return Decision(name, CONV_QUALNAME, "contrib", "com.microsoft::CausalConvWithState (activation silu) on "
+                            "state[:, :, 1:] (its W-1 past inputs); the new state a slice of state ++ x", None)
+    return Decision(name, CONV_QUALNAME, "portable", "depthwise ONNX Conv over state[:, :, 1:] ++ x, then SiLU", None)
+
+
+def _lower_conv(b: Builder, node, decision, shapes, dtypes) -> None:
+    x, weight, state = node.input
+    y_out, state_out = node.output
+    width = shapes[1][1] if len(shapes) > 1 and len(shapes[1]) == 2 else None
+    if width is None:
+        raise GdnExportError(f"{node.name}: the conv weight's traced shape is unknown")
+    dtype = DTYPES[dtypes[0]]
+    if dtypes[2] != dtypes[0]:
+        state = b.cast(state, dtype)
+    full = b.op("Concat", [state, x], axis=2)
+    b.op("Slice", [full, b.const([-width]), b.const([INT64_MAX]), b.const([2])], [state_out])
+    weight3 = b.unsqueeze(weight if dtypes[1] == dtypes[0] else b.cast(weight, dtype), [1])  # [C, 1, W]
+    if decision.lowering == "contrib":
+        past = b.slice(state, 1, INT64_MAX, 2)
+        b.op("CausalConvWithState", [x, weight3, "", past], [y_out, b.name("present")], domain=MS_DOMAIN,
+             activation="silu")
+    else:
+        conv = b.op("Conv", [b.slice(full, 1, INT64_MAX, 2), weight3], group=shapes[0][1], kernel_shape=[width])
+        b.op("Mul", [conv, b.op("Sigmoid", [conv])], [y_out])
+
+
+@placeholder("CausalConv1dUpdate")
+def rewrite_conv(b: Builder, node, attrs: dict, context: Context) -> Decision:
+    shapes, dtypes = operand_info(attrs)
+    decision = decide_conv(node.output[-1], context.runtime, context.lowering)
+    _lower_conv(b, node, decision, shapes, dtypes)
+    return decision

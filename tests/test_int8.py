@@ -1,0 +1,161 @@
+"""int8 weights on tract's integer matmuls (``--quantize int8``): the rounding, the lowering of one linear layer
+against an independent numpy emulation, a whole export against transformers with the same rounding, refusals."""
+
+import json
+import re
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gdn_export.errors import GdnExportError
+from gdn_export.hf.check import compare_logits
+from gdn_export.pipeline.convert import convert
+from gdn_export.weights import int8
+from helpers import FIXTURES
+
+
+def emulated_linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """The int8 linear layer computed independently, row by row in float64: weight codes round(W / ws) with
+    ws = max|W row| / 127, input codes round(x / xs) with xs = max|x row| / 127 (half to even), integer sums."""
+    out = np.empty(x.shape[:-1] + (weight.shape[0],))
+    w_scale = np.float32(np.abs(weight).max(1)) * np.float32(1 / 127)
+    w_codes = np.array([[round(float(v) / float(s)) for v in row] for row, s in zip(weight, w_scale)], np.int64)
+    flat, out_flat = x.reshape(-1, x.shape[-1]), out.reshape(-1, weight.shape[0])
+    for i, row in enumerate(flat):
+        xs = np.float32(np.abs(row).max()) * np.float32(1 / 127)
+        if not xs:  # an all-zero row: zero output
+            out_flat[i] = 0.0
+            continue
+        codes = np.array([round(float(v * (np.float32(1) / xs))) for v in row], np.int64)  # round(): half to even
+        out_flat[i] = (w_codes @ codes).astype(np.float64) * float(xs) * w_scale.astype(np.float64)
+    return out
+
+
+def test_weight_codes_and_scales_follow_the_rule():
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((6, 40)) * rng.uniform(0.01, 3, (6, 1))).astype(np.float32)
+    w[2] = 0.0  # an all-zero row: scale 0, codes 0
+    codes, scales = int8.quantize(w)
+    assert codes.dtype == np.int8 and np.abs(codes.astype(int)).max() == 127
+    np.testing.assert_array_equal(scales[2], 0.0)
+    for row, code_row, scale in zip(w, codes, scales):
+        if scale:
+            assert [round(float(v) / float(scale)) for v in row] == code_row.tolist()
+    # each row's value of largest magnitude is kept (code +-127), up to the f32 scale
+    extreme = np.abs(w).argmax(1)
+    np.testing.assert_allclose(int8.dequantize(codes, scales)[np.arange(6), extreme], w[np.arange(6), extreme],
+                               rtol=1e-6)
+
+
+def test_activation_rounding_matches_the_emulation():
+    x = torch.randn(3, 5, 48, generator=torch.Generator().manual_seed(1))
+    x[1, 2] = 0.0  # an all-zero row stays zero (no 0 * inf)
+    got = int8.round_activations(x).numpy()
+    for row, out in zip(x.reshape(-1, 48).numpy(), got.reshape(-1, 48)):
+        xs = np.float32(np.abs(row).max()) * np.float32(1 / 127)
+        expected = [round(float(v * (np.float32(1) / xs))) * float(xs) for v in row] if xs else [0.0] * 48
+        np.testing.assert_allclose(out, expected, rtol=1e-6, atol=0)
+
+
+def graph_of_one_linear(folder: Path, weight: np.ndarray, rank: int) -> None:
+    """torch-to-nnef's text of a linear layer (weight unsqueezed to the input's rank), lowered to int8, with the
+    weight written as int8 writes it."""
+    n, k = weight.shape
+    expand = ("    w_aligned = unsqueeze(w, axes = [0]);\n", "w_aligned") if rank == 3 else ("", "w")
+    shape = "[1, S, %d]" % k if rank == 3 else "[S, %d]" % k
+    text = (f"version 1.0;\nextension tract_registry tract_core;\n\ngraph network(x) -> (y)\n{{\n"
+            f"    x = tract_core_external(shape = {shape}, datum_type = 'f32');\n"
+            f"    w = variable<scalar>(label = 'layer.weight', shape = [{n}, {k}]);\n{expand[0]}"
+            f"    y = linear(x, {expand[1]}, 0.0);\n}}\n")
+    weights = int8.Int8Weights(frozenset({"layer.weight"}))
+    with open(folder / "layer.weight.dat", "wb") as file:
+        weights.scales["layer.weight"] = int8.write_nnef(file, weight.shape, lambda a, b: weight[a:b])
+    (folder / "graph.nnef").write_text(text)
+    int8.lower_folder(folder, weights)
+    assert "linear(" not in (folder / "graph.nnef").read_text()
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+def test_lowered_linear_runs_on_tract_as_the_emulation(tmp_path, rank):
+    from gdn_export.run.runtime import load_tract_model, run_tract
+
+    rng = np.random.default_rng(rank)
+    weight = (rng.standard_normal((24, 64)) * rng.uniform(0.1, 2, (24, 1))).astype(np.float32)
+    x = (rng.standard_normal((7, 64)) * rng.uniform(0.1, 5, (7, 1))).astype(np.float32)
+    x[3] = 0.0
+    graph_of_one_linear(tmp_path, weight, rank)
+    inputs = x[None] if rank == 3 else x
+    got = run_tract(load_tract_model(tmp_path), [inputs])[0]
+    expected = emulated_linear(inputs, weight)
+    # integer sums are exact in both; the float products differ by a few f32 roundings
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    assert np.abs(got - x @ weight.T).max() > 1e-4 * np.abs(expected).max()  # it did quantize
+
+
+def dat_types(archive: Path) -> dict[str, tuple[int, int]]:
+    """.dat name -> (bits per item, item type) from each header."""
+    with tarfile.open(archive) as tar:
+        return {m.name: tuple(int(v) for v in np.frombuffer(tar.extractfile(m).read(128), np.uint32, 2, 44))
+                for m in tar.getmembers() if m.name.endswith(".dat")}
+
+
+@pytest.mark.slow
+def test_int8_export_of_a_tied_model_matches_the_reference_with_the_same_rounding(tmp_path):
+    """Qwen3.5 with its head tied to the table: every linear layer in int8 (the head a copy of its own), the table in
+    int8 too (its gather takes codes and a scale per row), the check against transformers with the same int8 weights and input rounding
+    passes; the same tract logits against transformers without the input rounding fail the same rule."""
+    out = tmp_path / "q.nnef.tgz"
+    report = convert(FIXTURES / "qwen3_5_vl", out, quantize="int8")
+    assert report.check.ok, report.check
+    assert report.quality is not None and np.isfinite(report.quality.mean_kl)
+    types = dat_types(out)
+    linear = {n for n, t in types.items() if t == (8, 4)} - {"hf.model.embed_tokens.weight.dat"}
+    assert {n for n in types if re.search(r"(_proj|_proj_\w+|lm_head)\.weight\.dat$", n)} == linear
+    assert all(types[n.removesuffix(".dat") + int8.SCALE_SUFFIX + ".dat"] == (32, 0) for n in linear)
+    assert types["hf.model.embed_tokens.weight.dat"] == (8, 4)  # the table: int8, gathered with its scales
+    assert "hf.lm_head.weight.dat" in linear
+    assert f"{len(linear)} weights in INT8" in report.quantization and "embedding table in int8" in report.quantization
+    with tarfile.open(out) as tar:
+        graph = tar.extractfile("graph.nnef").read().decode()
+        assert json.loads(tar.extractfile("gdn_export.json").read())["quantize"] == "int8"
+    assert "linear(" not in graph and graph.count("tract_core_einsum_q(") == len(linear)
+    assert graph.count("tract_core_gather(") == 2  # the table's codes and its rows' scales
+
+
+@pytest.mark.slow
+def test_the_int8_rule_fails_a_graph_that_does_not_round_its_inputs(tmp_path):
+    """The rule the int8 check applies (typical error against the reference's own sensitivity to its rounding) on
+    logits computed without the input rounding: what a graph that skipped it would give, judged against the
+    reference with it."""
+    from gdn_export.hf.check import sample_tokens, transformers_logits
+    from gdn_export.hf.checkpoint import model_in_memory, open_checkpoint
+    from gdn_export.hf.weight_writers import QuantizationReport, dequantized_view, int8_reference_linears
+
+    family, layout, model, weights = open_checkpoint(FIXTURES / "qwen3_5")
+    names = [n for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
+    report = QuantizationReport(scheme="int8", quantized=names)
+    view = dequantized_view(weights, report)
+    tokens = sample_tokens(layout.config["vocab_size"], 1, 24)
+    logits = {}
+    for seed, rounded in (("plain", frozenset()), (None, int8_reference_linears(report)),
+                          (0, int8_reference_linears(report))):
+        reference = model_in_memory(family, layout, view)
+        int8.reference_hooks(reference, rounded, seed if seed != "plain" else None)
+        logits[seed] = transformers_logits(reference, tokens, 16)
+    ok = compare_logits(logits[0], logits[None], "float32 (int8 rounding)", logits[0], 16, allowance=1e-4)
+    assert ok.ok  # the baseline itself passes
+    wrong = compare_logits(logits["plain"], logits[None], "float32 (int8 rounding)", logits[0], 16, allowance=1e-4)
+    assert not wrong.ok, wrong
+
+
+def test_int8_refusals(tmp_path):
+    with pytest.raises(GdnExportError, match="dtype='float32'"):
+        convert(FIXTURES / "qwen3_5", tmp_path / "q.nnef.tgz", quantize="int8", dtype="float16", check=False)
+    with pytest.raises(GdnExportError, match="quantize_embeddings"):
+        convert(FIXTURES / "qwen3_5", tmp_path / "q.nnef.tgz", quantize="int8", quantize_embeddings=True)
+    with pytest.raises(GdnExportError, match="MatMulInteger"):
+        convert(FIXTURES / "qwen3_5", tmp_path / "q.onnx", quantize="int8", format="onnx")
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,212 @@
+"""Megatron-core hybrid checkpoints (fixtures/megatron_<mixer>, made and run by Megatron's own code on a GPU:
+fixtures/make_megatron_fixtures.py): converted through the CLI, run in tract, against Megatron's own logits; and
+bad checkpoints refused in one line with nothing written."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import FIXTURES, by_fixture
+from gdn_export.cli import main as cli
+from gdn_export.hf.check import compare_logits, session_logits
+from gdn_export.hf.checkpoint import model_in_memory
+from gdn_export.megatron.family import open_megatron
+from gdn_export.parity import RELATIVE_TOLERANCE
+
+MIXERS = ("gdn", "gdn2", "gdp")
+PROMPT = 16
+# The gdp golden is Megatron's bfloat16 forward (FLA's chunk_gated_delta_product refuses float32): it is judged by
+# the project's float16 rule scaled by the ratio of the two formats' unit roundoffs (2^-8 / 2^-11 = 8).
+BF16_TOLERANCE = RELATIVE_TOLERANCE[np.dtype(np.float16)] * 8
+
+
+def golden(mixer: str) -> tuple[np.ndarray, np.ndarray]:
+    data = np.load(FIXTURES / f"megatron_{mixer}" / "golden.npz")
+    assert data["input_ids"].dtype == np.int64 and data["logits"].dtype == np.float32
+    return data["input_ids"], data["logits"]
+
+
+def judge(mixer: str, actual: np.ndarray, expected: np.ndarray) -> None:
+    if mixer == "gdp":
+        error = float(np.abs(actual - expected).max())
+        assert error <= BF16_TOLERANCE * max(1.0, float(np.abs(expected).max())), f"{mixer}: {error:.3e}"
+    else:
+        result = compare_logits(actual, expected, "float32")
+        assert result.ok, f"{mixer}: {result}"
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_eager_model_matches_megatron(mixer):
+    """gdn_export's eager model of the checkpoint (the conversion's reference) against Megatron's forward."""
+    family, layout, _, weights = open_megatron(FIXTURES / f"megatron_{mixer}")
+    model = model_in_memory(family, layout, weights)
+    tokens, expected = golden(mixer)
+    with torch.no_grad():
+        judge(mixer, model(torch.from_numpy(tokens)).logits.numpy(), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", by_fixture(*(f"megatron_{m}" for m in MIXERS)))
+def test_converted_checkpoint_in_tract_matches_megatron(name, shared_session):
+    """``gdn-export convert fixtures/megatron_<mixer>``, run in tract (batch 2: a prefill of 16 tokens then one
+    token at a time) against Megatron's own logits over the same tokens."""
+    tokens, expected = golden(name.removeprefix("megatron_"))
+    actual = session_logits(shared_session(name, "float32", tokens.shape[0]), tokens, PROMPT)
+    judge(name.removeprefix("megatron_"), actual, expected)
+
+
+def test_report_names_megatron_layers():
+    _, _, _, weights = open_megatron(FIXTURES / "megatron_gdp")
+    assert "GatedDeltaProductMixer (n=2)" in weights.summary() and "torch_dist" in weights.summary()
+    _, _, model, weights = open_megatron(FIXTURES / "megatron_gdn2")
+    assert "GatedDeltaNet2" in weights.summary()
+    assert model.config.layer_types == ["linear_attention", "full_attention", "linear_attention"]
+
+
+def _legacy_copy(tmp_path: Path, mixer: str) -> Path:
+    """The fixture rewritten in the legacy layout (iter_*/mp_rank_00/model_optim_rng.pt): every tensor of
+    Megatron's model state dict under its module's own name, the split checkpoint parts fused back in the order
+    of Megatron's ``in_proj_split_names`` / ``_get_in_proj_checkpoint_split_layout``."""
+    from gdn_export.megatron.checkpoint import MegatronCheckpoint
+
+    source = MegatronCheckpoint(FIXTURES / f"megatron_{mixer}")
+    orders = {"gdn": ["query", "key", "value", "z", "beta", "alpha"], "gdn2": ["query", "key", "value", "z", "f", "b", "w"],
+              "gdp": ["z", "V0", "V1", "K0", "K1", "Q", "b0", "b1", "a"]}[mixer]
+    conv = ["V0", "V1", "K0", "K1", "Q"] if mixer == "gdp" else ["query", "key", "value"]
+    model: dict[str, torch.Tensor] = {}
+    for name in source.names():
+        base, _, part = name.rpartition(".")
+        if part in orders and base.endswith("in_proj.weight") or part in conv and base.endswith("conv1d.weight"):
+            if base not in model:
+                parts = orders if base.endswith("in_proj.weight") else conv
+                model[base] = torch.cat([source.read(f"{base}.{p}") for p in parts])
+        else:
+            model[name] = source.read(name)
+    folder = tmp_path / "legacy"
+    (folder / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+    torch.save({"args": argparse.Namespace(**source.args), "checkpoint_version": 3.0, "iteration": 1, "model": model},
+               folder / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")
+    (folder / "latest_checkpointed_iteration.txt").write_text("1")
+    return folder
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "gdp"])
+def test_legacy_layout_reads_the_same_model(tmp_path, mixer):
+    family, layout, _, weights = open_megatron(_legacy_copy(tmp_path, mixer))
+    assert "legacy" in weights.summary()
+    model = model_in_memory(family, layout, weights)
+    tokens, expected = golden(mixer)
+    with torch.no_grad():
+        judge(mixer, model(torch.from_numpy(tokens)).logits.numpy(), expected)
+
+
+# --- bad checkpoints: one line, exit status 1, nothing written ------------------------------------------------------
+
+def refused(capsys, folder: Path, out: Path, message: str) -> None:
+    status = cli(["convert", str(folder), "-o", str(out), "--no-check"])
+    err = capsys.readouterr().err
+    reasons = [line for line in err.splitlines() if line.startswith("gdn-export: error: ")]
+    assert status == 1 and len(reasons) == 1 and message in reasons[0], err
+    assert not out.exists() and not [p for p in out.parent.iterdir() if p.name.startswith(".gdn_export_")]
+
+
+def _copy(tmp_path: Path, mixer: str = "gdn") -> Path:
+    folder = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / f"megatron_{mixer}", folder)
+    return folder
+
+
+def test_missing_shard(tmp_path, capsys):
+    folder = _copy(tmp_path)
+    (folder / "iter_0000001" / "__0_0.distcp").unlink()
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "lacks __0_0.distcp")
+
+
+def test_tensor_parallel_shards_refused(tmp_path, capsys):
+    folder = tmp_path / "tp2"
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        (folder / "iter_0000001" / rank).mkdir(parents=True)
+        (folder / "iter_0000001" / rank / "model_optim_rng.pt").write_bytes(b"")
+    (folder / "latest_checkpointed_iteration.txt").write_text("1")
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "only tensor- and pipeline-parallel size 1 is supported")
+
+
+def _with_args(tmp_path: Path, **changes) -> Path:
+    """The fixture with ``common.pt`` (the older torch_dist layout of the common state, read first) holding changed args."""
+    from gdn_export.megatron.checkpoint import MegatronCheckpoint
+
+    folder = _copy(tmp_path)
+    args = {**MegatronCheckpoint(folder).args, **changes}
+    torch.save({"args": argparse.Namespace(**args), "checkpoint_version": 3.0},
+               folder / "iter_0000001" / "common.pt")
+    return folder
+
+
+def test_tensor_parallel_args_refused(tmp_path, capsys):
+    refused(capsys, _with_args(tmp_path, tensor_model_parallel_size=2), tmp_path / "m.nnef.tgz",
+            "tensor_model_parallel_size=2")
+
+
+def test_unknown_layer_symbol(tmp_path, capsys):
+    refused(capsys, _with_args(tmp_path, hybrid_layer_pattern="G-*-GX"), tmp_path / "m.nnef.tgz",
+            "layer symbol(s) 'X'")
+
+
+class _Payload:
+    """Unpickled, it would run a shell command that leaves a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_pickled_code_in_metadata_is_not_run(tmp_path, capsys):
+    folder = _copy(tmp_path)
+    marker = tmp_path / "ran"
+    (folder / "iter_0000001" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "refusing to unpickle")
+    assert not marker.exists()
+
+
+def test_pickled_code_in_common_state_is_not_run(tmp_path, capsys):
+    folder = _copy(tmp_path)
+    marker = tmp_path / "ran"
+    torch.save({"args": _Payload(marker)}, folder / "iter_0000001" / "common.pt")
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "cannot be read safely (weights_only)")
+    assert not marker.exists()
+
+
+
+def test_megatron_enums_in_args_are_read_inert(tmp_path, monkeypatch):
+    """Megatron-LM's args hold its own enums (``attention_backend=AttnBackend.auto``): read as inert stand-ins,
+    without importing Megatron."""
+    import enum
+    import sys
+    import types
+
+    from gdn_export.megatron.checkpoint import MegatronCheckpoint, MegatronObject
+
+    enums = types.ModuleType("megatron.core.transformer.enums")
+
+    class AttnBackend(enum.Enum):
+        auto = 5
+
+    AttnBackend.__module__, AttnBackend.__qualname__ = enums.__name__, "AttnBackend"
+    enums.AttnBackend = AttnBackend
+    for parent in ("megatron", "megatron.core", "megatron.core.transformer"):
+        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    monkeypatch.setitem(sys.modules, enums.__name__, enums)
+    folder = _with_args(tmp_path, attention_backend=AttnBackend.auto)
+    monkeypatch.undo()  # Megatron is not importable while the checkpoint is read
+    args = MegatronCheckpoint(folder).args
+    assert isinstance(args["attention_backend"], MegatronObject) and args["attention_backend"].args == (5,)
