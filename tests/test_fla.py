@@ -373,7 +373,7 @@ def copy_fixture(tmp_path, name="fla_delta_net", **changes):
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(hidden_size="64"), "'hidden_size' must be a positive integer"),
+    (dict(hidden_size="64"), "hidden_size must be an integer >= 1"),
     (dict(use_gate=1), "'use_gate' must be true or false"),
     (dict(attnres_block_size=2), "attention residuals"),
     (dict(hidden_act="powlu"), "hidden_act 'powlu'"),
