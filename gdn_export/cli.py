@@ -19,6 +19,10 @@ Exit status 0 on success; 1 with a one-line reason on any failure (``--debug``: 
 usage error (checked before any work; for ``generate`` also a prompt + new tokens longer than the model's context);
 130 when interrupted (Ctrl-C, SIGTERM), leaving no output behind; ``serve`` stopped by SIGTERM or Ctrl-C exits 0
 once its requests were answered or ended (docs/SERVER.md).
+
+``info``, ``generate`` and ``serve`` run on the base install (numpy, tract; text and chat: ``[generate]``; HTTP:
+``[serve]``) and never import torch; ``convert`` and ``check`` need the ``[convert]`` extra (torch, torch-to-nnef,
+transformers, onnx) and say so in one line when it is missing.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ import time
 import warnings
 from typing import Sequence
 
-from gdn_export.ops.gated_delta_rule.capabilities import parse_version  # these three are light: --help imports no torch
-from gdn_export.ops.gated_delta_rule.policy import RUNTIMES
+from gdn_export.errors import GdnExportError, missing_extra
+from gdn_export.ops.gated_delta_rule.policy import RUNTIMES  # these two are light: --help imports no torch (nor numpy)
 from gdn_export.ops.gated_delta_rule.registry import LOWERINGS
 from gdn_export.weights import ONNX_QUANTIZE_REFUSAL
 
@@ -114,7 +118,6 @@ def _convert_onnx(args) -> int:
 
 
 def _check(args) -> int:
-    from gdn_export.errors import GdnExportError
     from gdn_export.pipeline.convert import check
 
     _progress(f"checking {args.model} against {args.checkpoint}: prefill {args.prompt_len} + decode "
@@ -199,15 +202,19 @@ def _count(minimum: int):
 
 
 def _chunk_size(text: str) -> int:
-    from gdn_export.ops.gated_delta_rule.nnef.chunked import chunk_size_error  # the rule itself; imported only when the option is given
-
     value = _count(1)(text)
+    try:
+        from gdn_export.ops.gated_delta_rule.nnef.chunked import chunk_size_error  # the rule; only when given
+    except ModuleNotFoundError:  # no [convert] extra: the conversion says what to install
+        return value
     if chunk_size_error(value):
         raise argparse.ArgumentTypeError(chunk_size_error(value))
     return value
 
 
 def _version(text: str) -> str:
+    from gdn_export.ops.gated_delta_rule.capabilities import parse_version  # numpy: only when given
+
     try:
         parse_version(text)
     except ValueError as err:
@@ -604,9 +611,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     _interrupt_on_sigterm()
     try:
-        from gdn_export.errors import GdnExportError  # imports the package (torch): after the arguments parse
-
-        if args.command not in ("generate", "serve", "perplexity"):  # no transformers (perplexity: --reference only)
+        if args.command in ("convert", "check"):  # the others never import transformers: its import takes seconds
             _quiet_transformers()
         return args.run(args)
     except KeyboardInterrupt:
@@ -617,6 +622,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except GdnExportError as err:
         return _fail(_first_line(err) or type(err).__name__, args.debug)
+    except BrokenPipeError:  # the reader left (gdn-export info ... | head): stop quietly, as generate does
+        sys.stdout = open(os.devnull, "w")
+        return 0
+    except ModuleNotFoundError as err:  # convert without the [convert] extra, serve without [serve], ...
+        missing = missing_extra(err, f"gdn-export {args.command}")
+        if missing is None:
+            return _fail(f"unexpected {type(err).__name__}: {_first_line(err)} (rerun with --debug for the "
+                         "traceback)", args.debug)
+        return _fail(str(missing), args.debug)
     except OSError as err:  # a file the user named could not be read or written
         where = f"{err.filename}: " if err.filename else ""
         return _fail(f"{where}{err.strerror or err}", args.debug)

@@ -41,3 +41,25 @@ class ParityError(GdnExportError):
 
 class TractRuntimeError(GdnExportError):
     """tract could not load or run a model."""
+
+
+# the extra that installs each optional package (pyproject.toml): the base install (numpy, tract) runs archives
+EXTRA_OF = {"torch": "convert", "torch_to_nnef": "convert", "transformers": "convert", "onnx": "convert",
+            "safetensors": "convert", "onnxruntime": "onnx", "onnxscript": "onnx", "tokenizers": "generate",
+            "jinja2": "generate", "starlette": "serve", "uvicorn": "serve"}
+
+
+class MissingExtraError(GdnExportError, ModuleNotFoundError):
+    """A package of one of gdn_export's extras is not installed: says which, and the ``pip install`` that adds it."""
+
+    def __init__(self, what: str, package: str) -> None:
+        extra = EXTRA_OF[package]
+        super().__init__(f"{what} needs {package}, which is not installed: pip install 'gdn_export[{extra}]'",
+                         name=package)
+
+
+def missing_extra(err: ImportError, what: str) -> MissingExtraError | None:
+    """The ``MissingExtraError`` for ``err`` (an import that failed) when the missing module is one of an extra's
+    packages (``torch``, ``torch.nn``, ...); None otherwise (a defect, not a missing package)."""
+    package = (getattr(err, "name", None) or "").split(".")[0]
+    return MissingExtraError(what, package) if isinstance(err, ModuleNotFoundError) and package in EXTRA_OF else None

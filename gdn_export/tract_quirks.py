@@ -222,7 +222,9 @@ SYMBOLIC_OPERANDS_GENERIC_KERNELS = Quirk(
          "get the optimized kernel. The chunked comments measure ~10x on whole GDN graphs; Session measured a "
          "decode step at 1.9 ms against 0.5 ms.",
     workaround="Session plans the model with tract.SetSymbols({'B': batch}) at its first call; chunk bodies "
-               "compute everything per chunk inside the scan, where shapes are concrete",
+               "compute everything per chunk inside the scan, where shapes are concrete; the serving Engine "
+               "keeps B symbolic (one plan, one packed copy of the weights) and pays 1.01-1.14x a decode step "
+               "(docs/SERVING.md)",
     applied_in=("gdn_export/run/session.py", "gdn_export/run/runtime.py", f"{CHUNKED}outer.py"),
     when_fixed="Session's per-batch planning only saves little; 'extension tract_assert B >= 1' already "
                "turns the generic Add into OptAddUnicast on 0.23.9 (not used by gdn_export yet)",

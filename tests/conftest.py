@@ -1,3 +1,10 @@
+"""pytest's fixtures and hooks: the fixture checkpoints converted once per run (``converted``), their Sessions and
+reference models, and the ``slow`` tier. What test modules share otherwise is in tests/helpers.py.
+
+Tiers: ``pytest -m "not slow"`` runs the fast tier (the ops against their float64 oracles, decisions, errors, the
+run side's API: no fixture is converted); every test that uses ``converted``, ``shared_session`` or
+``reference_model`` is marked slow here, and tests that convert in their own code carry ``pytest.mark.slow``."""
+
 import os
 import sys
 from pathlib import Path
@@ -11,32 +18,34 @@ os.environ.setdefault("RUST_BACKTRACE", "0")  # tract's errors carry a Rust back
 # imports, and its Triton kernels need a GPU; a None entry makes `import fla` fail (before transformers' models import)
 sys.modules.setdefault("fla", None)
 
-import gdn_export  # noqa: E402,F401  (registers the ops)
+import gdn_export.ops  # noqa: E402
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-# fixtures/qwen3_5_trained: trained weights (11M parameters) for the quality figures, tested by test_trained.py; the
-# per-fixture sweeps (every lowering, every quantization, ...) cover the small random-weight fixtures only
-TRAINED = "qwen3_5_trained"
+gdn_export.ops.register_custom_ops()  # torch.ops.t2n_extra.*, which tests call directly
+# kept importable from conftest for branches written before tests/helpers.py (test_suite_layout.py flags them)
+from helpers import (CHECKPOINTS, FIXTURES, NAMES, TRAINED, GatedDeltaRuleModel, GatedDeltaScanModel,  # noqa: E402,F401
+                     by_fixture, make_rule_inputs)
 
 
 def swept_fixtures() -> list[str]:
-    """The names of the random-weight fixtures (folders of fixtures/ with a config.json), sorted."""
-    return sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file() and p.name != TRAINED)
+    """helpers.CHECKPOINTS, for branches written before tests/helpers.py (test_suite_layout.py flags them)."""
+    return list(CHECKPOINTS)
 
 # the fixtures' models are tiny: a second torch thread only waits (a conversion took 3.2 s on one, 3.8-6.2 s on two),
 # and under pytest-xdist (one worker per core) it would contend with the other worker
 torch.set_num_threads(1)
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "xdist_group(name): tests run by one pytest-xdist worker under --dist "
-                                       "loadgroup (those of one fixture: its conversions and Sessions made once)")
+# a test using one of these (directly or through another fixture) converts a fixture checkpoint or loads a whole
+# reference model: slow. converted_here (test_checkpoints.py), onnx_converted (test_onnx.py) and tied_checkpoint
+# (test_tied_head.py) are their modules' own.
+CONVERTING_FIXTURES = frozenset({"converted", "shared_session", "reference_model", "converted_here", "onnx_converted",
+                                 "tied_checkpoint"})
 
 
-def by_fixture(*names):
-    """Parameters for tests over fixtures/<name>: grouped by fixture, so that under ``-n 2 --dist loadgroup`` one
-    worker converts each fixture, plans its Sessions and loads its reference, and the other never waits for it."""
-    return [pytest.param(name, marks=pytest.mark.xdist_group(name), id=name) for name in names]
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if CONVERTING_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)
@@ -111,35 +120,3 @@ def reference_model():
         return cache[name, dtype]
 
     return get
-
-
-def make_rule_inputs(batch, seq, key_heads, heads, width_k, width_v, dtype=torch.float32, seed=0):
-    """Seq-major operands of gated_delta_rule with gates from the real formulas (docs/MATH.md)."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, seq, key_heads, width_k, generator=gen)
-    k = torch.randn(batch, seq, key_heads, width_k, generator=gen)
-    v = torch.randn(batch, seq, heads, width_v, generator=gen)
-    a_log = torch.linspace(0.02, 12.0, heads).log()
-    g = -a_log.exp() * torch.nn.functional.softplus(torch.randn(batch, seq, heads, generator=gen) + 1.0)
-    beta = torch.rand(batch, seq, heads, generator=gen)
-    s0 = 0.5 * torch.randn(batch, heads, width_k, width_v, generator=gen)
-    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype), s0
-
-
-class GatedDeltaRuleModel(torch.nn.Module):
-    """The gated delta rule as a graph: inputs q, k, v, g, beta, s0; outputs o, state."""
-
-    def __init__(self, use_qk_l2norm=True, scale=None):
-        super().__init__()
-        self.use_qk_l2norm, self.scale = use_qk_l2norm, scale
-
-    def forward(self, q, k, v, g, beta, s0):
-        return gdn_export.gated_delta_rule(q, k, v, g, beta, s0, scale=self.scale, use_qk_l2norm=self.use_qk_l2norm)
-
-
-class GatedDeltaScanModel(torch.nn.Module):
-    def forward(self, q, k, v, g, beta, s0):
-        return torch.ops.t2n_extra.gated_delta_scan(q, k, v, g, beta, s0)
-
-
-NAMES = dict(input_names=["q", "k", "v", "g", "beta", "s0"], output_names=["o", "state"])

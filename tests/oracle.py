@@ -96,3 +96,23 @@ def delta_rule_one_chunk(q, k, v, s0, *, g=None, beta=None, erase=None, write=No
             out[b, :, h] = (queries * np.exp(big_g[last])) @ start + readout @ delta
             state[b, h] = np.exp(big_g[-1])[:, None] * start + decayed_keys[-1].T @ delta
     return out, state
+
+
+# --- Q4_0 (llama.cpp's and tract's block format), read and rounded here from the format's definition -------------
+
+def nearest_blocks(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's quantize_row_q4_0_ref then dequantize, vectorized here on its own (d = extreme / -8 in f16,
+    codes floor(x / d + 8.5) clamped to 0..15: a nibble)."""
+    blocks = x.reshape(-1, 32).astype(np.float32)
+    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(1)[:, None], 1)[:, 0]
+    d = (extreme / np.float32(-8)).astype(np.float16).astype(np.float32)
+    inv = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0).astype(np.float32)
+    codes = np.clip(np.floor(blocks * inv[:, None] + np.float32(8.5)), 0, 15)
+    return (codes - 8) * d[:, None]
+
+
+def decoded(stored: np.ndarray) -> np.ndarray:
+    """Q4_0 bytes [blocks, 18] -> values [blocks, 32], read here from the format (f16 scale, low nibbles first)."""
+    d = stored[:, :2].copy().view(np.float16).astype(np.float32)
+    codes = np.concatenate([stored[:, 2:] & 15, stored[:, 2:] >> 4], axis=1).astype(np.float32)
+    return (codes - 8) * d

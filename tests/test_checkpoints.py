@@ -11,7 +11,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -23,15 +22,15 @@ from gdn_export.cli import main as cli
 from gdn_export.hf.checkpoint import CheckpointError
 from gdn_export.pipeline.convert import check, convert
 from gdn_export.run.session import Session
+from helpers import FIXTURES, archive_members
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 SHARDED = "qwen3_next_bf16_sharded"
 INDEX = "model.safetensors.index.json"
 GENERATION = ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]  # what the fixtures carry
 
 
 def group(name):
-    """A parameter for fixture ``name``, in its pytest-xdist group (conftest.by_fixture): its conversions here are
+    """A parameter for fixture ``name``, in its pytest-xdist group (helpers.by_fixture): its conversions here are
     made once, by the worker that runs the group."""
     return pytest.mark.xdist_group(name)
 
@@ -54,16 +53,6 @@ def converted_here(tmp_path_factory):
         return cache[key]
 
     return get
-
-
-def archive_members(path) -> dict[str, bytes]:
-    """Every file of a .nnef.tgz by name; graph.nnef without its export_date line (the only one that may differ)."""
-    with tarfile.open(path) as tar:
-        files = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
-    graph = files["graph.nnef"].splitlines(keepends=True)
-    files["graph.nnef"] = b"".join(line for line in graph if b"export_date" not in line)
-    assert len(graph) - 1 == len(files["graph.nnef"].splitlines()), "graph.nnef should have one export_date line"
-    return files
 
 
 def graph_diff(first: dict[str, bytes], second: dict[str, bytes], lines: int = 6) -> str:
@@ -268,6 +257,7 @@ def test_untied_wrapper_exports_its_head(converted_here):
 
 
 @pytest.mark.xdist_group("qwen3_5_vl")
+@pytest.mark.slow  # converts a fixture or loads transformers' model
 def test_archive_does_not_depend_on_the_hash_seed(tmp_path):
     """Two processes that differ only in PYTHONHASHSEED (Python's order of a set of names) write the same archive:
     e.g. the tied table's one variable is named the same."""
@@ -296,6 +286,7 @@ def f32_rule(result) -> bool:
 
 
 @pytest.mark.xdist_group(SHARDED)
+@pytest.mark.slow  # converts a fixture or loads transformers' model
 def test_layerwise_check_passes_and_agrees_with_the_full_check(tmp_path):
     report = convert(FIXTURES / SHARDED, tmp_path / "f32.nnef.tgz", check="layerwise")
     assert report.check is not None and report.check.ok, str(report)
@@ -313,6 +304,7 @@ def test_layerwise_check_passes_and_agrees_with_the_full_check(tmp_path):
 
 
 @pytest.mark.xdist_group(SHARDED)
+@pytest.mark.slow  # converts a fixture or loads transformers' model
 def test_layerwise_reference_is_transformers_own_logits():
     """The layer-by-layer reference (one decoder layer's weights in memory at a time) gives the logits of
     transformers' model loaded whole by transformers."""
@@ -497,6 +489,7 @@ def test_session_tokenizes_as_transformers_does(converted_here):
 
 
 @pytest.mark.xdist_group("qwen3_next")
+@pytest.mark.slow  # converts a fixture or loads transformers' model
 def test_checkpoint_without_tokenizer_gives_an_archive_of_token_ids(tmp_path):
     fixture = FIXTURES / "qwen3_next"
     assert not [name for name in GENERATION if (fixture / name).exists()]

@@ -6,9 +6,9 @@ combination it refuses."""
 import numpy as np
 import pytest
 import torch
-from conftest import NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, make_rule_inputs
+from helpers import (NAMES, VARIANTS, GatedDeltaRuleModel, GatedDeltaScanModel, assert_close, graph_inputs,
+                     make_rule_inputs, oracle, slow_unless, variant_inputs)
 from oracle import gated_delta_head_major, gated_delta_seq_major
-from test_family_variants import VARIANTS, assert_close, graph_inputs, oracle, variant_inputs
 
 import gdn_export
 from gdn_export.ops.gated_delta_rule.nnef.chunked import CHUNK
@@ -35,7 +35,9 @@ def export_symbolic(module, tensors, names, path, num_householder=1, **kwargs):
 CASES = [("gdn", (32, 32)), ("deltanet", (32, 32))] + [(variant, (32, 16)) for variant in VARIANTS]
 
 
-@pytest.mark.parametrize("variant,widths", CASES, ids=[f"{v}-K{k}V{w}" for v, (k, w) in CASES])
+@pytest.mark.parametrize("variant,widths", [slow_unless((v, widths) == ("gdn", (32, 32)), v, widths,
+                                                        id=f"{v}-K{widths[0]}V{widths[1]}")
+                                            for v, widths in CASES])  # fast: the tuned body (GDN, K=V=32)
 def test_one_symbolic_graph_for_every_length(variant, widths, tmp_path):
     width_k, width_v = widths
     traced_args, traced_kwargs = variant_inputs(variant, seq=3, width_k=width_k, width_v=width_v)
@@ -52,6 +54,7 @@ def test_one_symbolic_graph_for_every_length(variant, widths, tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["gdn", "kda", "gdn2"])
+@pytest.mark.slow  # a chunked export and runs: seconds
 def test_prefill_then_decode_equals_one_run(variant, tmp_path):
     """Prefill of 2 chunks + 2 tokens, then single-token calls feeding the state back == one run of 133."""
     args, kwargs = variant_inputs(variant, seq=133, width_k=32, width_v=32, seed=7)
@@ -84,6 +87,7 @@ def correlated_inputs(seq, heads=4, key_heads=2, width=32, noise=0.02, decay=Tru
 
 
 @pytest.mark.parametrize("decay", [True, False], ids=["gdn", "deltanet"])
+@pytest.mark.slow  # a chunked export and runs: seconds
 def test_correlated_keys_beta_near_two(decay, tmp_path):
     traced_args, traced_kwargs = correlated_inputs(3, decay=decay)
     module, traced, names = graph_inputs(traced_args, traced_kwargs)
@@ -96,6 +100,7 @@ def test_correlated_keys_beta_near_two(decay, tmp_path):
     assert_close(state, ref_state, F32_TOLERANCE, "state")
 
 
+@pytest.mark.slow  # a chunked export and runs: seconds
 def test_static_length(tmp_path):
     """Without dynamic axes the same graph pieces run on a fixed S (2 chunks + 2 tokens)."""
     inputs = make_rule_inputs(2, 2 * CHUNK + 2, 2, 4, 32, 16)
@@ -107,6 +112,7 @@ def test_static_length(tmp_path):
     assert_close(state, ref_state, F32_TOLERANCE, "state")
 
 
+@pytest.mark.slow  # a chunked export and runs: seconds
 def test_caller_normalized_q_and_custom_scale(tmp_path):
     """use_qk_l2norm=False: q, k are used as given and q is multiplied by the node's scale."""
     inputs = list(make_rule_inputs(2, CHUNK + 5, 2, 4, 32, 32))
@@ -119,6 +125,7 @@ def test_caller_normalized_q_and_custom_scale(tmp_path):
     assert_close(state, ref_state, F32_TOLERANCE, "state")
 
 
+@pytest.mark.slow  # a chunked export and runs: seconds
 def test_head_major_custom_op(tmp_path):
     """t2n_extra::gated_delta_scan: head-major [B, H, T, K], q/k normalized and scaled by the caller."""
     def head_major(seq, seed):
@@ -139,6 +146,7 @@ def test_head_major_custom_op(tmp_path):
         assert_close(state, ref_state, F32_TOLERANCE, f"S={seq} state")
 
 
+@pytest.mark.slow  # a chunked export and runs: seconds
 def test_half_precision_operands(tmp_path):
     inputs = make_rule_inputs(2, CHUNK + 3, 2, 4, 32, 32, dtype=torch.float16)
     report = gdn_export.export(GatedDeltaRuleModel(), inputs, tmp_path / "f.nnef.tgz", lowering="chunked",
@@ -162,6 +170,7 @@ def test_refuses_channel_decay_with_householder_steps(tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["gdn2_neg_eig", "product2"])
+@pytest.mark.slow  # a chunked export and runs: seconds
 def test_correlated_keys_gates_near_two(variant, tmp_path):
     """The general body under the same stress: keys nearly parallel, erase gate or beta in [1.9, 2]."""
     def stressed(seq, seed):
@@ -186,6 +195,7 @@ def test_correlated_keys_gates_near_two(variant, tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["gdn", "kda"])
+@pytest.mark.slow  # a chunked export and runs: seconds
 def test_strong_decay_masks_before_exp(variant, tmp_path):
     """g down to -40 per token (per head, or per key channel): within a chunk gamma_i - gamma_j reaches +-2500,
     so exp of an unmasked upper entry would be inf (and inf * 0 = nan), as would the factored forms
@@ -202,6 +212,7 @@ def test_strong_decay_masks_before_exp(variant, tmp_path):
     assert_close(state, ref_state, F32_TOLERANCE, "state")
 
 
+@pytest.mark.slow  # a chunked export and runs: seconds
 def test_symbolic_batch_and_exact_output_lengths(tmp_path):
     """Batch and time both symbolic: the outputs' facts are exactly [B, S, H, V] and [B, H, K, V], so a model
     around the node can prove its lengths equal (a chunk count of (63 + 64*(S/64))/64, with chunks of 64, would
@@ -226,6 +237,7 @@ def test_symbolic_batch_and_exact_output_lengths(tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["gdn", "kda", "product3"])
+@pytest.mark.slow  # a chunked export and runs: seconds
 def test_chunk_size_is_a_parameter(variant, tmp_path):
     """``chunk_size=16``: chunks of 16 tokens (48 sub-steps for n=3), the same exactness at lengths around them;
     the report says the size."""

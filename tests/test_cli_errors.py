@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from gdn_export.cli import main as cli
+from helpers import FIXTURES
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def convert(capsys, source, out, *extra):
@@ -115,6 +115,7 @@ def test_missing_shard_is_named(tmp_path, capsys):
                    "model-00002-of-00002.safetensors", out)
 
 
+@pytest.mark.slow  # converts a fixture
 def test_existing_output_needs_force(tmp_path, capsys):
     out = tmp_path / "m.nnef.tgz"
     out.write_bytes(b"keep me")
@@ -169,6 +170,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(converted):
     assert session.prefill(np.array([[1, vocab - 1]])).shape[:2] == (1, 2)  # the process and the session go on
 
 
+@pytest.mark.slow  # converts a fixture
 def test_float16_core_on_cuda_converts_and_checks(tmp_path, capsys):
     """An inexact, asked-for f16 core is checked with the float16 rule, passes, and says it rounds."""
     out = tmp_path / "m.nnef.tgz"
@@ -180,6 +182,7 @@ def test_float16_core_on_cuda_converts_and_checks(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("signum,stage", [("SIGINT", "checking"), ("SIGTERM", "exporting")])
+@pytest.mark.slow  # converts a fixture
 def test_interruption_leaves_nothing(tmp_path, signum, stage):
     """Ctrl-C during the check, SIGTERM during the export: exit 130, no output, no temporary file or folder."""
     import signal

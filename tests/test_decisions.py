@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gdn_export
-from conftest import NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, make_rule_inputs
+from helpers import NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, make_rule_inputs
 
 FUSED, SCAN = "tract_transformers_gdn_recurrent", "gdn_export_delta_scan"
 
@@ -98,8 +98,8 @@ def test_gdn_export_handler_replaces_torch_to_nnef_handler(tmp_path):
 
 
 @pytest.mark.parametrize("runtime,dtype,core_dtype,expected", [
-    ("cpu", torch.float32, None, "chunked"),
-    ("cpu", torch.float16, None, "chunked"),
+    pytest.param("cpu", torch.float32, None, "chunked", marks=pytest.mark.slow),  # a chunked export: seconds
+    pytest.param("cpu", torch.float16, None, "chunked", marks=pytest.mark.slow),
     ("cuda", torch.float16, None, "native"),
     ("cuda", torch.float32, None, "native"),
     ("cuda", torch.float32, "float16", "native"),
@@ -116,6 +116,7 @@ def test_runtime_policy_picks_the_fastest_exact_lowering(runtime, dtype, core_dt
     assert ("rounded to float16" in decision.reason) == (core_dtype is not None)
 
 
+@pytest.mark.slow
 def test_cpu_policy_picks_chunked_for_every_variant_and_falls_back_where_it_is_not_exact(tmp_path):
     q, k, v, _, beta, s0 = make_rule_inputs(1, 5, 2, 2, 32, 32)
 

@@ -12,47 +12,13 @@ import numpy as np
 import pytest
 
 from gdn_export.errors import GdnExportError
-from gdn_export.run.generation import ExecutorFull, SamplingParams, TokenRequest
+from gdn_export.run.generation import ExecutorFull, TokenRequest
 from gdn_export.run.serving import SCRATCH, Engine, SlotPool
 from gdn_export.run.session import Session
 
-from conftest import FIXTURES, by_fixture
+from helpers import FAMILIES, FIXTURES, GREEDY, alone, by_fixture, prompts_for, relative_error
 
-# one fixture per family: Qwen3.5 (gated attention), its MoE, Qwen3-Next, Kimi (MLA, KDA), OLMo-Hybrid, LaraMini
-# (sliding-window attention), FLA (a windowed softmax layer among GDN layers), FLA KDA (no attention layer)
-FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "kimi_linear", "olmo_hybrid", "lara_mini", "fla_gated_deltanet",
-            "fla_kda")
-PROMPT_LENGTHS = (1, 3, 4, 63, 64, 65, 131)
 NEW_TOKENS = (5, 9, 3, 7, 12, 4, 6)
-GREEDY = SamplingParams(temperature=0.0)
-
-
-def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
-    """max |a - e| / max(1, |e|): the f32 rule of issue 11 (<= 1e-4)."""
-    return float(np.max(np.abs(actual.astype(np.float64) - expected) / np.maximum(1.0, np.abs(expected))))
-
-
-SESSIONS: dict = {}
-
-
-def alone(path, prompt: tuple[int, ...], new_tokens: int) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy tokens and the logits they were picked from, the request alone through a batch-1 Session (one per
-    archive and process, reset for each request: planned once)."""
-    session = SESSIONS.setdefault(path, Session(path, prefill_piece=64))
-    session.reset()
-    rows = [session.prefill(np.asarray([prompt]))[0, -1]]
-    tokens = []
-    for step in range(new_tokens):
-        tokens.append(int(np.argmax(rows[-1])))
-        if step + 1 < new_tokens:
-            rows.append(session.decode(np.asarray([[tokens[-1]]]))[0, -1])
-    return tokens, rows
-
-
-def prompts_for(path, lengths=PROMPT_LENGTHS, seed=0) -> list[tuple[int, ...]]:
-    vocab = Session(path).metadata["vocab_size"]
-    rng = np.random.default_rng(seed)
-    return [tuple(int(t) for t in rng.integers(0, vocab, n)) for n in lengths]
 
 
 def wait_for(condition, timeout: float = 60.0) -> None:
@@ -227,6 +193,7 @@ def test_qwen4_exp_has_no_serving_graph(tmp_path):
 
 
 @pytest.mark.parametrize("lowering", ["scan", "recurrent"])
+@pytest.mark.slow  # converts a fixture
 def test_serving_graph_with_every_lowering(tmp_path, lowering):
     """The serving graph changes only the attention side: with the other GDN lowerings (chunked is the default,
     above; tract's fused op needs K = V, which no fixture with attention has) it passes convert's check against

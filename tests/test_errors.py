@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gdn_export
-from conftest import NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, make_rule_inputs
+from helpers import NAMES, GatedDeltaRuleModel, GatedDeltaScanModel, make_rule_inputs
 
 
 def _rule_inputs():
@@ -119,6 +119,7 @@ def test_native_refuses_variants_the_fused_op_does_not_compute(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("format", ["nnef", "onnx"])
 def test_dynamic_axes_may_name_outputs(tmp_path, format):
     """``dynamic_axes`` naming an output, as torch.onnx.export and torch-to-nnef accept: the graph exported at T=4

@@ -24,14 +24,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import by_fixture, swept_fixtures
+from helpers import CHECKPOINTS, FIXTURES, by_fixture
 
 from gdn_export.cli import main as cli
 from gdn_export.hf.check import check_against_transformers
 from gdn_export.pipeline.convert import convert
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-NAMES = swept_fixtures()
 BUDGET_SECONDS = 300  # a conversion of a fixture takes seconds; one that does not finish in minutes is a defect
 # fixture -> None where tract's fused op computes its layers exactly (plain GDN, K = V), else the refusal's reason
 NATIVE_CASES = {"fla_gated_deltanet": None, "qwen3_5": "K=16 != V=8", "kimi_linear": "channel-wise decay"}
@@ -67,7 +65,7 @@ def rule_lowerings(decisions: list[dict]) -> set[str]:
 
 
 @pytest.mark.parametrize("lowering", ["scan", "recurrent"])
-@pytest.mark.parametrize("name", by_fixture(*NAMES))
+@pytest.mark.parametrize("name", by_fixture(*CHECKPOINTS))
 def test_portable_lowering_converts_and_checks(name, lowering, tmp_path, reference_model):
     _, decisions = converted_and_checked(tmp_path, name, reference_model, lowering=lowering)
     assert rule_lowerings(decisions) == {lowering}
@@ -75,7 +73,7 @@ def test_portable_lowering_converts_and_checks(name, lowering, tmp_path, referen
     assert {d["lowering"] for d in decisions if "causal_conv1d" in d["entry"]} <= {"native"}
 
 
-@pytest.mark.parametrize("name", by_fixture(*NAMES))
+@pytest.mark.parametrize("name", by_fixture(*CHECKPOINTS))
 def test_default_cpu_conversion_is_chunked(name, converted):
     """The archives the family tests check were written with the chunked lowering in every GDN layer."""
     with tarfile.open(converted(name)) as tar:

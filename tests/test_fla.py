@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import by_fixture
+from helpers import FIXTURES, FLA_CHECKPOINTS, by_fixture
 from gdn_export.cli import main as cli
 from gdn_export.hf.check import compare_logits, sample_tokens, session_logits, transformers_logits
 from gdn_export.hf.checkpoint import CheckpointError, load_model, read_config
@@ -22,8 +21,6 @@ from gdn_export.hf.families.fla import FAMILY, build_model
 from gdn_export.layers import DeltaNet, GatedDeltaNet, GatedDeltaNet2, GatedDeltaProduct, KimiDeltaAttention
 from gdn_export.layers.common import GatedMLP
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-NAMES = ["fla_gated_deltanet", "fla_gated_deltaproduct", "fla_kda", "fla_delta_net"]
 GOLDEN = FIXTURES / "fla_golden.npz"
 GOLDEN_TOLERANCE = 1e-4  # x max(1, max |logit|): FLA on a GPU (TF32 off) against tract or torch on CPU
 
@@ -226,6 +223,7 @@ class LayerGraph(torch.nn.Module):
 
 @pytest.mark.parametrize("name", ["gdn2", "gdn2_neg_eig", "kda_lower_bound", "product3_no_decay", "gdn_no_conv",
                                   "deltanet_relu_no_conv"])
+@pytest.mark.slow  # exports a layer: seconds
 def test_layer_exports_one_s_generic_graph(name, tmp_path):
     """Traced on S=3, run in tract as a prefill of 7 then 2 decode steps feeding the states back."""
     import gdn_export
@@ -314,7 +312,7 @@ def eager_model(name):
     return load_model(FIXTURES / name, family_for(config["model_type"]), config)
 
 
-@pytest.mark.parametrize("name", by_fixture(*NAMES))
+@pytest.mark.parametrize("name", by_fixture(*FLA_CHECKPOINTS))
 def test_fixture_session_matches_eager_model(name, shared_session, reference_model):
     model = reference_model(name)
     tokens = sample_tokens(model.config.vocab_size, 2, 16 + 8, seed=7)
@@ -342,7 +340,7 @@ def test_eager_prefill_equals_stepwise():
 
 @pytest.mark.skipif(not GOLDEN.exists(), reason="fixtures/fla_golden.npz not found: it is written on a CUDA machine "
                     "with flash-linear-attention installed by `python fixtures/make_fla_golden.py`")
-@pytest.mark.parametrize("name", by_fixture(*NAMES))
+@pytest.mark.parametrize("name", by_fixture(*FLA_CHECKPOINTS))
 def test_eager_model_matches_fla_golden(name, reference_model):
     golden = np.load(GOLDEN)
     if f"{name}/logits" not in golden.files:
@@ -375,7 +373,7 @@ def copy_fixture(tmp_path, name="fla_delta_net", **changes):
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(hidden_size="64"), "'hidden_size' must be a positive integer"),
+    (dict(hidden_size="64"), "hidden_size must be an integer >= 1"),
     (dict(use_gate=1), "'use_gate' must be true or false"),
     (dict(attnres_block_size=2), "attention residuals"),
     (dict(hidden_act="powlu"), "hidden_act 'powlu'"),
@@ -390,6 +388,7 @@ def test_bad_configs_are_clear_errors(tmp_path, changes, message):
         load_model(folder, FAMILY, config)
 
 
+@pytest.mark.slow  # exports a layer: seconds
 def test_weights_must_match_config(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
@@ -417,7 +416,7 @@ def test_loading_ties_embeddings_and_casts_bfloat16():
         "linear_attention", "full_attention", "linear_attention"]
 
 
-@pytest.mark.parametrize("name", by_fixture(*NAMES))
+@pytest.mark.parametrize("name", by_fixture(*FLA_CHECKPOINTS))
 def test_converted_model_in_tract_matches_fla_golden(name, shared_session):
     """The CLI's .nnef.tgz, run by Session in tract, against FLA's own model classes (prefill 16 + decode 8)."""
     if not GOLDEN.exists():

@@ -20,7 +20,7 @@ from gdn_export.run.generation.generate import RequestError, chat_prompt_ids
 from gdn_export.run.generation.sampling import Sampler, filtered_probabilities, log_softmax
 from gdn_export.run.generation.text import Detokenizer, StopStrings
 
-from conftest import FIXTURES
+from helpers import FIXTURES
 
 NAME = "qwen3_5"
 PROMPT = "Hello world. The"
@@ -67,6 +67,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert kept(1e-9) == {0}  # at least one token
 
 
+@pytest.mark.slow
 def test_draws_follow_the_distribution_and_the_seed():
     logits = np.log(np.array([0.6, 0.25, 0.1, 0.05]))
     params = SamplingParams(1.0, seed=7)

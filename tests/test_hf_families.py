@@ -1,23 +1,21 @@
 """Every Hugging Face family: the CLI converts its fixture, and tract's logits match transformers' eager model."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import gdn_export
-from conftest import by_fixture, swept_fixtures
+from helpers import CHECKPOINTS as ALL_CHECKPOINTS
+from helpers import FIXTURES, by_fixture
 from gdn_export.hf.check import check_against_transformers, session_logits, sample_tokens
 from gdn_export.hf.families import all_families
 from gdn_export.run.session import Session
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 SUPPORTED = {t for f in all_families() for t in f.model_types}
-CHECKPOINTS = sorted(
-    name for name in swept_fixtures()
-    if json.loads((FIXTURES / name / "config.json").read_text())["model_type"] in SUPPORTED
-)
+# the fixtures of a family's own model_type (not the published wrappers, qwen3_5_vl and qwen3_5_moe_vl)
+CHECKPOINTS = [name for name in ALL_CHECKPOINTS
+               if json.loads((FIXTURES / name / "config.json").read_text())["model_type"] in SUPPORTED]
 
 
 @pytest.mark.parametrize("name", by_fixture(*CHECKPOINTS))

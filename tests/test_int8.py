@@ -14,8 +14,7 @@ from gdn_export.errors import GdnExportError
 from gdn_export.hf.check import compare_logits
 from gdn_export.pipeline.convert import convert
 from gdn_export.weights import int8
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+from helpers import FIXTURES
 
 
 def emulated_linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ from gdn_export.hf.check import sample_tokens
 from gdn_export.pipeline.convert import convert
 from gdn_export.run.session import Session
 
-from conftest import FIXTURES, by_fixture
+from helpers import FIXTURES, by_fixture
 
 
 @pytest.mark.parametrize("name", by_fixture("qwen3_5", "fla_gated_deltanet"))

@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import by_fixture
+from helpers import FIXTURES, by_fixture
 from gdn_export.cli import main as cli
 from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 from gdn_export.parity import RELATIVE_TOLERANCE
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 MIXERS = ("gdn", "gdn2", "gdp")
 PROMPT = 16
 # The gdp golden is Megatron's bfloat16 forward (FLA's chunk_gated_delta_product refuses float32): it is judged by

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import tract
 
 import gdn_export
-from conftest import by_fixture
+from helpers import FIXTURES, archive_members, by_fixture
 from gdn_export import tract_quirks as tq
 from gdn_export.pipeline.convert import convert
 from gdn_export.hf.tensors import write_nnef_array
@@ -38,7 +38,6 @@ from gdn_export.ops.moe_ffn.nnef import decide
 from gdn_export.ops.moe_ffn import op as moe_ffn
 from gdn_export.weights import q4_0
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 HEADER = ("version 1.0;\nextension tract_registry tract_core;\nextension tract_registry tract_transformers;\n"
           "extension tract_symbol N;\n\n")
 
@@ -309,11 +308,13 @@ def test_fixture_graphs_are_sparse_where_exact(name, dtype, converted):
     assert lowering == "tract_moe_ffn" and fused == [(str(top_k), gate)] * count
 
 
+@pytest.mark.slow  # converts a fixture
 def test_report_names_each_moe_choice(tmp_path):
     report = convert(FIXTURES / "kimi_linear", tmp_path / "k.nnef.tgz", check=False)
     assert "moe (1 feed-forward): tract_moe_ffn - DeepSeek-V3 routing" in str(report)
 
 
+@pytest.mark.slow  # converts a fixture
 def test_softmax_all_checkpoint_matches_transformers(tmp_path):
     """Qwen3-Next with ``norm_topk_prob`` false (the fixture's weights, its config changed): gate 'softmax_all',
     and convert's check against transformers passes (f32: 1e-4 x max |logit|)."""
@@ -328,17 +329,16 @@ def test_softmax_all_checkpoint_matches_transformers(tmp_path):
     assert "gate=softmax_all" in str(report)
 
 
+@pytest.mark.slow  # converts a fixture
 def test_streamed_64_expert_archive_is_the_in_memory_one(tmp_path, monkeypatch):
     """Every expert stack traced as a placeholder (threshold 4 KiB): the fused op references the stacks without
     reading them, and the archive is byte for byte the in-memory one."""
     import gdn_export.weights.streamed
 
-    from test_streamed import members
-
     convert(FIXTURES / "qwen3_5_moe_64x8", tmp_path / "m.nnef.tgz", check=False, streamed=False)
     monkeypatch.setattr(gdn_export.weights.streamed, "REAL_BYTES", 4096)
     convert(FIXTURES / "qwen3_5_moe_64x8", tmp_path / "s.nnef.tgz", check=False)
-    a, b = members(tmp_path / "s.nnef.tgz"), members(tmp_path / "m.nnef.tgz")
+    a, b = archive_members(tmp_path / "s.nnef.tgz"), archive_members(tmp_path / "m.nnef.tgz")
     assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
     assert "tract_moe_ffn" in a["graph.nnef"].decode()
 

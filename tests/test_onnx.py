@@ -15,7 +15,7 @@ from gdn_export.cli import main as cli  # noqa: E402
 from gdn_export.errors import GdnExportError, LoweringError  # noqa: E402
 from gdn_export.ops.gated_delta_rule.naive import l2norm  # noqa: E402
 
-from conftest import FIXTURES, by_fixture  # noqa: E402
+from helpers import FIXTURES, by_fixture  # noqa: E402
 
 
 # --- the op: contrib GatedDeltaNet and the portable Scan against the reference, per variant ----------------------
@@ -227,6 +227,7 @@ def test_every_family_float32_and_float16(onnx_converted, name):
 
 
 @pytest.mark.parametrize("name", by_fixture("qwen3_5_moe"))
+@pytest.mark.slow  # converts a fixture
 def test_moe_dense_and_report(tmp_path, name):
     """convert(format="onnx") with its check: MoE dense (the decision says so), decisions in the report."""
     report = gdn_export.convert(FIXTURES / name, tmp_path / "moe.onnx", format="onnx")
@@ -257,6 +258,7 @@ def test_symbolic_dims_and_names(onnx_converted):
     assert json.loads(next(p.value for p in model.metadata_props if p.key == "gdn_export"))["container"] == "onnx"
 
 
+@pytest.mark.slow  # converts a fixture
 def test_external_data(tmp_path, monkeypatch):
     """Above the threshold the weights go to OUT.onnx.data (renamed in first); the file still runs and checks."""
     from gdn_export.backends.onnx import exporter

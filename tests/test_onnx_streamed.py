@@ -14,7 +14,7 @@ pytest.importorskip("onnxruntime")
 import gdn_export  # noqa: E402
 from gdn_export.backends.onnx import exporter, streamed  # noqa: E402
 
-from conftest import FIXTURES, by_fixture  # noqa: E402
+from helpers import FIXTURES, by_fixture  # noqa: E402
 
 
 def _digests(folder):
@@ -45,6 +45,7 @@ def _streamed(tmp_path, monkeypatch, name, dtype="float32", folder="streamed"):
 @pytest.mark.parametrize("name,dtype", [pytest.param(*p, marks=pytest.mark.xdist_group(p[0]), id=f"{p[0]}-{p[1]}")
                                         for p in [("qwen3_next", "float32"), ("qwen3_5_moe", "float16"),
                                                   ("lara_mini", "float32")]])
+@pytest.mark.slow  # converts a fixture
 def test_streamed_writes_the_in_memory_files(tmp_path, monkeypatch, name, dtype):
     """Qwen3-Next: re-laid projections (rows of a checkpoint tensor); Qwen3.5-MoE: experts transformers' conversion
     fuses from per-expert tensors, in f16; LARA: a head tied to the table. Transposed Linear weights everywhere."""
@@ -55,6 +56,7 @@ def test_streamed_writes_the_in_memory_files(tmp_path, monkeypatch, name, dtype)
 
 
 @pytest.mark.xdist_group("qwen3_5")
+@pytest.mark.slow  # converts a fixture
 def test_streamed_file_checks(tmp_path, monkeypatch):
     """The streamed file (weights in m.onnx.data) passes the check against transformers in onnxruntime."""
     _, folder = _streamed(tmp_path, monkeypatch, "qwen3_5")
@@ -64,6 +66,7 @@ def test_streamed_file_checks(tmp_path, monkeypatch):
 
 
 @pytest.mark.xdist_group("qwen3_5")
+@pytest.mark.slow  # converts a fixture
 def test_refused_fold_exports_from_memory(tmp_path, monkeypatch):
     """With Transpose counted as a computing fold, every transposed weight is refused: the conversion says so and
     exports from memory, the same files as an in-memory conversion."""
@@ -122,6 +125,7 @@ def test_fold_from_a_placeholder_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("name", by_fixture("qwen3_5"))
+@pytest.mark.slow  # converts a fixture
 def test_in_memory_flag(tmp_path, monkeypatch, name):
     """``--in-memory`` reaches the ONNX conversion: one file, no data file, even with placeholders possible."""
     import gdn_export.weights.streamed

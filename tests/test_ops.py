@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import gdn_export
-from conftest import make_rule_inputs
+from helpers import make_rule_inputs
 from gdn_export.errors import GdnExportError
 from gdn_export.ops.registration import define_or_reuse
 from oracle import delta_rule_seq_major, gated_delta_head_major

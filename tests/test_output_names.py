@@ -8,11 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import by_fixture, swept_fixtures
 from gdn_export.backends.nnef.output_names import RAW_SUFFIX, tract_names
+from helpers import CHECKPOINTS, by_fixture
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-NAMES = swept_fixtures()
 
 
 def unwrapped(archive: Path, folder: Path) -> list[str]:
@@ -29,7 +27,7 @@ def unwrapped(archive: Path, folder: Path) -> list[str]:
     return renamed
 
 
-@pytest.mark.parametrize("name", by_fixture(*NAMES))
+@pytest.mark.parametrize("name", by_fixture(*CHECKPOINTS))
 def test_names_without_the_weights_are_tracts_names(name, converted, tmp_path):
     renamed = unwrapped(converted(name), tmp_path)
     declared, reported, facts = tract_names(tmp_path)

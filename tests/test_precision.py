@@ -9,12 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import by_fixture
+from helpers import FIXTURES, by_fixture
 from gdn_export.cli import main as cli
 from gdn_export.errors import GdnExportError
 from gdn_export.hf.check import F16_MULTIPLE, check_against_transformers, compare_logits
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DAT_HEADER = 128  # NNEF tensor file: magic 4E EF, version, data bytes, rank, 8 extents, bits per item, item type
 
 

@@ -6,24 +6,8 @@ import pytest
 import torch
 
 from gdn_export.weights import q4_0
-
-
-def nearest_blocks(x: np.ndarray) -> np.ndarray:
-    """llama.cpp's quantize_row_q4_0_ref then dequantize, vectorized here on its own (d = extreme / -8 in f16,
-    codes floor(x / d + 8.5) clamped to 0..15: a nibble)."""
-    blocks = x.reshape(-1, 32).astype(np.float32)
-    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(1)[:, None], 1)[:, 0]
-    d = (extreme / np.float32(-8)).astype(np.float16).astype(np.float32)
-    inv = np.where(d != 0, 1 / np.where(d != 0, d, 1), 0).astype(np.float32)
-    codes = np.clip(np.floor(blocks * inv[:, None] + np.float32(8.5)), 0, 15)
-    return (codes - 8) * d[:, None]
-
-
-def decoded(stored: np.ndarray) -> np.ndarray:
-    """Q4_0 bytes [blocks, 18] -> values [blocks, 32], read here from the format (f16 scale, low nibbles first)."""
-    d = stored[:, :2].copy().view(np.float16).astype(np.float32)
-    codes = np.concatenate([stored[:, 2:] & 15, stored[:, 2:] >> 4], axis=1).astype(np.float32)
-    return (codes - 8) * d
+from helpers import FIXTURES
+from oracle import decoded, nearest_blocks
 
 
 def random_blocks(seed: int, rows: int = 256, cols: int = 256) -> np.ndarray:
@@ -94,12 +78,10 @@ def test_the_importance_is_the_mean_squared_input_of_each_linear_layer(tmp_path)
     """The calibration's importance of a layer's input channels is the mean square of what transformers feeds that
     layer on the calibration tokens: here, the MLP's input read from the norm before it (the output of another
     module than the one calibration hooks), and the head's from the model's last hidden state, in one in-memory run."""
-    from pathlib import Path
-
     from gdn_export.hf.calibration import calibrate, calibration_tokens
     from gdn_export.hf.checkpoint import model_in_memory, open_checkpoint
 
-    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_5"
+    fixture = FIXTURES / "qwen3_5"
     text = tmp_path / "calibration.txt"
     text.write_text("def f(x):\n    return [i * x for i in range(10)]\n" * 40)
     family, layout, _, weights = open_checkpoint(fixture)

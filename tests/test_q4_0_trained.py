@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from gdn_export.pipeline.convert import convert
-from test_q4_0_rules import decoded, nearest_blocks
+from helpers import FIXTURES
+from helpers import TRAINED as TRAINED_NAME
+from oracle import decoded, nearest_blocks
 
-ROOT = Path(__file__).resolve().parents[1]
-TRAINED = ROOT / "fixtures" / "qwen3_5_trained"
+ROOT = FIXTURES.parent
+TRAINED = FIXTURES / TRAINED_NAME
 CTX, WINDOWS = 256, 8  # the perplexity rule's windows (second half scored), the first WINDOWS of heldout.txt
 CALIBRATION_TOKENS = 8192
 
@@ -89,7 +91,7 @@ def with_weights(model, weights: dict[str, torch.Tensor]):
 
 def test_default_and_calibrated_q4_0_against_round_to_nearest(tmp_path, float_model, windows):
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    sys.path.insert(0, str(ROOT / "fixtures"))
+    sys.path.insert(0, str(FIXTURES))
     try:
         from bench_quality import calibration_text
     finally:

@@ -8,12 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import by_fixture, swept_fixtures
+from helpers import CHECKPOINTS, FIXTURES, by_fixture
 from gdn_export.errors import GdnExportError
 from gdn_export.pipeline.convert import convert
 from gdn_export.weights import q4_0
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 # a .dat header's item type (bytes 48-51): tract's Q4_0 is 0x4030 from vendor "RT" (torch-to-nnef's DatBinHeader)
 Q40_ITEM_TYPE = bytes.fromhex("4030") + b"RT"
 
@@ -54,6 +53,7 @@ def dat_item_types(archive: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("name,dtype,embeddings", [("qwen3_5", "float32", False), ("qwen3_5_moe_vl", "float16", True)])
+@pytest.mark.slow  # converts a fixture
 def test_quantized_export_matches_the_reference_with_the_same_weights(tmp_path, name, dtype, embeddings):
     out = tmp_path / "q.nnef.tgz"
     report = convert(FIXTURES / name, out, dtype=dtype, quantize="q4_0", quantize_embeddings=embeddings)
@@ -77,6 +77,7 @@ def test_tied_table_is_not_quantized_with_its_slices(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # converts a fixture
 def test_tied_head_gets_a_q4_0_copy_of_its_own(tmp_path):
     """A head tied to the table is quantized as any linear layer, through a copy of its own; the gather keeps the
     table in the export dtype, and the check's reference (the same Q4_0 head, the table as published) agrees."""
@@ -95,10 +96,9 @@ def test_tied_head_gets_a_q4_0_copy_of_its_own(tmp_path):
     assert not re.search(rf"slice\({head}\b", graph)
 
 
-NAMES = swept_fixtures()
 
 
-@pytest.mark.parametrize("name", by_fixture(*NAMES))
+@pytest.mark.parametrize("name", by_fixture(*CHECKPOINTS))
 def test_no_float16_weight_is_cast_at_run_time(name, converted):
     """tract neither folds a cast of a constant nor packs the result for its matmuls (20-40x slower): no weight
     matrix of a float16 archive may be stored in float16 and cast to float32 in the graph."""
@@ -139,6 +139,7 @@ def moe_fixture_with_block_sized_experts(folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("name", ["qwen3_5_moe", "kimi_linear_wide_experts"])
+@pytest.mark.slow  # converts a fixture
 def test_expert_stacks_of_the_fused_moe_are_q4_0(tmp_path, name):
     """``--quantize q4_0`` writes each routed MoE's three expert stacks in Q4_0 (softmax routing: the checkpoint's
     halves as they are; DeepSeek-V3's given routing: widened by zeros as they are written), tract_moe_ffn reads them
@@ -164,6 +165,7 @@ def test_expert_stacks_of_the_fused_moe_are_q4_0(tmp_path, name):
     assert {declared[v] + ".dat" for v in operands} == stacks  # the op reads the Q4_0 variables themselves
 
 
+@pytest.mark.slow  # converts a fixture
 def test_expert_stacks_of_a_dense_moe_stay_float(tmp_path):
     """With ``runtime="any"`` the MoE runs dense (reshapes and slices of the stacks, which a Q4_0 constant cannot
     take): its stacks stay in the export dtype, the report says why, the linear layers are still Q4_0."""

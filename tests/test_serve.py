@@ -8,12 +8,9 @@ carried no tokenizer and no chat template). Every answer is compared with ``gdn_
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
-import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,44 +21,11 @@ import pytest
 from gdn_export.run.generation import generate
 from gdn_export.run.generation.executor import ArchiveText, WorkerPool
 from gdn_export.run.generation.generate import chat_prompt_ids
+from helpers import raw, serve_process, serving, wait_for
 
 NAME = "qwen3_5"
 PROMPT = "Hello world. The"
 pytestmark = pytest.mark.xdist_group(NAME)
-
-
-def wait_for(condition, timeout: float = 30.0, what: str = "the condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-@contextlib.contextmanager
-def serving(pool, name: str, **options):
-    """``pool`` served under ``name`` by uvicorn in a thread of this process, on a free port of 127.0.0.1
-    (``make_app``'s ``options``): the base url. (``gdn-export serve`` itself, a process of its own, is driven by
-    ``test_gdn_export_serve``.)"""
-    import uvicorn
-
-    from gdn_export.run.http import listen, make_app
-
-    sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(make_app(pool, name, **options), log_level="error", lifespan="off",
-                                           http="h11"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: server.started, 30, "the server to start")
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
-        pool.close()
 
 
 # session-scoped: one server per test process, however pytest-xdist spreads and interleaves this module's tests
@@ -83,22 +47,6 @@ def client(server):
 @pytest.fixture(scope="session")
 def session(shared_session):
     return shared_session(NAME)
-
-
-def raw(base: str, method: str, path: str, body: bytes | str | None = None,
-        headers: dict | None = None) -> tuple[int, dict | str]:
-    host, port = base.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    try:
-        connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
-        response = connection.getresponse()
-        data = response.read().decode()
-    finally:
-        connection.close()
-    try:
-        return response.status, json.loads(data)
-    except ValueError:
-        return response.status, data
 
 
 def expected(session, prompt=PROMPT, max_tokens=16, **kw):
@@ -406,30 +354,6 @@ def test_cli_serve_refuses_bad_arguments(converted):
     with pytest.raises(SystemExit) as info:
         main(["serve", str(Path(converted(NAME)).with_suffix(".none"))])
     assert info.value.code == 2
-
-
-def serve_process(args: list[str], log: Path, **env: str) -> tuple[subprocess.Popen, str]:
-    """``gdn-export serve ARGS --port 0`` as a process of its own, its stderr in ``log``, once it listens: (the
-    process, its base url)."""
-    with open(log, "w") as err:
-        process = subprocess.Popen([sys.executable, "-m", "gdn_export.cli", "serve", *args, "--port", "0"],
-                                   stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
-                                   env=dict(os.environ, PYTHONUNBUFFERED="1", **env))
-
-    def listening():
-        if process.poll() is not None:
-            raise AssertionError(f"gdn-export serve exited with {process.returncode}: {log.read_text()}")
-        for line in log.read_text().splitlines():
-            if " on http://127.0.0.1:" in line:
-                return int(line.split(" on http://127.0.0.1:")[1].split()[0])
-        return None
-
-    try:
-        return process, f"http://127.0.0.1:{wait_for(listening, 90, 'gdn-export serve to listen')}"
-    except BaseException:
-        process.kill()
-        process.wait()
-        raise
 
 
 @pytest.mark.parametrize("served", [False, True], ids=["worker_pool", "engine"])

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from test_serve import raw, serve_process, serving, wait_for  # the same helpers as the server's other tests
+from helpers import FIXTURES, raw, serve_process, serving, wait_for  # the same helpers as the server's other tests
 
 NAME = "qwen3_5"
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / NAME
+FIXTURE = FIXTURES / NAME
 CONTEXT = json.loads((FIXTURE / "config.json").read_text())["max_position_embeddings"]
 LONG_PROMPT = 100_000
 KEY = "test-key-25"

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import gdn_export
-from conftest import NAMES, GatedDeltaRuleModel, make_rule_inputs
+from helpers import NAMES, GatedDeltaRuleModel, make_rule_inputs
 from oracle import gated_delta_seq_major
 
 

@@ -22,7 +22,8 @@ import gdn_export
 from gdn_export.hf.check import check_against_transformers
 from gdn_export.run.session import Session
 
-pytestmark = pytest.mark.xdist_group("tied_head")  # one worker builds the checkpoint and its conversions
+# one worker builds the checkpoint and its conversions; every test converts it: slow
+pytestmark = [pytest.mark.xdist_group("tied_head"), pytest.mark.slow]
 
 VOCAB, HIDDEN = 20000, 64  # 5.1 MB of float32: over tract's 4 MiB const-fold budget (CONST_FOLD_MEM_BUDGET)
 

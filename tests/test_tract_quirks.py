@@ -168,6 +168,7 @@ def scan_over_x(body: str, chunk: int = 1) -> str:
     return step + textwrap.dedent(SCAN_OVER_X.format(chunk=chunk))
 
 
+@pytest.mark.slow
 def test_scan_squeeze_matmul_never_loads(tmp_path):
     graph = """
         fragment step(s_prev: tensor<scalar>, q_t: tensor<scalar>) -> (s_t: tensor<scalar>, y_t: tensor<scalar>) {

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FIXTURES, TRAINED
+from helpers import FIXTURES, TRAINED
 from gdn_export.cli import main as cli
 from gdn_export.hf.check import F32_TOLERANCE
 

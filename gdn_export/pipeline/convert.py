@@ -140,6 +140,61 @@ CHECK_KINDS = {"full": "whole model in memory", "layerwise": "layer by layer (on
 # the files of a checkpoint folder that the archive carries to generate text (tract ignores them): GENERATION_FILES
 
 
+@dataclass(frozen=True)
+class ConvertPlan:
+    """``convert``'s options, validated once (``plan_conversion``), and the format that carries them out. The
+    orchestration (``run_plan``) and the format's steps read only this."""
+
+    checkpoint_dir: str | os.PathLike  # as given (the progress lines and calibration name it so)
+    out_path: Path
+    format: str  # "nnef" or "onnx"
+    dtype: str
+    lowering: str
+    runtime: str  # for ONNX "onnxruntime", "tract-onnx" or "any" ("cpu", NNEF's default, means onnxruntime)
+    check: str | None  # "auto", "full", "layerwise"; None: no check
+    prompt_len: int
+    decode_steps: int
+    tract_version: str | None
+    core_dtype: str | None
+    chunk_size: int | None
+    streamed: bool
+    quantize: str | None
+    quantize_embeddings: bool
+    logits: str
+    serving: bool
+    q4_rule: str
+    calibration: str | os.PathLike | None
+    calibration_tokens: int
+    fold_scales: bool
+    batch: int = 1
+
+    @property
+    def export_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass
+class Traced:
+    """What a format's ``read`` step made of the checkpoint: the exportable module and what its export, report and
+    check need (``extras``: the format's own). ``lm`` and ``model`` are dropped before the check."""
+
+    family: object
+    layout: object
+    model: object
+    weights: object
+    lm: object
+    extras: dict = field(default_factory=dict)
+
+
+@dataclass
+class Staged:
+    """A format's export, written in the staging folder: its main file, what publishing moves, and its report."""
+
+    path: Path
+    report: ConvertReport
+    publish: Callable[[], None]
+
+
 def convert(
     checkpoint_dir: str | os.PathLike,
     out_path: str | os.PathLike,
@@ -188,16 +243,40 @@ def convert(
     the report adds the quality against the model as published (mean KL, top-1), which is not judged. ``check``: True or "auto" checks a prefill of
     ``prompt_len`` tokens and ``decode_steps`` single-token steps in tract against transformers' eager model,
     whole in memory where it fits ("full") or else one layer at a time ("layerwise"), beyond tolerance
-    ParityError; False runs no check at all. Every argument is validated before any work; ``out_path`` appears
-    only once written and checked: on any error or interruption nothing is left, neither it nor a temporary file.
+    ParityError; False runs no check at all. ``format="onnx"``: a ``.onnx`` file checked in onnxruntime
+    (``gdn_export.pipeline.onnx_convert``). Every argument is validated before any work (``plan_conversion``);
+    ``out_path`` appears only once written and checked: on any error or interruption nothing is left, neither it
+    nor a temporary file.
     """
-    if serving and format != "nnef":
-        raise GdnExportError("serving=True (--serving) builds the NNEF graph gdn_export.Engine runs; it is not "
-                             f"available with format={format!r}")
+    plan = plan_conversion(checkpoint_dir, out_path, dtype=dtype, lowering=lowering, tract_version=tract_version,
+                           check=check, force=force, prompt_len=prompt_len, decode_steps=decode_steps,
+                           runtime=runtime, core_dtype=core_dtype, chunk_size=chunk_size, streamed=streamed,
+                           quantize=quantize, quantize_embeddings=quantize_embeddings, logits=logits, format=format,
+                           serving=serving, q4_rule=q4_rule, calibration=calibration,
+                           calibration_tokens=calibration_tokens, fold_scales=fold_scales)
+    return run_plan(plan, progress)
+
+
+def plan_conversion(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *, force: bool = False,
+                    check: bool | str = True, format: str = "nnef", runtime: str = "cpu", batch: int = 1,
+                    calibration: str | os.PathLike | None = None, **options) -> ConvertPlan:
+    """Every option of ``convert`` validated, once, before any work: the frozen plan, or a ``GdnExportError``
+    naming the option and what it accepts. The options common to both formats are checked here, the others by the
+    format (``format_steps(format)``: ``validate``, ``validate_after_check``, ``output_path``)."""
     from gdn_export.weights.q4_0 import RULES
 
+    defaults = dict(dtype="float32", lowering="auto", prompt_len=16, decode_steps=8, tract_version=None,
+                    core_dtype=None, chunk_size=None, streamed=True, quantize=None, quantize_embeddings=False,
+                    logits="all", serving=False, q4_rule=None, calibration_tokens=8192, fold_scales=False)
+    unknown = set(options) - set(defaults)
+    if unknown:
+        raise TypeError(f"plan_conversion() got unexpected options {sorted(unknown)}")
+    quantize, q4_rule = options.get("quantize"), options.get("q4_rule")
     if q4_rule is None:  # calibration's second moments make GPTQ possible: measured the better of the two with them
-        q4_rule = "gptq" if calibration is not None else "search"
+        q4_rule = options["q4_rule"] = "gptq" if calibration is not None else "search"
+    if options.get("serving") and format != "nnef":
+        raise GdnExportError("serving=True (--serving) builds the NNEF graph gdn_export.Engine runs; it is not "
+                             f"available with format={format!r}")
     if q4_rule not in RULES:
         raise GdnExportError(f"q4_rule {q4_rule!r} is not one of {', '.join(RULES)}")
     if quantize != "q4_0" and (q4_rule != "search" or calibration is not None):
@@ -210,131 +289,220 @@ def convert(
         raise GdnExportError("q4_rule='gptq' needs calibration text (the inputs' second moments): calibration=FILE")
     if calibration is not None and not Path(calibration).is_file():
         raise GdnExportError(f"calibration text {calibration} is not a file")
-    if format != "nnef":  # the ONNX back-end (gdn_export/pipeline/onnx_convert.py); "cpu", NNEF's default, is onnxruntime
-        if format != "onnx":
-            raise GdnExportError(f"format {format!r} is not one of nnef, onnx")
-        from gdn_export.pipeline.onnx_convert import convert_onnx
-
-        return convert_onnx(checkpoint_dir, out_path, dtype=dtype, lowering=lowering, check=check, force=force,
-                            prompt_len=prompt_len, decode_steps=decode_steps, progress=progress,
-                            runtime="onnxruntime" if runtime == "cpu" else runtime, quantize=quantize,
-                            quantize_embeddings=quantize_embeddings, core_dtype=core_dtype, chunk_size=chunk_size,
-                            tract_version=tract_version, logits=logits, streamed=streamed)
-    # here, not at the top: they import torch-to-nnef (seconds), which check() does not need
-    from gdn_export.pipeline.export import export
-    from gdn_export.ops.options import validate_options
-
-    say = progress or (lambda message: None)
+    target = format_steps(format)
+    runtime = target.resolve_runtime(runtime)
+    target.validate(options, runtime)
+    dtype = options.get("dtype", "float32")
     if dtype not in DTYPES:
         raise GdnExportError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     check_mode = "auto" if check is True else check or None
     if check_mode is not None and check_mode not in CHECKS:
         raise GdnExportError(f"check {check!r} is not one of True, False, {', '.join(repr(c) for c in CHECKS)}")
-    validate_options(lowering, runtime, core_dtype, chunk_size)
-    if logits not in LOGITS:
-        raise GdnExportError(f"logits {logits!r} is not one of {', '.join(LOGITS)}")
-    validate_quantize(quantize, quantize_embeddings, dtype)
-    if tract_version is not None:
-        try:
-            parse_version(tract_version)
-        except ValueError as err:
-            raise GdnExportError(str(err)) from None
+    target.validate_after_check(options, runtime)
     if check_mode:
-        validate_check(prompt_len, decode_steps)
-    out_path = check_output_path(out_path, force)
-    seconds: dict[str, float] = {}
-    export_dtype = DTYPES[dtype]
+        validate_check(options.get("prompt_len", 16), options.get("decode_steps", 8), batch)
+    out = target.output_path(out_path, force)
+    return ConvertPlan(checkpoint_dir=checkpoint_dir, out_path=out, format=format, runtime=runtime,
+                       check=check_mode, batch=batch, calibration=calibration, **{**defaults, **options})
 
-    lean_allocator()  # copies of weights are freed as they come (see its docstring)
-    start = time.perf_counter()
-    say(f"reading {checkpoint_dir}")
-    family, layout, model, weights = open_checkpoint(checkpoint_dir)
-    say(f"  {weights.summary()}")
-    materialize(model, weights, export_dtype, placeholders=streamed)
-    cast_buffers(model, export_dtype)
-    seconds["read"] = time.perf_counter() - start
-    measured, folding, exported = None, None, weights  # exported: the weights written (folds applied)
-    if calibration is not None:
-        from gdn_export.hf.calibration import calibrate
 
-        start = time.perf_counter()
-        say(f"calibrating on {calibration} (at most {calibration_tokens} tokens)")
-        measured = calibrate(checkpoint_dir, calibration, family, layout, weights, max_tokens=calibration_tokens,
-                             grams=q4_rule == "gptq")
-        if fold_scales:
-            from gdn_export.hf.folding import fold
+def format_steps(format: str):
+    """The format-specific steps of a conversion (validate, output path, read, export, check targets)."""
+    if format == "nnef":
+        return NNEF
+    if format == "onnx":
+        from gdn_export.pipeline.onnx_convert import ONNX
 
-            say("choosing the scales folded into norms")
-            folding, exported, measured = fold(measured, family, layout, weights, measured.sample)
-        seconds["calibrate"] = time.perf_counter() - start
+        return ONNX
+    raise GdnExportError(f"format {format!r} is not one of nnef, onnx")
 
-    separated = separate_tied_head(model, quantize, quantize_embeddings)
-    lm = family.exportable(model, export_dtype)
-    lm.last_logits_only = logits == "last"
-    if serving and lm.serving_refusal:
-        raise GdnExportError(f"{family.name} has no serving graph (--serving): {lm.serving_refusal}")
-    lm.serving = serving
-    writers, quantization = plan_writes(lm, model, exported, export_dtype, quantize, quantize_embeddings,
-                                        fused_moe=_fused_moe(runtime, tract_version), q4_rule=q4_rule,
-                                        calibration=measured)
-    if not streamed and quantize is None:
-        writers = None  # the in-memory model's own values are written
-    inputs, outputs, dynamic = state_names(lm)
-    vocab_size = layout.config["vocab_size"]
-    carried = {name: Path(checkpoint_dir) / name for name in GENERATION_FILES if (Path(checkpoint_dir) / name).is_file()}
-    metadata = {
-        "format": FORMAT_VERSION, "family": family.name, "model_type": layout.checkpoint_model_type,
-        "text_model_type": layout.model_type, "dtype": dtype, "core_dtype": core_dtype, "vocab_size": vocab_size,
+
+def common_metadata(plan: ConvertPlan, traced: Traced, inputs: list[str], outputs: list[str]) -> dict:
+    """The archive metadata both formats write (``gdn_export.json`` / the .onnx's metadata)."""
+    layout = traced.layout
+    return {
+        "format": FORMAT_VERSION, "family": traced.family.name, "model_type": layout.checkpoint_model_type,
+        "text_model_type": layout.model_type, "dtype": plan.dtype, "core_dtype": plan.core_dtype,
+        "vocab_size": layout.config["vocab_size"],
         "context_length": layout.config.get("max_position_embeddings"),  # prompt + new tokens (docs/SERVER.md)
-        "inputs": inputs, "outputs": outputs, "generation_files": sorted(carried), "quantize": quantize, "logits": logits,
-        "serving": serving,
-        "quantized": len(quantization.quantized),
-        "q4_rule": q4_rule if quantize else None,
-        "calibration": measured.metadata() if measured is not None else None,
-        "folded_norms": len(folding.folds) if folding is not None else None,
-        "states": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."),
-                    "kind": s.kind, "layer": s.layer} for s in lm.states],
+        "inputs": inputs, "outputs": outputs,
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staged_name = tempfile.mkstemp(prefix=".gdn_export_", suffix=".nnef.tgz", dir=out_path.parent)
-    os.close(handle)
-    staged = Path(staged_name)
-    try:
-        say(f"exporting {family.name} ({len(lm.layer_types) if hasattr(lm, 'layer_types') else '?'} layers, {dtype}"
-            f"{', weights streamed from the checkpoint' if streamed else ''}) to {out_path}")
-        report = export(lm, example_inputs(lm, vocab_size, export_dtype), staged, tract_version=tract_version,
-                        lowering=lowering, input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
-                        metadata={**metadata, "runtime": runtime}, check=bool(check_mode) and writers is None,
-                        runtime=runtime, core_dtype=core_dtype, chunk_size=chunk_size, weights=writers,
-                        extra_files=carried)
-        seconds.update(report.seconds)
-        result = ConvertReport(out_path, family.name, metadata["model_type"], dtype, report.tract_version,
-                               layers=_layer_reports(lm, report.decisions), seconds=seconds,
-                               reference=family.reference, weights=weights.summary(), generation_files=sorted(carried),
-                               quantization=str(quantization) + (f"; {folding}" if folding is not None else ""),
-                               moe=moe_report(report.decisions), quantized_as=_QUANTIZED_AS.get(quantize, ""))
-        del lm, model  # placeholders (or the in-memory model) are not needed by the check
-        if check_mode:
+
+
+def state_metadata(lm) -> list[dict]:
+    return [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."), "kind": s.kind,
+             "layer": s.layer} for s in lm.states]
+
+
+def run_plan(plan: ConvertPlan, progress: Callable[[str], None] | None = None) -> ConvertReport:
+    """The one conversion: read the checkpoint, export into a staging folder beside ``plan.out_path``, check
+    every target the format names against the checkpoint's reference, then publish (rename); on any error nothing
+    is left."""
+    target = format_steps(plan.format)
+    say = progress or (lambda message: None)
+    seconds: dict[str, float] = {}
+    traced = target.read(plan, say, seconds)
+    inputs, outputs, dynamic = state_names(traced.lm)
+    plan.out_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".gdn_export_", dir=plan.out_path.parent) as staging:
+        staged = target.export(plan, traced, Path(staging), inputs, outputs, dynamic, say, seconds)
+        result = staged.report
+        traced.lm = traced.model = None  # placeholders (or the in-memory model) are not needed by the check
+        if plan.check:
             start = time.perf_counter()
-            kind = check_mode if check_mode != "auto" else reference_fits(weights, export_dtype)
-            say(f"checking {out_path} in tract: prefill {prompt_len} + decode {decode_steps} against "
-                f"{family.reference}, {CHECK_KINDS[kind]}")
-            # a quantized export is checked against the same Q4_0 weights; its quality against the model as published
-            published, reference_layout = untied_view(weights, layout, separated) if separated else (weights, layout)
-            computed = untied_view(exported, layout, separated)[0] if separated else exported  # folds applied
-            result.check = check_with(kind, staged, family, reference_layout, dequantized_view(computed, quantization),
-                                      prompt_len, decode_steps,
-                                      quality_weights=published if quantization.quantized else None,
-                                      rounded_inputs=int8_reference_linears(quantization))
+            kind = plan.check if plan.check != "auto" else reference_fits(traced.weights, plan.export_dtype)
+            layout, weights, options = target.check_reference(traced)
+            for where, archive, naming in target.check_targets(plan, staged.path):
+                say(f"checking {plan.out_path} in {where}: prefill {plan.prompt_len} + decode {plan.decode_steps} "
+                    f"against {traced.family.reference}, {CHECK_KINDS[kind]}")
+                outcome = check_with(kind, archive, traced.family, layout, weights, plan.prompt_len,
+                                     plan.decode_steps, plan.batch, **options)
+                target.checked(result, where)
+                if result.check is None or not outcome.ok:
+                    result.check = outcome
+                if not outcome.ok:
+                    raise ParityError({"logits": outcome.error}, {"logits": outcome.tolerance},
+                                      f"{plan.out_path} does not match {traced.family.reference}{naming}: {outcome}")
             result.check_kind = CHECK_KINDS[kind]
             seconds["check"] = time.perf_counter() - start
-            if not result.check.ok:
-                raise ParityError({"logits": result.check.error}, {"logits": result.check.tolerance},
-                                  f"{out_path} does not match {family.reference}: {result.check}")
-        os.replace(staged, out_path)
-    finally:
-        staged.unlink(missing_ok=True)
+        staged.publish()
     return result
+
+
+class NnefSteps:
+    """The NNEF format: a ``.nnef.tgz`` written by ``gdn_export.export`` (torch-to-nnef), checked in tract; Q4_0 /
+    int8 weights, calibration, serving graphs."""
+
+    name = "nnef"
+
+    @staticmethod
+    def resolve_runtime(runtime: str) -> str:
+        return runtime
+
+    @staticmethod
+    def validate(options: dict, runtime: str) -> None:
+        pass
+
+    @staticmethod
+    def validate_after_check(options: dict, runtime: str) -> None:
+        from gdn_export.ops.options import validate_options
+
+        validate_options(options.get("lowering", "auto"), runtime, options.get("core_dtype"),
+                         options.get("chunk_size"))
+        logits = options.get("logits", "all")
+        if logits not in LOGITS:
+            raise GdnExportError(f"logits {logits!r} is not one of {', '.join(LOGITS)}")
+        validate_quantize(options.get("quantize"), options.get("quantize_embeddings", False),
+                          options.get("dtype", "float32"))
+        if options.get("tract_version") is not None:
+            try:
+                parse_version(options["tract_version"])
+            except ValueError as err:
+                raise GdnExportError(str(err)) from None
+
+    @staticmethod
+    def output_path(out_path, force: bool) -> Path:
+        return check_output_path(out_path, force)
+
+    @staticmethod
+    def read(plan: ConvertPlan, say, seconds: dict) -> Traced:
+        lean_allocator()  # copies of weights are freed as they come (see its docstring)
+        start = time.perf_counter()
+        say(f"reading {plan.checkpoint_dir}")
+        family, layout, model, weights = open_checkpoint(plan.checkpoint_dir)
+        say(f"  {weights.summary()}")
+        materialize(model, weights, plan.export_dtype, placeholders=plan.streamed)
+        cast_buffers(model, plan.export_dtype)
+        seconds["read"] = time.perf_counter() - start
+        measured, folding, exported = None, None, weights  # exported: the weights written (folds applied)
+        if plan.calibration is not None:
+            from gdn_export.hf.calibration import calibrate
+
+            start = time.perf_counter()
+            say(f"calibrating on {plan.calibration} (at most {plan.calibration_tokens} tokens)")
+            measured = calibrate(plan.checkpoint_dir, plan.calibration, family, layout, weights,
+                                 max_tokens=plan.calibration_tokens, grams=plan.q4_rule == "gptq")
+            if plan.fold_scales:
+                from gdn_export.hf.folding import fold
+
+                say("choosing the scales folded into norms")
+                folding, exported, measured = fold(measured, family, layout, weights, measured.sample)
+            seconds["calibrate"] = time.perf_counter() - start
+        separated = separate_tied_head(model, plan.quantize, plan.quantize_embeddings)
+        lm = family.exportable(model, plan.export_dtype)
+        lm.last_logits_only = plan.logits == "last"
+        if plan.serving and lm.serving_refusal:
+            raise GdnExportError(f"{family.name} has no serving graph (--serving): {lm.serving_refusal}")
+        lm.serving = plan.serving
+        writers, quantization = plan_writes(lm, model, exported, plan.export_dtype, plan.quantize,
+                                            plan.quantize_embeddings,
+                                            fused_moe=_fused_moe(plan.runtime, plan.tract_version),
+                                            q4_rule=plan.q4_rule, calibration=measured)
+        if not plan.streamed and plan.quantize is None:
+            writers = None  # the in-memory model's own values are written
+        return Traced(family, layout, model, weights, lm, dict(measured=measured, folding=folding, exported=exported,
+                                                               separated=separated, writers=writers,
+                                                               quantization=quantization))
+
+    @staticmethod
+    def export(plan: ConvertPlan, traced: Traced, staging: Path, inputs, outputs, dynamic, say,
+               seconds: dict) -> Staged:
+        from gdn_export.pipeline.export import export  # imports torch-to-nnef (seconds), which check() does not
+
+        lm, extras, checkpoint_dir = traced.lm, traced.extras, Path(plan.checkpoint_dir)
+        measured, folding, quantization = extras["measured"], extras["folding"], extras["quantization"]
+        carried = {name: checkpoint_dir / name for name in GENERATION_FILES if (checkpoint_dir / name).is_file()}
+        metadata = {
+            **common_metadata(plan, traced, inputs, outputs),
+            "generation_files": sorted(carried), "quantize": plan.quantize, "logits": plan.logits,
+            "serving": plan.serving,
+            "quantized": len(quantization.quantized),
+            "q4_rule": plan.q4_rule if plan.quantize else None,
+            "calibration": measured.metadata() if measured is not None else None,
+            "folded_norms": len(folding.folds) if folding is not None else None,
+            "states": state_metadata(lm),
+            "runtime": plan.runtime,
+        }
+        path = staging / plan.out_path.name
+        say(f"exporting {traced.family.name} ({len(lm.layer_types) if hasattr(lm, 'layer_types') else '?'} layers, "
+            f"{plan.dtype}{', weights streamed from the checkpoint' if plan.streamed else ''}) to {plan.out_path}")
+        report = export(lm, example_inputs(lm, metadata["vocab_size"], plan.export_dtype), path,
+                        tract_version=plan.tract_version, lowering=plan.lowering, input_names=inputs,
+                        output_names=outputs, dynamic_axes=dynamic, metadata=metadata,
+                        check=bool(plan.check) and extras["writers"] is None, runtime=plan.runtime,
+                        core_dtype=plan.core_dtype, chunk_size=plan.chunk_size, weights=extras["writers"],
+                        extra_files=carried)
+        seconds.update(report.seconds)
+        result = ConvertReport(plan.out_path, traced.family.name, metadata["model_type"], plan.dtype,
+                               report.tract_version, layers=layer_reports(lm, report.decisions), seconds=seconds,
+                               reference=traced.family.reference, weights=traced.weights.summary(),
+                               generation_files=sorted(carried),
+                               quantization=str(quantization) + (f"; {folding}" if folding is not None else ""),
+                               moe=moe_report(report.decisions), quantized_as=_QUANTIZED_AS.get(plan.quantize, ""))
+        return Staged(path, result, lambda: os.replace(path, plan.out_path))
+
+    @staticmethod
+    def check_reference(traced: Traced) -> tuple[object, object, dict]:
+        """A quantized export is checked against the same Q4_0 / int8 weights (folds applied); its quality against
+        the model as published."""
+        extras, weights, layout = traced.extras, traced.weights, traced.layout
+        separated, quantization = extras["separated"], extras["quantization"]
+        published, reference_layout = untied_view(weights, layout, separated) if separated else (weights, layout)
+        computed = untied_view(extras["exported"], layout, separated)[0] if separated else extras["exported"]
+        return reference_layout, dequantized_view(computed, quantization), dict(
+            quality_weights=published if quantization.quantized else None,
+            rounded_inputs=int8_reference_linears(quantization))
+
+    @staticmethod
+    def check_targets(plan: ConvertPlan, staged: Path):
+        return [("tract", staged, "")]
+
+    @staticmethod
+    def checked(result: ConvertReport, where: str) -> None:
+        pass
+
+
+NNEF = NnefSteps()
 
 
 _QUANTIZED_AS = {"q4_0": "Q4_0", "int8": "int8 (inputs rounded per row as in the graph)"}
@@ -450,7 +618,7 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
     return check_with(kind, path, family, layout, weights, prompt_len, decode_steps, batch)
 
 
-def _layer_reports(lm, decisions) -> list[LayerReport]:
+def layer_reports(lm, decisions) -> list[LayerReport]:
     rules = [d for d in decisions if d.dims is not None]
     layers = []
     for index, kind in enumerate(lm.hf.config.layer_types):
@@ -463,4 +631,4 @@ def _layer_reports(lm, decisions) -> list[LayerReport]:
     return layers
 
 
-__all__ = ["CheckpointError", "ConvertReport", "check", "convert"]
+__all__ = ["CheckpointError", "ConvertPlan", "ConvertReport", "check", "convert", "plan_conversion"]

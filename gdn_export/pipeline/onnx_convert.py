@@ -1,8 +1,8 @@
 """``convert(..., format="onnx")``: a local Hugging Face checkpoint to a checked ``.onnx`` file.
 
-The same pipeline as the NNEF conversion (hf/convert.py): the family's exportable module with explicit state
-inputs and outputs, ``state_names``, the example inputs, the check against transformers (prefill + decode, the f32
-and f16 rules of hf/check.py), here run in onnxruntime (and also in tract's ONNX loader for
+The ONNX steps of the one conversion (``gdn_export.pipeline.convert.run_plan`` over a ``ConvertPlan``, which
+owns the validation, the staging, the metadata common to both formats and the check against transformers): the
+ONNX-only validation, the read, the export and the targets checked, onnxruntime (and also tract's ONNX loader for
 ``runtime="tract-onnx"``). The ONNX back-end (``gdn_export.backends.onnx``) writes the graph. Weights are streamed as
 for NNEF: parameters of 1 MiB or more are traced as placeholders and written from the checkpoint into
 ``OUT.onnx.data`` (``gdn_export.backends.onnx.streamed``); a model without any (the test fixtures), or converted with
@@ -11,16 +11,14 @@ for NNEF: parameters of 1 MiB or more are traced as placeholders and written fro
 
 from __future__ import annotations
 
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from gdn_export.errors import GdnExportError, ParityError
-from gdn_export.pipeline.convert import ConvertReport
+from gdn_export.errors import GdnExportError
+from gdn_export.pipeline.convert import ConvertReport, Staged, Traced
 import gdn_export.ops.onnx_handlers  # noqa: F401  (every op registers its ONNX lowering)
 from gdn_export.backends.onnx.registry import validate
 from gdn_export.ops.causal_conv1d.onnx import CONV_QUALNAME
@@ -73,130 +71,137 @@ def placeholder_sources(lm: torch.nn.Module, model: torch.nn.Module, weights) ->
     return sources
 
 
-def convert_onnx(checkpoint_dir, out_path, *, dtype: str = "float32", lowering: str = "auto", check=True,
-                 force: bool = False, prompt_len: int = 16, decode_steps: int = 8, progress=None,
-                 runtime: str = "onnxruntime", quantize: str | None = None, quantize_embeddings: bool = False,
-                 core_dtype: str | None = None, chunk_size: int | None = None, tract_version: str | None = None,
-                 batch: int = 1, logits: str = "all", streamed: bool = True):
-    """See ``gdn_export.convert``; ``runtime``: "onnxruntime" (contrib ops where exact), "tract-onnx" or "any"
-    (portable forms). NNEF-only options (quantize, core_dtype, chunk_size, tract_version) are refused.
-    ``streamed`` (the default): parameters of 1 MiB or more are traced as placeholders and written from the
-    checkpoint into ``OUT.onnx.data`` a slice at a time (``gdn_export.backends.onnx.streamed``); where the exporter made
-    an initializer no known recipe writes, the export is redone from the model in memory and the report says
-    why. ``streamed=False``: the model in memory (external data above 1 GiB of weights only)."""
-    from gdn_export.pipeline import convert as nnef_convert
-    from gdn_export.hf.check import validate_check
-    from gdn_export.backends.onnx.exporter import onnx_path, publish, write_onnx
-    from gdn_export.backends.onnx.streamed import StreamingRefused
-    from gdn_export.run.runtime import lean_allocator
-    from gdn_export.run.onnx_session import OnnxSession
-    from gdn_export.ops.moe_ffn.op import moe_report
+class OnnxSteps:
+    """The ONNX format's steps of ``gdn_export.pipeline.convert.run_plan``: ``runtime`` "onnxruntime" (contrib ops
+    where exact), "tract-onnx" or "any" (portable forms); NNEF-only options (quantize, core_dtype, chunk_size,
+    tract_version, logits="last") are refused. ``streamed`` (the default): parameters of 1 MiB or more are traced as
+    placeholders and written from the checkpoint into ``OUT.onnx.data`` a slice at a time
+    (``gdn_export.backends.onnx.streamed``); where the exporter made an initializer no known recipe writes, the
+    export is redone from the model in memory and the report says why. ``streamed=False``: the model in memory
+    (external data above 1 GiB of weights only)."""
 
-    say = progress or (lambda message: None)
-    for name, value in (("quantize", quantize), ("core_dtype", core_dtype), ("chunk_size", chunk_size),
-                        ("tract_version", tract_version)):
-        if value is not None:
-            hint = f" ({ONNX_QUANTIZE_REFUSAL.get(value, '')})" if name == "quantize" else ""
-            raise GdnExportError(f"{name}={value!r} is an NNEF option: not available with format='onnx'{hint}")
-    if logits != "all":
-        raise GdnExportError(f"logits={logits!r} is not available with format='onnx' (its graph returns the logits of "
-                             f"every new position)")
-    if quantize_embeddings:
-        raise GdnExportError("quantize_embeddings is an NNEF option: not available with format='onnx'")
-    if dtype not in nnef_convert.DTYPES:
-        raise GdnExportError(f"dtype {dtype!r} is not one of {', '.join(nnef_convert.DTYPES)}")
-    validate(runtime, lowering)
-    check_mode = "auto" if check is True else check or None
-    if check_mode is not None and check_mode not in nnef_convert.CHECKS:
-        raise GdnExportError(f"check {check!r} is not one of True, False, "
-                             f"{', '.join(repr(c) for c in nnef_convert.CHECKS)}")
-    if check_mode:
-        validate_check(prompt_len, decode_steps, batch)
-    out_path = onnx_path(out_path)
-    if out_path.is_dir():
-        raise GdnExportError(f"{out_path} is a directory; the output must name the .onnx file to write")
-    if out_path.exists() and not force:
-        raise GdnExportError(f"{out_path} exists; pass force=True (--force) to overwrite it")
-    export_dtype = nnef_convert.DTYPES[dtype]
-    seconds: dict[str, float] = {}
+    name = "onnx"
 
-    if streamed:  # placeholders untouched (their own maps), copies freed as they come (0.8 GiB peak against 2.1
-        lean_allocator()  # on the 580M model); not in memory: its map per copy doubled the system time there
-    start = time.perf_counter()
-    say(f"reading {checkpoint_dir}")
-    family, layout, model, weights, lm, sources = _exportable(checkpoint_dir, export_dtype, streamed)
-    seconds["read"] = time.perf_counter() - start
-    inputs, outputs, dynamic = nnef_convert.state_names(lm)
-    vocab_size = layout.config["vocab_size"]
-    metadata = {
-        "format": nnef_convert.FORMAT_VERSION, "container": "onnx", "family": family.name,
-        "model_type": layout.checkpoint_model_type, "text_model_type": layout.model_type, "dtype": dtype,
-        "core_dtype": None, "vocab_size": vocab_size, "context_length": layout.config.get("max_position_embeddings"),
-        "inputs": inputs, "outputs": outputs, "runtime": runtime,
-        "states": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."),
-                    "kind": s.kind, "layer": s.layer} for s in lm.states],
-    }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".gdn_export_", dir=out_path.parent) as tmp:
-        say(f"exporting {family.name} ({dtype}{', weights streamed from the checkpoint' if sources else ''}) to "
-            f"{out_path} (ONNX, runtime {runtime})")
+    @staticmethod
+    def resolve_runtime(runtime: str) -> str:
+        return "onnxruntime" if runtime == "cpu" else runtime  # "cpu", NNEF's default, is onnxruntime
+
+    @staticmethod
+    def validate(options: dict, runtime: str) -> None:
+        for name in ("quantize", "core_dtype", "chunk_size", "tract_version"):
+            value = options.get(name)
+            if value is not None:
+                hint = f" ({ONNX_QUANTIZE_REFUSAL.get(value, '')})" if name == "quantize" else ""
+                raise GdnExportError(f"{name}={value!r} is an NNEF option: not available with format='onnx'{hint}")
+        logits = options.get("logits", "all")
+        if logits != "all":
+            raise GdnExportError(f"logits={logits!r} is not available with format='onnx' (its graph returns the "
+                                 f"logits of every new position)")
+        if options.get("quantize_embeddings"):
+            raise GdnExportError("quantize_embeddings is an NNEF option: not available with format='onnx'")
+
+    @staticmethod
+    def validate_after_check(options: dict, runtime: str) -> None:
+        validate(runtime, options.get("lowering", "auto"))
+
+    @staticmethod
+    def output_path(out_path, force: bool) -> Path:
+        from gdn_export.backends.onnx.exporter import onnx_path
+
+        out_path = onnx_path(out_path)
+        if out_path.is_dir():
+            raise GdnExportError(f"{out_path} is a directory; the output must name the .onnx file to write")
+        if out_path.exists() and not force:
+            raise GdnExportError(f"{out_path} exists; pass force=True (--force) to overwrite it")
+        return out_path
+
+    @staticmethod
+    def read(plan, say, seconds: dict):
+        from gdn_export.run.runtime import lean_allocator
+
+        if plan.streamed:  # placeholders untouched (their own maps), copies freed as they come (0.8 GiB peak against
+            lean_allocator()  # 2.1 on the 580M model); not in memory: its map per copy doubled the system time there
+        start = time.perf_counter()
+        say(f"reading {plan.checkpoint_dir}")
+        traced = _exportable(plan.checkpoint_dir, plan.export_dtype, plan.streamed)
+        seconds["read"] = time.perf_counter() - start
+        return traced
+
+    @staticmethod
+    def export(plan, traced, staging: Path, inputs, outputs, dynamic, say, seconds: dict):
+        from gdn_export.backends.onnx.exporter import publish, write_onnx
+        from gdn_export.backends.onnx.streamed import StreamingRefused
+        from gdn_export.ops.moe_ffn.op import moe_report
+        from gdn_export.pipeline.convert import common_metadata, example_inputs, layer_reports, state_metadata
+
+        common = common_metadata(plan, traced, inputs, outputs)
+        metadata = {"format": common.pop("format"), "container": "onnx", **common, "runtime": plan.runtime,
+                    "states": state_metadata(traced.lm)}
+        vocab_size, out_path = metadata["vocab_size"], plan.out_path
+        say(f"exporting {traced.family.name} ({plan.dtype}"
+            f"{', weights streamed from the checkpoint' if traced.extras['sources'] else ''}) to {out_path} (ONNX, "
+            f"runtime {plan.runtime})")
 
         def export(lm, sources):
-            return write_onnx(lm, nnef_convert.example_inputs(lm, vocab_size, export_dtype), Path(tmp), out_path.name,
-                              input_names=inputs, output_names=outputs, dynamic_axes=dynamic, runtime=runtime,
-                              lowering=lowering, metadata=metadata, output_dims=onnx_output_dims(lm, vocab_size),
-                              sources=sources)
+            return write_onnx(lm, example_inputs(lm, vocab_size, plan.export_dtype), staging, out_path.name,
+                              input_names=inputs, output_names=outputs, dynamic_axes=dynamic, runtime=plan.runtime,
+                              lowering=plan.lowering, metadata=metadata,
+                              output_dims=onnx_output_dims(lm, vocab_size), sources=sources)
 
         in_memory = None
         try:
-            staged, data, decisions, export_seconds = export(lm, sources)
+            staged, data, decisions, export_seconds = export(traced.lm, traced.extras["sources"])
         except StreamingRefused as refusal:  # nothing written yet: the same export from the model in memory
             in_memory = f"weights read into memory: {refusal}"
             say(f"  {in_memory}")
-            del lm, model
-            for f in Path(tmp).iterdir():
+            traced.lm = traced.model = None
+            for f in staging.iterdir():
                 f.unlink()
-            _, _, model, _, lm, sources = _exportable(checkpoint_dir, export_dtype, False)
-            staged, data, decisions, export_seconds = export(lm, sources)
+            again = _exportable(plan.checkpoint_dir, plan.export_dtype, False)
+            traced.model, traced.lm, traced.extras = again.model, again.lm, again.extras
+            staged, data, decisions, export_seconds = export(traced.lm, traced.extras["sources"])
         seconds.update(export_seconds)
-        result = OnnxConvertReport(out_path, family.name, metadata["model_type"], dtype, "-",
-                                   layers=nnef_convert._layer_reports(lm, decisions), seconds=seconds,
-                                   reference=family.reference, weights=weights.summary(),
+        sources = traced.extras["sources"]
+        result = OnnxConvertReport(out_path, traced.family.name, metadata["model_type"], plan.dtype, "-",
+                                   layers=layer_reports(traced.lm, decisions), seconds=seconds,
+                                   reference=traced.family.reference, weights=traced.weights.summary(),
                                    moe=moe_report(decisions))
-        result.onnx = _OnnxExtras(runtime, _conv_report(decisions), out_path.with_name(data.name) if data else None,
+        result.onnx = _OnnxExtras(plan.runtime, _conv_report(decisions),
+                                  out_path.with_name(data.name) if data else None,
                                   weights=in_memory or (f"{len(sources)} weights streamed from the checkpoint"
                                                         if sources else ""))
-        del lm, model
-        if check_mode:
-            start = time.perf_counter()
-            kind = check_mode if check_mode != "auto" else nnef_convert.reference_fits(weights, export_dtype)
-            for where in ["onnxruntime"] + (["tract-onnx"] if runtime == "tract-onnx" else []):
-                say(f"checking {out_path} in {where}: prefill {prompt_len} + decode {decode_steps} against "
-                    f"{family.reference}, {nnef_convert.CHECK_KINDS[kind]}")
-                outcome = nnef_convert.check_with(kind, OnnxSession(staged, where), family, layout, weights,
-                                                  prompt_len, decode_steps, batch)
-                result.onnx.checked_in.append(where)
-                if result.check is None or not outcome.ok:
-                    result.check = outcome
-                if not outcome.ok:
-                    raise ParityError({"logits": outcome.error}, {"logits": outcome.tolerance},
-                                      f"{out_path} does not match {family.reference} in {where}: {outcome}")
-            result.check_kind = nnef_convert.CHECK_KINDS[kind]
-            seconds["check"] = time.perf_counter() - start
-        publish(staged, data, out_path)
-    return result
+        return Staged(staged, result, lambda: publish(staged, data, out_path))
+
+    @staticmethod
+    def check_reference(traced) -> tuple[object, object, dict]:
+        return traced.layout, traced.weights, {}
+
+    @staticmethod
+    def check_targets(plan, staged: Path):
+        from gdn_export.run.onnx_session import OnnxSession
+
+        return [(where, OnnxSession(staged, where), f" in {where}")
+                for where in ["onnxruntime"] + (["tract-onnx"] if plan.runtime == "tract-onnx" else [])]
+
+    @staticmethod
+    def checked(result, where: str) -> None:
+        result.onnx.checked_in.append(where)
 
 
-def _exportable(checkpoint_dir, export_dtype: torch.dtype, placeholders: bool):
-    """(family, layout, model, weights, exportable module, placeholder sources): with ``placeholders``, large
-    parameters traced as placeholders (the sources say where each is read); else the model in memory."""
+ONNX = OnnxSteps()
+
+
+def _exportable(checkpoint_dir, export_dtype: torch.dtype, placeholders: bool) -> Traced:
+    """The checkpoint read and its exportable module; with ``placeholders``, large parameters traced as
+    placeholders (``extras["sources"]`` says where each is read); else the model in memory."""
     from gdn_export.hf.checkpoint import cast_buffers, materialize, open_checkpoint
 
     family, layout, model, weights = open_checkpoint(checkpoint_dir)
     materialize(model, weights, export_dtype, placeholders=placeholders)
     cast_buffers(model, export_dtype)
     lm = family.exportable(model, export_dtype)
-    return family, layout, model, weights, lm, placeholder_sources(lm, model, weights) if placeholders else {}
+    return Traced(family, layout, model, weights, lm,
+                  {"sources": placeholder_sources(lm, model, weights) if placeholders else {}})
 
 
 class OnnxConvertReport(ConvertReport):

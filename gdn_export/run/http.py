@@ -550,7 +550,7 @@ def default_slots(workers: int) -> int:
 
 def executor_for(session, workers: int, max_queue: int, slots: int | None = None, progress=None,
                  prefill_piece: int | None = None, prefill_rows: int = 1):
-    """The executor ``serve`` runs on: an ``Engine`` for a serving archive (every bucket planned now), else a
+    """The executor ``serve`` runs on: an ``Engine`` for a serving archive (planned now), else a
     ``WorkerPool``; ``prefill_piece`` (None: the default, 128) prompt tokens per prefill call; ``prefill_rows``
     (an Engine's): prompts whose pieces run in one call."""
     if prefill_piece is not None and not session.serving:
@@ -561,7 +561,7 @@ def executor_for(session, workers: int, max_queue: int, slots: int | None = None
         slots = slots or default_slots(workers)
         if progress is not None:
             progress(f"planning the serving graph for batches of up to {max(slots_per_worker(slots, workers))} "
-                     "rows (once per batch-size bucket)")
+                     "rows (one plan for every batch size)")
         piece = {} if prefill_piece is None else {"prefill_piece": prefill_piece}
         return Engine(session, slots=slots, workers=workers, max_queue=max_queue, plan_now=True,
                       prefill_rows=prefill_rows, **piece)

@@ -25,9 +25,16 @@ def read_onnx_metadata(path) -> dict | None:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as err:  # protobuf's DecodeError and friends
         raise GdnExportError(f"{path} is not an ONNX file ({type(err).__name__})") from None
+    from gdn_export.run.archive import check_metadata
+
     for entry in model.metadata_props:
         if entry.key == "gdn_export":
-            return json.loads(entry.value)
+            where = f"{path}: its gdn_export metadata"
+            try:
+                metadata = json.loads(entry.value)
+            except ValueError as err:
+                raise GdnExportError(f"{where} is not valid JSON ({err})") from None
+            return check_metadata(metadata, where)  # the schema an archive's gdn_export.json is read through
     return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -46,7 +47,8 @@ def load_tract_model(path: str | os.PathLike, symbols: dict[str, int] | None = N
         return model.into_runnable()
 
     try:
-        return interruptible(load)
+        with _planning_allocator():
+            return interruptible(load)
     except TractRuntimeError:
         raise
     except Exception as err:  # tract raises plain Exceptions with its own message
@@ -130,6 +132,35 @@ def run_tract_tensors(runnable, inputs: Sequence) -> list:
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+_allocator: str | None = None  # the mode set last: "steady", "lean", or None (glibc's own)
+_allocator_lock = threading.Lock()
+_planning = 0  # loads in progress
+
+
+@contextlib.contextmanager
+def _planning_allocator():
+    """Load and plan under ``lean_allocator``, then go back to the mode set before (a Session's ``steady``).
+
+    tract reads every weight of the archive, then packs it for its matmuls and drops the read copy. Under
+    ``steady_allocator`` those read copies (a few MiB each, below its 32 MiB mmap threshold) come from the heap
+    and their memory stays with the process once freed: planning the 0.8B shape in f16 left 2.98 GB peak and
+    2.83 GB resident against 2.07 and 1.92 GB under ``lean_allocator`` (1.31 GB of weights; benchmarks/RESULTS.md).
+    The steady mode matters for the per-call buffers after planning, not for planning itself. Only under
+    ``steady_allocator`` (glibc's own adaptive mode, once changed, cannot be restored)."""
+    global _planning
+    with _allocator_lock:
+        steady = _allocator == "steady"
+        if steady:
+            _planning += 1
+            _mallopt((M_MMAP_THRESHOLD, 1024 * 1024),)
+    try:
+        yield
+    finally:
+        if steady:
+            with _allocator_lock:
+                _planning -= 1
+                if _planning == 0 and _allocator == "steady":
+                    steady_allocator()
 
 
 def steady_allocator() -> bool:
@@ -140,7 +171,10 @@ def steady_allocator() -> bool:
     and page-faulted anew on every call. Measured here (benchmarks/bench_decode_floor.py): a decode step of the
     fused op 3.6 ms against 2.2 ms, of the chunked graph 2.05 against 0.58 ms, from one run to the next. Fixing
     the mmap threshold at its maximum (32 MiB) and never trimming removes that mode. The cost: freed memory
-    stays with the process (its resident size keeps its peak). Process-wide; a no-op off glibc."""
+    stays with the process (its resident size keeps its peak), except what tract frees while planning
+    (``load_tract_model`` plans under ``lean_allocator``). Process-wide; a no-op off glibc."""
+    global _allocator
+    _allocator = "steady"
     return _mallopt((M_MMAP_THRESHOLD, 32 * 1024 * 1024), (M_TRIM_THRESHOLD, 2**31 - 1))
 
 
@@ -150,6 +184,8 @@ def lean_allocator() -> bool:
     (torch-to-nnef's trace clones the tensors an op reads): with glibc's adaptive threshold those copies came from
     the heap and stayed resident, 1.6 GB held through the trace of a 3.5 GB checkpoint against 0.4 GB with this
     (benchmarks/RESULTS.md). Process-wide; a no-op off glibc; ``steady_allocator`` (a Session's) undoes it."""
+    global _allocator
+    _allocator = "lean"
     return _mallopt((M_MMAP_THRESHOLD, 1024 * 1024),)
 
 

@@ -144,7 +144,7 @@ class Family:
             import transformers
         except ImportError:
             raise CheckpointError(f"converting {self.name} checkpoints needs transformers 5.24: "
-                                  "pip install 'gdn_export[hf]'") from None
+                                  "pip install 'gdn_export[convert]'") from None
 
         return getattr(transformers, self.config_class), getattr(transformers, self.model_class)
 

@@ -9,11 +9,13 @@ An executor (``gdn_export.run.generation.executor``'s interface: ``submit``, ``a
   prefill piece* of the oldest request still in its prompt (``prefill_piece`` tokens, a multiple of the 64-token
   snapshot alignment; with ``prefill_rows`` > 1, of up to that many such requests at once, each row its own
   count of real tokens: the graph's ``seq_len``), then *one decode step* of every request of its slots that has a
-  sampled token to run, as one batch padded to the next batch-size bucket with scratch rows. A decode row never
+  sampled token to run, as one batch (with ``one_plan=False``, padded to the next batch-size bucket with scratch
+  rows). A decode row never
   waits for a whole prompt, only for one piece, and is never padded to a piece's length;
 - requests join and leave between steps; a finished or cancelled request frees its slot at once;
-- each batch size is planned once (tract's ``B`` fixed per plan, and ``S = 1`` for decode; shared by the workers:
-  tract's calls release the GIL and spawn a fresh state per call, so workers compute at once on different cores);
+- one tract plan, with the batch and token counts symbolic, runs every call (one packed copy of the weights; shared
+  by the workers: tract's calls release the GIL and spawn a fresh state per call, so workers compute at once on
+  different cores); ``one_plan=False`` plans each batch size instead (``Plans``);
 - a decode batch that runs the same rows again keeps its recurrent and conv states as tract tensors between steps
   (``SlotPool``'s resident batch).
 
@@ -68,24 +70,33 @@ def slots_per_worker(slots: int, workers: int) -> list[int]:
 
 
 class Plans:
-    """The archive planned once per use: ``get(batch, tokens)``, tract's symbol ``B`` fixed and, for decode
-    (``tokens=1``), ``S`` too; a prefill plan (``tokens=None``) keeps ``S`` symbolic. On first use or by the
-    Engine's ``plan_now``.
+    """The archive planned for the Engine's calls: ``get(batch, tokens)`` returns the runnable a call of ``batch``
+    rows of ``tokens`` tokens (None: a prefill piece) runs on, planned on first use or by the Engine's
+    ``plan_now``.
 
-    Why S is fixed for decode: tract then drops the chunked lowering's empty whole-chunk part (no chunk of 64 in one
-    token) and its slices at plan time: a decode step of the 580M shape at B=4 measured 291 ms against 323 ms with S
-    symbolic. Each plan holds its own packed weights (tract has no way to share them between plans: 2.8 GB for that
-    f32 model), so one-row decode steps run on the prefill plan: at B=1 the two measured the same (138.6 / 152.9 ms,
-    fastest / median of 6 interleaved rounds, against 149.4 / 153.5 ms with S fixed)."""
+    ``one_plan`` (the default): a single plan with tract's symbols ``B`` and ``S`` left symbolic serves every call,
+    so the process holds one packed copy of the weights whatever batch sizes run (tract has no way to share packed
+    weights between plans: each plan holds its own). Its
+    matmuls run as fast as with ``B`` fixed; what a symbolic batch costs is the per-token tail of each GDN layer
+    (a scan whose elementwise passes keep tract's generic kernels), measured in docs/SERVING.md.
 
-    def __init__(self, path: os.PathLike) -> None:
-        self.path = path
-        self._plans: dict[tuple[int, int | None], object] = {}
-        self._locks: collections.defaultdict[tuple, threading.Lock] = collections.defaultdict(threading.Lock)
+    ``one_plan=False``: today's earlier scheme, one plan per batch size with ``B`` fixed (and ``S = 1`` for decode
+    from 2 rows; one-row steps share the one-row prefill plan): no symbolic-batch cost, one copy of the weights per
+    plan. Kept to measure the two side by side (benchmarks/bench_serving.py --per-batch-plans)."""
+
+    ONE = "B, S symbolic"
+
+    def __init__(self, path: os.PathLike, one_plan: bool = True) -> None:
+        self.path, self.one_plan = path, one_plan
+        self._plans: dict[tuple[int, int | None] | str, object] = {}
+        self._locks: collections.defaultdict[object, threading.Lock] = collections.defaultdict(threading.Lock)
         self._lock = threading.Lock()
 
+    def key(self, batch: int, tokens: int | None) -> tuple[int, int | None] | str:
+        return self.ONE if self.one_plan else (batch, None if batch == 1 else tokens)
+
     def get(self, batch: int, tokens: int | None = None):
-        key = (batch, None if batch == 1 else tokens)
+        key = self.key(batch, tokens)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
@@ -95,12 +106,15 @@ class Plans:
             if key not in self._plans:
                 from gdn_export.run.runtime import load_tract_model
 
-                symbols = {"B": batch} if key[1] is None else {"B": batch, "S": key[1]}
+                symbols = (None if key == self.ONE else {"B": key[0]} if key[1] is None
+                           else {"B": key[0], "S": key[1]})
                 self._plans[key] = load_tract_model(self.path, symbols)
             return self._plans[key]
 
     @property
     def planned(self) -> list[str]:
+        if self.one_plan:
+            return [self.ONE] if self._plans else []
         return [f"B={b}" + (", S=1" if t else "") for b, t in sorted(self._plans, key=lambda k: (k[1] or 0, k[0]))]
 
 
@@ -109,17 +123,20 @@ class Engine(QueuedExecutor):
 
     ``slots``: requests computed at once (more wait in a queue of ``max_queue``; beyond it ``submit`` raises
     ``ExecutorFull``); ``workers``: threads, each with ``slots / workers`` slots (1 per core pays: tract's Python
-    calls are single-threaded); ``buckets``: the batch sizes planned (a decode batch is padded to the next);
+    calls are single-threaded); ``buckets``: the largest is the most rows a decode call runs; with
+    ``one_plan=False`` each is planned and a decode batch is padded to the next (with one plan, the default, a
+    decode batch runs at its own size);
     ``prefill_piece``: prompt tokens per prefill call (a multiple of 64); ``prefill_rows``: prompts whose pieces run
-    together in one call (each its own length; 1, the default, plans no extra batch size for prefill: each plan
-    holds its own packed weights); ``prefix_cache_mib``: the prefix cache's
-    bound (0: none); ``plan_now``: plan every bucket before returning (else on first use, seconds each);
+    together in one call (each its own length; with ``one_plan=False`` each row count is one more plan, with its
+    own packed weights); ``prefix_cache_mib``: the prefix cache's bound (0: none); ``plan_now``: plan before
+    returning (else on first use, seconds); ``one_plan``: one plan for every call (the default: one packed copy of
+    the weights), or a plan per batch size (``Plans``);
     ``keep_logits``: every ``TokenEvent`` carries the logits row its token was sampled from.
     """
 
     def __init__(self, model: str | os.PathLike | Session, *, slots: int = 8, workers: int = 1, buckets: tuple[int, ...] | None = None,
                  prefill_piece: int = 128, prefill_rows: int = 1, max_queue: int = 64, prefix_cache_mib: float = 512,
-                 plan_now: bool = False, keep_logits: bool = False) -> None:
+                 plan_now: bool = False, keep_logits: bool = False, one_plan: bool = True) -> None:
         from gdn_export.run.session import Session
 
         session = model if isinstance(model, Session) else Session(model)
@@ -148,7 +165,8 @@ class Engine(QueuedExecutor):
         self.prefill_rows = min(prefill_rows, max(per_worker))
         self.keep_logits = keep_logits
         self.serving_inputs = session.serving_inputs
-        self.plans = Plans(session.path)
+        self.plans = Plans(session.path, one_plan)
+        self.calls: collections.Counter[tuple[str, int]] = collections.Counter()  # (kind, rows) -> tract calls
         self.prefix_cache = PrefixCache(int(prefix_cache_mib * MIB))
         self._init_queue()
         self._workers = [_Worker(self, SlotPool(session.state_specs, n), i) for i, n in enumerate(per_worker)]
@@ -156,8 +174,9 @@ class Engine(QueuedExecutor):
             from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                prefill = [pool.submit(self.plans.get, b) for b in range(1, self.prefill_rows + 1)]
-                for plan in prefill + [pool.submit(self.plans.get, b, 1) for b in buckets]:
+                sizes = {self.plans.key(b, None): (b, None) for b in range(1, self.prefill_rows + 1)}
+                sizes.update({self.plans.key(b, 1): (b, 1) for b in buckets})
+                for plan in [pool.submit(self.plans.get, *size) for size in sizes.values()]:
                     plan.result()
         for worker in self._workers:
             worker.thread.start()
@@ -186,6 +205,7 @@ class Engine(QueuedExecutor):
             busy = sum(len(w.active) for w in self._workers)
             return {"workers": len(self._workers), "slots": self.slots, "busy": busy, "queued": len(self._pending),
                     "max_queue": self.max_queue, "buckets": list(self.buckets), "planned": self.plans.planned,
+                    "calls": {f"{kind} x {rows}": n for (kind, rows), n in sorted(self.calls.items())},
                     "prefill_piece": self.prefill_piece, "prefill_rows": self.prefill_rows,
                     "prefix_cache": {"entries": len(self.prefix_cache), "bytes": self.prefix_cache.nbytes,
                                      "hits": self.prefix_cache.hits, "misses": self.prefix_cache.misses}}
@@ -280,7 +300,7 @@ class _Worker:
                 if active in self.active:
                     self._finish(active, None, err)
 
-    def _run(self, slots: list[int], ids: np.ndarray, seq_len: np.ndarray) -> tuple[np.ndarray, list]:
+    def _run(self, kind: str, slots: list[int], ids: np.ndarray, seq_len: np.ndarray) -> tuple[np.ndarray, list]:
         """One call of the plan for ``len(slots)`` rows of ``ids.shape[1]`` tokens (one token: a plan with S = 1), row
         b's first ``seq_len[b]`` real: (each row's last real position's logits ``[B, vocab]``, state outputs as
         tract tensors)."""
@@ -289,6 +309,8 @@ class _Worker:
         past_len, states = self.pool.gather(slots)
         served = {"past_len": past_len, "seq_len": seq_len}
         inputs = [ids.astype(np.int64), *(served[name] for name in self.engine.serving_inputs), *states]
+        with self.engine._lock:
+            self.engine.calls[kind, len(slots)] += 1
         outputs = run_tract_tensors(self.engine.plans.get(len(slots), 1 if ids.shape[1] == 1 else None), inputs)
         logits = outputs[0].to_numpy()
         if logits.shape[1] > 1:  # every position's logits (an archive without --logits last)
@@ -305,7 +327,7 @@ class _Worker:
         for b, piece in enumerate(pieces):
             ids[b, :len(piece)] = piece
         slots = [a.slot for a in rows]
-        logits, outputs = self._run(slots, ids, seq_len)
+        logits, outputs = self._run("prefill", slots, ids, seq_len)
         self.pool.scatter(slots, outputs, seq_len)
         for b, active in enumerate(rows):
             prompt, end = active.request.prompt_ids, active.fed + int(seq_len[b])
@@ -318,10 +340,11 @@ class _Worker:
             self._sample(active, logits[b])
 
     def _decode_step(self, rows: list[_Active]) -> None:
-        bucket = next((b for b in self.engine.buckets if b >= len(rows)), len(rows))
+        plans = self.engine.plans
+        bucket = len(rows) if plans.one_plan else next((b for b in self.engine.buckets if b >= len(rows)), len(rows))
         slots = [a.slot for a in rows] + [SCRATCH] * (bucket - len(rows))
         ids = np.asarray([[a.next_token] for a in rows] + [[0]] * (bucket - len(rows)))
-        logits, outputs = self._run(slots, ids, np.ones(bucket, np.int64))
+        logits, outputs = self._run("decode", slots, ids, np.ones(bucket, np.int64))
         self.pool.scatter(slots, outputs, 1, resident=True)
         for b, active in enumerate(rows):
             active.next_token = None
