@@ -649,6 +649,22 @@ TORCH_ONNX_PASSES_HOOKED = Quirk(
     library="torch",
 )
 
+TRANSFORMERS_FLA_KERNELS_WITHOUT_GPU = Quirk(
+    name="transformers takes flash-linear-attention's kernels whenever the package imports, GPU or not",
+    does="transformers' Qwen3.5 / Qwen3-Next modeling modules import fla's Triton gated delta rule when "
+         "flash-linear-attention is installed, and call it on CPU tensors too: the reference then fails with "
+         "Triton's '0 active drivers' on a machine without a GPU",
+    workaround="the CPU references (gdn-export perplexity --reference; the test suite) put a None entry for 'fla' "
+               "in sys.modules before transformers' model modules import, so transformers takes its torch path",
+    applied_in=("gdn_export/hf/reference.py",),
+    when_fixed="the None entry can go once transformers checks the tensors' device before taking fla's kernels; "
+               "gdn-export convert's check does not carry it yet (a CPU machine with fla installed fails its check)",
+    no_canary="needs flash-linear-attention and Triton installed on a machine without a GPU, which the suite's "
+              "environment is not",
+    seen_on="5.24.0",
+    library="transformers",
+)
+
 QUIRKS: tuple[Quirk, ...] = tuple(value for value in list(globals().values()) if isinstance(value, Quirk))
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 os.environ.setdefault("RUST_BACKTRACE", "0")  # tract's errors carry a Rust backtrace otherwise
-# the references run on the CPU: transformers takes flash-linear-attention's gated delta rule whenever that package
+# the references run on the CPU (tract_quirks.TRANSFORMERS_FLA_KERNELS_WITHOUT_GPU): transformers takes flash-linear-attention's gated delta rule whenever that package
 # imports, and its Triton kernels need a GPU; a None entry makes `import fla` fail (before transformers' models import)
 sys.modules.setdefault("fla", None)
 

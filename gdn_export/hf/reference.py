@@ -12,9 +12,9 @@ import numpy as np
 def eager_window_logits(checkpoint_dir: str | os.PathLike) -> Callable[[np.ndarray], np.ndarray]:
     """``logits(window ids [S]) -> [S, vocab]``: the checkpoint's eager model (transformers', or the family's
     reference for FLA checkpoints), float32 on the CPU, each window from an empty cache."""
-    # On the CPU transformers must take its PyTorch gated delta rule: it takes flash-linear-attention's whenever that
-    # package imports, and those Triton kernels need a GPU. A None entry makes `import fla` fail; this holds when
-    # transformers' model module is imported after it (as in the CLI).
+    # On the CPU transformers must take its PyTorch gated delta rule: it takes flash-linear-attention's whenever
+    # that package imports, and those Triton kernels need a GPU (tract_quirks.TRANSFORMERS_FLA_KERNELS_WITHOUT_GPU).
+    # A None entry makes `import fla` fail; this holds when transformers' model module is imported after it.
     sys.modules.setdefault("fla", None)  # type: ignore[assignment]
     import torch
 
