@@ -21,14 +21,7 @@ sys.modules.setdefault("fla", None)
 import gdn_export.ops  # noqa: E402
 
 gdn_export.ops.register_custom_ops()  # torch.ops.t2n_extra.*, which tests call directly
-# kept importable from conftest for branches written before tests/helpers.py (test_suite_layout.py flags them)
-from helpers import (CHECKPOINTS, FIXTURES, NAMES, TRAINED, GatedDeltaRuleModel, GatedDeltaScanModel,  # noqa: E402,F401
-                     by_fixture, make_rule_inputs)
-
-
-def swept_fixtures() -> list[str]:
-    """helpers.CHECKPOINTS, for branches written before tests/helpers.py (test_suite_layout.py flags them)."""
-    return list(CHECKPOINTS)
+from helpers import FIXTURES  # noqa: E402
 
 # the fixtures' models are tiny: a second torch thread only waits (a conversion took 3.2 s on one, 3.8-6.2 s on two),
 # and under pytest-xdist (one worker per core) it would contend with the other worker
