@@ -9,7 +9,6 @@ ARCHIVE: an archive converted without --serving from CHECKPOINT_DIR (fixtures/qw
 
 from __future__ import annotations
 
-import http.client
 import io
 import json
 import os
@@ -22,11 +21,17 @@ import tarfile
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 CLI = [sys.executable, "-m", "gdn_export.cli"]
 GIB = 1 << 30
 rows: list[tuple[str, str, str, str]] = []
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers import raw, rewritten  # noqa: E402  (the server tests' HTTP client and archive rewriter)
+
+request = partial(raw, timeout=600)  # a tokenization of megabytes outlasts the tests' 60 s
 
 
 def kib(pid: int, field: str) -> int:
@@ -49,21 +54,6 @@ def command(case: str, args: list[str], env: dict | None = None) -> None:
     lines = [line for line in lines if not line.startswith("[")]  # progress lines
     rows.append((case, f"exit {done.returncode}: {lines[0][:150] if lines else ''} ({len(lines)} line(s))",
                  f"{seconds:.1f}", f"{int(peak) / 1024:.0f} MiB peak (whole process)"))
-
-
-def request(base: str, method: str, path: str, body=None, headers=None, timeout: float = 600):
-    host, port = base.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    try:
-        connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
-        response = connection.getresponse()
-        data = response.read().decode()
-    finally:
-        connection.close()
-    try:
-        return response.status, json.loads(data)
-    except ValueError:
-        return response.status, data
 
 
 def start_server(args: list[str], env: dict, log: Path):
@@ -100,26 +90,6 @@ def big_prompt(base: str, auth: dict, megabytes: int, row) -> None:
     poller.join()
     row(f"{megabytes} MB text prompt (/health slowest {max(latencies):.2f} s over {len(latencies)} polls)", status,
         answer, seconds)
-
-
-def rewritten(source: Path, target: Path, add: dict | None = None, meta: dict | None = None) -> Path:
-    with tarfile.open(source) as tar:
-        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
-    with tarfile.open(target, "w:gz", compresslevel=1) as out:
-        for member, data in members:
-            if member.name == "gdn_export.json":
-                metadata = json.loads(data)
-                metadata.update(meta or {})
-                if add:
-                    metadata["generation_files"] = sorted(set(metadata["generation_files"]) | set(add))
-                data = json.dumps(metadata).encode()
-                member.size = len(data)
-            out.addfile(member, io.BytesIO(data))
-        for name, data in (add or {}).items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            out.addfile(info, io.BytesIO(data))
-    return target
 
 
 def main() -> None:
@@ -228,7 +198,7 @@ def main() -> None:
         command(f"archive of {big.stat().st_size} B whose tokenizer.json claims 3 GiB",
                 ["generate", str(big), "--prompt", "hi"])
         for field, value in (("vocab_size", -5), ("serving", "yes"), ("states", {"a": 1})):
-            bad = rewritten(archive, work / "bad.nnef.tgz", meta={field: value})
+            bad = rewritten(archive, work / "bad.nnef.tgz", metadata={field: value})
             command(f"gdn_export.json {field}: {json.dumps(value)}", ["generate", str(bad), "--prompt-ids", "1"])
         data = archive.read_bytes()
         (work / "cut.nnef.tgz").write_bytes(data[:len(data) // 2])

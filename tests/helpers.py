@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import io
 import json
 import os
 import subprocess
@@ -102,9 +103,9 @@ def serving(pool, name: str, **options):
 
 
 def raw(base: str, method: str, path: str, body: bytes | str | None = None,
-        headers: dict | None = None) -> tuple[int, dict | str]:
+        headers: dict | None = None, timeout: float = 60) -> tuple[int, dict | str]:
     host, port = base.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
         connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
         response = connection.getresponse()
@@ -292,3 +293,34 @@ def prompts_for(path, lengths=PROMPT_LENGTHS, seed=0) -> list[tuple[int, ...]]:
     vocab = Session(path).metadata["vocab_size"]
     rng = np.random.default_rng(seed)
     return [tuple(int(t) for t in rng.integers(0, vocab, n)) for n in lengths]
+
+
+def rewritten(source: Path, target: Path, metadata: dict | None = None, drop_metadata=(), add: dict | None = None,
+              raw_metadata: bytes | None = None) -> Path:
+    """A copy of archive ``source`` with gdn_export.json's fields updated (or replaced by ``raw_metadata``) and
+    members added (name -> bytes, listed as generation files)."""
+    with tarfile.open(source) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    with tarfile.open(target, "w:gz", compresslevel=1) as out:
+        for member, data in members:
+            if member.name == "gdn_export.json":
+                meta = json.loads(data)
+                meta.update(metadata or {})
+                for name in drop_metadata:
+                    meta.pop(name, None)
+                if add:
+                    meta["generation_files"] = sorted(set(meta["generation_files"]) | set(add))
+                data = raw_metadata if raw_metadata is not None else json.dumps(meta).encode()
+                member.size = len(data)
+            if add and member.name in add:
+                continue
+            out.addfile(member, io.BytesIO(data))
+        for name, data in (add or {}).items():
+            add_member(out, name, data)
+    return target
+
+
+def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))

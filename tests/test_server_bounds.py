@@ -6,7 +6,6 @@ context from the fixture's config.json, sizes from the files the test writes."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import socket
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from helpers import FIXTURES, raw, serve_process, serving, wait_for  # the same helpers as the server's other tests
+from helpers import FIXTURES, add_member, raw, rewritten, serve_process, serving, wait_for  # the same helpers as the server's other tests
 
 NAME = "qwen3_5"
 FIXTURE = FIXTURES / NAME
@@ -181,37 +180,6 @@ def test_generate_refuses_more_tokens_than_the_context(archive, tmp_path, capsys
 # --- keys, names, shutdown, a template bomb: `gdn-export serve` itself ----------------------------------------------
 
 EVIL_TEMPLATE = "{% for i in range(50000) %}{{ 'x' * 20000 }}{% endfor %}"
-
-
-def rewritten(source: Path, target: Path, metadata: dict | None = None, drop_metadata=(), add: dict | None = None,
-              raw_metadata: bytes | None = None) -> Path:
-    """A copy of archive ``source`` with gdn_export.json's fields updated (or replaced by ``raw_metadata``) and
-    members added (name -> bytes, listed as generation files)."""
-    with tarfile.open(source) as tar:
-        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
-    with tarfile.open(target, "w:gz", compresslevel=1) as out:
-        for member, data in members:
-            if member.name == "gdn_export.json":
-                meta = json.loads(data)
-                meta.update(metadata or {})
-                for name in drop_metadata:
-                    meta.pop(name, None)
-                if add:
-                    meta["generation_files"] = sorted(set(meta["generation_files"]) | set(add))
-                data = raw_metadata if raw_metadata is not None else json.dumps(meta).encode()
-                member.size = len(data)
-            if add and member.name in add:
-                continue
-            out.addfile(member, io.BytesIO(data))
-        for name, data in (add or {}).items():
-            add_member(out, name, data)
-    return target
-
-
-def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    tar.addfile(info, io.BytesIO(data))
 
 
 def memory_kib(pid: int, field: str) -> int:
