@@ -23,6 +23,7 @@ from gdn_export.weights import int8, q4_0
 SHAPES = [("mlp gate/up", 3584, 1024), ("mlp down", 1024, 3584), ("gdn in_proj_qkv", 6144, 1024),
           ("gdn out_proj", 1024, 2048)]
 HEAD = ("head (vocab 151936)", 151936, 1024)
+SCHEMES = ("f32", "q4_0", "int8", "int8x2")  # int8x2: the input rounded in two passes (codes and residual)
 
 
 def cpu_int8_features() -> str:
@@ -49,9 +50,9 @@ def linear_folder(folder: Path, weight: np.ndarray, scheme: str) -> Path:
         elif scheme == "q4_0":
             q4_0.write_nnef(file, weight.shape, lambda a, b: weight[a:b])
         else:
-            weights = int8.Int8Weights(frozenset({"w"}))
+            weights = int8.Int8Weights(frozenset({"w"}), passes=2 if scheme == "int8x2" else 1)
             weights.scales["w"] = int8.write_nnef(file, weight.shape, lambda a, b: weight[a:b])
-    if scheme == "int8":
+    if scheme.startswith("int8"):
         int8.lower_folder(folder, weights)
     return folder
 
@@ -79,17 +80,17 @@ def main() -> None:
     parser.add_argument("--head", action="store_true", help="the vocabulary head too (one row only)")
     args = parser.parse_args()
     print(f"CPU int8 features: {cpu_int8_features()}; tract one thread; median ms per call (ratio to f32)\n")
-    print("| matrix | N x K | rows M | f32 | Q4_0 | int8 |")
-    print("|---|---|---|---|---|---|")
+    print("| matrix | N x K | rows M | f32 | Q4_0 | int8 | int8, input in 2 passes |")
+    print("|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     shapes = SHAPES + ([HEAD] if args.head else [])
     with tempfile.TemporaryDirectory(prefix="bench_int8_") as tmp:
         for name, n, k in shapes:
             weight = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-            folders = {s: linear_folder(Path(tmp) / f"{s}_{n}_{k}", weight, s) for s in ("f32", "q4_0", "int8")}
+            folders = {s: linear_folder(Path(tmp) / f"{s}_{n}_{k}", weight, s) for s in SCHEMES}
             for rows in args.rows if (name, n, k) != HEAD else [1]:
                 ms = {s: time_call(f, rows, args.seconds) for s, f in folders.items()}
-                cells = [f"{ms['f32']:.2f}"] + [f"{ms[s]:.2f} ({ms['f32'] / ms[s]:.2f}x)" for s in ("q4_0", "int8")]
+                cells = [f"{ms['f32']:.2f}"] + [f"{ms[s]:.2f} ({ms['f32'] / ms[s]:.2f}x)" for s in SCHEMES[1:]]
                 print(f"| {name} | {n} x {k} | {rows} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -665,6 +665,20 @@ TRANSFORMERS_FLA_KERNELS_WITHOUT_GPU = Quirk(
     library="transformers",
 )
 
+EQUAL_CONSTANTS_MERGED = Quirk(
+    name="constants of equal bytes are one constant, packed per call when a gather reads it too",
+    does="two variables with the same shape and bytes (different labels and files) become one constant; when a "
+         "gather and a matmul both read it and it is over 4 MiB, the matmul's weight packing is not folded at load "
+         "(a constant with two readers is not duplicated) but runs on every call: 272 ms a decode step for the "
+         "int8 head of the 0.8B shape (151936 x 1024), whose codes equal its tied table's",
+    workaround="an int8 archive's embedding tables are declared [1, V, K] and gathered on axis 1, so that no "
+               "table has the shape of a head",
+    applied_in=("gdn_export/weights/int8.py", "gdn_export/hf/weight_writers.py"),
+    when_fixed="the tables can keep their [V, K] shape (Int8Weights.stacked can go)",
+    canary="test_equal_constants_merged",
+)
+
+
 QUIRKS: tuple[Quirk, ...] = tuple(value for value in list(globals().values()) if isinstance(value, Quirk))
 
 

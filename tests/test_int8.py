@@ -17,9 +17,10 @@ from gdn_export.weights import int8
 from helpers import FIXTURES
 
 
-def emulated_linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+def emulated_linear(x: np.ndarray, weight: np.ndarray, passes: int = 1) -> np.ndarray:
     """The int8 linear layer computed independently, row by row in float64: weight codes round(W / ws) with
-    ws = max|W row| / 127, input codes round(x / xs) with xs = max|x row| / 127 (half to even), integer sums."""
+    ws = max|W row| / 127, input codes round(x / xs) with xs = max|x row| / 127 (half to even), integer sums;
+    with two passes plus the residual x - codes * xs in codes of rs = xs / 254."""
     out = np.empty(x.shape[:-1] + (weight.shape[0],))
     w_scale = np.float32(np.abs(weight).max(1)) * np.float32(1 / 127)
     w_codes = np.array([[round(float(v) / float(s)) for v in row] for row, s in zip(weight, w_scale)], np.int64)
@@ -31,6 +32,12 @@ def emulated_linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
             continue
         codes = np.array([round(float(v * (np.float32(1) / xs))) for v in row], np.int64)  # round(): half to even
         out_flat[i] = (w_codes @ codes).astype(np.float64) * float(xs) * w_scale.astype(np.float64)
+        if passes == 2:
+            rs = xs * np.float32(1 / 254)
+            rest = [np.float32(v - np.float32(c) * xs) for v, c in zip(row, codes)]
+            rest_codes = np.array([round(float(v * (np.float32(1) / rs))) for v in rest], np.int64)
+            assert np.abs(rest_codes).max() <= 127
+            out_flat[i] += (w_codes @ rest_codes).astype(np.float64) * float(rs) * w_scale.astype(np.float64)
     return out
 
 
@@ -50,17 +57,18 @@ def test_weight_codes_and_scales_follow_the_rule():
                                rtol=1e-6)
 
 
-def test_activation_rounding_matches_the_emulation():
+@pytest.mark.parametrize("passes", [1, 2])
+def test_activation_rounding_matches_the_emulation(passes):
     x = torch.randn(3, 5, 48, generator=torch.Generator().manual_seed(1))
     x[1, 2] = 0.0  # an all-zero row stays zero (no 0 * inf)
-    got = int8.round_activations(x).numpy()
+    got = int8.round_activations(x, passes=passes).numpy()
+    weight = np.eye(48, dtype=np.float32)  # codes 127 on the diagonal: the emulated layer returns its rounded input
     for row, out in zip(x.reshape(-1, 48).numpy(), got.reshape(-1, 48)):
-        xs = np.float32(np.abs(row).max()) * np.float32(1 / 127)
-        expected = [round(float(v * (np.float32(1) / xs))) * float(xs) for v in row] if xs else [0.0] * 48
-        np.testing.assert_allclose(out, expected, rtol=1e-6, atol=0)
+        expected = emulated_linear(row[None], weight, passes)[0]
+        np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-7 * np.abs(row).max())
 
 
-def graph_of_one_linear(folder: Path, weight: np.ndarray, rank: int) -> None:
+def graph_of_one_linear(folder: Path, weight: np.ndarray, rank: int, passes: int = 1) -> None:
     """torch-to-nnef's text of a linear layer (weight unsqueezed to the input's rank), lowered to int8, with the
     weight written as int8 writes it."""
     n, k = weight.shape
@@ -70,7 +78,7 @@ def graph_of_one_linear(folder: Path, weight: np.ndarray, rank: int) -> None:
             f"    x = tract_core_external(shape = {shape}, datum_type = 'f32');\n"
             f"    w = variable<scalar>(label = 'layer.weight', shape = [{n}, {k}]);\n{expand[0]}"
             f"    y = linear(x, {expand[1]}, 0.0);\n}}\n")
-    weights = int8.Int8Weights(frozenset({"layer.weight"}))
+    weights = int8.Int8Weights(frozenset({"layer.weight"}), passes=passes)
     with open(folder / "layer.weight.dat", "wb") as file:
         weights.scales["layer.weight"] = int8.write_nnef(file, weight.shape, lambda a, b: weight[a:b])
     (folder / "graph.nnef").write_text(text)
@@ -78,21 +86,25 @@ def graph_of_one_linear(folder: Path, weight: np.ndarray, rank: int) -> None:
     assert "linear(" not in (folder / "graph.nnef").read_text()
 
 
-@pytest.mark.parametrize("rank", [2, 3])
-def test_lowered_linear_runs_on_tract_as_the_emulation(tmp_path, rank):
+@pytest.mark.parametrize("rank,passes", [(2, 1), (3, 1), (2, 2), (3, 2)])
+def test_lowered_linear_runs_on_tract_as_the_emulation(tmp_path, rank, passes):
     from gdn_export.run.runtime import load_tract_model, run_tract
 
     rng = np.random.default_rng(rank)
     weight = (rng.standard_normal((24, 64)) * rng.uniform(0.1, 2, (24, 1))).astype(np.float32)
     x = (rng.standard_normal((7, 64)) * rng.uniform(0.1, 5, (7, 1))).astype(np.float32)
     x[3] = 0.0
-    graph_of_one_linear(tmp_path, weight, rank)
+    graph_of_one_linear(tmp_path, weight, rank, passes)
     inputs = x[None] if rank == 3 else x
     got = run_tract(load_tract_model(tmp_path), [inputs])[0]
-    expected = emulated_linear(inputs, weight)
+    expected = emulated_linear(inputs, weight, passes)
     # integer sums are exact in both; the float products differ by a few f32 roundings
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
     assert np.abs(got - x @ weight.T).max() > 1e-4 * np.abs(expected).max()  # it did quantize
+    if passes == 2:  # the residual's pass: the input's rounding error is gone, the weights' is left
+        one_pass = emulated_linear(inputs, weight)
+        dequantized = inputs @ int8.dequantize(*int8.quantize(weight)).T
+        assert np.abs(got - dequantized).max() < 0.05 * np.abs(one_pass - dequantized).max()
 
 
 def dat_types(archive: Path) -> dict[str, tuple[int, int]]:
@@ -116,6 +128,9 @@ def test_int8_export_of_a_tied_model_matches_the_reference_with_the_same_roundin
     assert {n for n in types if re.search(r"(_proj|_proj_\w+|lm_head)\.weight\.dat$", n)} == linear
     assert all(types[n.removesuffix(".dat") + int8.SCALE_SUFFIX + ".dat"] == (32, 0) for n in linear)
     assert types["hf.model.embed_tokens.weight.dat"] == (8, 4)  # the table: int8, gathered with its scales
+    with tarfile.open(out) as tar:  # declared [1, V, K]: tract would take the head's equal codes for the table's
+        header = np.frombuffer(tar.extractfile("hf.model.embed_tokens.weight.dat").read(128), np.uint32)
+    assert header[2] == 3 and header[3] == 1
     assert "hf.lm_head.weight.dat" in linear
     assert f"{len(linear)} weights in INT8" in report.quantization and "embedding table in int8" in report.quantization
     with tarfile.open(out) as tar:

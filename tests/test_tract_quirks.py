@@ -354,6 +354,41 @@ def test_const_fold_refuses_a_growing_pad(tmp_path):
     assert "Pad" in ops("w"), fixed(tq.CONST_FOLD_NO_GROWTH)
     assert "Pad" not in ops("slice(w, axes = [0], begin = [0], end = [1024])")
 
+def test_equal_constants_merged(tmp_path):
+    """An int8 matrix of 8 MiB read by tract_core_einsum_q, beside a table gathered from: with the table's bytes
+    equal to the matrix's, the matrix is packed on every call (a pack_a node after optimization); with one byte
+    changed, at load (no such node)."""
+    from gdn_export.weights import int8
+
+    codes = np.random.default_rng(0).integers(-127, 128, (8192, 1024), dtype=np.int8)
+
+    def packed_per_call(folder: Path, table: np.ndarray) -> bool:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, values in (("w", codes), ("t", table)):
+            with (folder / f"{name}.dat").open("wb") as file:
+                int8.write_header(file, values.shape)
+                file.write(values.tobytes())
+        runnable = load(folder, """
+            graph G(x, ids) -> (y, e) {
+                x = external<scalar>(shape = [1, 1024]);
+                ids = external<integer>(shape = [1]);
+                w = variable<scalar>(label = 'w', shape = [8192, 1024]);
+                t = variable<scalar>(label = 't', shape = [8192, 1024]);
+                zero = tract_core_cast(0, to = 'i32');
+                xq = tract_core_cast(x, to = 'i8');
+                y = tract_core_einsum_q([xq, w], expr = 'mk,nk,,,,,,,->mn', acc = 'i32', output = 'i32', bias = zero,
+                    a0 = zero, a_scale = 1.0, b0 = zero, b_scale = 1.0, c0 = zero, c_scale = 1.0);
+                e = tract_core_gather(t, ids, axis = 0);
+            }
+            """).into_runnable()
+        return any(n["op_name"] == "OptMatMulPack" and n["node_name"].endswith("pack_a") for n in nodes(runnable))
+
+    changed = codes.copy()
+    changed[0, 0] ^= 1
+    assert packed_per_call(tmp_path / "equal", codes), fixed(tq.EQUAL_CONSTANTS_MERGED)
+    assert not packed_per_call(tmp_path / "changed", changed)
+
+
 # --- operators ---------------------------------------------------------------------------------------
 def test_sigmoid_floor(tmp_path):
     runnable = load(tmp_path, "graph G(x) -> (y) {\n    x = external<scalar>(shape = [2]);\n    y = sigmoid(x);\n}\n"

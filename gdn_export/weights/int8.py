@@ -34,6 +34,7 @@ from gdn_export.errors import GdnExportError
 
 NAME = "int8"
 INVERSE_127 = np.float32(1.0 / 127.0)  # written in the graph as its shortest decimal, read back to the same f32
+INVERSE_254 = np.float32(1.0 / 254.0)  # the residual's scale over the row's: |residual| <= scale / 2 = 127 of them
 SMALLEST_SCALE_INPUT = np.float32(1e-30)  # an all-zero row: scale 1e-30 / 127, codes 0, output 0 (no 0 * inf)
 SCALE_SUFFIX = ".int8_scale"  # label of a weight's scales: the weight's label + this
 CODE_LIMIT = 127
@@ -90,16 +91,24 @@ def round_trip(x: torch.Tensor) -> torch.Tensor:
 ROUNDING_JITTER = 2.0 ** -20
 
 
-def round_activations(x: torch.Tensor, jitter: torch.Generator | None = None) -> torch.Tensor:
+def round_activations(x: torch.Tensor, jitter: torch.Generator | None = None, passes: int = 1) -> torch.Tensor:
     """``xq * xs``: ``x`` rounded per row (last axis) as the graph rounds it before its int8 matmul, in float32
-    (the graph's order of operations: scale, its reciprocal, the product, round half to even). ``jitter``: perturb
-    ``x`` first by up to ``ROUNDING_JITTER`` (relative, uniform) drawn from it: the check's baseline."""
+    (the graph's order of operations: scale, its reciprocal, the product, round half to even). With ``passes`` 2,
+    plus the residual ``x - xq * xs`` rounded the same way with the scale ``xs / 254`` (it is at most ``xs / 2``):
+    ``xq * xs + rq * rs``, which the graph multiplies as two int8 rows (an int8 input of ~16 bits).
+    ``jitter``: perturb ``x`` first by up to ``ROUNDING_JITTER`` (relative, uniform) drawn from it: the check's
+    baseline."""
     values = x.float()
     if jitter is not None:
         noise = torch.rand(values.shape, generator=jitter, dtype=torch.float64) * 2 - 1
         values = (values.double() * (1 + ROUNDING_JITTER * noise)).float()
     scale = values.abs().amax(dim=-1, keepdim=True).clamp_min(float(SMALLEST_SCALE_INPUT)) * float(INVERSE_127)
-    return (torch.round(values * (1.0 / scale)) * scale).to(x.dtype)
+    rounded = torch.round(values * (1.0 / scale))
+    if passes == 1:
+        return (rounded * scale).to(x.dtype)
+    residual_scale = scale * float(INVERSE_254)
+    residual = torch.round((values - rounded * scale) * (1.0 / residual_scale))
+    return (rounded * scale + residual * residual_scale).to(x.dtype)
 
 
 def nbytes(shape: tuple[int, ...]) -> int:
@@ -120,11 +129,12 @@ def write_header(file: BinaryIO, shape: tuple[int, ...], dtype: np.dtype = np.dt
 
 
 def write_nnef(file: BinaryIO, shape: tuple[int, ...], read_rows: Callable[[int, int], np.ndarray],
-               slice_bytes: int = 64 << 20) -> np.ndarray:
+               slice_bytes: int = 64 << 20, stacked: bool = False) -> np.ndarray:
     """The int8 ``.dat`` of a weight of ``shape`` read a slice of rows at a time (``read_rows(start, stop)``: float32);
-    returns its scales (memory: one slice)."""
+    returns its scales (memory: one slice). ``stacked``: declared ``[1, *shape]`` (an int8 archive's table, see
+    ``Int8Weights``), the same bytes after the header."""
     shape = tuple(shape)
-    write_header(file, shape)
+    write_header(file, (1, *shape) if stacked else shape)
     step = max(1, slice_bytes // max(1, shape[1] * 4))
     scales = np.empty(shape[0], np.float32)
     for start in range(0, shape[0], step):
@@ -145,10 +155,18 @@ def write_scales(path: Path, scales: np.ndarray, shape: tuple[int, ...]) -> None
 
 @dataclass
 class Int8Weights:
-    """The int8 weights of an export: their labels, and the scales their writers computed (label -> ``[N]``)."""
+    """The int8 weights of an export: their labels, and the scales their writers computed (label -> ``[N]``).
+
+    ``stacked`` (embedding tables of an int8 archive): each table is declared ``[1, V, K]`` and gathered on axis 1.
+    A tied head's int8 copy has the very bytes of its table's codes (the same rule per row), and tract 0.23.9 then
+    keeps one constant for both: read by a gather too, the head's weights are no longer packed once at load but on
+    every call (272 ms a decode step of the 0.8B shape, 3.5x the whole matmul; ``tract_quirks.EQUAL_CONSTANTS_MERGED``).
+    The extra axis makes the two constants differ and costs nothing (a squeeze of the gathered rows)."""
 
     labels: frozenset
     scales: dict = field(default_factory=dict)
+    stacked: bool = False
+    passes: int = 1  # linear layers: their inputs rounded in 1 or 2 passes (``round_activations``)
 
 
 LINEAR = re.compile(r"^(\s*)(\w+)\s*=\s*linear\((\w+),\s*(\w+),\s*([^;]*)\);\s*$")
@@ -156,11 +174,14 @@ VARIABLE = re.compile(r"^\s*(\w+)\s*=\s*variable<scalar>\(label\s*=\s*'([^']+)',
 UNSQUEEZE = re.compile(r"^\s*(\w+)\s*=\s*unsqueeze\((\w+),\s*axes\s*=\s*\[([^\]]*)\]\);\s*$")
 
 
-def lower_linears(graph: str, labels: frozenset) -> tuple[str, dict[str, int]]:
+def lower_linears(graph: str, labels: frozenset, passes: int = 1) -> tuple[str, dict[str, int]]:
     """``graph`` (torch-to-nnef's text) with every ``linear`` whose weight is a variable of ``labels`` (read as it
     is, or through the ``unsqueeze`` torch-to-nnef adds to align its rank with the input's) rewritten into the int8
-    form of the module docstring; returns the graph and, per label, the rank its scales must have. An input read by
-    several int8 layers (q, k and v projections) is quantized once."""
+    form of the module docstring (``passes`` 2: with the residual's codes, ``round_activations``); returns the
+    graph and, per label, the rank its scales must have. An input read by several int8 layers (q, k and v
+    projections) is rounded once."""
+    if passes not in (1, 2):
+        raise GdnExportError(f"int8 activation passes must be 1 or 2, got {passes}")
     lines = graph.split("\n")
     variables, unsqueezed, uses = {}, {}, {}
     for line in lines:
@@ -191,10 +212,7 @@ def lower_linears(graph: str, labels: frozenset) -> tuple[str, dict[str, int]]:
             zero_declared = True
         if x not in quantized_inputs:
             quantized_inputs.add(x)
-            out.append(f"{indent}{scale} = mul(max(max_reduce(abs({x}), axes = [{rank - 1}]), "
-                       f"{_literal(SMALLEST_SCALE_INPUT)}), {_literal(INVERSE_127)});")
-            out.append(f"{indent}{codes} = tract_core_cast(tract_core_round_even(mul({x}, recip({scale}))), "
-                       "to = 'i8');")
+            out += _rounded_input(indent, x, rank, passes)
         batch = "abcdefgh"[: rank - 1]
         expr = f"{batch}k,nk,,,,,,,->{batch}n"
         shape_text = ", ".join(["1"] * (rank - 1) + [str(shape[0])])
@@ -203,7 +221,16 @@ def lower_linears(graph: str, labels: frozenset) -> tuple[str, dict[str, int]]:
         out.append(f"{indent}{y}__i8_sum = tract_core_einsum_q([{codes}, {weight}], expr = '{expr}', acc = 'i32', "
                    "output = 'i32', bias = i8_zero, a0 = i8_zero, a_scale = 1.0, b0 = i8_zero, b_scale = 1.0, "
                    "c0 = i8_zero, c_scale = 1.0);")
-        product = f"mul(mul(tract_core_cast({y}__i8_sum, to = 'f32'), {scale}), {y}__i8_weight_scale)"
+        if passes == 1:
+            product = f"mul(mul(tract_core_cast({y}__i8_sum, to = 'f32'), {scale}), {y}__i8_weight_scale)"
+        else:  # the sums of the codes' rows, then of the residual's: [.., 2, S, N]
+            rows = rank - 2
+            out.append(f"{indent}{y}__i8_sums = reshape({y}__i8_sum, shape = [2, -1], axis_start = {rows}, "
+                       "axis_count = 1);")
+            halves = [f"tract_core_cast(squeeze(slice({y}__i8_sums, axes = [{rows}], begin = [{i}], end = [{i + 1}]), "
+                      f"axes = [{rows}]), to = 'f32')" for i in (0, 1)]
+            product = (f"mul(add(mul({halves[0]}, {scale}), mul({halves[1]}, {x}__i8_residual_scale)), "
+                       f"{y}__i8_weight_scale)")
         has_bias = bias.strip() not in ("0.0", "0")
         out.append(f"{indent}{y} = {'add(' + product + ', ' + bias.strip() + ')' if has_bias else product};")
     if dropped:
@@ -218,6 +245,27 @@ def lower_linears(graph: str, labels: frozenset) -> tuple[str, dict[str, int]]:
     return "\n".join(out), ranks
 
 
+def _rounded_input(indent: str, x: str, rank: int, passes: int) -> list[str]:
+    """The lines rounding input ``x`` (rank ``rank``) per row: ``{x}__i8_scale`` and ``{x}__i8_codes`` (with two
+    passes also ``{x}__i8_residual_scale``, and the codes are the rows' then the residual's: ``[.., 2 S, K]``)."""
+    scale, codes = f"{x}__i8_scale", f"{x}__i8_codes"
+    lines = [f"{indent}{scale} = mul(max(max_reduce(abs({x}), axes = [{rank - 1}]), "
+             f"{_literal(SMALLEST_SCALE_INPUT)}), {_literal(INVERSE_127)});"]
+    if passes == 1:
+        return lines + [f"{indent}{codes} = tract_core_cast(tract_core_round_even(mul({x}, recip({scale}))), "
+                        "to = 'i8');"]
+    rows = rank - 2
+    rounded, residual = f"{x}__i8_rounded", f"{x}__i8_residual"
+    return lines + [
+        f"{indent}{rounded} = tract_core_round_even(mul({x}, recip({scale})));",
+        f"{indent}{residual} = sub({x}, mul({rounded}, {scale}));",
+        f"{indent}{x}__i8_residual_scale = mul({scale}, {_literal(INVERSE_254)});",
+        f"{indent}{x}__i8_residual_codes = tract_core_round_even(mul({residual}, recip({x}__i8_residual_scale)));",
+        f"{indent}{codes} = reshape(concat([unsqueeze(tract_core_cast({rounded}, to = 'i8'), axes = [{rows}]), "
+        f"unsqueeze(tract_core_cast({x}__i8_residual_codes, to = 'i8'), axes = [{rows}])], axis = {rows}), "
+        f"shape = [-1], axis_start = {rows}, axis_count = 2);"]
+
+
 def _literal(value: np.float32) -> str:
     return np.format_float_scientific(value, unique=True) if value < 1e-4 else \
         np.format_float_positional(value, unique=True)
@@ -226,13 +274,21 @@ def _literal(value: np.float32) -> str:
 GATHER = re.compile(r"^(\s*)(\w+)\s*=\s*tract_core_gather\((\w+),([^;]*)\);\s*$")
 
 
-def lower_gathers(graph: str, labels: frozenset) -> tuple[str, dict[str, int]]:
+GATHER_ROWS = re.compile(r"^\s*(\w+),\s*axis\s*=\s*0\s*$")
+
+
+def lower_gathers(graph: str, labels: frozenset, stacked: bool = False) -> tuple[str, dict[str, int]]:
     """``graph`` with every ``tract_core_gather`` of rows of an int8 table (a variable of ``labels``) gathering the
     codes and the rows' scales (``[V, 1]``) and multiplying them in float32; returns the graph and, per label, the
-    rank of its scales (2)."""
+    rank of its scales (2). ``stacked``: the tables (and their scales, ``[1, V, 1]``) are declared with a leading
+    axis of 1 and gathered on axis 1 (``Int8Weights``), the product squeezed back; rank 3."""
     variables = {m.group(1): m.group(2) for m in map(VARIABLE.match, graph.split("\n")) if m}
     out, ranks = [], {}
     for line in graph.split("\n"):
+        m = VARIABLE.match(line)
+        if stacked and m and m.group(2) in labels:  # the table's declaration, with its leading axis
+            out.append(re.sub(r"shape\s*=\s*\[", "shape = [1, ", line, count=1))
+            continue
         m = GATHER.match(line)
         if not m or variables.get(m.group(3)) not in labels:
             out.append(line)
@@ -240,11 +296,24 @@ def lower_gathers(graph: str, labels: frozenset) -> tuple[str, dict[str, int]]:
         indent, y, table, rest = m.groups()
         label = variables[table]
         rows = re.search(rf"variable<scalar>\(label\s*=\s*'{re.escape(label)}',\s*shape\s*=\s*\[(\d+)", graph).group(1)
-        ranks[label] = 2
-        out += [f"{indent}{y}__i8_scale_table = variable<scalar>(label = '{label}{SCALE_SUFFIX}', shape = [{rows}, 1]);",
-                f"{indent}{y}__i8_codes = tract_core_gather({table},{rest});",
-                f"{indent}{y}__i8_scales = tract_core_gather({y}__i8_scale_table,{rest});",
-                f"{indent}{y} = mul(tract_core_cast({y}__i8_codes, to = 'f32'), {y}__i8_scales);"]
+        if not stacked:
+            ranks[label] = 2
+            out += [f"{indent}{y}__i8_scale_table = variable<scalar>(label = '{label}{SCALE_SUFFIX}', "
+                    f"shape = [{rows}, 1]);",
+                    f"{indent}{y}__i8_codes = tract_core_gather({table},{rest});",
+                    f"{indent}{y}__i8_scales = tract_core_gather({y}__i8_scale_table,{rest});",
+                    f"{indent}{y} = mul(tract_core_cast({y}__i8_codes, to = 'f32'), {y}__i8_scales);"]
+            continue
+        rows_of = GATHER_ROWS.match(rest)
+        if rows_of is None:
+            raise GdnExportError(f"int8 table {label} is gathered otherwise than by rows ({rest.strip()})")
+        ranks[label] = 3
+        index = rows_of.group(1)
+        out += [f"{indent}{y}__i8_scale_table = variable<scalar>(label = '{label}{SCALE_SUFFIX}', "
+                f"shape = [1, {rows}, 1]);",
+                f"{indent}{y}__i8_codes = tract_core_gather({table}, {index}, axis = 1);",
+                f"{indent}{y}__i8_scales = tract_core_gather({y}__i8_scale_table, {index}, axis = 1);",
+                f"{indent}{y} = squeeze(mul(tract_core_cast({y}__i8_codes, to = 'f32'), {y}__i8_scales), axes = [0]);"]
     missing = (labels & set(variables.values())) - set(ranks)
     if missing:
         raise GdnExportError(f"{len(missing)} int8 tables are read by the graph otherwise than by a gather "
@@ -256,21 +325,23 @@ def lower_folder(folder: Path, weights: Int8Weights, gathers: bool = False) -> N
     """Rewrite ``folder``'s graph.nnef (``lower_linears``, or ``lower_gathers`` for tables) and write each weight's
     scales beside its codes."""
     path = folder / "graph.nnef"
-    graph, ranks = (lower_gathers if gathers else lower_linears)(path.read_text(), weights.labels)
+    graph, ranks = lower_gathers(path.read_text(), weights.labels, weights.stacked) if gathers else \
+        lower_linears(path.read_text(), weights.labels, weights.passes)
     for label, rank in ranks.items():
-        shape = (-1, 1) if gathers else (1,) * (rank - 1) + (-1,)
+        shape = ((1, -1, 1) if weights.stacked else (-1, 1)) if gathers else (1,) * (rank - 1) + (-1,)
         write_scales(folder / f"{label}{SCALE_SUFFIX}.dat", weights.scales[label], shape)
     path.write_text(graph)
 
 
-def reference_hooks(model: torch.nn.Module, linear_names: frozenset, jitter_seed: int | None = None) -> list:
+def reference_hooks(model: torch.nn.Module, linear_names: frozenset, jitter_seed: int | None = None,
+                    passes: int = 1) -> list:
     """Round the input of each ``nn.Linear`` of ``model`` named in ``linear_names`` as the graph does
-    (``round_activations``): the check's reference of an int8 export; with ``jitter_seed``, its baseline (inputs
-    perturbed first, ``ROUNDING_JITTER``). Returns the hook handles."""
+    (``round_activations`` in ``passes``): the check's reference of an int8 export; with ``jitter_seed``, its
+    baseline (inputs perturbed first, ``ROUNDING_JITTER``). Returns the hook handles."""
     jitter = torch.Generator().manual_seed(jitter_seed) if jitter_seed is not None else None
     handles = []
     for name in sorted(linear_names):
         module = model.get_submodule(name)
         handles.append(module.register_forward_pre_hook(
-            lambda module, args: (round_activations(args[0], jitter), *args[1:])))
+            lambda module, args: (round_activations(args[0], jitter, passes), *args[1:])))
     return handles
