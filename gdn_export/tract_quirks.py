@@ -666,15 +666,16 @@ TRANSFORMERS_FLA_KERNELS_WITHOUT_GPU = Quirk(
 )
 
 EQUAL_CONSTANTS_MERGED = Quirk(
-    name="constants of equal bytes are one constant, packed per call when a gather reads it too",
-    does="two variables with the same shape and bytes (different labels and files) become one constant; when a "
-         "gather and a matmul both read it and it is over 4 MiB, the matmul's weight packing is not folded at load "
-         "(a constant with two readers is not duplicated) but runs on every call: 272 ms a decode step for the "
-         "int8 head of the 0.8B shape (151936 x 1024), whose codes equal its tied table's",
-    workaround="an int8 archive's embedding tables are declared [1, V, K] and gathered on axis 1, so that no "
-               "table has the shape of a head",
+    name="constants of equal values are one constant, packed per call when a gather reads it too",
+    does="two variables with equal values (different labels and files; also once a reshape is folded: a [1, V, K] "
+         "table and a [V, K] matrix) become one constant; when a gather and a matmul both read it and it is over "
+         "4 MiB, the matmul's weight packing is not folded at load (a constant with two readers is not duplicated) "
+         "but runs on every call: 272 ms of a 626 ms decode step for the int8 head of the 0.8B shape "
+         "(151936 x 1024), whose codes equal its tied table's",
+    workaround="an int8 archive's embedding tables are stored with their codes and scales negated (the same "
+               "products), so that no table holds a head's values",
     applied_in=("gdn_export/weights/int8.py", "gdn_export/hf/weight_writers.py"),
-    when_fixed="the tables can keep their [V, K] shape (Int8Weights.stacked can go)",
+    when_fixed="the tables can be stored as they are (Int8Weights.negated can go)",
     canary="test_equal_constants_merged",
 )
 

@@ -128,9 +128,13 @@ def test_int8_export_of_a_tied_model_matches_the_reference_with_the_same_roundin
     assert {n for n in types if re.search(r"(_proj|_proj_\w+|lm_head)\.weight\.dat$", n)} == linear
     assert all(types[n.removesuffix(".dat") + int8.SCALE_SUFFIX + ".dat"] == (32, 0) for n in linear)
     assert types["hf.model.embed_tokens.weight.dat"] == (8, 4)  # the table: int8, gathered with its scales
-    with tarfile.open(out) as tar:  # declared [1, V, K]: tract would take the head's equal codes for the table's
-        header = np.frombuffer(tar.extractfile("hf.model.embed_tokens.weight.dat").read(128), np.uint32)
-    assert header[2] == 3 and header[3] == 1
+    with tarfile.open(out) as tar:  # stored negated: tract would take the head's equal codes for the table's
+        table = np.frombuffer(tar.extractfile("hf.model.embed_tokens.weight.dat").read()[128:], np.int8)
+        head = np.frombuffer(tar.extractfile("hf.lm_head.weight.dat").read()[128:], np.int8)
+        scales = np.frombuffer(tar.extractfile(f"hf.model.embed_tokens.weight{int8.SCALE_SUFFIX}.dat").read()[128:],
+                               np.float32)
+    np.testing.assert_array_equal(table, -head)
+    assert (scales <= 0).all()
     assert "hf.lm_head.weight.dat" in linear
     assert f"{len(linear)} weights in INT8" in report.quantization and "embedding table in int8" in report.quantization
     with tarfile.open(out) as tar:

@@ -186,10 +186,10 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
             table8 = {key for key in tables - chosen - linear if int8.quantizable(tuple(params[key].shape))}
     int8_weights = int8.Int8Weights(frozenset(label for key in chosen for label in labels[key])) \
         if scheme is int8 else None
-    # an int8 archive's tables are declared with a leading axis: a tied head's int8 copy would otherwise be the same
-    # constant as its table for tract (Int8Weights)
+    # an int8 archive's tables are stored negated: a tied head's int8 copy would otherwise be the same constant as its
+    # table for tract (Int8Weights)
     int8_tables = int8.Int8Weights(frozenset(label for key in table8 for label in labels[key]),
-                                   stacked=scheme is int8) if table8 else None
+                                   negated=scheme is int8) if table8 else None
     writers = {}
     for key, group in labels.items():
         param = params[key]
@@ -313,7 +313,7 @@ def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, stored:
         read = lambda start, stop: source.rows(start, stop, target).reshape(stop - start, *shape[1:])  # noqa: E731
         try:
             if stored == int8.NAME:
-                scales = int8.write_nnef(file, shape, read, stacked=int8_weights.stacked)
+                scales = int8.write_nnef(file, shape, read, negated=int8_weights.negated)
                 int8_weights.scales.update(dict.fromkeys(aliases, scales))
             elif quantized:
                 q4_0.write_nnef(file, shape, read, *(q4_0_rule or ()))

@@ -129,19 +129,19 @@ def write_header(file: BinaryIO, shape: tuple[int, ...], dtype: np.dtype = np.dt
 
 
 def write_nnef(file: BinaryIO, shape: tuple[int, ...], read_rows: Callable[[int, int], np.ndarray],
-               slice_bytes: int = 64 << 20, stacked: bool = False) -> np.ndarray:
+               slice_bytes: int = 64 << 20, negated: bool = False) -> np.ndarray:
     """The int8 ``.dat`` of a weight of ``shape`` read a slice of rows at a time (``read_rows(start, stop)``: float32);
-    returns its scales (memory: one slice). ``stacked``: declared ``[1, *shape]`` (an int8 archive's table, see
-    ``Int8Weights``), the same bytes after the header."""
+    returns its scales (memory: one slice). ``negated`` (an int8 archive's table, see ``Int8Weights``): the codes
+    and the scales both negated, the same products."""
     shape = tuple(shape)
-    write_header(file, (1, *shape) if stacked else shape)
+    write_header(file, shape)
     step = max(1, slice_bytes // max(1, shape[1] * 4))
     scales = np.empty(shape[0], np.float32)
     for start in range(0, shape[0], step):
         stop = min(shape[0], start + step)
         codes, scales[start:stop] = quantize(read_rows(start, stop))
-        file.write(codes.tobytes())
-    return scales
+        file.write((-codes if negated else codes).tobytes())  # -127..127: negation is exact
+    return -scales if negated else scales
 
 
 def write_scales(path: Path, scales: np.ndarray, shape: tuple[int, ...]) -> None:
@@ -157,15 +157,15 @@ def write_scales(path: Path, scales: np.ndarray, shape: tuple[int, ...]) -> None
 class Int8Weights:
     """The int8 weights of an export: their labels, and the scales their writers computed (label -> ``[N]``).
 
-    ``stacked`` (embedding tables of an int8 archive): each table is declared ``[1, V, K]`` and gathered on axis 1.
-    A tied head's int8 copy has the very bytes of its table's codes (the same rule per row), and tract 0.23.9 then
-    keeps one constant for both: read by a gather too, the head's weights are no longer packed once at load but on
-    every call (272 ms a decode step of the 0.8B shape, 3.5x the whole matmul; ``tract_quirks.EQUAL_CONSTANTS_MERGED``).
-    The extra axis makes the two constants differ and costs nothing (a squeeze of the gathered rows)."""
+    ``negated`` (embedding tables of an int8 archive): codes and scales stored negated (their products unchanged).
+    A tied head's int8 copy would otherwise hold the very bytes of its table's codes (the same rule per row), and
+    tract 0.23.9 keeps one constant for equal values (also after folding a reshape: a table declared [1, V, K] was
+    merged too): read by a gather as well, the head's weights were then packed on every call instead of once at
+    load (272 ms of a 626 ms decode step of the 0.8B shape; ``tract_quirks.EQUAL_CONSTANTS_MERGED``)."""
 
     labels: frozenset
     scales: dict = field(default_factory=dict)
-    stacked: bool = False
+    negated: bool = False
     passes: int = 1  # linear layers: their inputs rounded in 1 or 2 passes (``round_activations``)
 
 
@@ -274,21 +274,13 @@ def _literal(value: np.float32) -> str:
 GATHER = re.compile(r"^(\s*)(\w+)\s*=\s*tract_core_gather\((\w+),([^;]*)\);\s*$")
 
 
-GATHER_ROWS = re.compile(r"^\s*(\w+),\s*axis\s*=\s*0\s*$")
-
-
-def lower_gathers(graph: str, labels: frozenset, stacked: bool = False) -> tuple[str, dict[str, int]]:
+def lower_gathers(graph: str, labels: frozenset) -> tuple[str, dict[str, int]]:
     """``graph`` with every ``tract_core_gather`` of rows of an int8 table (a variable of ``labels``) gathering the
     codes and the rows' scales (``[V, 1]``) and multiplying them in float32; returns the graph and, per label, the
-    rank of its scales (2). ``stacked``: the tables (and their scales, ``[1, V, 1]``) are declared with a leading
-    axis of 1 and gathered on axis 1 (``Int8Weights``), the product squeezed back; rank 3."""
+    rank of its scales (2)."""
     variables = {m.group(1): m.group(2) for m in map(VARIABLE.match, graph.split("\n")) if m}
     out, ranks = [], {}
     for line in graph.split("\n"):
-        m = VARIABLE.match(line)
-        if stacked and m and m.group(2) in labels:  # the table's declaration, with its leading axis
-            out.append(re.sub(r"shape\s*=\s*\[", "shape = [1, ", line, count=1))
-            continue
         m = GATHER.match(line)
         if not m or variables.get(m.group(3)) not in labels:
             out.append(line)
@@ -296,24 +288,11 @@ def lower_gathers(graph: str, labels: frozenset, stacked: bool = False) -> tuple
         indent, y, table, rest = m.groups()
         label = variables[table]
         rows = re.search(rf"variable<scalar>\(label\s*=\s*'{re.escape(label)}',\s*shape\s*=\s*\[(\d+)", graph).group(1)
-        if not stacked:
-            ranks[label] = 2
-            out += [f"{indent}{y}__i8_scale_table = variable<scalar>(label = '{label}{SCALE_SUFFIX}', "
-                    f"shape = [{rows}, 1]);",
-                    f"{indent}{y}__i8_codes = tract_core_gather({table},{rest});",
-                    f"{indent}{y}__i8_scales = tract_core_gather({y}__i8_scale_table,{rest});",
-                    f"{indent}{y} = mul(tract_core_cast({y}__i8_codes, to = 'f32'), {y}__i8_scales);"]
-            continue
-        rows_of = GATHER_ROWS.match(rest)
-        if rows_of is None:
-            raise GdnExportError(f"int8 table {label} is gathered otherwise than by rows ({rest.strip()})")
-        ranks[label] = 3
-        index = rows_of.group(1)
-        out += [f"{indent}{y}__i8_scale_table = variable<scalar>(label = '{label}{SCALE_SUFFIX}', "
-                f"shape = [1, {rows}, 1]);",
-                f"{indent}{y}__i8_codes = tract_core_gather({table}, {index}, axis = 1);",
-                f"{indent}{y}__i8_scales = tract_core_gather({y}__i8_scale_table, {index}, axis = 1);",
-                f"{indent}{y} = squeeze(mul(tract_core_cast({y}__i8_codes, to = 'f32'), {y}__i8_scales), axes = [0]);"]
+        ranks[label] = 2
+        out += [f"{indent}{y}__i8_scale_table = variable<scalar>(label = '{label}{SCALE_SUFFIX}', shape = [{rows}, 1]);",
+                f"{indent}{y}__i8_codes = tract_core_gather({table},{rest});",
+                f"{indent}{y}__i8_scales = tract_core_gather({y}__i8_scale_table,{rest});",
+                f"{indent}{y} = mul(tract_core_cast({y}__i8_codes, to = 'f32'), {y}__i8_scales);"]
     missing = (labels & set(variables.values())) - set(ranks)
     if missing:
         raise GdnExportError(f"{len(missing)} int8 tables are read by the graph otherwise than by a gather "
@@ -325,10 +304,10 @@ def lower_folder(folder: Path, weights: Int8Weights, gathers: bool = False) -> N
     """Rewrite ``folder``'s graph.nnef (``lower_linears``, or ``lower_gathers`` for tables) and write each weight's
     scales beside its codes."""
     path = folder / "graph.nnef"
-    graph, ranks = lower_gathers(path.read_text(), weights.labels, weights.stacked) if gathers else \
+    graph, ranks = lower_gathers(path.read_text(), weights.labels) if gathers else \
         lower_linears(path.read_text(), weights.labels, weights.passes)
     for label, rank in ranks.items():
-        shape = ((1, -1, 1) if weights.stacked else (-1, 1)) if gathers else (1,) * (rank - 1) + (-1,)
+        shape = (-1, 1) if gathers else (1,) * (rank - 1) + (-1,)
         write_scales(folder / f"{label}{SCALE_SUFFIX}.dat", weights.scales[label], shape)
     path.write_text(graph)
 
