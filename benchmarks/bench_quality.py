@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         formats = dict(GDN_FORMATS)
         if "int8" in gdn_quantize_choices():
             formats["int8"] = ["--quantize", "int8"]
+            formats["int8 --int8-passes 2"] = ["--quantize", "int8", "--int8-passes", "2"]
         if args.formats:
             formats = {k: v for k, v in formats.items() if k in args.formats.split(",")}
         rows, archives = [], {}

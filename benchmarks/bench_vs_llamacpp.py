@@ -94,9 +94,11 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+")
 GDN_FORMATS = {"f32": ["--dtype", "float32"], "f16": ["--dtype", "float16"],
-               "q4_0": ["--dtype", "float32", "--quantize", "q4_0"], "int8": ["--dtype", "float32", "--quantize", "int8"]}
-GGUF_FORMATS = {"f32": "F32", "f16": "F16", "q4_0": "Q4_0", "int8": "Q8_0"}  # int8 against llama.cpp's Q8_0
-QUANTIZED = ("q4_0", "int8")  # GGUFs made by llama-quantize of the F32 one
+               "q4_0": ["--dtype", "float32", "--quantize", "q4_0"], "int8": ["--dtype", "float32", "--quantize", "int8"],
+               "int8x2": ["--dtype", "float32", "--quantize", "int8", "--int8-passes", "2"]}
+# int8 against llama.cpp's Q8_0 (int8x2, inputs rounded in two passes, too: Q8_0 made and measured again beside it)
+GGUF_FORMATS = {"f32": "F32", "f16": "F16", "q4_0": "Q4_0", "int8": "Q8_0", "int8x2": "Q8_0"}
+QUANTIZED = ("q4_0", "int8", "int8x2")  # GGUFs made by llama-quantize of the F32 one
 
 CONVERT_WRAPPER = '''"""Run llama.cpp's convert_hf_to_gguf.py, accepting an unknown BPE pre-tokenizer hash as "qwen35".
 
@@ -412,7 +414,7 @@ def quantized_layout(archive: Path, fmt: str) -> str:
         item = tuple(int(v) for v in np.frombuffer(tar.extractfile(table).read(128), np.uint32, 2, 44)) \
             if table else (0, 0)
     head = any(n.endswith("lm_head.weight.dat") for n in names)
-    kind = {"q4_0": "Q4_0", "int8": "int8"}[fmt]
+    kind = {"q4_0": "Q4_0", "int8": "int8", "int8x2": "int8 (inputs in 2 passes)"}[fmt]
     table_type = {(32, 0): "f32", (16, 0): "f16", (8, 4): "int8 + a scale per row"}.get(item, "?")
     return f"linear layers + a copy of the tied head in {kind}; table {table_type}" if head else \
         f"linear layers; tied table {table_type}, head included"
@@ -447,8 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-cpp", type=Path, help="a llama.cpp tree with build/bin (llama-bench, llama-quantize, "
                         "libllama.so); without it the llama.cpp rows are skipped")
     parser.add_argument("--layers", type=int, default=24, help="decoder layers (24: Qwen3.5 0.8B)")
-    parser.add_argument("--formats", default="f32,f16,q4_0", help="a subset of f32,f16,q4_0,int8 (int8: against "
-                        "llama.cpp's Q8_0)")
+    parser.add_argument("--formats", default="f32,f16,q4_0", help="a subset of f32,f16,q4_0,int8,int8x2 (int8: "
+                        "against llama.cpp's Q8_0; int8x2: --int8-passes 2)")
     parser.add_argument("--sizes-only", action="store_true", help="convert every format and print the file sizes "
                         "only (no reference, no speed or quality): for a format too slow to run on this machine")
     parser.add_argument("--prompt", type=int, default=512, help="prefill length, tokens")
@@ -526,7 +528,7 @@ def run(args, formats: list[str], workdir: Path) -> int:
     if llama is not None:
         order = ["f32", *[f for f in formats if f != "f32"]] if set(QUANTIZED) & set(formats) else formats
         for fmt in order:
-            gguf = workdir / f"model-{GGUF_FORMATS[fmt]}.gguf"
+            gguf = workdir / f"model-{fmt}-{GGUF_FORMATS[fmt]}.gguf"
             start = time.perf_counter()
             if fmt in QUANTIZED:
                 llama.quantize(made["llama", "f32"][0], gguf, GGUF_FORMATS[fmt])
@@ -600,7 +602,7 @@ def sizes_only(args, formats: list[str], workdir: Path, checkpoint: Path, llama,
         size, llama_size, llama_label = archive.stat().st_size, float("nan"), "-"
         archive.unlink()
         if llama is not None:
-            gguf = workdir / f"model-{GGUF_FORMATS[fmt]}.gguf"
+            gguf = workdir / f"model-{fmt}-{GGUF_FORMATS[fmt]}.gguf"
             if fmt in QUANTIZED:
                 if f32_gguf is None:
                     f32_gguf = workdir / "model-F32.gguf"

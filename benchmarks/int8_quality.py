@@ -1,7 +1,8 @@
 """Quality of ``--quantize int8`` against llama.cpp's Q8_0 on the checkpoint of ``bench_vs_llamacpp.py``, where
 tract's int8 matmuls are too slow to run the archive (a CPU without int8 dot-product instructions).
 
-    python benchmarks/int8_quality.py --llama-cpp DIR [--layers 24] [--prompt 512] [--decode 64] [--workdir DIR]
+    python benchmarks/int8_quality.py --llama-cpp DIR [--layers 24] [--prompt 512] [--decode 64] [--passes 1 2]
+                                      [--workdir DIR]
 
 The int8 numbers come from transformers' own model computing exactly what the int8 graph computes: every linear
 weight through ``gdn_export.weights.int8.round_trip`` (codes and per-channel scales), the embedding table too (the
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_vs_llamacpp as bench  # noqa: E402
 
 
-def int8_logits(checkpoint: Path, tokens: np.ndarray) -> np.ndarray:
+def int8_logits(checkpoint: Path, tokens: np.ndarray, passes: int = 1) -> np.ndarray:
     import torch
     import transformers
     from torch import nn
@@ -41,7 +42,7 @@ def int8_logits(checkpoint: Path, tokens: np.ndarray) -> np.ndarray:
                 module.weight = nn.Parameter(int8.round_trip(module.weight), requires_grad=False)  # unties the head
                 if isinstance(module, nn.Linear):
                     linear.append(name)
-        int8.reference_hooks(model, frozenset(linear))
+        int8.reference_hooks(model, frozenset(linear), passes=passes)
         return model(torch.from_numpy(tokens.astype(np.int64))[None]).logits[0].float().numpy()
 
 
@@ -53,6 +54,8 @@ def main() -> int:
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu", type=int, default=0)
+    parser.add_argument("--passes", type=int, nargs="+", default=[1, 2], help="int8 input rounding passes to score "
+                        "(--int8-passes of convert)")
     parser.add_argument("--workdir", type=Path)
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="int8_quality_"))
@@ -67,7 +70,7 @@ def main() -> int:
     bench.run_worker(["reference", str(checkpoint), str(tokens_path), str(workdir / "reference.npy")], None)
     judged = slice(args.prompt - 1, args.prompt + args.decode)
     reference = np.load(workdir / "reference.npy")[judged]
-    ours = bench.compare(reference, int8_logits(checkpoint, tokens)[judged])
+    ours = {p: bench.compare(reference, int8_logits(checkpoint, tokens, p)[judged]) for p in args.passes}
     f32, q8 = workdir / "model-F32.gguf", workdir / "model-Q8_0.gguf"
     llama.convert(checkpoint, f32, "f32")
     llama.quantize(f32, q8, "Q8_0")
@@ -78,8 +81,8 @@ def main() -> int:
           f"{args.decode + 1} positions against transformers float32")
     print("| engine | format | max logit err | mean KL (nats) | top-1 agree |")
     print("|---|---|---|---|---|")
-    for engine, label, r in (("gdn_export (torch emulation of the graph)", "int8", ours),
-                             ("llama.cpp", "Q8_0", theirs)):
+    rows = [("gdn_export (torch emulation of the graph)", f"int8 --int8-passes {p}", r) for p, r in ours.items()]
+    for engine, label, r in rows + [("llama.cpp", "Q8_0", theirs)]:
         print(f"| {engine} | {label} | {r['max_err']:.2e} | {r['kl']:.2e} | {100 * r['top1']:.1f}% |")
     return 0
 

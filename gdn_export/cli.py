@@ -94,6 +94,8 @@ def _convert(args) -> int:
         raise UsageError("--calibration weights the scale search; --q4-rule nearest does not search: drop one")
     if args.q4_rule == "gptq" and args.calibration is None:
         raise UsageError("--q4-rule gptq needs --calibration TEXT_FILE (the inputs' second moments)")
+    if args.int8_passes != 1 and args.quantize != "int8":
+        raise UsageError("--int8-passes chooses how --quantize int8 rounds its activations: add --quantize int8")
     report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
                      tract_version=args.tract_version, check=False if args.no_check else args.check,
                      force=args.force, progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype,
@@ -101,7 +103,8 @@ def _convert(args) -> int:
                      decode_steps=args.decode_steps, quantize=args.quantize,
                      quantize_embeddings=args.quantize_embeddings, logits=args.logits, serving=args.serving,
                      q4_rule=args.q4_rule, calibration=args.calibration,
-                     calibration_tokens=args.calibration_tokens, fold_scales=args.fold_scales)
+                     calibration_tokens=args.calibration_tokens, fold_scales=args.fold_scales,
+                     int8_passes=args.int8_passes)
     print(report)
     return 0
 
@@ -452,6 +455,10 @@ def parser() -> argparse.ArgumentParser:
                          help="q4_0: every linear layer's weight (inner size a multiple of 32) in tract's Q4_0; int8: "
                               "every linear layer's weight in int8 (a scale per output channel) on tract's integer "
                               "matmuls, its input rounded per row in the graph (--dtype float32)")
+    convert.add_argument("--int8-passes", type=int, choices=[1, 2], default=1,
+                         help="with --quantize int8: round each layer's input in 1 pass (the default) or 2 (the "
+                              "rounding's residual too: a second int8 row, mean KL 0.23x on the trained fixture, "
+                              "more int8 work; docs/INT8.md)")
     convert.add_argument("--quantize-embeddings", action="store_true",
                          help="with --quantize, the embedding table too (refused when the head is tied to it)")
     convert.add_argument("--q4-rule", choices=["search", "nearest", "gptq"], default=None,

@@ -115,12 +115,14 @@ def dat_types(archive: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.slow
-def test_int8_export_of_a_tied_model_matches_the_reference_with_the_same_rounding(tmp_path):
+@pytest.mark.parametrize("passes", [1, 2])
+def test_int8_export_of_a_tied_model_matches_the_reference_with_the_same_rounding(tmp_path, passes):
     """Qwen3.5 with its head tied to the table: every linear layer in int8 (the head a copy of its own), the table in
     int8 too (its gather takes codes and a scale per row), the check against transformers with the same int8 weights and input rounding
-    passes; the same tract logits against transformers without the input rounding fail the same rule."""
+    passes; the same tract logits against transformers without the input rounding fail the same rule. Two passes:
+    the check's reference rounds the residual too."""
     out = tmp_path / "q.nnef.tgz"
-    report = convert(FIXTURES / "qwen3_5_vl", out, quantize="int8")
+    report = convert(FIXTURES / "qwen3_5_vl", out, quantize="int8", int8_passes=passes)
     assert report.check.ok, report.check
     assert report.quality is not None and np.isfinite(report.quality.mean_kl)
     types = dat_types(out)
@@ -139,9 +141,12 @@ def test_int8_export_of_a_tied_model_matches_the_reference_with_the_same_roundin
     assert f"{len(linear)} weights in INT8" in report.quantization and "embedding table in int8" in report.quantization
     with tarfile.open(out) as tar:
         graph = tar.extractfile("graph.nnef").read().decode()
-        assert json.loads(tar.extractfile("gdn_export.json").read())["quantize"] == "int8"
+        metadata = json.loads(tar.extractfile("gdn_export.json").read())
+        assert metadata["quantize"] == "int8" and metadata["int8_passes"] == passes
     assert "linear(" not in graph and graph.count("tract_core_einsum_q(") == len(linear)
     assert graph.count("tract_core_gather(") == 2  # the table's codes and its rows' scales
+    assert graph.count("__i8_residual_scale = ") == (0 if passes == 1 else graph.count("__i8_scale = "))
+    assert ("inputs rounded in 2 passes" in report.quantization) == (passes == 2)
 
 
 @pytest.mark.slow
@@ -175,6 +180,10 @@ def test_int8_refusals(tmp_path):
         convert(FIXTURES / "qwen3_5", tmp_path / "q.nnef.tgz", quantize="int8", dtype="float16", check=False)
     with pytest.raises(GdnExportError, match="quantize_embeddings"):
         convert(FIXTURES / "qwen3_5", tmp_path / "q.nnef.tgz", quantize="int8", quantize_embeddings=True)
+    with pytest.raises(GdnExportError, match="int8_passes must be 1 or 2"):
+        convert(FIXTURES / "qwen3_5", tmp_path / "q.nnef.tgz", quantize="int8", int8_passes=3)
+    with pytest.raises(GdnExportError, match="needs quantize='int8'"):
+        convert(FIXTURES / "qwen3_5", tmp_path / "q.nnef.tgz", quantize="q4_0", int8_passes=2)
     with pytest.raises(GdnExportError, match="MatMulInteger"):
         convert(FIXTURES / "qwen3_5", tmp_path / "q.onnx", quantize="int8", format="onnx")
     assert list(tmp_path.iterdir()) == []

@@ -51,6 +51,7 @@ class QuantizationReport:
     bytes_after: int = 0
     int8_tables: list[str] = field(default_factory=list)  # checkpoint names of embedding tables stored in int8
     table_bytes: tuple[int, int] = (0, 0)  # their bytes in the export dtype, and in int8 (codes and scales)
+    int8_passes: int = 1  # int8: each linear layer's input rounded in 1 or 2 passes (int8.round_activations)
 
     def __str__(self) -> str:
         if self.scheme is None:
@@ -59,7 +60,8 @@ class QuantizationReport:
         if self.calibration:
             how += f", {self.calibration}, {len(self.importance)} of them weighted by input channel"
         text = (f"{len(self.quantized)} weights in {self.scheme.upper()} ({_size(self.bytes_before)} -> "
-                f"{_size(self.bytes_after)}{f'; {how}' if self.scheme == q4_0.NAME else ''})")
+                f"{_size(self.bytes_after)}{f'; {how}' if self.scheme == q4_0.NAME else ''}"
+                f"{'; inputs rounded in 2 passes (codes and residual)' if self.int8_passes == 2 else ''})")
         if self.int8_tables:
             text += (f"; {len(self.int8_tables)} embedding table in int8 (a scale per row, applied to the gathered "
                      f"rows: {_size(self.table_bytes[0])} -> {_size(self.table_bytes[1])})")
@@ -127,7 +129,8 @@ def untied_view(weights, layout, names: tuple[str, str]):
 
 def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, quantize: str | None = None,
                 quantize_embeddings: bool = False, fused_moe: Callable[[str], bool] = lambda gate: False,
-                q4_rule: str = q4_0.RULES[0], calibration=None) -> tuple[StreamedWeights, QuantizationReport]:
+                q4_rule: str = q4_0.RULES[0], calibration=None,
+                int8_passes: int = 1) -> tuple[StreamedWeights, QuantizationReport]:
     """The writers of ``lm``'s parameters (``model`` is the checkpoint's model inside it) and what was quantized.
 
     ``q4_rule``: how each Q4_0 block's scale is chosen (``q4_0.RULES``); ``calibration`` (a
@@ -150,7 +153,8 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
     linear = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Linear)}
     if q4_rule not in q4_0.RULES:
         raise GdnExportError(f"Q4_0 rule {q4_rule!r} is not one of {', '.join(q4_0.RULES)}")
-    report = QuantizationReport(scheme=quantize, rule=q4_rule, calibration=str(calibration or ""))
+    report = QuantizationReport(scheme=quantize, rule=q4_rule, calibration=str(calibration or ""),
+                                int8_passes=int8_passes)
     chosen: set[int] = set()
     table8: set[int] = set()
     if quantize is not None:  # a head still tied to the table (no block-sized rows) is the table: kept with it
@@ -184,8 +188,8 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
         report.kept = +report.kept  # without the zero counts
         if dtype == torch.float32:  # a table only gathered from (not a tied head's too): codes and scales gathered
             table8 = {key for key in tables - chosen - linear if int8.quantizable(tuple(params[key].shape))}
-    int8_weights = int8.Int8Weights(frozenset(label for key in chosen for label in labels[key])) \
-        if scheme is int8 else None
+    int8_weights = int8.Int8Weights(frozenset(label for key in chosen for label in labels[key]),
+                                    passes=int8_passes) if scheme is int8 else None
     # an int8 archive's tables are stored negated: a tied head's int8 copy would otherwise be the same constant as its
     # table for tract (Int8Weights)
     int8_tables = int8.Int8Weights(frozenset(label for key in table8 for label in labels[key]),

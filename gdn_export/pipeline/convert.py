@@ -166,6 +166,7 @@ class ConvertPlan:
     calibration: str | os.PathLike | None
     calibration_tokens: int
     fold_scales: bool
+    int8_passes: int = 1
     batch: int = 1
 
     @property
@@ -220,6 +221,7 @@ def convert(
     calibration: str | os.PathLike | None = None,
     calibration_tokens: int = 8192,
     fold_scales: bool = False,
+    int8_passes: int = 1,
 ) -> ConvertReport:
     """Convert a local checkpoint (config.json + safetensors) into ``out_path`` and check it in tract.
 
@@ -234,7 +236,9 @@ def convert(
     ``calibration``: a text file whose first ``calibration_tokens`` tokens measure each linear layer's input channel
     importance and second moments (``gdn_export.hf.calibration``; docs/Q4_0.md), and, with
     ``fold_scales`` (off by default), per-channel scales folded into the norms whose output only linear layers read
-    (``gdn_export.hf.folding``: exact in float, verified). ``logits``:
+    (``gdn_export.hf.folding``: exact in float, verified). ``quantize="int8"``: every linear layer's weight in int8
+    with a scale per output channel, its input rounded per row in the graph, in ``int8_passes`` (2: the rounding's
+    residual too, a second int8 row per row; docs/INT8.md). ``logits``:
     "all" (logits of every new position) or "last" (of the last one only, ``[B, 1, vocab]``: what generation needs;
     the head then runs once per call). ``serving``: the graph ``gdn_export.Engine`` batches requests with (a second
     input ``past_len [B]``, each row's own past length; cache outputs are the new positions only; docs/SERVING.md).
@@ -253,7 +257,7 @@ def convert(
                            runtime=runtime, core_dtype=core_dtype, chunk_size=chunk_size, streamed=streamed,
                            quantize=quantize, quantize_embeddings=quantize_embeddings, logits=logits, format=format,
                            serving=serving, q4_rule=q4_rule, calibration=calibration,
-                           calibration_tokens=calibration_tokens, fold_scales=fold_scales)
+                           calibration_tokens=calibration_tokens, fold_scales=fold_scales, int8_passes=int8_passes)
     return run_plan(plan, progress)
 
 
@@ -267,7 +271,8 @@ def plan_conversion(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
 
     defaults = dict(dtype="float32", lowering="auto", prompt_len=16, decode_steps=8, tract_version=None,
                     core_dtype=None, chunk_size=None, streamed=True, quantize=None, quantize_embeddings=False,
-                    logits="all", serving=False, q4_rule=None, calibration_tokens=8192, fold_scales=False)
+                    logits="all", serving=False, q4_rule=None, calibration_tokens=8192, fold_scales=False,
+                    int8_passes=1)
     unknown = set(options) - set(defaults)
     if unknown:
         raise TypeError(f"plan_conversion() got unexpected options {sorted(unknown)}")
@@ -287,6 +292,11 @@ def plan_conversion(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
                              "'search' or 'gptq'")
     if q4_rule == "gptq" and calibration is None:
         raise GdnExportError("q4_rule='gptq' needs calibration text (the inputs' second moments): calibration=FILE")
+    passes = options.get("int8_passes", 1)
+    if passes not in (1, 2) or isinstance(passes, bool):
+        raise GdnExportError(f"int8_passes must be 1 or 2 (rounds of each int8 layer's input), got {passes!r}")
+    if passes != 1 and quantize != "int8":
+        raise GdnExportError("int8_passes chooses how quantize='int8' rounds its activations: it needs quantize='int8'")
     if calibration is not None and not Path(calibration).is_file():
         raise GdnExportError(f"calibration text {calibration} is not a file")
     target = format_steps(format)
@@ -437,7 +447,8 @@ class NnefSteps:
         writers, quantization = plan_writes(lm, model, exported, plan.export_dtype, plan.quantize,
                                             plan.quantize_embeddings,
                                             fused_moe=_fused_moe(plan.runtime, plan.tract_version),
-                                            q4_rule=plan.q4_rule, calibration=measured)
+                                            q4_rule=plan.q4_rule, calibration=measured,
+                                            int8_passes=plan.int8_passes)
         if not plan.streamed and plan.quantize is None:
             writers = None  # the in-memory model's own values are written
         return Traced(family, layout, model, weights, lm, dict(measured=measured, folding=folding, exported=exported,
@@ -458,6 +469,7 @@ class NnefSteps:
             "serving": plan.serving,
             "quantized": len(quantization.quantized),
             "q4_rule": plan.q4_rule if plan.quantize else None,
+            "int8_passes": plan.int8_passes if plan.quantize == "int8" else None,
             "calibration": measured.metadata() if measured is not None else None,
             "folded_norms": len(folding.folds) if folding is not None else None,
             "states": state_metadata(lm),
@@ -491,7 +503,7 @@ class NnefSteps:
         computed = untied_view(extras["exported"], layout, separated)[0] if separated else extras["exported"]
         return reference_layout, dequantized_view(computed, quantization), dict(
             quality_weights=published if quantization.quantized else None,
-            rounded_inputs=int8_reference_linears(quantization))
+            rounded_inputs=int8_reference_linears(quantization), int8_passes=quantization.int8_passes)
 
     @staticmethod
     def check_targets(plan: ConvertPlan, staged: Path):
@@ -554,23 +566,24 @@ def _available_memory() -> int | None:
 
 
 def check_with(kind: str, archive, family, layout, weights, prompt_len: int, decode_steps: int, batch: int = 1,
-               quality_weights=None, rounded_inputs: frozenset = frozenset()) -> LogitCheck:
+               quality_weights=None, rounded_inputs: frozenset = frozenset(), int8_passes: int = 1) -> LogitCheck:
     """The check of ``archive`` against the checkpoint's model: "full" (the whole model in memory, prefill then
     decode with its cache) or "layerwise" (``gdn_export.hf.layerwise``: one layer in memory, one causal pass).
     ``quality_weights``: a second set of weights (a quantized export's unquantized ones) compared with the same tract
     logits, into the result's ``quality``. ``rounded_inputs``: names of the reference's ``nn.Linear`` modules whose
-    input is rounded as an int8 graph rounds it (``gdn_export.weights.int8``), in the judged reference only."""
+    input is rounded as an int8 graph rounds it (``gdn_export.weights.int8``, in ``int8_passes``), in the judged
+    reference only."""
     from gdn_export.weights.int8 import reference_hooks
 
     def references(source, rounded=frozenset(), jitter_seed=None):
         if kind == "full":
             model = model_in_memory(family, layout, source)
-            reference_hooks(model, rounded, jitter_seed)
+            reference_hooks(model, rounded, jitter_seed, int8_passes)
             return transformers_references(model, prompt_len)
 
         def logits(dtype: torch.dtype, tokens: np.ndarray) -> np.ndarray:
             model = empty_model(family, layout)
-            reference_hooks(model, rounded, jitter_seed)
+            reference_hooks(model, rounded, jitter_seed, int8_passes)
             return layerwise_logits(model, source, tokens, dtype)
 
         return partial(logits, torch.float32), logits
