@@ -101,7 +101,10 @@ def table(headers: list[str], rows: list[list[str]], markdown: bool) -> str:
         lines += ["| " + " | ".join(row) + " |" for row in rows]
         return "\n".join(lines)
     widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows)]
-    fmt = lambda row: "  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(row, widths)))  # noqa: E731
+
+    def fmt(row: list[str]) -> str:  # the first column left-aligned, the numbers right-aligned
+        return "  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(row, widths)))
+
     return "\n".join([fmt(headers), fmt(["-" * w for w in widths])] + [fmt(row) for row in rows])
 
 
