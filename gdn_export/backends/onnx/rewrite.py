@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from gdn_export.backends.onnx.registry import PLACEHOLDERS, Context
+from gdn_export.backends.onnx.registry import PLACEHOLDERS, Context, OnnxOptions
 from gdn_export.backends.onnx.symbolics import DOMAIN
 from gdn_export.errors import GdnExportError
 
@@ -74,7 +74,7 @@ def rewrite(model: onnx.ModelProto, runtime: str, lowering: str, traced: dict | 
     """Replace every placeholder in ``model`` (in place); return the Decisions, in graph order. ``traced``: op type
     -> the tensor operands' shapes of each call, in the order the example ran them (the graph's order)."""
     decisions, nodes, used_ms = [], [], False
-    context = Context(runtime, lowering, {op: list(shapes) for op, shapes in (traced or {}).items()})
+    context = Context(OnnxOptions(runtime, lowering), {op: list(shapes) for op, shapes in (traced or {}).items()})
     for node in model.graph.node:
         if node.domain != DOMAIN:
             nodes.append(node)
