@@ -17,7 +17,8 @@ RUNTIMES = ("onnxruntime", "tract-onnx", "any")
 LOWERINGS = ("auto", "native", "scan")
 CONTRIB_VERIFIED = (1, 32)  # onnxruntime version whose contrib ops were measured exact (older ones: not used)
 
-# placeholder op type -> rewrite(builder, node, attrs, context) -> Decision (the node replaced in the builder's list)
+# placeholder op type -> rewrite(builder, node, attrs, context): the node replaced in the builder's list, its Decision
+# recorded in context.decisions (ops.protocol.record)
 PLACEHOLDERS: dict[str, Callable] = {}
 # t2n_extra qualname -> placeholder op type whose rewriter reads the operands' traced shapes (context.traced)
 SHAPED: dict[str, str] = {}
@@ -40,10 +41,12 @@ class OnnxOptions:
 @dataclass
 class Context:
     """What a rewriter reads besides its node: the export's plan, and per placeholder op type the traced
-    operand shapes of each call still to be rewritten, in graph order (``next_traced`` takes them)."""
+    operand shapes of each call still to be rewritten, in graph order (``next_traced`` takes them); and where it
+    records its node's Decision."""
 
     options: OnnxOptions
     traced: dict[str, list] = field(default_factory=dict)
+    decisions: list = field(default_factory=list)  # one per placeholder rewritten, in graph order (ops.protocol.record)
 
     def next_traced(self, op_type: str) -> list | None:
         calls = self.traced.get(op_type)

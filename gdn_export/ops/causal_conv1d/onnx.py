@@ -11,7 +11,7 @@ from gdn_export.backends.onnx.symbolics import placeholder_node, set_like
 from gdn_export.backends.onnx.rewrite import INT64_MAX, MS_DOMAIN, Builder, DTYPES, operand_info
 from gdn_export.errors import GdnExportError
 from gdn_export.ops.causal_conv1d.op import QUALNAME, ConvNode
-from gdn_export.ops.protocol import Decision
+from gdn_export.ops.protocol import Decision, record
 
 
 def decide(node: ConvNode, plan: OnnxOptions) -> Decision:
@@ -55,8 +55,7 @@ def _lower_conv(b: Builder, node, decision, shapes, dtypes) -> None:
 
 
 @placeholder("CausalConv1dUpdate")
-def rewrite_conv(b: Builder, node, attrs: dict, context: Context) -> Decision:
+def rewrite_conv(b: Builder, node, attrs: dict, context: Context) -> None:
     shapes, dtypes = operand_info(attrs)
-    decision = decide(ConvNode(node.output[-1]), context.options)
+    decision = record(decide, ConvNode(node.output[-1]), context.options, context.decisions)
     _lower_conv(b, node, decision, shapes, dtypes)
-    return decision

@@ -47,7 +47,7 @@ from gdn_export.backends.onnx.symbolics import constant, is_none, placeholder_no
 from gdn_export.backends.onnx.rewrite import Builder, MS_DOMAIN, DTYPES, operand_info
 from gdn_export.errors import GdnExportError, LoweringError
 from gdn_export.ops.gated_delta_rule.operands import Dims, validate_operands
-from gdn_export.ops.protocol import Decision
+from gdn_export.ops.protocol import Decision, record
 
 RULE_QUALNAMES = ("t2n_extra::gated_delta_rule", "t2n_extra::gated_delta_scan")
 
@@ -299,13 +299,12 @@ def _lower_rule(b: Builder, node, decision, names, dims, attrs, dtypes, elementw
 
 
 @placeholder("GatedDeltaRule", shaped=RULE_QUALNAMES)
-def rewrite_rule(b: Builder, node, attrs: dict, context: Context) -> Decision:
+def rewrite_rule(b: Builder, node, attrs: dict, context: Context) -> None:
     names, shapes, dtypes = _rule_parts(node, attrs, context.next_traced("GatedDeltaRule"))
     head_major = bool(attrs.get("head_major", 0))
     dims = validate_operands(shapes, head_major=head_major, num_householder=int(attrs.get("num_householder", 1)))
     entry = RULE_QUALNAMES[1 if head_major else 0]
     facts = RuleFacts(node.output[-1], entry, dims, normalized_keys=head_major or bool(attrs.get("use_qk_l2norm", 0)),
                       float64="Double" in dtypes.values(), scale=float(attrs.get("scale", 1.0)))
-    decision = decide(facts, context.options)
+    decision = record(decide, facts, context.options, context.decisions)
     _lower_rule(b, node, decision, names, dims, attrs, dtypes, elementwise=context.options.runtime == "tract-onnx")
-    return decision

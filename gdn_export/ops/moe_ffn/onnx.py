@@ -8,7 +8,7 @@ from gdn_export.backends.onnx.registry import Context, OnnxOptions, placeholder,
 from gdn_export.backends.onnx.symbolics import constant, placeholder_node, set_like
 from gdn_export.backends.onnx.rewrite import Builder, DTYPES, operand_info
 from gdn_export.ops.moe_ffn.op import QUALNAME, MoeNode, widening
-from gdn_export.ops.protocol import Decision
+from gdn_export.ops.protocol import Decision, record
 
 
 def decide(node: MoeNode, plan: OnnxOptions) -> Decision:
@@ -44,10 +44,9 @@ def _lower_moe(b: Builder, node, shapes, dtypes, gate: str) -> None:
 
 
 @placeholder("MoeFfn")
-def rewrite_moe(b: Builder, node, attrs: dict, context: Context) -> Decision:
+def rewrite_moe(b: Builder, node, attrs: dict, context: Context) -> None:
     shapes, dtypes = operand_info(attrs)
     gate = attrs.get("gate", b"")
     gate = gate.decode() if isinstance(gate, bytes) else gate
-    decision = decide(MoeNode(node.output[0], gate), context.options)
+    record(decide, MoeNode(node.output[0], gate), context.options, context.decisions)
     _lower_moe(b, node, shapes, dtypes, gate)
-    return decision
