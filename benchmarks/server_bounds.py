@@ -56,18 +56,21 @@ def command(case: str, args: list[str], env: dict | None = None) -> None:
                  f"{seconds:.1f}", f"{int(peak) / 1024:.0f} MiB peak (whole process)"))
 
 
-def start_server(args: list[str], env: dict, log: Path):
+def start_server(args: list[str], env: dict, log: Path, timeout: float = 150.0):
+    """``gdn-export serve ARGS --port 0`` (stderr in ``log``), once it listens: (the process, its base url)."""
     with open(log, "w") as err:
         process = subprocess.Popen([*CLI, "serve", *args, "--port", "0"], stdout=subprocess.DEVNULL, stderr=err,
                                    env=dict(os.environ, PYTHONUNBUFFERED="1", **env))
-    for _ in range(3000):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         for line in log.read_text().splitlines():
             if " on http://127.0.0.1:" in line:
                 return process, "http://127.0.0.1:" + line.split(" on http://127.0.0.1:")[1].split()[0]
         if process.poll() is not None:
             raise SystemExit(log.read_text())
         time.sleep(0.05)
-    raise SystemExit("the server did not start")
+    process.kill()
+    raise SystemExit(f"the server did not start within {timeout:.0f} s")
 
 
 def big_prompt(base: str, auth: dict, megabytes: int, row) -> None:
