@@ -480,12 +480,13 @@ class NnefSteps:
             "serving": plan.serving,
             "quantized": len(quantization.quantized),
             "q4_rule": plan.q4_rule if plan.quantize else None,
-            "int8_passes": plan.int8_passes if plan.quantize == "int8" else None,
             "calibration": measured.metadata() if measured is not None else None,
             "folded_norms": len(folding.folds) if folding is not None else None,
             "states": state_metadata(lm),
             "runtime": plan.runtime,
         }
+        if plan.quantize == "int8":  # only there: every other archive's metadata stays as it was
+            metadata["int8_passes"] = plan.int8_passes
         path = staging / plan.out_path.name
         say(f"exporting {traced.family.name} ({len(lm.layer_types) if hasattr(lm, 'layer_types') else '?'} layers, "
             f"{plan.dtype}{', weights streamed from the checkpoint' if plan.streamed else ''}) to {plan.out_path}")
