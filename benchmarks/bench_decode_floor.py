@@ -10,7 +10,9 @@ One token, B=1, H heads of a KxK f32 state, one tract thread, all measured side 
   the one-step scan and drops the empty chunk part);
 - hand-written NNEF graphs of one step with static shapes, no scan, no S: the cheapest forms tract can run,
   i.e. what a dedicated decode graph could reach: elementwise (decay, erase, write, readout as broadcasts
-  and reductions), and matmul reads (``[e; q] S``) with the rank-1 update as an einsum;
+  and reductions), and matmul reads (``[e; q] S``, the decay moved onto what is read: ``w = u - d e^T S``,
+  ``y = d q^T S + (q . k) w``) with the rank-1 update as an einsum or as one elementwise pass
+  (``S' = d S + k w^T``);
 - a single pass over the state (``S * decay``), the cost of touching the state once;
 - torch eager on the same step (gdn_export's reference, one thread).
 """
@@ -27,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gdn_export  # noqa: E402
+import gdn_export.run.runtime  # noqa: E402,F401  (load_tract_model; not imported by the facade)
 from bench_lowerings import NAMES, Rule, add_allocator_option, apply_allocator_option, inputs, median_ms  # noqa: E402
 
 STEP_BODIES = {
@@ -40,6 +43,12 @@ STEP_BODIES = {
     rr = matmul(concat([e, q], axis = 2), s);
     w = u - slice(rr, axes = [2], begin = [0], end = [1]) * decay;
     s_new = s * decay + tract_core_einsum([k, w], expr = "bhik,bhiv->bhkv", acc = "f32");
+    y = slice(rr, axes = [2], begin = [1], end = [2]) * decay + sum_reduce(q * k, axes = [3]) * w;
+""",
+    "one step, matmul reads + elementwise update (static, no scan)": """
+    rr = matmul(concat([e, q], axis = 2), s);
+    w = u - slice(rr, axes = [2], begin = [0], end = [1]) * decay;
+    s_new = s * decay + transpose(k, axes = [0, 1, 3, 2]) * w;
     y = slice(rr, axes = [2], begin = [1], end = [2]) * decay + sum_reduce(q * k, axes = [3]) * w;
 """,
     "one pass over the state only (S * decay)": """

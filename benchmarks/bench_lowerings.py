@@ -65,6 +65,8 @@ def add_allocator_option(parser: argparse.ArgumentParser) -> None:
 
 def apply_allocator_option(args: argparse.Namespace) -> None:
     if not args.glibc_default_allocator:
+        import gdn_export.run.runtime  # not imported by the package's facade
+
         gdn_export.run.runtime.steady_allocator()
 
 

@@ -38,82 +38,37 @@ from typing import Sequence
 from gdn_export.errors import GdnExportError, missing_extra
 from gdn_export.ops.gated_delta_rule.policy import RUNTIMES  # these two are light: --help imports no torch (nor numpy)
 from gdn_export.ops.gated_delta_rule.registry import LOWERINGS
-from gdn_export.weights import ONNX_QUANTIZE_REFUSAL
+
+# the --runtime choices an ONNX file adds; the rule is backends/onnx/registry.RUNTIMES (tests/test_onnx.py checks they
+# agree), whose package imports torch: --help does not
+ONNX_RUNTIMES = ("onnxruntime", "tract-onnx", "any")
 
 
 def _progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-# --format onnx (gdn_export/backends/onnx): where the file will run, and the NNEF options it refuses
-ONNX_RUNTIMES = ("onnxruntime", "tract-onnx", "any")
-ONNX_LOWERINGS = ("auto", "native", "scan")
-
-
-def _output_format(args) -> str:
-    """--format, or the output's suffix (.onnx: onnx); a combination of options the format cannot honour is a usage
-    error, before any work."""
-    fmt = args.format or ("onnx" if args.output.endswith(".onnx") else "nnef")
-    if fmt == "nnef":
-        if args.runtime is not None and args.runtime not in RUNTIMES:
-            raise UsageError(f"--runtime {args.runtime} is for --format onnx; an NNEF archive runs in tract: "
-                             f"{', '.join(RUNTIMES)}")
-        args.runtime = args.runtime or "cpu"
-        return fmt
-    if not args.output.endswith(".onnx"):
-        raise UsageError(f"--format onnx writes a .onnx file; got -o {args.output}")
-    if args.runtime is not None and args.runtime not in ONNX_RUNTIMES:
-        raise UsageError(f"--runtime {args.runtime} is tract's (NNEF); an ONNX file runs in: {', '.join(ONNX_RUNTIMES)}")
-    args.runtime = args.runtime or "onnxruntime"
-    refused = [("--quantize", args.quantize is not None, ONNX_QUANTIZE_REFUSAL.get(args.quantize, "")),
-               ("--quantize-embeddings", args.quantize_embeddings, "tract's Q4_0 format"),
-               ("--q4-rule", args.q4_rule is not None, "tract's Q4_0 format"),
-               ("--calibration", args.calibration is not None, "tract's Q4_0 format"),
-               ("--core-dtype", args.core_dtype is not None, "tract's fused op only"),
-               ("--chunk-size", args.chunk_size is not None, "tract's chunked lowering only"),
-               ("--tract-version", args.tract_version is not None, "an ONNX file is not for one tract version"),
-               ("--logits last", args.logits != "all", "the ONNX graph returns every new position's logits"),
-               ("--serving", args.serving, "the serving graph is the NNEF graph gdn_export.Engine runs"),
-               (f"--lowering {args.lowering}", args.lowering not in ONNX_LOWERINGS,
-                f"ONNX lowerings are {', '.join(ONNX_LOWERINGS)} (native: onnxruntime's contrib op)")]
-    for option, given, why in refused:
-        if given:
-            raise UsageError(f"{option} is not available with --format onnx ({why})")
-    return fmt
-
-
 def _convert(args) -> int:
-    from gdn_export.pipeline.convert import check_output_path, convert
+    """One plan (``plan_conversion``: every option validated once, its errors worded with the flags here), one
+    conversion (``run_plan``), whichever the format: --format, or the output's suffix (.onnx: onnx)."""
+    from gdn_export.pipeline.convert import plan_conversion, run_plan
 
-    if _output_format(args) == "onnx":
-        return _convert_onnx(args)
-    check_output_path(args.output, args.force, force_hint="--force")
-    if args.quantize != "q4_0" and (args.q4_rule is not None or args.calibration is not None):
-        raise UsageError("--q4-rule and --calibration choose how --quantize q4_0 picks its scales: add --quantize q4_0")
-    if args.calibration is not None and args.q4_rule == "nearest":
-        raise UsageError("--calibration weights the scale search; --q4-rule nearest does not search: drop one")
-    if args.q4_rule == "gptq" and args.calibration is None:
-        raise UsageError("--q4-rule gptq needs --calibration TEXT_FILE (the inputs' second moments)")
-    report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
-                     tract_version=args.tract_version, check=False if args.no_check else args.check,
-                     force=args.force, progress=_progress, runtime=args.runtime, core_dtype=args.core_dtype,
-                     chunk_size=args.chunk_size, streamed=not args.in_memory, prompt_len=args.prompt_len,
-                     decode_steps=args.decode_steps, quantize=args.quantize,
-                     quantize_embeddings=args.quantize_embeddings, logits=args.logits, serving=args.serving,
-                     q4_rule=args.q4_rule, calibration=args.calibration,
-                     calibration_tokens=args.calibration_tokens, fold_scales=args.fold_scales)
-    print(report)
-    return 0
-
-
-def _convert_onnx(args) -> int:
-    from gdn_export.pipeline.convert import convert
-
-    report = convert(args.checkpoint, args.output, dtype=args.dtype, lowering=args.lowering,
-                     check=False if args.no_check else args.check, force=args.force, progress=_progress,
-                     runtime=args.runtime, prompt_len=args.prompt_len, decode_steps=args.decode_steps, format="onnx",
-                     streamed=not args.in_memory)
-    print(report)
+    fmt = args.format or ("onnx" if args.output.endswith(".onnx") else "nnef")
+    try:
+        plan = plan_conversion(args.checkpoint, args.output, format=fmt, dtype=args.dtype, lowering=args.lowering,
+                               tract_version=args.tract_version, check=False if args.no_check else args.check,
+                               force=args.force, runtime=args.runtime or "cpu", core_dtype=args.core_dtype,
+                               chunk_size=args.chunk_size, streamed=not args.in_memory, prompt_len=args.prompt_len,
+                               decode_steps=args.decode_steps, quantize=args.quantize,
+                               quantize_embeddings=args.quantize_embeddings, logits=args.logits,
+                               serving=args.serving, q4_rule=args.q4_rule, calibration=args.calibration,
+                               calibration_tokens=args.calibration_tokens, fold_scales=args.fold_scales)
+    except GdnExportError as err:
+        flags = getattr(err, "flags", None)
+        if flags is None:
+            raise
+        raise (UsageError if err.usage else GdnExportError)(flags) from None
+    print(run_plan(plan, _progress))
     return 0
 
 

@@ -7,6 +7,16 @@ class GdnExportError(Exception):
     """Base class of every error gdn_export raises on purpose."""
 
 
+def worded(err: GdnExportError, flags: str, usage: bool = True) -> GdnExportError:
+    """``err`` (worded with the Python API's names) given its wording with the command line's flags, ``err.flags``:
+    the rule is stated once (``pipeline.convert.plan_conversion``) and each caller says it in its own terms.
+    ``usage``: a combination of options refused before any work (the CLI's exit status 2); False for a state of
+    the world (an output that exists: exit status 1)."""
+    err.flags = flags
+    err.usage = usage
+    return err
+
+
 class OperandError(GdnExportError, ValueError):
     """An operand of a gated delta-rule node has the wrong rank, shape or dtype."""
 

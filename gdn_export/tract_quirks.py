@@ -579,13 +579,31 @@ CAST_WEIGHT_NOT_FOLDED = Quirk(
     kind="measured",
 )
 
+T2N_POST_TRACE_BEFORE_WRITE = Quirk(
+    name="torch-to-nnef hands its target the translated graph before writing it",
+    does="export_model_to_nnef calls inference_target.post_trace(nnef_graph, extensions) once every node is "
+         "translated and before NNEFWriter writes graph.nnef and the weights (torch_to_nnef/export.py, "
+         "_build_nnef_graph_and_fragments); attributes set on the graph's operations there are printed as given",
+    workaround="OfflineTractTarget.post_trace runs the export's graph passes on that graph (the weights only cast "
+               "before use, weights/casts.py; the datum_type of gathers over a Q4_0 table, weights/streamed.py), "
+               "so graph.nnef is written right the first time instead of patched as text afterwards",
+    applied_in=("gdn_export/backends/nnef/target.py", "gdn_export/pipeline/export.py", "gdn_export/weights/casts.py",
+                "gdn_export/weights/streamed.py"),
+    when_fixed="reliance: if the hook moves, the passes move with it (the canary fails first)",
+    canary="test_compat.py::test_t2n_post_trace_runs_before_writing",
+    seen_on=TORCH_TO_NNEF_SEEN_ON,
+    library="torch-to-nnef",
+    kind="reliance",
+)
+
 Q4_0_GATHER_NEEDS_DATUM_TYPE = Quirk(
     name="tract's gather over a Q4_0 table needs an explicit output type, and a Q4_0 table cannot be sliced",
     does="tract_core_gather on a block-quantized constant fails at load ('requires an explicit datum_type "
          "attribute'); a slice of one fails in PropConst (BlockQuantStorage::materialize_plain_ram)",
-    workaround="gathers over a Q4_0 embedding table get datum_type; --quantize-embeddings is refused for a head "
-               "tied to its table (read as two slices)",
-    applied_in=("gdn_export/weights/streamed.py", "gdn_export/hf/weight_writers.py"),
+    workaround="gathers over a Q4_0 embedding table get datum_type (a graph pass before writing: "
+               "T2N_POST_TRACE_BEFORE_WRITE); --quantize-embeddings is refused for a head tied to its table (read "
+               "as two slices)",
+    applied_in=("gdn_export/weights/streamed.py", "gdn_export/hf/weight_writers.py", "gdn_export/backends/nnef/target.py"),
     when_fixed="a tied table could be quantized too",
     no_canary="tests/test_quantized.py converts a Q4_0 table (untied) and refuses the tied one",
 )

@@ -74,6 +74,42 @@ def test_t2n_streamed_weight_hooks():
              "0b0b6b74385874ff")
 
 
+def test_t2n_post_trace_runs_before_writing(tmp_path):
+    """tract_quirks.T2N_POST_TRACE_BEFORE_WRITE: the export's graph passes (backends/nnef/target.py) see
+    torch-to-nnef's translated graph before it is written. Found there: the float16 weight the graph only casts to
+    float32; given there: the datum_type of a gather over a (here pretended) Q4_0 table, printed in graph.nnef
+    (torch-to-nnef gives one only to its own quantized tensors)."""
+    import logging
+
+    import torch
+    from torch_to_nnef import export_model_to_nnef
+
+    from gdn_export.backends.nnef.target import OfflineTractTarget
+    from gdn_export.weights.casts import weights_cast_before_use
+    from gdn_export.weights.streamed import annotate_compressed_gathers
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(8, 4)
+            self.inner = torch.nn.Linear(4, 4, bias=False).half()
+
+        def forward(self, ids):
+            return torch.nn.functional.linear(self.table(ids), self.inner.weight.float())
+
+    found: dict = {}
+    target = OfflineTractTarget("0.23.9", graph_passes=[lambda g: found.update(weights_cast_before_use(g)),
+                                                        lambda g: annotate_compressed_gathers(g, {"table.weight": "f32"})])
+    with torch.no_grad(), t2n.conversion():
+        export_model_to_nnef(model=Tiny(), args=(torch.tensor([[1, 2]]),), file_path_export=tmp_path / "m.nnef",
+                             inference_target=target, input_names=["ids"], output_names=["y"],
+                             compression_level=None, log_level=logging.ERROR)
+    graph = (tmp_path / "m.nnef" / "graph.nnef").read_text()
+    assert found == {"inner.weight": "f32"}, found
+    gathers = [line for line in graph.splitlines() if "tract_core_gather(" in line]
+    assert len(gathers) == 1 and gathers[0].endswith("axis = 0, datum_type = 'f32');"), gathers
+
+
 def test_t2n_compiles_at_import():
     module = importlib.import_module(t2n._CompileHeldBack.MODULE)
     upstream("T2N_COMPILES_AT_IMPORT", t2n._CompileHeldBack.MODULE, module, "819aaf58af03f76e")

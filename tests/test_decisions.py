@@ -148,3 +148,26 @@ def test_unknown_runtime_is_refused(tmp_path):
     with pytest.raises(gdn_export.LoweringError, match="runtime 'tpu' is not one of any, cpu, cuda"):
         gdn_export.export(GatedDeltaRuleModel(), make_rule_inputs(1, 1, 1, 1, 8, 8), tmp_path / "x.nnef.tgz",
                           runtime="tpu", **NAMES)
+
+
+def test_every_op_decides_through_the_one_signature():
+    """ops/protocol.py: every op's ``decide``, per back-end, is ``decide(node, plan) -> Decision``, whatever the op
+    (found by walking gdn_export/ops, so a new op's is checked too)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import gdn_export.ops as ops
+    from gdn_export.ops.protocol import Decision
+
+    found = {}
+    for info in pkgutil.walk_packages(ops.__path__, "gdn_export.ops."):
+        module = importlib.import_module(info.name)
+        decide = getattr(module, "decide", None)
+        if callable(decide) and decide.__module__ == info.name:
+            found[info.name] = decide
+    assert {"gated_delta_rule", "causal_conv1d", "moe_ffn"} <= {name.split(".")[2] for name in found}, found
+    for name, decide in found.items():
+        params = list(inspect.signature(decide).parameters.values())
+        assert [p.kind for p in params] == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 2, name
+        assert decide.__annotations__["return"] in ("Decision", Decision), name  # a string under PEP 563

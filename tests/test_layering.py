@@ -233,3 +233,33 @@ def test_the_checker_sees_transitive_and_lazy_imports(tmp_path, monkeypatch):
 @pytest.mark.parametrize("module", [G + "run.session", G + "run.serving", G + "run.generation", G + "run.http"])
 def test_the_run_side_reaches_no_torch(module):
     assert not {d for d in closure(module) if _under(d, CONVERT_SIDE)}
+
+
+def _code_strings(tree: ast.AST) -> list[str]:
+    """The string constants of a module's code, docstrings left out (prose may name an op; code may not)."""
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    return [n.value for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings]
+
+
+def test_a_back_end_names_no_op_by_string_either():
+    """Imports are not the only way to name an op: no string of a back-end's code is an op's ``t2n_extra`` name, its
+    handler name or its ONNX placeholder type (the ONNX symbolics once listed the ops so; they now register)."""
+    import re
+
+    ops_source = "".join(p.read_text() for p in (PACKAGE / "ops").rglob("*.py"))
+    names = set(re.findall(r"t2n_extra::(\w+)", ops_source)) | set(re.findall(r'custom_op\("(\w+)"\)', ops_source))
+    placeholders = set(re.findall(r'placeholder\("(\w+)"', ops_source))
+    assert names and placeholders, "the ops' registrations are not where this test looks"
+    found = []
+    for path in sorted((PACKAGE / "backends").rglob("*.py")):
+        for text in _code_strings(ast.parse(path.read_text())):
+            if text in names | placeholders or any(f"t2n_extra::{name}" in text for name in names) or \
+                    any(f"::{p}" in text for p in placeholders):
+                found.append(f"{path.relative_to(PACKAGE)}: {text!r}")
+    assert not found, "a back-end names an op: " + ", ".join(found)

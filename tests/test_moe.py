@@ -259,8 +259,8 @@ def test_refused_exports_are_dense_with_a_reason(tmp_path, runtime, gate, why):
 
 
 def test_older_tract_is_dense():
-    lowering, reason = decide("softmax_topk", LoweringOptions(tract_version=(0, 23, 8), runtime="cpu"))
-    assert lowering == "dense" and "0.23.9" in reason
+    decision = decide(moe_ffn.MoeNode("y", "softmax_topk"), LoweringOptions(tract_version=(0, 23, 8), runtime="cpu"))
+    assert decision.lowering == "dense" and "0.23.9" in decision.reason
 
 
 def test_operands_are_validated():

@@ -292,6 +292,14 @@ def test_cli_usage_errors(tmp_path, capsys, argv, message):
     assert not list(tmp_path.iterdir())
 
 
+def test_cli_runtimes_are_the_back_ends():
+    """The CLI's --runtime choices for ONNX (a light copy: --help imports no torch) are the back-end's rule."""
+    from gdn_export.backends.onnx.registry import RUNTIMES
+    from gdn_export.cli import ONNX_RUNTIMES
+
+    assert ONNX_RUNTIMES == RUNTIMES
+
+
 def test_format_and_suffix_errors(tmp_path, capsys):
     assert cli(["convert", str(FIXTURES / "qwen3_5"), "-o", str(tmp_path / "m.nnef.tgz"), "--format", "onnx"]) == 2
     assert "writes a .onnx file" in capsys.readouterr().err

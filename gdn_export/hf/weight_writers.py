@@ -136,7 +136,7 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
     recipe); the others are searched unweighted.
 
     ``fused_moe(gate)``: whether a ``moe_ffn`` node of that gate runs as tract's ``tract_moe_ffn`` in this export
-    (``extractors.moe_ffn.decide``): only then are its expert stacks quantized (the op's Q4_0 path, all three
+    (``ops.moe_ffn.nnef.decide``): only then are its expert stacks quantized (the op's Q4_0 path, all three
     stacks or none); the dense form would read them through reshapes and slices, which a Q4_0 constant cannot take."""
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise GdnExportError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from gdn_export.errors import GdnExportError, ParityError
+from gdn_export.errors import GdnExportError, LoweringError, ParityError, worded
 from gdn_export.run.archive import GENERATION_FILES, nnef_tgz_path, read_metadata
 from gdn_export.ops.gated_delta_rule.capabilities import parse_version
 from gdn_export.hf.check import LogitCheck, check_archive, transformers_references, validate_check
@@ -115,14 +115,15 @@ def example_inputs(lm, vocab_size: int, dtype: torch.dtype, batch: int = 1, seq:
     return (ids, *states)
 
 
-def check_output_path(out_path: str | os.PathLike, force: bool, force_hint: str = "force=True") -> Path:
+def check_output_path(out_path: str | os.PathLike, force: bool) -> Path:
     """Refuse before any work: a wrong suffix, a folder, an existing file without ``force``, or a folder where
-    no file can be created; ``force_hint`` names the option that overwrites (the CLI says ``--force``)."""
+    no file can be created."""
     out_path = nnef_tgz_path(out_path)
     if out_path.is_dir():
         raise GdnExportError(f"{out_path} is a directory; the output must name the .nnef.tgz file to write")
     if out_path.exists() and not force:
-        raise GdnExportError(f"{out_path} exists; pass {force_hint} to overwrite it")
+        raise worded(GdnExportError(f"{out_path} exists; pass force=True to overwrite it"),
+                     f"{out_path} exists; pass --force to overwrite it", usage=False)
     folder = out_path.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
@@ -262,7 +263,9 @@ def plan_conversion(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
                     calibration: str | os.PathLike | None = None, **options) -> ConvertPlan:
     """Every option of ``convert`` validated, once, before any work: the frozen plan, or a ``GdnExportError``
     naming the option and what it accepts. The options common to both formats are checked here, the others by the
-    format (``format_steps(format)``: ``validate``, ``validate_after_check``, ``output_path``)."""
+    format (``format_steps(format)``: ``validate``, ``validate_after_check``, ``output_path``). An error about an
+    option the command line spells differently carries that wording too (``errors.worded``: ``err.flags``), which
+    the CLI prints."""
     from gdn_export.weights.q4_0 import RULES
 
     defaults = dict(dtype="float32", lowering="auto", prompt_len=16, decode_steps=8, tract_version=None,
@@ -271,27 +274,28 @@ def plan_conversion(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
     unknown = set(options) - set(defaults)
     if unknown:
         raise TypeError(f"plan_conversion() got unexpected options {sorted(unknown)}")
-    quantize, q4_rule = options.get("quantize"), options.get("q4_rule")
-    if q4_rule is None:  # calibration's second moments make GPTQ possible: measured the better of the two with them
-        q4_rule = options["q4_rule"] = "gptq" if calibration is not None else "search"
-    if options.get("serving") and format != "nnef":
-        raise GdnExportError("serving=True (--serving) builds the NNEF graph gdn_export.Engine runs; it is not "
-                             f"available with format={format!r}")
-    if q4_rule not in RULES:
-        raise GdnExportError(f"q4_rule {q4_rule!r} is not one of {', '.join(RULES)}")
-    if quantize != "q4_0" and (q4_rule != "search" or calibration is not None):
-        raise GdnExportError("q4_rule and calibration choose how quantize='q4_0' stores its blocks: they need "
-                             "quantize='q4_0'")
-    if calibration is not None and (quantize is None or q4_rule == "nearest"):
-        raise GdnExportError("calibration weights the Q4_0 scale search: it needs quantize='q4_0' and q4_rule "
-                             "'search' or 'gptq'")
-    if q4_rule == "gptq" and calibration is None:
-        raise GdnExportError("q4_rule='gptq' needs calibration text (the inputs' second moments): calibration=FILE")
-    if calibration is not None and not Path(calibration).is_file():
-        raise GdnExportError(f"calibration text {calibration} is not a file")
+    quantize, q4_rule = options.get("quantize"), options.get("q4_rule")  # q4_rule None: not given
     target = format_steps(format)
     runtime = target.resolve_runtime(runtime)
-    target.validate(options, runtime)
+    target.validate({**options, "calibration": calibration}, runtime)  # first: what the format cannot honour
+    if quantize != "q4_0" and (q4_rule is not None or calibration is not None):
+        raise worded(GdnExportError("q4_rule and calibration choose how quantize='q4_0' stores its blocks: they need "
+                                    "quantize='q4_0'"),
+                     "--q4-rule and --calibration choose how --quantize q4_0 picks its scales: add --quantize q4_0")
+    if q4_rule is None:  # calibration's second moments make GPTQ possible: measured the better of the two with them
+        q4_rule = options["q4_rule"] = "gptq" if calibration is not None else "search"
+    if q4_rule not in RULES:
+        raise GdnExportError(f"q4_rule {q4_rule!r} is not one of {', '.join(RULES)}")
+    if calibration is not None and q4_rule == "nearest":
+        raise worded(GdnExportError("calibration weights the Q4_0 scale search: it needs quantize='q4_0' and q4_rule "
+                                    "'search' or 'gptq'"),
+                     "--calibration weights the scale search; --q4-rule nearest does not search: drop one")
+    if q4_rule == "gptq" and calibration is None:
+        raise worded(GdnExportError("q4_rule='gptq' needs calibration text (the inputs' second moments): "
+                                    "calibration=FILE"),
+                     "--q4-rule gptq needs --calibration TEXT_FILE (the inputs' second moments)")
+    if calibration is not None and not Path(calibration).is_file():
+        raise GdnExportError(f"calibration text {calibration} is not a file")
     dtype = options.get("dtype", "float32")
     if dtype not in DTYPES:
         raise GdnExportError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -381,7 +385,12 @@ class NnefSteps:
 
     @staticmethod
     def validate(options: dict, runtime: str) -> None:
-        pass
+        from gdn_export.ops.gated_delta_rule.policy import RUNTIMES
+
+        if runtime not in RUNTIMES:
+            raise worded(LoweringError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}"),
+                         f"--runtime {runtime} is for --format onnx; an NNEF archive runs in tract: "
+                         f"{', '.join(RUNTIMES)}")
 
     @staticmethod
     def validate_after_check(options: dict, runtime: str) -> None:
@@ -525,12 +534,12 @@ def validate_quantize(quantize: str | None, quantize_embeddings: bool, dtype: st
 def _fused_moe(runtime: str, tract_version: str | None):
     """Whether a ``moe_ffn`` node of a gate will run as tract's fused op in this export (the extractor's own rule)."""
     from gdn_export.ops.moe_ffn.nnef import decide
+    from gdn_export.ops.moe_ffn.op import OP_NAME, MoeNode
     from gdn_export.ops.options import LoweringOptions
-    from gdn_export.ops.moe_ffn.op import OP_NAME
     from gdn_export.run.runtime import tract_version as installed
 
     options = LoweringOptions(tract_version=parse_version(tract_version or installed()), runtime=runtime)
-    return lambda gate: decide(gate, options)[0] == OP_NAME
+    return lambda gate: decide(MoeNode("(before tracing)", gate), options).lowering == OP_NAME
 
 
 def reference_fits(weights, export_dtype: torch.dtype) -> str:

@@ -166,8 +166,12 @@ def export(
     version = tract_version or installed_tract_version()
     input_names = list(input_names) if input_names else [f"input_{i}" for i in range(len(args))]
     validate_dynamic_axes(dynamic_axes, input_names, args, output_names, traced_outputs(module, args))
+    cast: dict[str, str] = {}  # the weights only cast before use (weights/casts.py), found on the graph
+    passes = [lambda graph: cast.update(weights_cast_before_use(graph))]
+    if weights is not None and weights.compressed:
+        passes.append(lambda graph: annotate_compressed_gathers(graph, weights.compressed))
     target = nnef_target(version, lowering=lowering, dynamic_axes=dynamic_axes, runtime=runtime,
-                         core_dtype=core_dtype, chunk_size=chunk_size)
+                         core_dtype=core_dtype, chunk_size=chunk_size, graph_passes=passes)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".gdn_export_", dir=path.parent) as tmp:
@@ -182,8 +186,6 @@ def export(
         if weights is not None and (folder / "graph.nnef").is_file():
             graph = (folder / "graph.nnef").read_text()
             check_all_written(weights, written, graph)
-            if weights.compressed:
-                (folder / "graph.nnef").write_text(annotate_compressed_gathers(graph, weights.compressed))
             if weights.int8 is not None:  # torch-to-nnef's linear of each int8 weight, to tract's integer matmul
                 int8.lower_folder(folder, weights.int8)
             if weights.int8_tables is not None:  # gathers of an int8 table: codes and scales
@@ -193,10 +195,9 @@ def export(
             raise GdnExportError(f"torch-to-nnef wrote no graph for {path}")
         deferred = written["deferred"]
         if deferred:  # the weights the cast folding reads first; the others while tract reads the graph
-            cast = weights_cast_before_use((folder / "graph.nnef").read_text())
             seconds["write"] += write_deferred(weights, [d for d in deferred if d[1] in cast])
             deferred = [d for d in deferred if d[1] not in cast]
-        folded = fold_weight_casts(folder)
+        folded = fold_weight_casts(folder, cast)
         pending = {label: weights.deferrable[label] for _, label in deferred}
         # no weight matrix is read (and it loads faster); tract loads in a thread while this one writes the rest
         (renamed, seconds["names"]), late_writes = alongside(
@@ -226,11 +227,13 @@ def export(
 
 
 def nnef_target(version: str, *, lowering: str = "auto", dynamic_axes: dict | None = None, runtime: str = "any",
-                core_dtype: str | None = None, chunk_size: int | None = None) -> OfflineTractTarget:
-    """The torch-to-nnef target of an export, carrying its plan (validated here: LoweringError on a bad value)."""
+                core_dtype: str | None = None, chunk_size: int | None = None,
+                graph_passes: Sequence = ()) -> OfflineTractTarget:
+    """The torch-to-nnef target of an export, carrying its plan (validated here: LoweringError on a bad value) and
+    the passes over the translated graph (``OfflineTractTarget``)."""
     options = LoweringOptions(tract_version=parse_version(version), lowering=lowering, runtime=runtime,
                               core_dtype=core_dtype, chunk_size=chunk_size, seq_may_vary=bool(dynamic_axes))
-    return OfflineTractTarget(version, options=options, dynamic_axes=dynamic_axes)
+    return OfflineTractTarget(version, options=options, dynamic_axes=dynamic_axes, graph_passes=graph_passes)
 
 
 def _export_other_format(format: str, module, args, path, *, lowering, input_names, output_names, dynamic_axes,

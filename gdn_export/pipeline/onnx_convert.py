@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from gdn_export.errors import GdnExportError
+from gdn_export.errors import GdnExportError, LoweringError, worded
 from gdn_export.pipeline.convert import ConvertReport, Staged, Traced
 import gdn_export.ops.onnx_handlers  # noqa: F401  (every op registers its ONNX lowering)
-from gdn_export.backends.onnx.registry import validate
-from gdn_export.ops.causal_conv1d.onnx import CONV_QUALNAME
+from gdn_export.backends.onnx.registry import LOWERINGS, RUNTIMES, validate
+from gdn_export.ops.causal_conv1d.op import QUALNAME as CONV_QUALNAME
 from gdn_export.weights import ONNX_QUANTIZE_REFUSAL
 
 
@@ -88,17 +88,43 @@ class OnnxSteps:
 
     @staticmethod
     def validate(options: dict, runtime: str) -> None:
-        for name in ("quantize", "core_dtype", "chunk_size", "tract_version"):
-            value = options.get(name)
-            if value is not None:
-                hint = f" ({ONNX_QUANTIZE_REFUSAL.get(value, '')})" if name == "quantize" else ""
-                raise GdnExportError(f"{name}={value!r} is an NNEF option: not available with format='onnx'{hint}")
-        logits = options.get("logits", "all")
-        if logits != "all":
-            raise GdnExportError(f"logits={logits!r} is not available with format='onnx' (its graph returns the "
-                                 f"logits of every new position)")
-        if options.get("quantize_embeddings"):
-            raise GdnExportError("quantize_embeddings is an NNEF option: not available with format='onnx'")
+        """The runtime, then every NNEF-only option refused (rather than ignored), then the lowering; each error
+        worded for the command line too."""
+        if runtime not in RUNTIMES:
+            raise worded(LoweringError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)} for an ONNX export"),
+                         f"--runtime {runtime} is tract's (NNEF); an ONNX file runs in: {', '.join(RUNTIMES)}")
+        quantize = options.get("quantize")
+        logits, lowering = options.get("logits", "all"), options.get("lowering", "auto")
+        q4 = "tract's Q4_0 format"
+        refused = [  # (API message, flag, why), in the command line's order
+            (f"quantize={quantize!r} is an NNEF option: not available with format='onnx'"
+             f" ({ONNX_QUANTIZE_REFUSAL.get(quantize, '')})", quantize is not None, "--quantize",
+             ONNX_QUANTIZE_REFUSAL.get(quantize, "")),
+            ("quantize_embeddings is an NNEF option: not available with format='onnx'",
+             bool(options.get("quantize_embeddings")), "--quantize-embeddings", q4),
+            (f"q4_rule={options.get('q4_rule')!r} is an NNEF option: not available with format='onnx'",
+             options.get("q4_rule") is not None, "--q4-rule", q4),
+            ("calibration is an NNEF option: not available with format='onnx'",
+             options.get("calibration") is not None, "--calibration", q4),
+            (f"core_dtype={options.get('core_dtype')!r} is an NNEF option: not available with format='onnx'",
+             options.get("core_dtype") is not None, "--core-dtype", "tract's fused op only"),
+            (f"chunk_size={options.get('chunk_size')!r} is an NNEF option: not available with format='onnx'",
+             options.get("chunk_size") is not None, "--chunk-size", "tract's chunked lowering only"),
+            (f"tract_version={options.get('tract_version')!r} is an NNEF option: not available with format='onnx'",
+             options.get("tract_version") is not None, "--tract-version", "an ONNX file is not for one tract version"),
+            (f"logits={logits!r} is not available with format='onnx' (its graph returns the logits of every new "
+             "position)", logits != "all", "--logits last", "the ONNX graph returns every new position's logits"),
+            ("serving=True (--serving) builds the NNEF graph gdn_export.Engine runs; it is not available with "
+             "format='onnx'", bool(options.get("serving")), "--serving",
+             "the serving graph is the NNEF graph gdn_export.Engine runs"),
+            (f"lowering {lowering!r} is not available for an ONNX export (one of {', '.join(LOWERINGS)}; 'native' is "
+             "onnxruntime's contrib op)", lowering not in LOWERINGS, f"--lowering {lowering}",
+             f"ONNX lowerings are {', '.join(LOWERINGS)} (native: onnxruntime's contrib op)"),
+        ]
+        for message, given, flag, why in refused:
+            if given:
+                error = LoweringError if flag.startswith("--lowering") else GdnExportError
+                raise worded(error(message), f"{flag} is not available with --format onnx ({why})")
 
     @staticmethod
     def validate_after_check(options: dict, runtime: str) -> None:
@@ -108,11 +134,15 @@ class OnnxSteps:
     def output_path(out_path, force: bool) -> Path:
         from gdn_export.backends.onnx.exporter import onnx_path
 
-        out_path = onnx_path(out_path)
+        try:
+            out_path = onnx_path(out_path)
+        except GdnExportError as err:
+            raise worded(err, f"--format onnx writes a .onnx file; got -o {out_path}") from None
         if out_path.is_dir():
             raise GdnExportError(f"{out_path} is a directory; the output must name the .onnx file to write")
         if out_path.exists() and not force:
-            raise GdnExportError(f"{out_path} exists; pass force=True (--force) to overwrite it")
+            raise worded(GdnExportError(f"{out_path} exists; pass force=True to overwrite it"),
+                         f"{out_path} exists; pass --force to overwrite it", usage=False)
         return out_path
 
     @staticmethod

@@ -163,19 +163,15 @@ def check_all_written(weights: StreamedWeights, record: dict, graph: str) -> Non
                              "in memory instead")
 
 
-def annotate_compressed_gathers(graph: str, compressed: Mapping[str, str]) -> str:
+def annotate_compressed_gathers(graph, compressed: Mapping[str, str]) -> None:
     """tract's gather over a block-quantized constant (a Q4_0 embedding table) needs the type of its output
-    (``datum_type``): added to every ``tract_core_gather`` whose table is one of ``compressed`` (label -> type)."""
-    if not compressed:
-        return graph
-    variables = {m.group(1): compressed[m.group(2)] for m in re.finditer(
-        r"^\s*(\w+)\s*=\s*variable<scalar>\(label\s*=\s*'([^']+)'", graph, re.M) if m.group(2) in compressed}
-
-    def annotate(match: re.Match) -> str:
-        datum = variables.get(match.group(2))
-        if datum is None or "datum_type" in match.group(0):
-            return match.group(0)
-        return f"{match.group(1)}tract_core_gather({match.group(2)}{match.group(3)}, datum_type = '{datum}');"
-
-    return re.sub(r"^(\s*\w+\s*=\s*)tract_core_gather\((\w+)([^;]*)\);", annotate, graph, flags=re.M)
-
+    (``datum_type``): given to every ``tract_core_gather`` whose table is a variable of ``compressed`` (label ->
+    type). ``graph``: torch-to-nnef's NNEF graph before it is written (a graph pass of the export's target,
+    ``backends.nnef.target.OfflineTractTarget``): torch-to-nnef's ``embedding`` handler gives ``datum_type`` only to
+    a table of its own quantized tensors, and a streamed table is a placeholder to it."""
+    for op in graph.operations:
+        if op.type != "tract_core_gather" or "datum_type" in op.attribs or not op.inputs:
+            continue
+        table = op.inputs[0].producer
+        if table is not None and table.type == "variable" and table.attribs.get("label") in compressed:
+            op.attribs["datum_type"] = compressed[table.attribs["label"]]

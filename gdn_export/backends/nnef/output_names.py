@@ -7,6 +7,14 @@ sets, and its declutter pass moves outputs onto other nodes: a ``linear`` output
 is never folded and keeps its own name, so each renamed output is re-declared as
 ``NAME = select(c, NAME__raw, NAME__raw)``: the same value whatever ``c`` is. It copies the tensor once
 per call, so only the outputs tract would rename get it.
+
+Why this one is a pass over graph.nnef after it is written, the one left of gdn_export's own (weights/int8.py's is
+the int8 helper's): which outputs tract renames is decided by tract's declutter on the loaded model (which ops it
+fuses, which copies it removes), so only tract can say it, about a written graph; torch-to-nnef's translated graph
+(where the other passes run: ``backends.nnef.target.OfflineTractTarget``'s graph passes) cannot predict it, and
+a shadow of that graph for tract to load first would need the block-quantized (Q4_0) weights' files, which exist
+only once written, and would serialize the weight writes this load now overlaps (pipeline/export.py). The behaviour it works around and the one it relies on are typed records with canaries:
+``tract_quirks.OUTPUT_NAMED_AFTER_PRODUCER``, ``SELECT_KEEPS_ITS_NAME``, ``FUSED_OUTPUTS_SHARE_A_NAME``.
 """
 
 from __future__ import annotations

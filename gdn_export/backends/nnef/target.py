@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from torch_to_nnef.inference_target.tract import TractCli, TractNNEF
 from torch_to_nnef.utils import SemanticVersion
@@ -37,23 +37,40 @@ class _NoBinaryAnswer:
         return _NoBinary(version)
 
 
+GraphPass = Callable[[Any], None]  # reads or completes torch-to-nnef's NNEF graph (nnef_tools.model.Graph) in place
+
+
 class OfflineTractTarget(TractNNEF):
     """``TractNNEF`` without a binary, carrying what the ops' handlers read: ``gdn_options`` (the export's plan,
     ``ops.options.LoweringOptions``, given by the pipeline) and ``gdn_decisions`` (one Decision appended per node).
-    The back-end never looks inside the plan."""
+    The back-end never looks inside the plan.
+
+    ``graph_passes``: functions of torch-to-nnef's NNEF graph, run in order once every node is translated and
+    before anything is written (torch-to-nnef's own ``post_trace`` hook of its target, after its dynamic axes):
+    what the pipeline knows about the whole graph and no handler can say (which weights are only cast, which
+    gathers read a block-quantized table) is said there, on the graph's operations, so graph.nnef is written right
+    the first time rather than patched as text afterwards."""
 
     # the versions gdn_export's tests run (torch-to-nnef warns beyond its own list)
     OFFICIAL_SUPPORTED_VERSIONS = [SemanticVersion.from_str(v) for v in ("0.23.9", "0.22.1")]
 
-    def __init__(self, version: str, *, options: Any = None, dynamic_axes: dict | None = None) -> None:
+    def __init__(self, version: str, *, options: Any = None, dynamic_axes: dict | None = None,
+                 graph_passes: Sequence[GraphPass] = ()) -> None:
         with patched(no_download(_NoBinaryAnswer())):
             super().__init__(
                 version, check_io=False, dynamic_axes=dynamic_axes, dump_identity_properties=False,
                 native_gated_delta_op=False,
             )
+        self.graph_passes = tuple(graph_passes)
         if options is not None:
             self.gdn_options = options
             self.gdn_decisions: list = []
+
+    def post_trace(self, nnef_graph, active_custom_extensions) -> None:
+        """torch-to-nnef's hook between translating and writing: its own (dynamic axes), then ``graph_passes``."""
+        super().post_trace(nnef_graph, active_custom_extensions)
+        for graph_pass in self.graph_passes:
+            graph_pass(nnef_graph)
 
     def with_dynamic_axes(self, dynamic_axes):
         """torch-to-nnef's copy with other dynamic axes; whether traced extents may be symbolic follows them."""

@@ -1,5 +1,6 @@
-"""How an op reaches the ONNX back-end: the rewriter of its placeholder node registered by placeholder op type
-(the ``placeholder`` decorator), the back-end's options, and the onnxruntime version its contrib ops were verified
+"""How an op reaches the ONNX back-end: the symbolic making its placeholder node registered by ``t2n_extra``
+qualname (the ``symbolic`` decorator), the rewriter of that node registered by placeholder op type (the
+``placeholder`` decorator), the back-end's options, and the onnxruntime version its contrib ops were verified
 on. The back-end names no op: each op's ``onnx`` module registers itself when imported
 (``gdn_export/ops/onnx_handlers.py`` imports them all).
 """
@@ -16,20 +17,36 @@ RUNTIMES = ("onnxruntime", "tract-onnx", "any")
 LOWERINGS = ("auto", "native", "scan")
 CONTRIB_VERIFIED = (1, 32)  # onnxruntime version whose contrib ops were measured exact (older ones: not used)
 
-# placeholder op type -> rewrite(builder, node, attrs, context) -> Decision (the node replaced in the builder's list)
+# placeholder op type -> rewrite(builder, node, attrs, context): the node replaced in the builder's list, its Decision
+# recorded in context.decisions (ops.protocol.record)
 PLACEHOLDERS: dict[str, Callable] = {}
 # t2n_extra qualname -> placeholder op type whose rewriter reads the operands' traced shapes (context.traced)
 SHAPED: dict[str, str] = {}
+# t2n_extra qualname -> TorchScript symbolic making its placeholder node (symbolics.register gives them to torch)
+SYMBOLICS: dict[str, Callable] = {}
+
+
+@dataclass(frozen=True)
+class OnnxOptions:
+    """The ONNX export's plan, the one value every op's ONNX ``decide(node, plan)`` reads (``ops.protocol``):
+    ``runtime`` (RUNTIMES) and ``lowering`` (LOWERINGS), validated once here (LoweringError)."""
+
+    runtime: str = "any"
+    lowering: str = "auto"
+
+    def __post_init__(self) -> None:
+        validate(self.runtime, self.lowering)
 
 
 @dataclass
 class Context:
-    """What a rewriter reads besides its node: the export's options, and per placeholder op type the traced
-    operand shapes of each call still to be rewritten, in graph order (``next_traced`` takes them)."""
+    """What a rewriter reads besides its node: the export's plan, and per placeholder op type the traced
+    operand shapes of each call still to be rewritten, in graph order (``next_traced`` takes them); and where it
+    records its node's Decision."""
 
-    runtime: str
-    lowering: str
+    options: OnnxOptions
     traced: dict[str, list] = field(default_factory=dict)
+    decisions: list = field(default_factory=list)  # one per placeholder rewritten, in graph order (ops.protocol.record)
 
     def next_traced(self, op_type: str) -> list | None:
         calls = self.traced.get(op_type)
@@ -47,6 +64,20 @@ def placeholder(op_type: str, shaped: tuple[str, ...] = ()) -> Callable[[Callabl
         PLACEHOLDERS[op_type] = rewriter
         SHAPED.update({qualname: op_type for qualname in shaped})
         return rewriter
+
+    return register
+
+
+def symbolic(qualname: str) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the TorchScript symbolic of ``qualname`` (a ``t2n_extra::`` op): it
+    makes the op's placeholder node (``symbolics.placeholder_node``)."""
+
+    def register(function: Callable) -> Callable:
+        if SYMBOLICS.get(qualname, function) is not function:
+            raise TypeError(f"{qualname} has two ONNX symbolics: {SYMBOLICS[qualname].__module__} and "
+                            f"{function.__module__}")
+        SYMBOLICS[qualname] = function
+        return function
 
     return register
 

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from gdn_export.backends.onnx.registry import PLACEHOLDERS, Context
+from gdn_export.backends.onnx.registry import PLACEHOLDERS, Context, OnnxOptions
 from gdn_export.backends.onnx.symbolics import DOMAIN
 from gdn_export.errors import GdnExportError
 
@@ -73,8 +73,8 @@ def operand_info(attrs: dict) -> tuple[list[list[int]], list[str]]:
 def rewrite(model: onnx.ModelProto, runtime: str, lowering: str, traced: dict | None = None) -> list:
     """Replace every placeholder in ``model`` (in place); return the Decisions, in graph order. ``traced``: op type
     -> the tensor operands' shapes of each call, in the order the example ran them (the graph's order)."""
-    decisions, nodes, used_ms = [], [], False
-    context = Context(runtime, lowering, {op: list(shapes) for op, shapes in (traced or {}).items()})
+    nodes = []
+    context = Context(OnnxOptions(runtime, lowering), {op: list(shapes) for op, shapes in (traced or {}).items()})
     for node in model.graph.node:
         if node.domain != DOMAIN:
             nodes.append(node)
@@ -83,9 +83,13 @@ def rewrite(model: onnx.ModelProto, runtime: str, lowering: str, traced: dict | 
         if rewriter is None:
             raise GdnExportError(f"unknown placeholder {node.domain}::{node.op_type} (no op registered its ONNX "
                                  "lowering: gdn_export/ops/onnx_handlers.py)")
-        decision = rewriter(Builder(node.name or node.output[0], nodes), node, _attrs(node), context)
-        used_ms = used_ms or decision.lowering == "contrib"
-        decisions.append(decision)
+        recorded = len(context.decisions)
+        rewriter(Builder(node.name or node.output[0], nodes), node, _attrs(node), context)
+        if len(context.decisions) != recorded + 1:
+            raise GdnExportError(f"the rewriter of {node.domain}::{node.op_type} recorded "
+                                 f"{len(context.decisions) - recorded} decisions for one node (ops.protocol.record)")
+    decisions = context.decisions
+    used_ms = any(d.lowering == "contrib" for d in decisions)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     opsets = [o for o in model.opset_import if o.domain not in (DOMAIN, MS_DOMAIN)]

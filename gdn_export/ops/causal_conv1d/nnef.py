@@ -15,9 +15,9 @@ from nnef_tools.model import Tensor as NTensor
 
 from gdn_export.backends.nnef.builder import NnefBuilder
 from gdn_export.backends.nnef.registry import custom_op, output_tensors, positional, require_tract
-from gdn_export.ops.causal_conv1d.op import check_conv_operands
+from gdn_export.ops.causal_conv1d.op import ConvNode, check_conv_operands
 from gdn_export.ops.options import policy_of
-from gdn_export.ops.protocol import Decision
+from gdn_export.ops.protocol import Decision, record
 
 if TYPE_CHECKING:
     from gdn_export.ops.options import LoweringOptions
@@ -26,11 +26,11 @@ FUSED_CONV_FIRST_VERSION = (0, 23, 5)
 OP_NAME = "tract_transformers_causal_conv1d_update"
 
 
-def decide(options: LoweringOptions) -> tuple[str, str]:
-    """(lowering, reason) for the short conv on the target version: "native" (the fused op) or "portable"."""
+def decide(node: ConvNode, options: LoweringOptions) -> Decision:
+    """The short conv on the target version (``ops.protocol.Decide``): "native" (the fused op) or "portable"."""
     if options.tract_version >= FUSED_CONV_FIRST_VERSION:
-        return "native", f"{OP_NAME} exists on this tract"
-    return "portable", f"{OP_NAME} is not in tract before 0.23.5"
+        return Decision(node.name, node.entry, "native", f"{OP_NAME} exists on this tract", None)
+    return Decision(node.name, node.entry, "portable", f"{OP_NAME} is not in tract before 0.23.5", None)
 
 
 def lower(builder: NnefBuilder, x: NTensor, weight: NTensor, state: NTensor, y: NTensor, new_state: NTensor,
@@ -75,6 +75,5 @@ def handle_causal_conv1d_update(g, node, name_to_tensor, op_helper, inference_ta
     check_conv_operands(x.shape, weight.shape, state.shape)
     y, new_state = output_tensors(op_helper, node, name_to_tensor)
     target = policy_of(inference_target)
-    lowering, reason = decide(target.gdn_options)
-    target.gdn_decisions.append(Decision(y.name, "t2n_extra::causal_conv1d_update", lowering, reason, None))
-    return lower(NnefBuilder(g, y.name), x, weight, state, y, new_state, lowering)
+    decision = record(decide, ConvNode(y.name), target.gdn_options, target.gdn_decisions)
+    return lower(NnefBuilder(g, y.name), x, weight, state, y, new_state, decision.lowering)

@@ -5,21 +5,32 @@ over ``state[:, :, 1:] ++ x`` then SiLU."""
 
 from __future__ import annotations
 
-from gdn_export.backends.onnx.registry import CONTRIB_VERIFIED, Context, ort_version, placeholder
+from gdn_export.backends.onnx.registry import (CONTRIB_VERIFIED, Context, OnnxOptions, ort_version, placeholder,
+                                               symbolic)
+from gdn_export.backends.onnx.symbolics import placeholder_node, set_like
 from gdn_export.backends.onnx.rewrite import INT64_MAX, MS_DOMAIN, Builder, DTYPES, operand_info
 from gdn_export.errors import GdnExportError
-from gdn_export.ops.protocol import Decision
+from gdn_export.ops.causal_conv1d.op import QUALNAME, ConvNode
+from gdn_export.ops.protocol import Decision, record
 
-CONV_QUALNAME = "t2n_extra::causal_conv1d_update"
 
-
-def decide_conv(name: str, runtime: str, lowering: str) -> Decision:
-    if runtime == "onnxruntime" and lowering != "scan":
+def decide(node: ConvNode, plan: OnnxOptions) -> Decision:
+    """The short conv in ONNX (``ops.protocol.Decide``): onnxruntime's contrib op where verified, else portable."""
+    if plan.runtime == "onnxruntime" and plan.lowering != "scan":
         version = ort_version()
         if version is not None and version >= CONTRIB_VERIFIED:
-            return Decision(name, CONV_QUALNAME, "contrib", "com.microsoft::CausalConvWithState (activation silu) on "
-                            "state[:, :, 1:] (its W-1 past inputs); the new state a slice of state ++ x", None)
-    return Decision(name, CONV_QUALNAME, "portable", "depthwise ONNX Conv over state[:, :, 1:] ++ x, then SiLU", None)
+            return Decision(node.name, node.entry, "contrib", "com.microsoft::CausalConvWithState (activation silu) "
+                            "on state[:, :, 1:] (its W-1 past inputs); the new state a slice of state ++ x", None)
+    return Decision(node.name, node.entry, "portable", "depthwise ONNX Conv over state[:, :, 1:] ++ x, then SiLU",
+                    None)
+
+
+@symbolic(QUALNAME)
+def symbolic_conv(g, x, weight, state):
+    y, new_state = placeholder_node(g, "CausalConv1dUpdate", [x, weight, state], 2)
+    set_like(y, x, 3)
+    set_like(new_state, state, 3)
+    return y, new_state
 
 
 def _lower_conv(b: Builder, node, decision, shapes, dtypes) -> None:
@@ -44,8 +55,7 @@ def _lower_conv(b: Builder, node, decision, shapes, dtypes) -> None:
 
 
 @placeholder("CausalConv1dUpdate")
-def rewrite_conv(b: Builder, node, attrs: dict, context: Context) -> Decision:
+def rewrite_conv(b: Builder, node, attrs: dict, context: Context) -> None:
     shapes, dtypes = operand_info(attrs)
-    decision = decide_conv(node.output[-1], context.runtime, context.lowering)
+    decision = record(decide, ConvNode(node.output[-1]), context.options, context.decisions)
     _lower_conv(b, node, decision, shapes, dtypes)
-    return decision

@@ -7,6 +7,8 @@ The layout of transformers' conv cache and of tract's ``tract_transformers_causa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from gdn_export.errors import OperandError
@@ -14,6 +16,14 @@ from gdn_export.ops.registration import define_or_reuse
 
 QUALNAME = "t2n_extra::causal_conv1d_update"
 SCHEMA = "(Tensor x, Tensor weight, Tensor state) -> (Tensor, Tensor)"
+
+
+@dataclass(frozen=True)
+class ConvNode:
+    """One short-conv node as ``decide`` sees it (``ops.protocol.Node``): its rule reads only the plan."""
+
+    name: str
+    entry: str = QUALNAME
 
 
 def check_conv_operands(x_shape, weight_shape, state_shape) -> None:

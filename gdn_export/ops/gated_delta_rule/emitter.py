@@ -35,9 +35,11 @@ def node_dims(node: GdnNode) -> Dims:
     )
 
 
-def decide(node: GdnNode, dims: Dims, options: LoweringOptions) -> Decision:
-    """Pick the lowering for one node: the requested one if it can be exact (else raise), or for "auto" the
-    first exact candidate of the runtime's policy."""
+def decide(node: GdnNode, options: LoweringOptions) -> Decision:
+    """Pick the lowering for one node (``ops.protocol.Decide``): its operands validated (``node_dims``; the
+    Decision carries the Dims), the requested lowering if it can be exact (else raise), or for "auto" the first
+    exact candidate of the runtime's policy."""
+    dims = node_dims(node)
     requested = options.lowering
     if requested != "auto":
         lowering = registry.get(requested)

@@ -1,6 +1,6 @@
 """Per-node decisions for the ONNX target: which ONNX form computes exactly a node's function.
 
-The ONNX counterpart of ``emitter.decide`` (the NNEF one): the same ``Decision`` records, shown in the export and
+The ONNX counterpart of ``emitter.decide`` (the NNEF one; ``decide`` here, of the same signature): the same ``Decision`` records, shown in the export and
 convert reports. The ONNX graph itself is written by ``gdn_export.backends.onnx.rewrite``; this module only decides.
 
 Gated delta rule (``t2n_extra::gated_delta_rule`` / ``gated_delta_scan``):
@@ -34,15 +34,20 @@ computes its own routing (softmax top-k) whose semantics were not verified again
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper
 
-from gdn_export.backends.onnx.registry import CONTRIB_VERIFIED, Context, ort_version, placeholder
+from gdn_export.backends.onnx.registry import (CONTRIB_VERIFIED, Context, OnnxOptions, ort_version, placeholder,
+                                               symbolic)
+from gdn_export.backends.onnx.symbolics import constant, is_none, placeholder_node, set_like
 from gdn_export.backends.onnx.rewrite import Builder, MS_DOMAIN, DTYPES, operand_info
 from gdn_export.errors import GdnExportError, LoweringError
 from gdn_export.ops.gated_delta_rule.operands import Dims, validate_operands
-from gdn_export.ops.protocol import Decision
+from gdn_export.ops.protocol import Decision, record
 
 RULE_QUALNAMES = ("t2n_extra::gated_delta_rule", "t2n_extra::gated_delta_scan")
 
@@ -70,10 +75,25 @@ def contrib_refusal(dims: Dims, *, normalized_keys: bool, float64: bool, scale: 
     return None
 
 
-def decide_rule(name: str, entry: str, dims: Dims, *, normalized_keys: bool, float64: bool, scale: float | None,
-                runtime: str, lowering: str) -> Decision:
-    """The ONNX form of one gated delta-rule node: the contrib op where asked for (``lowering="native"``) and
-    exact, else the portable Scan (also for "auto" on onnxruntime, where it measured faster)."""
+@dataclass(frozen=True)
+class RuleFacts:
+    """One gated delta-rule placeholder as ``decide`` sees it (``ops.protocol.Node``): its validated sizes, and
+    whether the node normalizes its keys, runs in float64, and the scale it gives q."""
+
+    name: str
+    entry: str
+    dims: Dims
+    normalized_keys: bool
+    float64: bool
+    scale: float | None
+
+
+def decide(node: RuleFacts, plan: OnnxOptions) -> Decision:
+    """The ONNX form of one gated delta-rule node (``ops.protocol.Decide``): the contrib op where asked for
+    (``lowering="native"``) and exact, else the portable Scan (also for "auto" on onnxruntime, where it measured
+    faster)."""
+    name, entry, dims, runtime, lowering = node.name, node.entry, node.dims, plan.runtime, plan.lowering
+    normalized_keys, float64, scale = node.normalized_keys, node.float64, node.scale
     why_not = contrib_refusal(dims, normalized_keys=normalized_keys, float64=float64, scale=scale, runtime=runtime)
     variant = ("per-channel decay (KDA)" if dims.channel_decay else "scalar decay (GDN)" if dims.has_decay
                else "no decay (DeltaNet)")
@@ -99,6 +119,30 @@ def decide_rule(name: str, entry: str, dims: Dims, *, normalized_keys: bool, flo
             if runtime == "tract-onnx" else "")
     return Decision(name, entry, "scan", f"portable ONNX Scan over the reference recurrence; contrib op refused: "
                     f"{why_not}{step}", dims)
+
+
+# --- the placeholder: what the TorchScript exporter writes for a node ----------------------------------
+@symbolic(RULE_QUALNAMES[0])
+def symbolic_rule(g, q, k, v, gate, beta, erase, write, s0, scale, use_qk_l2norm, num_householder):
+    scale = float(constant(scale, "f"))
+    norm = int(bool(constant(use_qk_l2norm, "b")))
+    n = int(constant(num_householder, "i"))
+    present = "".join("1" if not is_none(x) else "0" for x in (gate, beta, erase, write))
+    operands = [q, k, v] + [x for x in (gate, beta, erase, write) if not is_none(x)] + [s0]
+    y, state = placeholder_node(g, "GatedDeltaRule", operands, 2, scale_f=scale, use_qk_l2norm_i=norm,
+                                num_householder_i=n, present_s=present, head_major_i=0)
+    set_like(y, q, 4)
+    set_like(state, s0, 4, torch.float32)
+    return y, state
+
+
+@symbolic(RULE_QUALNAMES[1])
+def symbolic_scan(g, q, k, v, gate, beta, s0):
+    y, state = placeholder_node(g, "GatedDeltaRule", [q, k, v, gate, beta, s0], 2, scale_f=1.0, use_qk_l2norm_i=0,
+                                num_householder_i=1, present_s="1100", head_major_i=1)
+    set_like(y, q, 4)
+    set_like(state, s0, 4)
+    return y, state
 
 
 # --- the lowering: the placeholder replaced by the decided form ----------------------------------------
@@ -255,14 +299,12 @@ def _lower_rule(b: Builder, node, decision, names, dims, attrs, dtypes, elementw
 
 
 @placeholder("GatedDeltaRule", shaped=RULE_QUALNAMES)
-def rewrite_rule(b: Builder, node, attrs: dict, context: Context) -> Decision:
+def rewrite_rule(b: Builder, node, attrs: dict, context: Context) -> None:
     names, shapes, dtypes = _rule_parts(node, attrs, context.next_traced("GatedDeltaRule"))
     head_major = bool(attrs.get("head_major", 0))
     dims = validate_operands(shapes, head_major=head_major, num_householder=int(attrs.get("num_householder", 1)))
     entry = RULE_QUALNAMES[1 if head_major else 0]
-    decision = decide_rule(
-        node.output[-1], entry, dims, normalized_keys=head_major or bool(attrs.get("use_qk_l2norm", 0)),
-        float64="Double" in dtypes.values(), scale=float(attrs.get("scale", 1.0)), runtime=context.runtime,
-        lowering=context.lowering)
-    _lower_rule(b, node, decision, names, dims, attrs, dtypes, elementwise=context.runtime == "tract-onnx")
-    return decision
+    facts = RuleFacts(node.output[-1], entry, dims, normalized_keys=head_major or bool(attrs.get("use_qk_l2norm", 0)),
+                      float64="Double" in dtypes.values(), scale=float(attrs.get("scale", 1.0)))
+    decision = record(decide, facts, context.options, context.decisions)
+    _lower_rule(b, node, decision, names, dims, attrs, dtypes, elementwise=context.options.runtime == "tract-onnx")

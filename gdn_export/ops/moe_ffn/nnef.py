@@ -10,14 +10,22 @@ from torch_to_nnef import torch_graph as tg
 
 from gdn_export.backends.nnef.builder import NnefBuilder
 from gdn_export.backends.nnef.registry import custom_op, output_tensors, require_tract
-from gdn_export.ops.moe_ffn.op import (FIRST_VERSION, GIVEN_ROUTING_GATES, OP_NAME, QUALNAME, TRACT_GATES,
-                                       UNSUPPORTED_GATES, check_moe_operands)
+from gdn_export.ops.moe_ffn.op import (FIRST_VERSION, GIVEN_ROUTING_GATES, OP_NAME, TRACT_GATES, UNSUPPORTED_GATES,
+                                       MoeNode, check_moe_operands)
 from gdn_export.ops.options import LoweringOptions, policy_of
-from gdn_export.ops.protocol import Decision
+from gdn_export.ops.protocol import Decision, record
 
 
-def decide(gate: str, options: LoweringOptions) -> tuple[str, str]:
-    """(lowering, reason): ``"tract_moe_ffn"`` where tract's fused op computes exactly this node, else ``"dense"``."""
+def decide(node: MoeNode, options: LoweringOptions) -> Decision:
+    """``"tract_moe_ffn"`` where tract's fused op computes exactly this node, else ``"dense"``
+    (``ops.protocol.Decide``); the reason ends with the experts the node runs where they are known."""
+    lowering, reason = _rule(node.gate, options)
+    if node.top_k is not None and node.experts is not None:
+        reason = f"{reason} (top {node.top_k} of {node.experts} experts)"
+    return Decision(node.name, node.entry, lowering, reason, None)
+
+
+def _rule(gate: str, options: LoweringOptions) -> tuple[str, str]:
     if gate not in TRACT_GATES and gate not in GIVEN_ROUTING_GATES:
         why = UNSUPPORTED_GATES.get(gate, f"routing {gate!r} is none of tract_moe_ffn's gate modes")
         return "dense", f"{why}; every expert runs on every token"
@@ -42,7 +50,9 @@ def handle(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
     tensors = [i for i in node.inputs if not isinstance(i, tg.PythonConstant)]
     top_k, gate = int(constants[0]), str(constants[1])
     target = policy_of(inference_target)
-    lowering, reason = decide(gate, target.gdn_options)
+    experts = int(tensors[3].shape[0])  # gate_proj [E, I, D]
+    node_facts = MoeNode(node.outputs[0].export_name, gate, top_k, experts)
+    lowering = record(decide, node_facts, target.gdn_options, target.gdn_decisions).lowering
     given = gate in GIVEN_ROUTING_GATES
     x, routing, router, gate_proj, up_proj, down = (
         op_helper.get_or_add_tensor_variable_in_nnef(t) if i != 1 or given or lowering == "dense" else None
@@ -50,8 +60,6 @@ def handle(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
     check_moe_operands(x.shape, tensors[1].shape, router.shape, gate_proj.shape, up_proj.shape, down.shape, top_k,
                        gate)
     (y,) = output_tensors(op_helper, node, name_to_tensor)
-    target.gdn_decisions.append(Decision(y.name, QUALNAME, lowering, f"{reason} (top {top_k} of "
-                                         f"{int(gate_proj.shape[0])} experts)", None))
     builder = NnefBuilder(g, y.name)
     if lowering == OP_NAME and given:
         return lower_given_routing(builder, x, routing, gate_proj, up_proj, down, y, top_k)

@@ -4,17 +4,26 @@ computes its own routing (softmax top-k) whose semantics were not verified again
 
 from __future__ import annotations
 
-from gdn_export.backends.onnx.registry import Context, placeholder
+from gdn_export.backends.onnx.registry import Context, OnnxOptions, placeholder, symbolic
+from gdn_export.backends.onnx.symbolics import constant, placeholder_node, set_like
 from gdn_export.backends.onnx.rewrite import Builder, DTYPES, operand_info
-from gdn_export.ops.moe_ffn.op import QUALNAME as MOE_QUALNAME
-from gdn_export.ops.moe_ffn.op import widening
-from gdn_export.ops.protocol import Decision
+from gdn_export.ops.moe_ffn.op import QUALNAME, MoeNode, widening
+from gdn_export.ops.protocol import Decision, record
 
 
-def decide_moe(name: str, gate: str) -> Decision:
-    return Decision(name, MOE_QUALNAME, "dense", "every expert on every token, mixed by the routing weights (the "
+def decide(node: MoeNode, plan: OnnxOptions) -> Decision:
+    """Always dense in ONNX (``ops.protocol.Decide``; the module docstring says why), whatever the plan."""
+    return Decision(node.name, node.entry, "dense", "every expert on every token, mixed by the routing weights (the "
                     "op's torch kernel): ONNX has no routed-expert op, and onnxruntime's com.microsoft::MoE computes "
-                    f"its own routing, not verified against this node's ({gate})", None)
+                    f"its own routing, not verified against this node's ({node.gate})", None)
+
+
+@symbolic(QUALNAME)
+def symbolic_moe(g, x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate):
+    y = placeholder_node(g, "MoeFfn", [x, routing, gate_proj, up_proj, down_proj], 1,
+                         top_k_i=int(constant(top_k, "i")), gate_s=str(constant(gate, "s")))
+    set_like(y, x, 2)
+    return y
 
 
 def _lower_moe(b: Builder, node, shapes, dtypes, gate: str) -> None:
@@ -35,10 +44,9 @@ def _lower_moe(b: Builder, node, shapes, dtypes, gate: str) -> None:
 
 
 @placeholder("MoeFfn")
-def rewrite_moe(b: Builder, node, attrs: dict, context: Context) -> Decision:
+def rewrite_moe(b: Builder, node, attrs: dict, context: Context) -> None:
     shapes, dtypes = operand_info(attrs)
     gate = attrs.get("gate", b"")
     gate = gate.decode() if isinstance(gate, bytes) else gate
-    decision = decide_moe(node.output[0], gate)
+    record(decide, MoeNode(node.output[0], gate), context.options, context.decisions)
     _lower_moe(b, node, shapes, dtypes, gate)
-    return decision

@@ -54,6 +54,8 @@ zero output rows of the given-routing form). With the three stacks in Q4_0 it ru
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -80,6 +82,18 @@ UNSUPPORTED_GATES = {
 }
 # measured exact on this version (tests/test_moe.py); earlier versions were not checked
 FIRST_VERSION = (0, 23, 9)
+
+
+@dataclass(frozen=True)
+class MoeNode:
+    """One ``moe_ffn`` node as ``decide`` sees it (``ops.protocol.Node``): its routing ``gate``, and the experts it
+    runs (``top_k`` of ``experts``; None before tracing, where only the lowering is asked for)."""
+
+    name: str
+    gate: str
+    top_k: int | None = None
+    experts: int | None = None
+    entry: str = QUALNAME
 
 
 def widening(gate: str, experts: int) -> int:

@@ -10,19 +10,18 @@ from __future__ import annotations
 from gdn_export.backends.nnef.registry import custom_op, output_tensors, positional, require_tract
 from gdn_export.backends.nnef.builder import NnefBuilder
 from gdn_export.ops.gated_delta_rule import registry
-from gdn_export.ops.gated_delta_rule.emitter import decide, node_dims
+from gdn_export.ops.gated_delta_rule.emitter import decide
 from gdn_export.ops.gated_delta_rule.nnef.node import GdnNode
 from gdn_export.ops.options import LoweringOptions, policy_of
+from gdn_export.ops.protocol import record
 
 
 def emit(graph, node: GdnNode, options: LoweringOptions, decisions: list) -> list:
     """Validate, decide (appending the Decision to ``decisions``), write the chosen lowering; return the
     fragments/extensions it needs."""
-    dims = node_dims(node)
-    decision = decide(node, dims, options)
-    decisions.append(decision)
+    decision = record(decide, node, options, decisions)
     builder = NnefBuilder(graph, prefix=node.y.name)
-    return registry.get(decision.lowering).lower(builder, node, dims, options)
+    return registry.get(decision.lowering).lower(builder, node, decision.dims, options)
 
 
 def emit_for(g, gdn: GdnNode, inference_target) -> list:
