@@ -4,7 +4,8 @@ another through ``Session``, in one run.
     python benchmarks/bench_serving.py CHECKPOINT_DIR [--concurrency 1,2,4,8,16] [--prompt 128] [--new 64]
                                        [--workers 2] [--prefill-piece 128[,64...]] [--prefill-rows 1[,2...]]
                                        [--dtype float32|float16] [--quantize q4_0|int8]
-                                       [--plans one[,per-batch][,serve]] [--rounds R] [--cpus 0,1] [--keep DIR]
+                                       [--plans one[,per-batch][,serve]] [--rounds R] [--cpus 0,1] [--json OUT]
+                                       [--keep DIR]
                                        [--session-archive plain|serving]
 
 The checkpoint is converted twice with ``gdn-export convert --no-check --logits last --dtype D [--quantize Q]``:
@@ -19,7 +20,8 @@ thread per core), against the same N requests one after another through one Sess
 ``Session`` serves; the "sequential" rows). Reported: total generated tokens/s and its ratio to the sequential
 run's at the same N (``x seq``: the Engine's gain over serving one request at a time), time to first token (from
 submission; the sequential run's k-th request waits for the k-1 before it) and inter-token latency, p50 and p99.
-Every request's tokens are checked equal to the sequential run's. Planning is done before the clock starts. With
+Every request's tokens are checked equal to the sequential run's. On a shared machine a run gets only a share of the
+cores, which tokens/s hides: each row also gives tokens per CPU second of its process (every thread). Planning is done before the clock starts. With
 several ``--prefill-piece`` sizes (prompt tokens per prefill call, multiples of 64), an Engine runs at each: a
 smaller piece stalls a worker's decode rows for less time (the ITL p99) at some cost in prefill speed. With several
 ``--prefill-rows`` (the Engine's ``prefill_rows``: prompts whose pieces run in one call, each row its own length),
@@ -79,8 +81,8 @@ def percentile(values: list[float], q: float) -> float:
 def sequential(session: Session, prompts: list[tuple[int, ...]], new: int, counts: list[int]) -> dict[int, dict]:
     """The requests one after another through ``session`` (greedy); for each n of ``counts``, the first n of them
     (exactly the run of n requests one after another): total seconds, TTFT and ITL lists, tokens."""
-    start = time.perf_counter()
-    ttft, itl, tokens, ends = [], [], [], []
+    start, cpu = time.perf_counter(), time.process_time()
+    ttft, itl, tokens, ends, cpus = [], [], [], [], []
     for prompt in prompts:
         session.reset()
         logits = session.prefill(np.asarray([prompt]))[0, -1]
@@ -96,8 +98,9 @@ def sequential(session: Session, prompts: list[tuple[int, ...]], new: int, count
                 last = now
         tokens.append(out)
         ends.append(time.perf_counter() - start)
-    return {n: dict(seconds=ends[n - 1], ttft=ttft[:n], itl=[gap for i, gap in itl if i < n], tokens=tokens[:n])
-            for n in counts}
+        cpus.append(time.process_time() - cpu)
+    return {n: dict(seconds=ends[n - 1], cpu=cpus[n - 1], ttft=ttft[:n], itl=[gap for i, gap in itl if i < n],
+                    tokens=tokens[:n]) for n in counts}
 
 
 def batched(engine: Engine, prompts: list[tuple[int, ...]], new: int) -> dict:
@@ -106,7 +109,7 @@ def batched(engine: Engine, prompts: list[tuple[int, ...]], new: int) -> dict:
 
     ttft, itl, tokens = [0.0] * len(prompts), [], [None] * len(prompts)
     lock = threading.Lock()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     streams = [engine.submit(TokenRequest(p, new, SamplingParams(temperature=0.0))) for p in prompts]
 
     def read(i):
@@ -128,7 +131,8 @@ def batched(engine: Engine, prompts: list[tuple[int, ...]], new: int) -> dict:
         reader.start()
     for reader in readers:
         reader.join()
-    return dict(seconds=time.perf_counter() - start, ttft=ttft, itl=itl, tokens=tokens)
+    return dict(seconds=time.perf_counter() - start, cpu=time.process_time() - cpu, ttft=ttft, itl=itl,
+                tokens=tokens)
 
 
 def peak_rss_bytes() -> int:
@@ -211,7 +215,7 @@ def serve_run(job: dict) -> dict:
             seconds = time.perf_counter() - start
             if sum(produced) != n * job["new"]:
                 raise RuntimeError(f"the server produced {sum(produced)} tokens, not {n * job['new']}")
-            results[n] = dict(seconds=seconds, ttft=[], itl=[], tokens=None)
+            results[n] = dict(seconds=seconds, cpu=None, ttft=[], itl=[], tokens=None)
             print(f"  N={n}: {n * job['new'] / seconds:.1f} tok/s", file=sys.stderr, flush=True)
         peak = kib(process.pid, "VmHWM") * 1024
     finally:
@@ -258,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                         "this many times, interleaved (every other round in reverse order); medians")
     parser.add_argument("--cpus", help="pin this script and its children to these cores (a list for "
                         "os.sched_setaffinity, e.g. 0,1)")
+    parser.add_argument("--json", type=Path, help="write every run's measurements here")
     parser.add_argument("--keep", type=Path, help="write (and reuse) the archives here (default: a temporary folder)")
     parser.add_argument("--session-archive", choices=["plain", "serving"], default="plain",
                         help="the archive the Session baseline runs (plain: converted without --serving)")
@@ -307,6 +312,15 @@ def main(argv: list[str] | None = None) -> int:
     def median_seconds(name: str, n: int) -> float:
         return float(np.median([run["results"][n]["seconds"] for run in runs[name]]))
 
+    def cpu_rate(name: str, n: int) -> float | None:
+        """Tokens per CPU second (the process's, every thread): what a step costs, whatever share of the cores the
+        run got on a shared machine."""
+        cpus = [run["results"][n]["cpu"] for run in runs[name]]
+        return None if None in cpus else n * args.new / float(np.median(cpus))
+
+    if args.json:
+        args.json.write_text(json.dumps(runs))
+
     def pooled(name: str, n: int, key: str) -> list[float]:
         return [value for run in runs[name] for value in run["results"][n][key]]
 
@@ -315,11 +329,12 @@ def main(argv: list[str] | None = None) -> int:
           f"workers and {slots} slots (plans: {planned}); sequential: one Session, one request at a time, on the "
           f"{args.session_archive} archive; {args.rounds} round(s), interleaved, medians; the serving archive's "
           f"weights {weights / 1e9:.2f} GB, bound 1.5x + 1 GiB = {bound / 1e9:.2f} GB; peak RSS of each run's "
-          f"process (VmHWM); x seq: tokens/s over the sequential run's at the same N; pinned to "
+          f"process (VmHWM); x seq: tokens/s over the sequential run's at the same N; tok / CPU s: tokens per CPU "
+          f"second of the run's process (x seq: over the sequential run's); pinned to "
           f"{sorted(os.sched_getaffinity(0))}, load average {os.getloadavg()[0]:.1f} at the end")
-    print("| run | N | tok/s | x seq | TTFT p50 / p99 s | ITL p50 / p99 ms | same tokens | peak RSS GB | x weights | "
-          "within bound |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| run | N | tok/s | x seq | tok / CPU s (x seq) | TTFT p50 / p99 s | ITL p50 / p99 ms | same tokens | "
+          "peak RSS GB | x weights | within bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in configurations:
         peak = max(run["peak_rss"] for run in runs[name])
         for n in counts:
@@ -330,7 +345,10 @@ def main(argv: list[str] | None = None) -> int:
                     all(t == runs["sequential"][0]["results"][n]["tokens"] for t in tokens))
             timing = (f"{percentile(ttft, 50):.2f} / {percentile(ttft, 99):.2f} | "
                       f"{1e3 * percentile(itl, 50):.0f} / {1e3 * percentile(itl, 99):.0f}" if ttft else "- | -")
-            print(f"| {name} | {n} | {ours:.1f} | {ours / theirs:.2f}x | {timing} | {same} | {peak / 1e9:.2f} | "
+            rate, base = cpu_rate(name, n), cpu_rate("sequential", n)
+            per_cpu = "-" if rate is None else f"{rate:.1f} ({rate / base:.2f}x)"
+            print(f"| {name} | {n} | {ours:.1f} | {ours / theirs:.2f}x | {per_cpu} | {timing} | {same} | "
+                  f"{peak / 1e9:.2f} | "
                   f"{peak / weights:.2f}x | {'yes' if peak <= bound else 'no'} |")
     return 0
 
