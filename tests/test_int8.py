@@ -150,28 +150,41 @@ def test_int8_export_of_a_tied_model_matches_the_reference_with_the_same_roundin
 
 
 @pytest.mark.slow
-def test_the_int8_rule_fails_a_graph_that_does_not_round_its_inputs(tmp_path):
-    """The rule the int8 check applies (typical error against the reference's own sensitivity to its rounding) on
-    logits computed without the input rounding: what a graph that skipped it would give, judged against the
-    reference with it."""
+@pytest.mark.parametrize("fixture", ["qwen3_5", "qwen3_5_trained"])
+def test_the_int8_rule_fails_a_graph_that_does_not_round_its_inputs(fixture):
+    """The rule the int8 check applies (typical error against the envelope of the reference's own sensitivity to its
+    rounding, int8.rounding_envelope) on logits computed without the input rounding: what a graph that skipped it
+    would give, judged against the reference with it. Random weights and the trained fixture (which flips a code every
+    few positions: one perturbed run alone made the rule refuse a correct tract archive there; a graph without the
+    rounding is told apart only on random weights)."""
     from gdn_export.hf.check import sample_tokens, transformers_logits
     from gdn_export.hf.checkpoint import model_in_memory, open_checkpoint
     from gdn_export.hf.weight_writers import QuantizationReport, dequantized_view, int8_reference_linears
 
-    family, layout, model, weights = open_checkpoint(FIXTURES / "qwen3_5")
+    if not (FIXTURES / fixture / "config.json").is_file():
+        pytest.skip(f"no fixtures/{fixture}")
+    family, layout, model, weights = open_checkpoint(FIXTURES / fixture)
     names = [n for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
     report = QuantizationReport(scheme="int8", quantized=names)
     view = dequantized_view(weights, report)
     tokens = sample_tokens(layout.config["vocab_size"], 1, 24)
-    logits = {}
-    for seed, rounded in (("plain", frozenset()), (None, int8_reference_linears(report)),
-                          (0, int8_reference_linears(report))):
+    rounded = int8_reference_linears(report)
+
+    def logits(seed, rounded_inputs):
         reference = model_in_memory(family, layout, view)
-        int8.reference_hooks(reference, rounded, seed if seed != "plain" else None)
-        logits[seed] = transformers_logits(reference, tokens, 16)
-    ok = compare_logits(logits[0], logits[None], "float32 (int8 rounding)", logits[0], 16, allowance=1e-4)
-    assert ok.ok  # the baseline itself passes
-    wrong = compare_logits(logits["plain"], logits[None], "float32 (int8 rounding)", logits[0], 16, allowance=1e-4)
+        int8.reference_hooks(reference, rounded_inputs, seed)
+        return transformers_logits(reference, tokens, 16)
+
+    expected = logits(None, rounded)
+    runs = [logits(seed, rounded) for seed in range(int8.ROUNDING_SEEDS + 1)]
+    envelope = int8.rounding_envelope(expected, runs[:-1])
+    ok = compare_logits(runs[-1], expected, "float32 (int8 rounding)", envelope, 16, allowance=1e-4)
+    assert ok.ok, ok  # another correct evaluation (a seed the envelope did not see) passes
+    if fixture == "qwen3_5_trained":
+        # no assertion on the graph without rounding: there, flips move logits as much as all the rounding does
+        # (docs/INT8.md, "The check"), and the rule cannot tell them apart; the random-weight fixture can
+        return
+    wrong = compare_logits(logits(None, frozenset()), expected, "float32 (int8 rounding)", envelope, 16, allowance=1e-4)
     assert not wrong.ok, wrong
 
 

@@ -585,6 +585,7 @@ def check_with(kind: str, archive, family, layout, weights, prompt_len: int, dec
     logits, into the result's ``quality``. ``rounded_inputs``: names of the reference's ``nn.Linear`` modules whose
     input is rounded as an int8 graph rounds it (``gdn_export.weights.int8``, in ``int8_passes``), in the judged
     reference only."""
+    from gdn_export.weights import int8
     from gdn_export.weights.int8 import reference_hooks
 
     def references(source, rounded=frozenset(), jitter_seed=None):
@@ -601,7 +602,9 @@ def check_with(kind: str, archive, family, layout, weights, prompt_len: int, dec
         return partial(logits, torch.float32), logits
 
     def rounding_baseline(tokens: np.ndarray) -> np.ndarray:  # the int8 reference, its rounding inputs perturbed
-        return references(weights, rounded_inputs, jitter_seed=0)[0](tokens)
+        expected = references(weights, rounded_inputs)[0](tokens)
+        return int8.rounding_envelope(expected, [references(weights, rounded_inputs, jitter_seed=seed)[0](tokens)
+                                                 for seed in range(int8.ROUNDING_SEEDS)])
 
     def quality(tokens: np.ndarray) -> np.ndarray:  # its model is built only once the export's logits are in
         return references(quality_weights)[0](tokens)
