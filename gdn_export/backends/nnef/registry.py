@@ -12,6 +12,8 @@ from torch_to_nnef import torch_graph as tg
 from torch_to_nnef.exceptions import T2NErrorNotImplemented
 from torch_to_nnef.inference_target import TractNNEF
 
+from gdn_export.backends.registration import registrar
+
 # t2n_extra op name -> torch-to-nnef handler (g, node, name_to_tensor, op_helper, inference_target, **kwargs)
 CUSTOM_OPS: dict[str, Callable] = {}
 
@@ -19,14 +21,7 @@ CUSTOM_OPS: dict[str, Callable] = {}
 def custom_op(name: str) -> Callable[[Callable], Callable]:
     """Register the decorated function as the handler of ``t2n_extra::<name>`` nodes."""
 
-    def register(handler: Callable) -> Callable:
-        if CUSTOM_OPS.get(name, handler) is not handler:
-            raise TypeError(f"t2n_extra::{name} has two handlers: {CUSTOM_OPS[name].__module__} and "
-                            f"{handler.__module__}")
-        CUSTOM_OPS[name] = handler
-        return handler
-
-    return register
+    return registrar(CUSTOM_OPS, name, f"t2n_extra::{name} has two handlers")
 
 
 def positional(op_helper, node) -> list:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from gdn_export.backends.registration import registrar
 from gdn_export.errors import LoweringError
 
 RUNTIMES = ("onnxruntime", "tract-onnx", "any")
@@ -72,14 +73,7 @@ def symbolic(qualname: str) -> Callable[[Callable], Callable]:
     """Register the decorated function as the TorchScript symbolic of ``qualname`` (a ``t2n_extra::`` op): it
     makes the op's placeholder node (``symbolics.placeholder_node``)."""
 
-    def register(function: Callable) -> Callable:
-        if SYMBOLICS.get(qualname, function) is not function:
-            raise TypeError(f"{qualname} has two ONNX symbolics: {SYMBOLICS[qualname].__module__} and "
-                            f"{function.__module__}")
-        SYMBOLICS[qualname] = function
-        return function
-
-    return register
+    return registrar(SYMBOLICS, qualname, f"{qualname} has two ONNX symbolics")
 
 
 def validate(runtime: str, lowering: str) -> None:
