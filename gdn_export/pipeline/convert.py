@@ -601,16 +601,27 @@ def check_with(kind: str, archive, family, layout, weights, prompt_len: int, dec
 
         return partial(logits, torch.float32), logits
 
+    reference, half_reference = references(weights, rounded_inputs)
+    judged = {}  # the judged reference's logits of the last tokens: the int8 baseline is measured from them too
+
+    def judged_reference(tokens: np.ndarray) -> np.ndarray:
+        key = tokens.tobytes()
+        if key not in judged:
+            judged.clear()
+            judged[key] = reference(tokens)
+        return judged[key]
+
     def rounding_baseline(tokens: np.ndarray) -> np.ndarray:  # the int8 reference, its rounding inputs perturbed
-        expected = references(weights, rounded_inputs)[0](tokens)
-        return int8.rounding_envelope(expected, [references(weights, rounded_inputs, jitter_seed=seed)[0](tokens)
-                                                 for seed in range(int8.ROUNDING_SEEDS)])
+        return int8.rounding_envelope(judged_reference(tokens),
+                                      [references(weights, rounded_inputs, jitter_seed=seed)[0](tokens)
+                                       for seed in range(int8.ROUNDING_SEEDS)])
 
     def quality(tokens: np.ndarray) -> np.ndarray:  # its model is built only once the export's logits are in
         return references(quality_weights)[0](tokens)
 
     return check_archive(archive, layout.config["vocab_size"], prompt_len, decode_steps, batch, 0,
-                         *references(weights, rounded_inputs), quality_reference=quality if quality_weights is not None else None,
+                         judged_reference, half_reference,
+                         quality_reference=quality if quality_weights is not None else None,
                          rounding_baseline=rounding_baseline if rounded_inputs else None)
 
 
