@@ -4,7 +4,12 @@ A serving graph (``convert(serving=True)``) takes a batch of rows, each row any 
 past length (``past_len``). ``SlotPool`` holds, per slot:
 
 - the fixed-size states (a GDN layer's conv and recurrent states), in one array per state ``[slots + 1, ...]``;
-  the last row is the *scratch* row that padding rows of a batch read (zeros; never written);
+  the last row is the *scratch* row that padding rows of a batch read (zeros; never written). Each array is a
+  mapping of its own, and a slot's rows are handed back to the system (``_drop``: they read as zeros after) when
+  the slot is reset or released and while its states are resident (below): at the 0.8B shape a slot's fixed
+  states are 19.6 MB, and with 8 slots decoding the stale copies beside the resident tensors were 0.16 GB of
+  `gdn-export serve`'s peak (benchmarks/RESULTS.md). A mapping of its own, not a heap array freed per slot: the
+  workers' heaps keep what they free (``steady_allocator``), so freeing per-slot arrays there raised the peak;
 - the caches (an attention layer's keys and values), one array per slot and state whose past axis grows by
   doubling, and the slot's length (tokens it holds).
 
@@ -21,6 +26,7 @@ sharing a slot with them, a reset, snapshot, restore or release.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +62,7 @@ class SlotPool:
         self.lengths = np.zeros(slots, np.int64)
         self._fixed: dict[int, np.ndarray] = {}  # state index -> [slots + 1, ...]
         self._resident: tuple[tuple[int, ...], dict[int, object]] | None = None  # (rows, state index -> tensor)
+        self._dropped: set[int] = set(range(slots))  # slots whose fixed rows are zero pages, holding no memory
         self._caches: dict[int, list[np.ndarray]] = {}  # state index -> one [..., capacity, ...] per slot
         self._cache_axis: dict[int, int] = {}  # the past axis of a cache, batch axis removed
         for index, spec in enumerate(specs):
@@ -67,7 +74,7 @@ class SlotPool:
                 shape = [initial_capacity if d == "P" else d for d in dims]
                 self._caches[index] = [np.zeros(shape, dtype) for _ in range(slots)]
             else:
-                self._fixed[index] = np.zeros([slots + 1, *dims], dtype)
+                self._fixed[index] = _mapped_zeros([slots + 1, *dims], dtype)
 
     @property
     def state_count(self) -> int:
@@ -84,12 +91,12 @@ class SlotPool:
             for b, row in enumerate(rows):
                 if row != SCRATCH:
                     self._fixed[index][row] = values[b]
+        self._dropped.difference_update(rows)
 
     def reset(self, slot: int) -> None:
         """A fresh slot: fixed states zero, no cached position."""
         self.flush(slot)
-        for pool in self._fixed.values():
-            pool[slot] = 0
+        self._drop(slot)
         self.lengths[slot] = 0
 
     def snapshot(self, slot: int) -> Snapshot:
@@ -100,6 +107,7 @@ class SlotPool:
 
     def restore(self, slot: int, snapshot: Snapshot) -> None:
         self.flush(slot)
+        self._dropped.discard(slot)
         for pool, value in zip(self._fixed.values(), snapshot.fixed):
             pool[slot] = value
         for index, value in zip(self._caches, snapshot.caches):
@@ -142,11 +150,16 @@ class SlotPool:
             if self._resident is not None and self._resident[0] != tuple(rows):
                 self.flush()  # another batch's: the same rows' were this step's inputs, replaced now
             self._resident = (tuple(rows), {i: outputs[i] for i in self._fixed})
+            for row in rows:  # the resident tensors hold these slots' states now: the rows' memory goes back
+                if row != SCRATCH:
+                    self._drop(row)
         outputs = [None if resident and i in self._fixed else _numpy(o) for i, o in enumerate(outputs)]
         for b, row in enumerate(rows):
             if row == SCRATCH:
                 continue
             length, added = int(self.lengths[row]), int(counts[b])
+            if not resident:
+                self._dropped.discard(row)
             for index, output in enumerate(outputs):
                 if output is None:
                     continue
@@ -172,19 +185,57 @@ class SlotPool:
         _cut(grown, axis, array.shape[axis])[...] = array
         self._caches[index][slot] = grown
 
+    def _drop(self, slot: int) -> None:
+        """Zero ``slot``'s fixed states, handing their whole pages back to the system (``MADV_DONTNEED``: a private
+        anonymous mapping reads zeros after, and holds no memory until written again)."""
+        if slot in self._dropped:  # a resident batch's rows: dropped at its first step, not again at every step
+            return
+        self._dropped.add(slot)
+        for pool in self._fixed.values():
+            _zero_row(pool, slot)
+
     def drop_resident(self) -> None:
         """Forget the resident batch without writing it (after a failed step: its requests end)."""
         self._resident = None
 
     def release(self, slot: int) -> None:
-        """Give back a finished slot's grown caches (a long request must not keep its memory)."""
+        """Give back a finished slot's memory: its fixed states (zeros after) and grown caches (a long request must
+        not keep its memory)."""
         self.flush(slot)
+        self._drop(slot)
         for index, per_slot in self._caches.items():
             if per_slot[slot].shape[self._cache_axis[index]] > self.initial_capacity:
                 shape = list(per_slot[slot].shape)
                 shape[self._cache_axis[index]] = self.initial_capacity
                 per_slot[slot] = np.zeros(shape, per_slot[slot].dtype)
         self.lengths[slot] = 0
+
+
+def _mapped_zeros(shape: list[int], dtype) -> np.ndarray:
+    """A zero array in an anonymous mapping of its own (its memory is taken as rows are written; ``_zero_row`` gives
+    a row's pages back)."""
+    nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # private: MADV_DONTNEED then reads zeros
+    return np.frombuffer(mapping, dtype, int(np.prod(shape))).reshape(shape)
+
+
+def _zero_row(array: np.ndarray, row: int) -> None:
+    """``array[row] = 0`` for an ``_mapped_zeros`` array, its row's whole pages given back (``MADV_DONTNEED``) and
+    only the partial pages at its ends written."""
+    buffer = array.base
+    while isinstance(buffer, np.ndarray):  # the mapping under the reshaped array
+        buffer = buffer.base
+    buffer = buffer.obj if isinstance(buffer, memoryview) else buffer
+    flat = array.reshape(-1).view(np.uint8)
+    size = array[0].nbytes
+    begin, end = row * size, (row + 1) * size
+    first, last = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if not isinstance(buffer, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED") or last <= first:
+        array[row] = 0
+        return
+    buffer.madvise(mmap.MADV_DONTNEED, first, last - first)
+    flat[begin:first] = 0
+    flat[last:end] = 0
 
 
 def _numpy(value) -> np.ndarray:
