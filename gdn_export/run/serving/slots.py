@@ -27,6 +27,7 @@ sharing a slot with them, a reset, snapshot, restore or release.
 from __future__ import annotations
 
 import mmap
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,9 @@ from gdn_export.errors import GdnExportError
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 SCRATCH = -1  # a padding row: reads the scratch row, writes nothing
+# Linux's MADV_DONTNEED on a private anonymous mapping frees the pages and reads zeros after; elsewhere (macOS's is
+# advisory and may keep the contents) the rows are zeroed by writing, in plain arrays
+_GIVES_BACK = sys.platform.startswith("linux") and hasattr(mmap, "MADV_DONTNEED") and hasattr(mmap, "MAP_PRIVATE")
 
 
 @dataclass(frozen=True)
@@ -214,6 +218,8 @@ class SlotPool:
 def _mapped_zeros(shape: list[int], dtype) -> np.ndarray:
     """A zero array in an anonymous mapping of its own (its memory is taken as rows are written; ``_zero_row`` gives
     a row's pages back)."""
+    if not _GIVES_BACK:
+        return np.zeros(shape, dtype)
     nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # private: MADV_DONTNEED then reads zeros
     return np.frombuffer(mapping, dtype, int(np.prod(shape))).reshape(shape)
@@ -230,7 +236,7 @@ def _zero_row(array: np.ndarray, row: int) -> None:
     size = array[0].nbytes
     begin, end = row * size, (row + 1) * size
     first, last = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
-    if not isinstance(buffer, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED") or last <= first:
+    if not _GIVES_BACK or not isinstance(buffer, mmap.mmap) or last <= first:
         array[row] = 0
         return
     buffer.madvise(mmap.MADV_DONTNEED, first, last - first)
