@@ -134,13 +134,11 @@ SCAN = """    window = transpose(state, axes = [0, 2, 1]);
 """
 
 
-def chunks(chunk: int, widen: bool = False) -> str:
-    """gdn_export's lowering (gdn_export/ops/causal_conv1d/nnef.py): a scan over chunks of ``chunk`` tokens;
-    ``widen``: an f16 graph's chunks computed in f32 (the weight cast to f32 once)."""
-    weight = "tract_core_cast(weight, to = 'f32')" if widen else "weight"
+def chunks(chunk: int) -> str:
+    """gdn_export's lowering (gdn_export/ops/causal_conv1d/nnef.py): a scan over chunks of ``chunk`` tokens."""
     return f"""    window = transpose(state, axes = [0, 2, 1]);
-    wt = unsqueeze(transpose({weight}, axes = [1, 0]), axes = [0]);
-    (yt, last) = gdn_export_conv_w{{w}}_c{chunk}{'_widened' if widen else ''}(transpose(x, axes = [0, 2, 1]), window, wt);
+    wt = unsqueeze(transpose(weight, axes = [1, 0]), axes = [0]);
+    (yt, last) = gdn_export_conv_w{{w}}_c{chunk}(transpose(x, axes = [0, 2, 1]), window, wt);
     st = transpose(last, axes = [0, 2, 1]);
     y0 = transpose(yt, axes = [0, 2, 1]);
 """
@@ -149,7 +147,6 @@ def chunks(chunk: int, widen: bool = False) -> str:
 FORMS = {"fused": FUSED, "depthwise conv": DEPTHWISE, "taps, channels last": taps_last(WIDTH),
          "taps, channels first": taps_first(WIDTH), "taps stacked, summed over W": taps_stacked(WIDTH),
          "scan per token": SCAN, "chunks of 4 (gdn_export's lowering)": chunks(4), "chunks of 16": chunks(16),
-         "chunks of 4, in f32 (f16 only)": chunks(4, True),
          "taps, channels last, in f32 (f16 only)": taps_last(WIDTH, True)}
 
 
@@ -165,11 +162,11 @@ def reference(xs: np.ndarray, weight: np.ndarray, state: np.ndarray) -> tuple[np
 
 def fragments(body: str, w: int) -> str:
     """The NNEF fragments a form's body calls."""
-    called = re.search(r"gdn_export_conv_w\d+_c(\d+)(_widened)?\(", body)
+    called = re.search(r"gdn_export_conv_w\d+_c(\d+)\(", body)
     if called:
         from gdn_export.ops.causal_conv1d.nnef import fragment
 
-        return fragment(w, int(called.group(1)), bool(called.group(2))).definition
+        return fragment(w, int(called.group(1))).definition
     return SCAN_FRAGMENTS.format(w=w) if "tract_core_scan" in body else ""
 
 

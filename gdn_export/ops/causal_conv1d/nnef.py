@@ -17,8 +17,13 @@ slices over the symbolic S, 4.4 stacked and summed, 8 for a scan over single tok
 depthwise ``conv`` (tract makes it im2col + a matrix product over a symbolic S); S = 1 in 0.11 ms against 0.28.
 
 An f16 conv keeps tract's fused op ("native", from 0.23.5; before it "portable", NNEF's depthwise ``conv`` over
-``state[:, :, 1:] ++ x``): tract's f16 arithmetic made the chunks ~3x slower than the fused op at S = 1 and
-S = 128 (1.26 / 40 ms against 0.4 / 11.5), and computing them in f32 between casts slower still (4.2 / 144 ms).
+``state[:, :, 1:] ++ x``): tract's f16 arithmetic makes the chunks ~3x slower than the fused op for one token
+(1.2 against 0.4 ms, the decode step); at S = 128 they took 38-40 ms where the fused op took 11.5 ms in one run
+and 270 ms in others (its time swings between runs, f32 too: 10-26 and 140-330 ms), and computed in f32 between
+casts 136-144 ms. Not measured in a model yet: an f16 model keeps what it had.
+
+The fused op's swing: in ``Runnable.run`` (a fresh state each call, as a Session runs) it was often 10x slower than
+in ``profile_json`` (one state, many runs), so a model's profile understates it; compare prefill tokens/s.
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ def decide(node: ConvNode, options: LoweringOptions) -> Decision:
         return Decision(node.name, node.entry, "chunks", f"a tract_core_scan over chunks of {CHUNK} tokens, channels "
                         "last (f32: S = 128 ~4x and S = 1 ~2.5x faster than the fused op, benchmarks/"
                         "bench_short_conv.py)", None)
-    why = f"{node.dtype}: tract runs f16 arithmetic in a scan body ~3x slower than its fused op"
+    why = f"{node.dtype}: tract's f16 arithmetic makes the scan ~3x slower than the fused op for one token"
     if options.tract_version >= FUSED_CONV_FIRST_VERSION:
         return Decision(node.name, node.entry, "native", f"{OP_NAME} exists on this tract ({why})", None)
     return Decision(node.name, node.entry, "portable", f"{OP_NAME} is not in tract before 0.23.5 ({why})", None)
