@@ -41,6 +41,14 @@ EXTRA = [  # (fixture, convert() keyword arguments, label)
     ("qwen3_5", {"lowering": "chunked"}, "chunked"),
     ("qwen3_5", {"lowering": "recurrent"}, "recurrent"),
     ("qwen3_5", {"runtime": "cuda"}, "cuda"),
+    # int8 (linears to tract's integer matmul, tables gathered as codes and scales, negated): issue 22's graph passes
+    ("qwen3_5", {"quantize": "int8"}, "int8"),
+    ("qwen3_5", {"quantize": "int8", "int8_passes": 2}, "int8-2"),
+    ("qwen3_5", {"quantize": "int8", "serving": True}, "int8-serving"),
+    ("qwen3_5_moe", {"quantize": "int8"}, "int8"),
+    ("qwen3_next", {"quantize": "int8", "int8_passes": 2}, "int8-2"),
+    ("lara_mini", {"quantize": "int8"}, "int8"),  # a tied head
+    ("fla_delta_net", {"quantize": "int8"}, "int8"),  # a tied head
 ]
 
 
