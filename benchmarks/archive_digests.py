@@ -1,7 +1,7 @@
 """Digest of every archive member gdn_export writes, for every fixture: the guard of a refactor that must change
 no output.
 
-Converts every checkpoint under fixtures/ (float32; plus float16, q4_0, --serving, --logits last and ONNX
+Converts every checkpoint under fixtures/ (float32; plus float16, q4_0, int8, --serving, --logits last and ONNX
 conversions of a few) with no check, exports small gated delta-rule modules with every lowering through
 ``gdn_export.export`` (NNEF and ONNX), and prints one line per archive member: ``case member sha256``. graph.nnef's
 properties that name the export date and the command line are left out of its digest (they differ from run to run).
