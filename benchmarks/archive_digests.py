@@ -1,7 +1,7 @@
 """Digest of every archive member gdn_export writes, for every fixture: the guard of a refactor that must change
 no output.
 
-Converts every checkpoint under fixtures/ (float32; plus float16, q4_0, --serving, --logits last and ONNX
+Converts every checkpoint under fixtures/ (float32; plus float16, q4_0, int8, --serving, --logits last and ONNX
 conversions of a few) with no check, exports small gated delta-rule modules with every lowering through
 ``gdn_export.export`` (NNEF and ONNX), and prints one line per archive member: ``case member sha256``. graph.nnef's
 properties that name the export date and the command line are left out of its digest (they differ from run to run).
@@ -41,6 +41,14 @@ EXTRA = [  # (fixture, convert() keyword arguments, label)
     ("qwen3_5", {"lowering": "chunked"}, "chunked"),
     ("qwen3_5", {"lowering": "recurrent"}, "recurrent"),
     ("qwen3_5", {"runtime": "cuda"}, "cuda"),
+    # int8 (linears to tract's integer matmul, tables gathered as codes and scales, negated): issue 22's graph passes
+    ("qwen3_5", {"quantize": "int8"}, "int8"),
+    ("qwen3_5", {"quantize": "int8", "int8_passes": 2}, "int8-2"),
+    ("qwen3_5", {"quantize": "int8", "serving": True}, "int8-serving"),
+    ("qwen3_5_moe", {"quantize": "int8"}, "int8"),
+    ("qwen3_next", {"quantize": "int8", "int8_passes": 2}, "int8-2"),
+    ("lara_mini", {"quantize": "int8"}, "int8"),  # a tied head
+    ("fla_delta_net", {"quantize": "int8"}, "int8"),  # a tied head
 ]
 
 

@@ -1,7 +1,8 @@
-"""Where one decode step's time goes, per op kind, for one or more archives side by side (before / after a change).
+"""Where one decode step's (or prefill piece's) time goes, per op kind, for archives side by side (before / after).
 
     python benchmarks/bench_decode_profile.py A.nnef.tgz [B.nnef.tgz ...] [--labels before,after] [--past 128]
                                                [--rounds 5] [--steps 8] [--cpu 0] [--markdown]
+    python benchmarks/bench_decode_profile.py A.nnef.tgz [B.nnef.tgz ...] --prefill 128 [--prompt 512] ...
 
 Each archive runs in a ``Session`` (one tract thread, the plan ``Session`` decodes with: B = 1, S symbolic), prefills
 ``--past`` random tokens (the same for every archive), then:
@@ -15,6 +16,10 @@ Each archive runs in a ``Session`` (one tract thread, the plan ``Session`` decod
 - **timing**: decode tokens/s, ``--steps`` decode steps a round, ``--rounds`` rounds interleaved across the archives
   (so that a slow spell of a shared machine hits every archive alike); the median round, and the ratio to the
   first archive.
+
+With ``--prefill N`` the profiled call is instead one prefill piece of N tokens from the empty state (the Session's
+pieces are 128 tokens), and the timing is prefill tokens/s of a ``--prompt``-token prompt (``--rounds`` interleaved
+rounds, the Session's own pieces).
 
 Pin it (``taskset -c N``, or ``--cpu N``, which re-executes itself under taskset) and keep the archives of one
 comparison in one run: only ratios measured side by side mean anything on a shared machine.
@@ -65,7 +70,8 @@ def is_matmul(op: str) -> bool:
 def profile(session: Session, token: np.ndarray) -> dict:
     """One decode step's profile: {"ops": {op: s}, "parts": {part: [matmul s, outside s]}, "step": s}."""
     runnable = session._runnable(token.shape[0])
-    inputs = [token] + list(session._states)
+    states = session._states if session._states is not None else session._initial_states(token.shape[0])
+    inputs = [token] + list(states)
     if session.takes_past_len or session.serving:
         raise SystemExit(f"{session.path}: a serving archive (past_len / seq_len inputs); profile an ordinary one")
     data = json.loads(runnable.profile_json(inputs))
@@ -79,6 +85,18 @@ def profile(session: Session, token: np.ndarray) -> dict:
         parts[part_of(node["node_name"])][0 if is_matmul(node["op_name"]) else 1] += seconds
     return {"ops": dict(ops), "parts": dict(parts), "step": data["profiling_info"]["secs_per_iter"],
             "iterations": data["profiling_info"]["iterations"]}
+
+
+def prefill_timing(sessions: list[Session], tokens: np.ndarray, prompt: int, rounds: int) -> list[list[float]]:
+    """Prefill tokens/s of every session on the same ``prompt`` tokens, ``rounds`` rounds, interleaved."""
+    speeds = [[] for _ in sessions]
+    for _ in range(rounds):
+        for index, session in enumerate(sessions):
+            session.reset()
+            start = time.perf_counter()
+            session.prefill(tokens[:, :prompt])
+            speeds[index].append(prompt / (time.perf_counter() - start))
+    return speeds
 
 
 def timing(sessions: list[Session], tokens: np.ndarray, past: int, steps: int, rounds: int) -> list[list[float]]:
@@ -119,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--past", type=int, default=128, help="tokens prefilled before the profiled step")
     parser.add_argument("--steps", type=int, default=8, help="decode steps per timing round")
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds, interleaved across the archives")
+    parser.add_argument("--prefill", type=int, help="profile one prefill piece of this many tokens from the empty "
+                        "state instead of a decode step; time prefill of --prompt tokens")
+    parser.add_argument("--prompt", type=int, default=512, help="with --prefill: the timed prompt's tokens")
     parser.add_argument("--min-ms", type=float, default=0.05, help="op kinds under this in every archive are summed "
                         "into one 'other ops' row")
     parser.add_argument("--cpu", type=int, help="re-run pinned to this core (taskset -c)")
@@ -132,18 +153,29 @@ def main(argv: list[str] | None = None) -> int:
     if len(labels) != len(args.archives):
         parser.error("--labels: one name per archive")
 
-    tokens = np.random.default_rng(0).integers(0, 1000, (1, args.past + 1 + args.steps * args.rounds)).astype(np.int64)
+    length = max(args.past + 1 + args.steps * args.rounds, args.prompt, args.prefill or 0)
+    tokens = np.random.default_rng(0).integers(0, 1000, (1, length)).astype(np.int64)
     sessions, profiles = [], []
     for path in args.archives:
         session = Session(path)
-        session.prefill(tokens[:, :args.past])
-        profiles.append(profile(session, tokens[:, args.past:args.past + 1]))
+        if args.prefill:
+            session.prefill(tokens[:, :8])  # warm-up: the plan for batch 1, then profile from the empty state
+            session.reset()  # (the profile reads the initial states: nothing prefilled)
+            profiles.append(profile(session, tokens[:, :args.prefill]))
+        else:
+            session.prefill(tokens[:, :args.past])
+            profiles.append(profile(session, tokens[:, args.past:args.past + 1]))
         sessions.append(session)
-    speeds = timing(sessions, tokens, args.past, args.steps, args.rounds)
+    if args.prefill:
+        speeds = prefill_timing(sessions, tokens, args.prompt, args.rounds)
+    else:
+        speeds = timing(sessions, tokens, args.past, args.steps, args.rounds)
     load = os.getloadavg()[0]
 
     ms = lambda s: f"{1e3 * s:.2f}"  # noqa: E731
-    print(f"One decode step after {args.past} tokens, B = 1, one tract thread; profile: tract's per-node mean over its "
+    what = f"One prefill piece of {args.prefill} tokens from the empty state" if args.prefill else \
+        f"One decode step after {args.past} tokens"
+    print(f"{what}, B = 1, one tract thread; profile: tract's per-node mean over its "
           f"own runs (ms); load average {load:.2f} ({os.cpu_count()} cores)\n")
     kinds = sorted({op for p in profiles for op in p["ops"]},
                    key=lambda op: (not is_matmul(op), -max(p["ops"].get(op, 0.0) for p in profiles)))
@@ -169,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(["part"] + labels, rows, args.markdown))
 
     medians = [statistics.median(s) for s in speeds]
-    print(f"\nDecode tokens/s ({args.rounds} interleaved rounds of {args.steps} steps; median, ratio to "
-          f"{labels[0]}):\n")
+    timed = f"Prefill tokens/s of {args.prompt} tokens ({args.rounds} interleaved rounds" if args.prefill else \
+        f"Decode tokens/s ({args.rounds} interleaved rounds of {args.steps} steps"
+    print(f"\n{timed}; median, ratio to {labels[0]}; load average {os.getloadavg()[0]:.2f}):\n")
     rows = [[label, f"{m:.2f}", f"{m / medians[0]:.2f}x", " ".join(f"{x:.2f}" for x in s)]
             for label, m, s in zip(labels, medians, speeds)]
     print(table(["archive", "tok/s", "x", "rounds"], rows, args.markdown))

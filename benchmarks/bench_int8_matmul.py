@@ -37,7 +37,21 @@ def cpu_int8_features() -> str:
 
 
 def linear_folder(folder: Path, weight: np.ndarray, scheme: str) -> Path:
+    """The layer on an input [1, S, K]: f32 and Q4_0 as torch-to-nnef writes a linear layer, int8 exported through
+    the export's own lowering (a graph pass over torch-to-nnef's graph, ``int8.linear_weights``)."""
     n, k = weight.shape
+    if scheme.startswith("int8"):
+        import torch
+
+        import gdn_export
+
+        module = torch.nn.Linear(k, n, bias=False)
+        module.weight.data = torch.from_numpy(weight)
+        path = folder.parent / f"{folder.name}.nnef.tgz"
+        gdn_export.export(module, (torch.zeros(1, 5, k),), path, check=False,
+                          weights=int8.linear_weights(module, passes=2 if scheme == "int8x2" else 1),
+                          input_names=["x"], output_names=["y"], dynamic_axes={"x": {1: "S"}})
+        return path
     folder.mkdir(parents=True)
     text = (f"version 1.0;\nextension tract_registry tract_core;\n\ngraph network(x) -> (y)\n{{\n"
             f"    x = tract_core_external(shape = [1, S, {k}], datum_type = 'f32');\n"
@@ -47,23 +61,18 @@ def linear_folder(folder: Path, weight: np.ndarray, scheme: str) -> Path:
     with open(folder / "w.dat", "wb") as file:
         if scheme == "f32":
             write_nnef_array(file, weight)
-        elif scheme == "q4_0":
-            q4_0.write_nnef(file, weight.shape, lambda a, b: weight[a:b])
         else:
-            weights = int8.Int8Weights(frozenset({"w"}), passes=2 if scheme == "int8x2" else 1)
-            weights.scales["w"] = int8.write_nnef(file, weight.shape, lambda a, b: weight[a:b])
-    if scheme.startswith("int8"):
-        int8.lower_folder(folder, weights)
+            q4_0.write_nnef(file, weight.shape, lambda a, b: weight[a:b])
     return folder
 
 
-def time_call(folder: Path, rows: int, seconds: float) -> float:
+def time_call(folder: Path, rows: int, seconds: float, k: int) -> float:
     import tract
 
     model = tract.nnef().with_tract_transformers().load(str(folder))
     model.transform(tract.SetSymbols({"S": rows}))
     runnable = model.into_runnable()
-    x = np.random.default_rng(1).standard_normal((1, rows, int(folder.name.split("_")[-1]))).astype(np.float32)
+    x = np.random.default_rng(1).standard_normal((1, rows, k)).astype(np.float32)
     runnable.run([x])
     times, start = [], time.perf_counter()
     while time.perf_counter() - start < seconds or len(times) < 3:
@@ -89,7 +98,7 @@ def main() -> None:
             weight = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
             folders = {s: linear_folder(Path(tmp) / f"{s}_{n}_{k}", weight, s) for s in SCHEMES}
             for rows in args.rows if (name, n, k) != HEAD else [1]:
-                ms = {s: time_call(f, rows, args.seconds) for s, f in folders.items()}
+                ms = {s: time_call(f, rows, args.seconds, k) for s, f in folders.items()}
                 cells = [f"{ms['f32']:.2f}"] + [f"{ms[s]:.2f} ({ms['f32'] / ms[s]:.2f}x)" for s in SCHEMES[1:]]
                 print(f"| {name} | {n} x {k} | {rows} | " + " | ".join(cells) + " |", flush=True)
 

@@ -74,12 +74,15 @@ def _convert(args) -> int:
 
 
 def _check(args) -> int:
-    from gdn_export.pipeline.convert import check
+    from gdn_export.pipeline.convert import check, quality_line
 
     _progress(f"checking {args.model} against {args.checkpoint}: prefill {args.prompt_len} + decode "
               f"{args.decode_steps}, batch {args.batch}")
-    result = check(args.model, args.checkpoint, args.prompt_len, args.decode_steps, args.batch, kind=args.kind)
+    result = check(args.model, args.checkpoint, args.prompt_len, args.decode_steps, args.batch, kind=args.kind,
+                   calibration=args.calibration, progress=_progress)
     print(f"{args.model}: {result}")
+    if result.quality is not None:
+        print(f"  {quality_line(result.quality)}")
     if not result.ok:
         raise GdnExportError(f"{args.model} does not match {args.checkpoint}: {result}")
     return 0
@@ -449,6 +452,9 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--batch", type=_count(1), default=1)
     check.add_argument("--kind", choices=["auto", "full", "layerwise"], default="auto",
                        help="the reference: whole model in memory, layer by layer, or full where it fits")
+    check.add_argument("--calibration", metavar="TEXT_FILE", default=None,
+                       help="a Q4_0 archive converted with --calibration: the same text (its scales are computed "
+                            "again from it)")
     check.set_defaults(run=_check)
     _add_debug(check)
     info = sub.add_parser("info", help="show an exported model's inputs, outputs, lowerings and versions")

@@ -388,7 +388,8 @@ CAUSAL_CONV_SEMANTICS = Quirk(
     does="tract_transformers_causal_conv1d_update(x [B, C, S], w [C, W], state [B, C, W]) returns "
          "silu(sum_i w[:, i] * (state ++ x)[:, :, 1 + i : 1 + i + S]) and the last W columns of state ++ x, "
          "any S, symbolic too",
-    workaround="conv.py uses it from 0.23.5 on for t2n_extra::causal_conv1d_update, whatever the GDN lowering",
+    workaround="causal_conv1d/nnef.py uses it from 0.23.5 on for an f16 t2n_extra::causal_conv1d_update, whatever "
+               "the GDN lowering (an f32 one is a scan over chunks of tokens: faster)",
     applied_in=("gdn_export/ops/causal_conv1d/nnef.py",),
     when_fixed="if tract changes the op's function, conv.decide must stop choosing it",
     canary="test_causal_conv_semantics",

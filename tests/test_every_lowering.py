@@ -69,8 +69,8 @@ def rule_lowerings(decisions: list[dict]) -> set[str]:
 def test_portable_lowering_converts_and_checks(name, lowering, tmp_path, reference_model):
     _, decisions = converted_and_checked(tmp_path, name, reference_model, lowering=lowering)
     assert rule_lowerings(decisions) == {lowering}
-    # the short conv keeps tract's fused op: lowering= chooses the gated delta rule's lowering only
-    assert {d["lowering"] for d in decisions if "causal_conv1d" in d["entry"]} <= {"native"}
+    # the short conv keeps its own form (a scan over chunks): lowering= chooses the gated delta rule's lowering only
+    assert {d["lowering"] for d in decisions if "causal_conv1d" in d["entry"]} <= {"chunks"}
 
 
 @pytest.mark.parametrize("name", by_fixture(*CHECKPOINTS))
@@ -98,9 +98,9 @@ def test_native_converts_where_exact_and_refuses_elsewhere(name, tmp_path, capsy
 
 @pytest.mark.parametrize("name", by_fixture("qwen3_5", "fla_kda"))
 def test_portable_conv_for_tract_before_0_23_5(name, tmp_path, reference_model):
-    """tract 0.22.1 has neither fused op: the short conv is plain NNEF (a depthwise conv), the rule a scan."""
+    """tract 0.22.1 has neither fused op: the short conv is plain NNEF (a scan over chunks of tokens), the rule a scan."""
     out, decisions = converted_and_checked(tmp_path, name, reference_model, tract_version="0.22.1", lowering="scan")
     with tarfile.open(out) as tar:
         graph = tar.extractfile("graph.nnef").read().decode()
     assert "tract_transformers_causal_conv1d_update" not in graph
-    assert {d["lowering"] for d in decisions if "causal_conv1d" in d["entry"]} == {"portable"}
+    assert {d["lowering"] for d in decisions if "causal_conv1d" in d["entry"]} == {"chunks"}

@@ -68,22 +68,36 @@ def test_activation_rounding_matches_the_emulation(passes):
         np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-7 * np.abs(row).max())
 
 
-def graph_of_one_linear(folder: Path, weight: np.ndarray, rank: int, passes: int = 1) -> None:
-    """torch-to-nnef's text of a linear layer (weight unsqueezed to the input's rank), lowered to int8, with the
-    weight written as int8 writes it."""
-    n, k = weight.shape
-    expand = ("    w_aligned = unsqueeze(w, axes = [0]);\n", "w_aligned") if rank == 3 else ("", "w")
-    shape = "[1, S, %d]" % k if rank == 3 else "[S, %d]" % k
-    text = (f"version 1.0;\nextension tract_registry tract_core;\n\ngraph network(x) -> (y)\n{{\n"
-            f"    x = tract_core_external(shape = {shape}, datum_type = 'f32');\n"
-            f"    w = variable<scalar>(label = 'layer.weight', shape = [{n}, {k}]);\n{expand[0]}"
-            f"    y = linear(x, {expand[1]}, 0.0);\n}}\n")
-    weights = int8.Int8Weights(frozenset({"layer.weight"}), passes=passes)
-    with open(folder / "layer.weight.dat", "wb") as file:
-        weights.scales["layer.weight"] = int8.write_nnef(file, weight.shape, lambda a, b: weight[a:b])
-    (folder / "graph.nnef").write_text(text)
-    int8.lower_folder(folder, weights)
-    assert "linear(" not in (folder / "graph.nnef").read_text()
+class OneLinear(torch.nn.Module):
+    """A linear layer (no bias) of the given weight; ``forward`` reads it as ``read`` says (refusal tests)."""
+
+    def __init__(self, weight: np.ndarray, read: str = "linear") -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        self.layer.weight.data = torch.from_numpy(weight)
+        self.read = read
+
+    def forward(self, x):
+        if self.read == "matmul":  # the weight read by a linear layer and by a matmul
+            return self.layer(x) + x @ self.layer.weight.T
+        if self.read == "two ranks":  # by linear layers on a rank-3 input and a rank-2 one
+            return self.layer(x) + self.layer(x[0])[None]
+        return self.layer(x)
+
+
+def export_one_linear(path: Path, weight: np.ndarray, rank: int, passes: int = 1, read: str = "linear") -> Path:
+    """torch-to-nnef's export of a linear layer on an input of ``rank`` (its weight unsqueezed to that rank), the
+    weight written in int8 and the linear lowered by the graph pass (``int8.linear_weights``)."""
+    import gdn_export
+
+    module = OneLinear(weight, read)
+    x = torch.zeros((1,) * (rank - 2) + (5, weight.shape[1]))
+    gdn_export.export(module, (x,), path, check=False, weights=int8.linear_weights(module, passes),
+                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {rank - 2: "S"}})
+    with tarfile.open(path) as tar:
+        text = tar.extractfile("graph.nnef").read().decode()
+    assert "linear(" not in text and "tract_core_einsum_q(" in text
+    return path
 
 
 @pytest.mark.parametrize("rank,passes", [(2, 1), (3, 1), (2, 2), (3, 2)])
@@ -94,9 +108,9 @@ def test_lowered_linear_runs_on_tract_as_the_emulation(tmp_path, rank, passes):
     weight = (rng.standard_normal((24, 64)) * rng.uniform(0.1, 2, (24, 1))).astype(np.float32)
     x = (rng.standard_normal((7, 64)) * rng.uniform(0.1, 5, (7, 1))).astype(np.float32)
     x[3] = 0.0
-    graph_of_one_linear(tmp_path, weight, rank, passes)
+    archive = export_one_linear(tmp_path / "one.nnef.tgz", weight, rank, passes)
     inputs = x[None] if rank == 3 else x
-    got = run_tract(load_tract_model(tmp_path), [inputs])[0]
+    got = run_tract(load_tract_model(archive), [inputs])[0]
     expected = emulated_linear(inputs, weight, passes)
     # integer sums are exact in both; the float products differ by a few f32 roundings
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
@@ -105,6 +119,17 @@ def test_lowered_linear_runs_on_tract_as_the_emulation(tmp_path, rank, passes):
         one_pass = emulated_linear(inputs, weight)
         dequantized = inputs @ int8.dequantize(*int8.quantize(weight)).T
         assert np.abs(got - dequantized).max() < 0.05 * np.abs(one_pass - dequantized).max()
+
+
+@pytest.mark.parametrize("read,message", [("matmul", "otherwise than by a linear layer"),
+                                          ("two ranks", "read at two ranks")])
+def test_an_int8_weight_read_otherwise_is_refused(tmp_path, read, message):
+    """A weight stored in int8 that the graph reads by another op than a linear layer (it would take the codes for
+    its values), or at two ranks (its scales have one shape): refused, nothing written."""
+    weight = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    with pytest.raises(GdnExportError, match=message):
+        export_one_linear(tmp_path / "one.nnef.tgz", weight, 3, read=read)
+    assert list(tmp_path.iterdir()) == []
 
 
 def dat_types(archive: Path) -> dict[str, tuple[int, int]]:

@@ -1,9 +1,11 @@
 """The torch side: the custom ops' contract, and the reference math against transformers' own kernels."""
 
+import numpy as np
 import pytest
 import torch
 
 import gdn_export
+import gdn_export.run.runtime  # noqa: F401  (load_tract_model, run_tract)
 from helpers import make_rule_inputs
 from gdn_export.errors import GdnExportError
 from gdn_export.ops.registration import define_or_reuse
@@ -103,3 +105,52 @@ def test_channel_wise_decay_matches_transformers_kimi_kernels():
                                   use_qk_l2norm_in_kernel=True)
         assert (o - ref_o).abs().max() <= 1e-5 * max(1.0, ref_o.abs().max()), kernel.__name__
         assert (state - ref_state).abs().max() <= 1e-5 * max(1.0, ref_state.abs().max()), kernel.__name__
+
+
+class ShortConvModule(torch.nn.Module):
+    """The short conv as a GDN layer calls it: in_proj's ``[B, S, C]`` transposed in, the output transposed back."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+
+    def forward(self, x, state):
+        from gdn_export.ops.causal_conv1d.op import causal_conv1d_update
+
+        y, new_state = causal_conv1d_update(x.transpose(1, 2), self.weight, state)
+        return y.transpose(1, 2), new_state
+
+
+def conv_oracle(x: np.ndarray, weight: np.ndarray, state: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float64 via torch's depthwise conv1d over state ++ x (x [B, S, C]): (y, new state, sum_i |w_i x_i|)."""
+    full = torch.cat([torch.from_numpy(state), torch.from_numpy(x).transpose(1, 2)], dim=2).double()
+    w = torch.from_numpy(weight).double()[:, None, :]
+    conv = torch.nn.functional.conv1d(full, w, groups=w.shape[0])[..., 1:]  # S outputs: windows ending at x's
+    magnitude = torch.nn.functional.conv1d(full.abs(), w.abs(), groups=w.shape[0])[..., 1:]
+    y = torch.nn.functional.silu(conv).transpose(1, 2).numpy()
+    return y, full[..., -weight.shape[1]:].numpy(), magnitude.transpose(1, 2).numpy()
+
+
+@pytest.mark.slow  # exports a module: seconds
+def test_short_conv_in_tract_matches_float64_conv(tmp_path):
+    """The NNEF short conv (a scan over chunks of 16 tokens, any S from one graph) against a float64 depthwise conv:
+    calls of 6 tokens (a partial chunk), 1 (a decode step), 21 (a whole chunk and a partial one) and 16 (whole), each
+    fed the state the previous one returned."""
+    channels, width = 40, 4
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(channels, width, generator=gen)
+    traced = (torch.randn(2, 3, channels, generator=gen), torch.randn(2, channels, width, generator=gen))
+    report = gdn_export.export(ShortConvModule(weight), traced, tmp_path / "conv.nnef.tgz", check=False,
+                               input_names=["x", "state"], output_names=["y", "new_state"],
+                               dynamic_axes={"x": {0: "B", 1: "S"}, "state": {0: "B"}})
+    assert {d.lowering for d in report.decisions if "causal_conv1d" in d.entry} == {"chunks"}
+    runnable = gdn_export.run.runtime.load_tract_model(report.path)
+    x = torch.randn(2, 44, channels, generator=gen).numpy()
+    state = np.zeros((2, channels, width), np.float32)
+    for begin, end in [(0, 6), (6, 7), (7, 28), (28, 44)]:
+        want_y, want_state, magnitude = conv_oracle(x[:, begin:end], weight.numpy(), state)
+        y, state = gdn_export.run.runtime.run_tract(runnable, [x[:, begin:end], state])
+        # f32: W products and W - 1 additions round once each, SiLU (|silu'| <= 1.1) a few ulps more
+        bound = 2 * width * np.finfo(np.float32).eps * magnitude + 4 * np.finfo(np.float32).eps * np.abs(want_y)
+        assert y.shape == want_y.shape and (np.abs(y - want_y) <= 1.1 * bound + 1e-30).all(), (begin, end)
+        assert np.array_equal(state, want_state.astype(np.float32)), (begin, end)

@@ -49,14 +49,18 @@ class Calibration:
     readers: dict[str, list[str]] = field(default_factory=dict)
     forms: dict[str, str] = field(default_factory=dict)
     sample: np.ndarray | None = None  # [1, S] of the first tokens: what a fold is verified on
+    max_tokens: int | None = None  # the bound it was read with (the digest covers the bytes that bound reads)
     grams: dict[str, np.ndarray] = field(default_factory=dict)  # with grams=True: E[a a^T] of each linear's input
 
     def __str__(self) -> str:
         return f"calibrated on {self.file} ({self.tokens} tokens in windows of {self.ctx})"
 
     def metadata(self) -> dict:
-        return {"file": self.file, "sha256": self.sha256, "tokens": self.tokens, "ctx": self.ctx,
-                "weights": len(self.importance)}
+        recorded = {"file": self.file, "sha256": self.sha256, "tokens": self.tokens, "ctx": self.ctx,
+                    "weights": len(self.importance)}
+        if self.max_tokens is not None and self.max_tokens != self.tokens:  # else "tokens" says it (the default)
+            recorded["max_tokens"] = self.max_tokens
+        return recorded
 
 
 def calibration_tokens(text_file: str | os.PathLike, checkpoint_dir: str | os.PathLike, max_tokens: int,
@@ -157,7 +161,7 @@ def calibrate(checkpoint_dir: str | os.PathLike, text_file: str | os.PathLike, f
     return Calibration(Path(text_file).name, digest, int(tokens.size), int(tokens.shape[1]), importance,
                        readers={norm: names for norm, names in readers.items() if forms.get(norm)},
                        forms={norm: form for norm, form in forms.items() if form}, sample=tokens[:1, :64],
-                       grams=_shared_means(moments, counts))
+                       max_tokens=max_tokens, grams=_shared_means(moments, counts))
 
 
 def _shared_means(moments: dict[str, torch.Tensor], counts: dict[str, int]) -> dict[str, np.ndarray]:

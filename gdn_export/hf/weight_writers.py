@@ -8,8 +8,8 @@ with ``quantize_embeddings``. A head tied to the table is a linear layer like an
 gives it a Q4_0 copy of the table of its own. ``dequantized_view`` gives the check the same weights as tract will
 compute with. With ``quantize="int8"`` (``gdn_export.weights.int8``) the weight of every ``nn.Linear`` whose
 reference is transformers' own ``nn.Linear`` is written in int8 with a scale per output channel, and the graph's
-``linear`` of it becomes tract's integer matmul (``int8.lower_linears``). In a quantized export of float32 the
-embedding table, which only a gather reads, is stored in int8 with a scale per row, and the gather takes codes and
+``linear`` of it becomes tract's integer matmul (``int8.lower_linears``, a pass over torch-to-nnef's graph). In a
+quantized export of float32 the embedding table, which only a gather reads, is stored in int8 with a scale per row, and the gather takes codes and
 scales (``int8.lower_gathers``): a quarter of its float32 bytes, the largest tensor a quantized archive had left.
 """
 
@@ -223,6 +223,11 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
     compressed = {label: DATUM_TYPES[dtype] for key in tables & chosen for label in labels[key]}
     deferrable = {label: DATUM_TYPES[dtype] for key, group in labels.items()
                   if key not in chosen | table8 and params[key].dim() >= 2 for label in group}
+    for quantized in (int8_weights, int8_tables):  # int8 scales: written once the graph pass gave their shapes
+        if quantized is not None:
+            scales = int8.scale_writers(quantized)
+            writers.update(scales)
+            deferrable.update(dict.fromkeys(scales, DATUM_TYPES[torch.float32]))
     return StreamedWeights(writers, placeholders, storages, compressed, deferrable, int8_weights, int8_tables), report
 
 

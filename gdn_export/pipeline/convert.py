@@ -85,11 +85,15 @@ class ConvertReport:
         else:  # a report is returned only once its check passed: no check means check=False
             lines.append("  not checked (check=False / --no-check): tract's logits were not compared with anything")
         if self.quality is not None:
-            lines.append(f"  quality vs the unquantized model (reported, not judged): mean KL {self.quality.mean_kl:.2e}"
-                         f" nats, top-1 agreement {100 * self.quality.top1_all:.1f}%, max |logit error| "
-                         f"{self.quality.max_abs_error:.2e}")
+            lines.append(f"  {quality_line(self.quality)}")
         lines.append("  time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items()))
         return "\n".join(lines)
+
+
+def quality_line(quality: LogitCheck) -> str:
+    """A quantized archive's logits against the unquantized model, as ``convert`` and ``check`` print them."""
+    return (f"quality vs the unquantized model (reported, not judged): mean KL {quality.mean_kl:.2e} nats, top-1 "
+            f"agreement {100 * quality.top1_all:.1f}%, max |logit error| {quality.max_abs_error:.2e}")
 
 
 def state_names(lm) -> tuple[list[str], list[str], dict]:
@@ -487,6 +491,8 @@ class NnefSteps:
         }
         if plan.quantize == "int8":  # only there: every other archive's metadata stays as it was
             metadata["int8_passes"] = plan.int8_passes
+        if plan.quantize_embeddings:  # what `check` re-quantizes (absent: False, as every archive before it)
+            metadata["quantize_embeddings"] = True
         path = staging / plan.out_path.name
         say(f"exporting {traced.family.name} ({len(lm.layer_types) if hasattr(lm, 'layer_types') else '?'} layers, "
             f"{plan.dtype}{', weights streamed from the checkpoint' if plan.streamed else ''}) to {plan.out_path}")
@@ -626,9 +632,16 @@ def check_with(kind: str, archive, family, layout, weights, prompt_len: int, dec
 
 
 def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len: int = 16,
-          decode_steps: int = 8, batch: int = 1, kind: str = "auto") -> LogitCheck:
+          decode_steps: int = 8, batch: int = 1, kind: str = "auto",
+          calibration: str | os.PathLike | None = None,
+          progress: Callable[[str], None] | None = None) -> LogitCheck:
     """Re-check an exported model against the checkpoint it came from; an archive converted from another kind of
-    model (model type or vocabulary) is refused before anything runs. ``kind``: see ``convert``'s ``check``."""
+    model (model type or vocabulary) is refused before anything runs. ``kind``: see ``convert``'s ``check``.
+
+    A quantized archive (Q4_0, int8) is checked as ``convert`` checked it: its weights quantized again from the
+    checkpoint by the rule its metadata records (so a damaged weight file fails too), the int8 inputs rounded as its
+    graph rounds them, and its quality against the unquantized model reported. An archive calibrated on a text
+    needs that text again (``calibration``; its digest must match the one recorded)."""
     validate_check(prompt_len, decode_steps, batch)
     if kind not in CHECKS:
         raise GdnExportError(f"check kind {kind!r} is not one of {', '.join(CHECKS)}")
@@ -652,9 +665,58 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
     if vocab is not None and metadata.get("vocab_size") != vocab:
         raise GdnExportError(f"{path} has a vocabulary of {metadata.get('vocab_size')} tokens; {checkpoint_dir}'s "
                              f"config.json says {vocab}")
+    if metadata.get("quantize"):
+        return _check_quantized(path, checkpoint_dir, metadata, prompt_len, decode_steps, batch, kind, calibration,
+                                progress or (lambda message: None))
+    if calibration is not None:
+        raise GdnExportError(f"{path} is not quantized: calibration text is only read to re-check a calibrated "
+                             "Q4_0 archive")
     family, layout, _, weights = open_checkpoint(checkpoint_dir, *(() if megatron else (family, config)))
     kind = kind if kind != "auto" else reference_fits(weights, getattr(torch, metadata.get("dtype", "float32")))
     return check_with(kind, path, family, layout, weights, prompt_len, decode_steps, batch)
+
+
+def _check_quantized(path, checkpoint_dir, metadata: dict, prompt_len: int, decode_steps: int, batch: int,
+                     kind: str, calibration, say: Callable[[str], None]) -> LogitCheck:
+    """``check`` of a Q4_0 / int8 archive: the plan its metadata records, read as ``run_plan`` reads it (the
+    calibration included), checked against ``check_reference``'s weights as ``run_plan`` checks."""
+    from gdn_export.hf.calibration import DEFAULT_CTX
+
+    options = dict(quantize=metadata["quantize"], dtype=metadata.get("dtype") or "float32")
+    if options["quantize"] == "int8":
+        options["int8_passes"] = metadata.get("int8_passes", 1)
+    else:
+        options.update(q4_rule=metadata.get("q4_rule") or "search",
+                       quantize_embeddings=bool(metadata.get("quantize_embeddings", False)),
+                       fold_scales=metadata.get("folded_norms") is not None)
+    recorded = metadata.get("calibration")
+    if recorded:
+        if calibration is None:
+            raise worded(GdnExportError(f"{path} was calibrated on {recorded['file']} (sha256 "
+                                        f"{recorded['sha256'][:12]}..): its Q4_0 scales can only be computed again "
+                                        "from that text: pass calibration=FILE"),
+                         f"{path} was calibrated on {recorded['file']} (sha256 {recorded['sha256'][:12]}..): pass "
+                         "--calibration FILE with that text", usage=False)
+        if recorded.get("ctx", DEFAULT_CTX) != DEFAULT_CTX:
+            raise GdnExportError(f"{path} was calibrated in windows of {recorded['ctx']} tokens; this gdn_export "
+                                 f"reads windows of {DEFAULT_CTX}")
+        options["calibration_tokens"] = int(recorded.get("max_tokens", recorded["tokens"]))
+    elif calibration is not None:
+        raise GdnExportError(f"{path} was not calibrated: drop the calibration text")
+    # the plan is only read, never written: its output path is a name in the temporary folder
+    plan = plan_conversion(checkpoint_dir, Path(tempfile.gettempdir()) / "gdn_export_check.nnef.tgz", force=True,
+                           check=False, calibration=calibration, **options)
+    say(f"quantizing {checkpoint_dir} again as {path} records it ({plan.quantize}"
+        f"{', rule ' + plan.q4_rule if plan.quantize == 'q4_0' else ''})")
+    traced = NNEF.read(plan, say, {})
+    measured = traced.extras["measured"]
+    if measured is not None and measured.sha256 != recorded["sha256"]:
+        raise GdnExportError(f"{calibration} is not the text {path} was calibrated on (sha256 {measured.sha256[:12]}.. "
+                             f"of the bytes read, {recorded['sha256'][:12]}.. recorded)")
+    traced.lm = traced.model = None
+    layout, weights, check_options = NNEF.check_reference(traced)
+    kind = kind if kind != "auto" else reference_fits(traced.weights, plan.export_dtype)
+    return check_with(kind, path, traced.family, layout, weights, prompt_len, decode_steps, batch, **check_options)
 
 
 def layer_reports(lm, decisions) -> list[LayerReport]:

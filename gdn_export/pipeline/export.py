@@ -26,7 +26,7 @@ from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
 from gdn_export.weights.casts import fold_weight_casts, weights_cast_before_use
 from gdn_export.weights import int8
 from gdn_export.weights.streamed import (StreamedWeights, annotate_compressed_gathers, check_all_written,
-                                         streamed_writes, write_deferred)
+                                         streamed_writes, variable_labels, write_deferred)
 from gdn_export.run.runtime import alongside, load_tract_model, run_tract, tract_version as installed_tract_version
 from gdn_export.backends.nnef.target import OfflineTractTarget
 
@@ -168,8 +168,15 @@ def export(
     validate_dynamic_axes(dynamic_axes, input_names, args, output_names, traced_outputs(module, args))
     cast: dict[str, str] = {}  # the weights only cast before use (weights/casts.py), found on the graph
     passes = [lambda graph: cast.update(weights_cast_before_use(graph))]
-    if weights is not None and weights.compressed:
-        passes.append(lambda graph: annotate_compressed_gathers(graph, weights.compressed))
+    read: set[str] = set()  # the labels of the graph's variables, before any rewrite (check_all_written)
+    if weights is not None:
+        passes.append(lambda graph: read.update(variable_labels(graph)))
+        if weights.compressed:
+            passes.append(lambda graph: annotate_compressed_gathers(graph, weights.compressed))
+        if weights.int8 is not None:  # torch-to-nnef's linear of each int8 weight, to tract's integer matmul
+            passes.append(lambda graph: int8.lower_linears(graph, weights.int8))
+        if weights.int8_tables is not None:  # gathers of an int8 table: codes and scales
+            passes.append(lambda graph: int8.lower_gathers(graph, weights.int8_tables))
     target = nnef_target(version, lowering=lowering, dynamic_axes=dynamic_axes, runtime=runtime,
                          core_dtype=core_dtype, chunk_size=chunk_size, graph_passes=passes)
 
@@ -184,12 +191,7 @@ def export(
                 compression_level=None, log_level=logging.ERROR,
             )
         if weights is not None and (folder / "graph.nnef").is_file():
-            graph = (folder / "graph.nnef").read_text()
-            check_all_written(weights, written, graph)
-            if weights.int8 is not None:  # torch-to-nnef's linear of each int8 weight, to tract's integer matmul
-                int8.lower_folder(folder, weights.int8)
-            if weights.int8_tables is not None:  # gathers of an int8 table: codes and scales
-                int8.lower_folder(folder, weights.int8_tables, gathers=True)
+            check_all_written(weights, written, read)
         seconds = {"trace": time.perf_counter() - start - written["seconds"], "write": written["seconds"]}
         if not (folder / "graph.nnef").is_file():
             raise GdnExportError(f"torch-to-nnef wrote no graph for {path}")

@@ -17,18 +17,23 @@ stay below 2^24, so the float rule still catches a wrong graph.
 tract 0.23.9 writes this form itself when it saves an ONNX ``MatMulInteger`` model (no zero points) to NNEF, and
 plans it on its int8 kernels (AVX2 8x8, AVX-VNNI, AVX-512 VNNI, AMX on x86). The asymmetric form (zero points)
 would recompute a weight-sum correction on every call. ``lower_linears`` rewrites torch-to-nnef's ``linear`` of
-each int8 weight into it; the codes are an int8 ``.dat`` (NNEF item type 4, 8 bits), the scales a float32 one.
+each int8 weight into it, on torch-to-nnef's graph before it is written (a graph pass of the export's target,
+``backends.nnef.target.OfflineTractTarget``); the codes are an int8 ``.dat`` (NNEF item type 4, 8 bits), the scales
+a float32 one (``scale_writers``).
 """
 
 from __future__ import annotations
 
-import re
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable
 
+import nnef
 import numpy as np
 import torch
+from nnef_tools.model import Operation as NOperation
+from nnef_tools.model import Tensor as NTensor
 
 from gdn_export.errors import GdnExportError
 
@@ -157,15 +162,6 @@ def write_nnef(file: BinaryIO, shape: tuple[int, ...], read_rows: Callable[[int,
     return -scales if negated else scales
 
 
-def write_scales(path: Path, scales: np.ndarray, shape: tuple[int, ...]) -> None:
-    """A weight's scales as a float32 ``.dat`` of ``shape`` (``[1, .., 1, N]`` for a linear layer's output,
-    ``[V, 1]`` for a table's gathered rows)."""
-    values = np.ascontiguousarray(scales, dtype=np.float32).reshape(shape)
-    with open(path, "wb") as file:
-        write_header(file, values.shape, values.dtype)
-        file.write(values.tobytes())
-
-
 @dataclass
 class Int8Weights:
     """The int8 weights of an export: their labels, and the scales their writers computed (label -> ``[N]``).
@@ -180,103 +176,232 @@ class Int8Weights:
     scales: dict = field(default_factory=dict)
     negated: bool = False
     passes: int = 1  # linear layers: their inputs rounded in 1 or 2 passes (``round_activations``)
+    scale_shapes: dict = field(default_factory=dict)  # label -> shape of its scales in the graph (the graph pass's)
 
 
-LINEAR = re.compile(r"^(\s*)(\w+)\s*=\s*linear\((\w+),\s*(\w+),\s*([^;]*)\);\s*$")
-VARIABLE = re.compile(r"^\s*(\w+)\s*=\s*variable<scalar>\(label\s*=\s*'([^']+)',\s*shape\s*=\s*\[([^\]]*)\]\);\s*$")
-UNSQUEEZE = re.compile(r"^\s*(\w+)\s*=\s*unsqueeze\((\w+),\s*axes\s*=\s*\[([^\]]*)\]\);\s*$")
-
-
-def lower_linears(graph: str, labels: frozenset, passes: int = 1) -> tuple[str, dict[str, int]]:
-    """``graph`` (torch-to-nnef's text) with every ``linear`` whose weight is a variable of ``labels`` (read as it
-    is, or through the ``unsqueeze`` torch-to-nnef adds to align its rank with the input's) rewritten into the int8
-    form of the module docstring (``passes`` 2: with the residual's codes, ``round_activations``); returns the
-    graph and, per label, the rank its scales must have. An input read by several int8 layers (q, k and v
-    projections) is rounded once."""
-    if passes not in (1, 2):
-        raise GdnExportError(f"int8 activation passes must be 1 or 2, got {passes}")
-    lines = graph.split("\n")
-    variables, unsqueezed, uses = {}, {}, {}
-    for line in lines:
-        if m := VARIABLE.match(line):
-            variables[m.group(1)] = (m.group(2), [int(d) for d in m.group(3).split(",") if d.strip()])
-        elif m := UNSQUEEZE.match(line):
-            unsqueezed[m.group(1)] = (m.group(2), len([a for a in m.group(3).split(",") if a.strip()]))
-    for name in re.findall(r"(?<![\w.'])[A-Za-z_]\w*(?![\w'])", graph):
-        uses[name] = uses.get(name, 0) + 1
-    out, quantized_inputs, ranks, dropped = [], set(), {}, set()
-    zero_declared = False
-    for line in lines:
-        m = LINEAR.match(line)
-        weight = m and (unsqueezed[m.group(4)][0] if m.group(4) in unsqueezed else m.group(4))
-        if not m or weight not in variables or variables[weight][0] not in labels:
-            out.append(line)
+def lower_linears(graph, weights: Int8Weights) -> None:
+    """Rewrite every ``linear`` of torch-to-nnef's NNEF graph (``nnef_tools.model.Graph``, before it is written: a
+    graph pass of the export's target) whose weight is a variable of ``weights.labels`` (read as it is, or through
+    the ``unsqueeze`` torch-to-nnef adds to align its rank with the input's) into the int8 form of the module
+    docstring (``weights.passes`` 2: with the residual's codes, ``round_activations``); record in
+    ``weights.scale_shapes`` the shape of each weight's scales (``scale_writers`` writes them). An input read by
+    several int8 layers (q, k and v projections) is rounded once. Refused: a weight read at two ranks, or read
+    otherwise than by a linear layer (its float values would be needed)."""
+    if weights.passes not in (1, 2):
+        raise GdnExportError(f"int8 activation passes must be 1 or 2, got {weights.passes}")
+    edit = _GraphEdit(graph)
+    declared = _variables(graph, weights.labels)
+    linears = []
+    for op in graph.operations:
+        if op.type != "linear" or len(op.inputs) != 3:
             continue
-        indent, y, x, operand, bias = m.groups()
-        label, shape = variables[weight]
-        rank = 2 + (unsqueezed[operand][1] if operand in unsqueezed else 0)
-        if operand in unsqueezed and uses.get(operand, 0) == 2:  # defined, then read by this linear only
-            dropped.add(operand)
+        operand = op.inputs[1].producer
+        unsqueeze = operand if operand is not None and operand.type == "unsqueeze" else None
+        variable = unsqueeze.inputs[0].producer if unsqueeze is not None else operand
+        if variable is not None and variable.type == "variable" and variable.attribs["label"] in weights.labels:
+            linears.append((op, variable, unsqueeze))
+    ranks: dict[str, int] = {}
+    rounded: dict = {}  # input tensor -> (its scale, its codes, the residual's scale or None)
+    zero = None
+    for op, variable, unsqueeze in linears:
+        x, _, bias = op.inputs
+        y = edit.take_output(op)
+        label, weight = variable.attribs["label"], variable.outputs[0]
+        rank = 2 + (len(unsqueeze.attribs["axes"]) if unsqueeze is not None else 0)
         if ranks.setdefault(label, rank) != rank:
             raise GdnExportError(f"int8 weight {label} is read at two ranks ({ranks[label]} and {rank})")
-        scale, codes = f"{x}__i8_scale", f"{x}__i8_codes"
-        if not zero_declared:
-            out.append(f"{indent}i8_zero = tract_core_cast(0, to = 'i32');")
-            zero_declared = True
-        if x not in quantized_inputs:
-            quantized_inputs.add(x)
-            out += _rounded_input(indent, x, rank, passes)
+        if zero is None:
+            zero = edit.op("tract_core_cast", edit.literal(0, np.int64), "i8_zero", np.int32, to="i32")
+        if x not in rounded:
+            rounded[x] = _rounded_input(edit, x, rank, weights.passes)
+        scale, codes, residual_scale = rounded[x]
+        rows = rank - 2
+        n = int(variable.attribs["shape"][0])
+        scale_shape = (1,) * (rank - 1) + (n,)
+        weights.scale_shapes[label] = scale_shape
+        weight_scale = edit.variable(f"{y.name}__i8_weight_scale", f"{label}{SCALE_SUFFIX}", scale_shape)
         batch = "abcdefgh"[: rank - 1]
-        expr = f"{batch}k,nk,,,,,,,->{batch}n"
-        shape_text = ", ".join(["1"] * (rank - 1) + [str(shape[0])])
-        out.append(f"{indent}{y}__i8_weight_scale = variable<scalar>(label = '{label}{SCALE_SUFFIX}', "
-                   f"shape = [{shape_text}]);")
-        out.append(f"{indent}{y}__i8_sum = tract_core_einsum_q([{codes}, {weight}], expr = '{expr}', acc = 'i32', "
-                   "output = 'i32', bias = i8_zero, a0 = i8_zero, a_scale = 1.0, b0 = i8_zero, b_scale = 1.0, "
-                   "c0 = i8_zero, c_scale = 1.0);")
-        if passes == 1:
-            product = f"mul(mul(tract_core_cast({y}__i8_sum, to = 'f32'), {scale}), {y}__i8_weight_scale)"
+        zero_name = nnef.Identifier(zero.name)  # a tensor as a named argument: tract's signature of the op
+        total = edit.op("tract_core_einsum_q", [codes, weight], f"{y.name}__i8_sum", np.int32,
+                        expr=f"{batch}k,nk,,,,,,,->{batch}n", acc="i32", output="i32", bias=zero_name, a0=zero_name,
+                        a_scale=1.0, b0=zero_name, b_scale=1.0, c0=zero_name, c_scale=1.0)
+        if weights.passes == 1:
+            by_input = edit.op("mul", (edit.cast(total, f"{y.name}__i8_sum_f32", "f32"), scale),
+                               f"{y.name}__i8_by_input")
         else:  # the sums of the codes' rows, then of the residual's: [.., 2, S, N]
-            rows = rank - 2
-            out.append(f"{indent}{y}__i8_sums = reshape({y}__i8_sum, shape = [2, -1], axis_start = {rows}, "
-                       "axis_count = 1);")
-            halves = [f"tract_core_cast(squeeze(slice({y}__i8_sums, axes = [{rows}], begin = [{i}], end = [{i + 1}]), "
-                      f"axes = [{rows}]), to = 'f32')" for i in (0, 1)]
-            product = (f"mul(add(mul({halves[0]}, {scale}), mul({halves[1]}, {x}__i8_residual_scale)), "
-                       f"{y}__i8_weight_scale)")
-        has_bias = bias.strip() not in ("0.0", "0")
-        out.append(f"{indent}{y} = {'add(' + product + ', ' + bias.strip() + ')' if has_bias else product};")
-    if dropped:
-        out = [line for line in out if not ((m := UNSQUEEZE.match(line)) and m.group(1) in dropped)]
-    # a weight the graph declares but reads otherwise than through a linear layer would need its float values (one it
-    # does not declare at all, e.g. a checkpoint weight a family re-lays into others, is never written)
-    declared = {label for label, _ in variables.values()}
-    missing = (labels & declared) - set(ranks)
-    if missing:
-        raise GdnExportError(f"{len(missing)} int8 weights are read by the graph otherwise than by a linear layer "
-                             f"(e.g. {min(missing)}): their float values would be needed")
-    return "\n".join(out), ranks
+            sums = edit.op("reshape", total, f"{y.name}__i8_sums", np.int32, shape=[2, -1], axis_start=rows,
+                           axis_count=1)
+            halves = []
+            for i in (0, 1):
+                part = edit.op("slice", sums, f"{y.name}__i8_sums{i}_slice", np.int32, axes=[rows], begin=[i],
+                               end=[i + 1])
+                part = edit.op("squeeze", part, f"{y.name}__i8_sums{i}", np.int32, axes=[rows])
+                halves.append(edit.cast(part, f"{y.name}__i8_sums{i}_f32", "f32"))
+            by_input = edit.op("add", (edit.op("mul", (halves[0], scale), f"{y.name}__i8_codes_part"),
+                                       edit.op("mul", (halves[1], residual_scale), f"{y.name}__i8_residual_part")),
+                               f"{y.name}__i8_by_input")
+        if _is_zero_literal(bias):
+            edit.op("mul", (by_input, weight_scale), out=y)
+        else:
+            product = edit.op("mul", (by_input, weight_scale), f"{y.name}__i8_product")
+            edit.op("add", (product, bias), out=y)
+        edit.replace(op, unsqueeze)  # the unsqueeze goes with its last reader
+    read = _readers_left(graph, declared, ("tract_core_einsum_q",))
+    if read:
+        raise GdnExportError(f"{len(read)} int8 weights are read by the graph otherwise than by a linear layer "
+                             f"(e.g. {min(read)}): their float values would be needed")
 
 
-def _rounded_input(indent: str, x: str, rank: int, passes: int) -> list[str]:
-    """The lines rounding input ``x`` (rank ``rank``) per row: ``{x}__i8_scale`` and ``{x}__i8_codes`` (with two
-    passes also ``{x}__i8_residual_scale``, and the codes are the rows' then the residual's: ``[.., 2 S, K]``)."""
-    scale, codes = f"{x}__i8_scale", f"{x}__i8_codes"
-    lines = [f"{indent}{scale} = mul(max(max_reduce(abs({x}), axes = [{rank - 1}]), "
-             f"{_literal(SMALLEST_SCALE_INPUT)}), {_literal(INVERSE_127)});"]
+def _rounded_input(edit: "_GraphEdit", x, rank: int, passes: int) -> tuple:
+    """The operations rounding input ``x`` (rank ``rank``) per row: (``{x}__i8_scale``, ``{x}__i8_codes``, with two
+    passes ``{x}__i8_residual_scale`` else None; the codes are then the rows' and the residual's: ``[.., 2 S, K]``)."""
+    name = x.name
+    largest = edit.op("max_reduce", edit.op("abs", x, f"{name}__i8_abs"), f"{name}__i8_max_abs", axes=[rank - 1])
+    scale = edit.op("mul", (edit.op("max", (largest, edit.literal(SMALLEST_SCALE_INPUT)), f"{name}__i8_max_abs_safe"),
+                            edit.literal(INVERSE_127)), f"{name}__i8_scale")
+    rounded = _round(edit, x, scale, f"{name}__i8_rounded", f"{name}__i8")
     if passes == 1:
-        return lines + [f"{indent}{codes} = tract_core_cast(tract_core_round_even(mul({x}, recip({scale}))), "
-                        "to = 'i8');"]
+        return scale, edit.cast(rounded, f"{name}__i8_codes", "i8"), None
     rows = rank - 2
-    rounded, residual = f"{x}__i8_rounded", f"{x}__i8_residual"
-    return lines + [
-        f"{indent}{rounded} = tract_core_round_even(mul({x}, recip({scale})));",
-        f"{indent}{residual} = sub({x}, mul({rounded}, {scale}));",
-        f"{indent}{x}__i8_residual_scale = mul({scale}, {_literal(INVERSE_254)});",
-        f"{indent}{x}__i8_residual_codes = tract_core_round_even(mul({residual}, recip({x}__i8_residual_scale)));",
-        f"{indent}{codes} = reshape(concat([unsqueeze(tract_core_cast({rounded}, to = 'i8'), axes = [{rows}]), "
-        f"unsqueeze(tract_core_cast({x}__i8_residual_codes, to = 'i8'), axes = [{rows}])], axis = {rows}), "
-        f"shape = [-1], axis_start = {rows}, axis_count = 2);"]
+    residual = edit.op("sub", (x, edit.op("mul", (rounded, scale), f"{name}__i8_dequantized")), f"{name}__i8_residual")
+    residual_scale = edit.op("mul", (scale, edit.literal(INVERSE_254)), f"{name}__i8_residual_scale")
+    residual_codes = _round(edit, residual, residual_scale, f"{name}__i8_residual_codes", f"{name}__i8_residual")
+    parts = [edit.op("unsqueeze", edit.cast(codes, f"{codes.name}_i8", "i8"), f"{codes.name}_i8_row", np.int8,
+                     axes=[rows]) for codes in (rounded, residual_codes)]
+    both = edit.op("concat", parts, f"{name}__i8_both_codes", np.int8, axis=rows)
+    codes = edit.op("reshape", both, f"{name}__i8_codes", np.int8, shape=[-1], axis_start=rows, axis_count=2)
+    return scale, codes, residual_scale
+
+
+def _round(edit: "_GraphEdit", x, scale, name: str, prefix: str):
+    """``round_half_even(x * (1 / scale))`` (in float32)."""
+    inverse = edit.op("recip", scale, f"{prefix}_inverse_scale")
+    return edit.op("tract_core_round_even", edit.op("mul", (x, inverse), f"{prefix}_scaled"), name)
+
+
+def lower_gathers(graph, weights: Int8Weights) -> None:
+    """Rewrite every ``tract_core_gather`` of rows of an int8 table (a variable of ``weights.labels``) of
+    torch-to-nnef's NNEF graph (a graph pass, as ``lower_linears``) into gathers of the codes and of the rows'
+    scales (``[V, 1]``) multiplied in float32; record each table's scale shape in ``weights.scale_shapes``. Refused:
+    a table read otherwise than by a gather."""
+    edit = _GraphEdit(graph)
+    declared = _variables(graph, weights.labels)
+    gathers = [op for op in graph.operations if op.type == "tract_core_gather" and op.inputs
+               and op.inputs[0].producer is not None and op.inputs[0].producer.type == "variable"
+               and op.inputs[0].producer.attribs["label"] in weights.labels]
+    for op in gathers:
+        table, y = op.inputs[0], edit.take_output(op)
+        label = table.producer.attribs["label"]
+        weights.scale_shapes[label] = (int(table.producer.attribs["shape"][0]), 1)
+        scale_table = edit.variable(f"{y.name}__i8_scale_table", f"{label}{SCALE_SUFFIX}", weights.scale_shapes[label])
+        codes = edit.op("tract_core_gather", (table, *op.inputs[1:]), f"{y.name}__i8_codes", np.int8,
+                        attribs=op.attribs)
+        scales = edit.op("tract_core_gather", (scale_table, *op.inputs[1:]), f"{y.name}__i8_scales",
+                         attribs=op.attribs)
+        edit.op("mul", (edit.cast(codes, f"{y.name}__i8_codes_f32", "f32"), scales), out=y)
+        edit.replace(op)
+    read = _readers_left(graph, declared, ("tract_core_gather",))
+    if read:
+        raise GdnExportError(f"{len(read)} int8 tables are read by the graph otherwise than by a gather "
+                             f"(e.g. {min(read)})")
+
+
+def _variables(graph, labels: frozenset) -> dict:
+    """label -> the variable operations declaring it, for the labels of ``labels`` the graph declares. (A weight it
+    does not declare at all, e.g. a checkpoint weight a family re-lays into others, is never written.)"""
+    out: dict = {}
+    for op in graph.operations:
+        if op.type == "variable" and op.attribs["label"] in labels:
+            out.setdefault(op.attribs["label"], []).append(op)
+    return out
+
+
+def _readers_left(graph, declared: dict, lowered: tuple[str, ...]) -> set[str]:
+    """The labels of ``declared`` read by an operation other than the lowered ones (``lowered`` types), or by none:
+    a weight read otherwise would need its float values."""
+    left = set()
+    for label, variables in declared.items():
+        readers = [op for variable in variables for op in variable.outputs[0].consumers]
+        if not readers or any(op.type not in lowered for op in readers) or any(
+                variable.outputs[0] in graph.outputs for variable in variables):
+            left.add(label)
+    return left
+
+
+def _is_zero_literal(tensor) -> bool:
+    """torch-to-nnef's "no bias": a scalar literal 0."""
+    return tensor.producer is None and tensor.data is not None and np.ndim(tensor.data) == 0 and \
+        float(np.asarray(tensor.data)) == 0.0
+
+
+class _GraphEdit:
+    """Operations added to an NNEF graph (``nnef_tools.model.Graph``) in place of one: each ``replace`` puts the
+    operations created since the last one where the replaced operation stood (the graph stays topologically sorted:
+    they read what it read, and what read its outputs comes later), in the order they were created."""
+
+    def __init__(self, graph) -> None:
+        self.graph = graph
+        self.names = {tensor.name for tensor in graph.tensors}
+        self.pending: list = []
+
+    def tensor(self, name: str, dtype, shape=None):
+        """A named tensor (shapes are left unknown: tract infers them, and the written graph does not show them)."""
+        if name in self.names:
+            raise GdnExportError(f"the int8 lowering would name two tensors {name!r} in the graph")
+        self.names.add(name)
+        return NTensor(self.graph, name=name, shape=shape, dtype=dtype)
+
+    def literal(self, value, dtype=None):
+        """A scalar written inline; a float32 constant as its shortest decimal, which reads back to the same float32."""
+        if isinstance(value, np.float32):
+            return NTensor(self.graph, name=None, shape=(), dtype=np.float32, data=np.array(float(_literal(value))))
+        data = np.array(value, dtype=dtype)
+        return NTensor(self.graph, name=None, shape=(), dtype=data.dtype.type, data=data)
+
+    def op(self, op_type: str, inputs, name: str | None = None, dtype=None, *, out=None, attribs=None, **more):
+        """One operation of ``inputs`` (a tensor, a tuple of arguments, or a list: one list argument) into ``out`` or
+        a new tensor ``name`` (``dtype``: the first input's by default), with ``attribs`` then ``more``."""
+        inputs = (inputs,) if isinstance(inputs, NTensor) else inputs
+        if out is None:
+            out = self.tensor(name, dtype if dtype is not None else inputs[0].dtype)
+        self.pending.append(NOperation(self.graph, type=op_type, attribs={**(attribs or {}), **more}, inputs=inputs,
+                                       outputs=(out,)))
+        return out
+
+    def cast(self, x, name: str, to: str):
+        return self.op("tract_core_cast", x, name, _TYPES[to], to=to)
+
+    def variable(self, name: str, label: str, shape: tuple[int, ...]):
+        """A float32 variable (its file written by ``scale_writers``, not by torch-to-nnef's writer)."""
+        out = self.tensor(name, np.float32, tuple(shape))
+        self.pending.append(NOperation(self.graph, type="variable", inputs=(), outputs=(out,),
+                                       attribs={"label": label, "shape": list(shape), "dtype": np.float32}))
+        return out
+
+    @staticmethod
+    def take_output(op):
+        """``op``'s one output, detached from it: a pending operation produces it instead."""
+        (out,) = op.outputs
+        op.outputs = ()
+        return out
+
+    def replace(self, op, feeding=None) -> None:
+        """``op`` gives way to the pending operations; ``feeding`` (an operation feeding it), left without readers,
+        goes too."""
+        operations = self.graph.operations
+        at = operations.index(op)
+        end = len(operations)
+        for k in range(len(self.pending)):  # created last, in order: at the end of the list
+            self.graph.move_operation(end - len(self.pending) + k, at + k)
+        self.pending = []
+        self.graph.remove_operation(op, unlink=True)
+        if feeding is not None and not any(t.consumers or t in self.graph.outputs for t in feeding.outputs):
+            tensors = list(feeding.outputs)
+            self.graph.remove_operation(feeding, unlink=True)
+            self.graph.remove_tensors(tensors)
+
+
+_TYPES = {"f32": np.float32, "i8": np.int8, "i32": np.int32}
 
 
 def _literal(value: np.float32) -> str:
@@ -284,45 +409,43 @@ def _literal(value: np.float32) -> str:
         np.format_float_positional(value, unique=True)
 
 
-GATHER = re.compile(r"^(\s*)(\w+)\s*=\s*tract_core_gather\((\w+),([^;]*)\);\s*$")
+def scale_writers(weights: Int8Weights) -> dict[str, Callable[[BinaryIO], None]]:
+    """The writer of each int8 weight's scales (label: the weight's + ``SCALE_SUFFIX``): a float32 ``.dat`` of the
+    scales its codes' writer computed, in the shape the graph pass gave them (``[1, .., 1, N]`` for a linear layer's
+    output, ``[V, 1]`` for a table's gathered rows). The export writes them after torch-to-nnef's writer ran (they
+    are ``deferrable``), once every weight's codes, hence scales, are written."""
+    return {f"{label}{SCALE_SUFFIX}": functools.partial(_write_scales, weights, label) for label in weights.labels}
 
 
-def lower_gathers(graph: str, labels: frozenset) -> tuple[str, dict[str, int]]:
-    """``graph`` with every ``tract_core_gather`` of rows of an int8 table (a variable of ``labels``) gathering the
-    codes and the rows' scales (``[V, 1]``) and multiplying them in float32; returns the graph and, per label, the
-    rank of its scales (2)."""
-    variables = {m.group(1): m.group(2) for m in map(VARIABLE.match, graph.split("\n")) if m}
-    out, ranks = [], {}
-    for line in graph.split("\n"):
-        m = GATHER.match(line)
-        if not m or variables.get(m.group(3)) not in labels:
-            out.append(line)
-            continue
-        indent, y, table, rest = m.groups()
-        label = variables[table]
-        rows = re.search(rf"variable<scalar>\(label\s*=\s*'{re.escape(label)}',\s*shape\s*=\s*\[(\d+)", graph).group(1)
-        ranks[label] = 2
-        out += [f"{indent}{y}__i8_scale_table = variable<scalar>(label = '{label}{SCALE_SUFFIX}', shape = [{rows}, 1]);",
-                f"{indent}{y}__i8_codes = tract_core_gather({table},{rest});",
-                f"{indent}{y}__i8_scales = tract_core_gather({y}__i8_scale_table,{rest});",
-                f"{indent}{y} = mul(tract_core_cast({y}__i8_codes, to = 'f32'), {y}__i8_scales);"]
-    missing = (labels & set(variables.values())) - set(ranks)
-    if missing:
-        raise GdnExportError(f"{len(missing)} int8 tables are read by the graph otherwise than by a gather "
-                             f"(e.g. {min(missing)})")
-    return "\n".join(out), ranks
+def _write_scales(weights: Int8Weights, label: str, file: BinaryIO) -> None:
+    if label not in weights.scales:
+        raise GdnExportError(f"the scales of int8 weight {label} are written before its codes")
+    values = np.ascontiguousarray(weights.scales[label], dtype=np.float32).reshape(weights.scale_shapes[label])
+    write_header(file, values.shape, values.dtype)
+    file.write(values.tobytes())
 
 
-def lower_folder(folder: Path, weights: Int8Weights, gathers: bool = False) -> None:
-    """Rewrite ``folder``'s graph.nnef (``lower_linears``, or ``lower_gathers`` for tables) and write each weight's
-    scales beside its codes."""
-    path = folder / "graph.nnef"
-    graph, ranks = lower_gathers(path.read_text(), weights.labels) if gathers else \
-        lower_linears(path.read_text(), weights.labels, weights.passes)
-    for label, rank in ranks.items():
-        shape = (-1, 1) if gathers else (1,) * (rank - 1) + (-1,)
-        write_scales(folder / f"{label}{SCALE_SUFFIX}.dat", weights.scales[label], shape)
-    path.write_text(graph)
+def linear_weights(module: torch.nn.Module, passes: int = 1):
+    """``gdn_export.export(module, ..., weights=linear_weights(module), check=False)`` exports every ``nn.Linear`` of
+    an in-memory ``module`` on int8 weights (codes written from its values, the graph's linears lowered as above,
+    inputs rounded in ``passes``): the same machinery as a checkpoint's int8 conversion, for a module of one's own
+    (tests, benchmarks)."""
+    from gdn_export.weights.streamed import StreamedWeights
+
+    names = {id(m.weight): name for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+    labels = frozenset(f"{name}.weight" if name else "weight" for name in names.values())
+    weights = Int8Weights(labels, passes=passes)
+
+    def writer(label: str, param: torch.Tensor) -> Callable[[BinaryIO], None]:
+        values = param.detach().float().numpy()
+
+        def write(file: BinaryIO) -> None:
+            weights.scales[label] = write_nnef(file, values.shape, lambda a, b: values[a:b])
+        return write
+
+    writers = {label: writer(label, param) for label, param in module.named_parameters() if label in labels}
+    scales = scale_writers(weights)
+    return StreamedWeights({**writers, **scales}, deferrable=dict.fromkeys(scales, "f32"), int8=weights)
 
 
 def reference_hooks(model: torch.nn.Module, linear_names: frozenset, jitter_seed: int | None = None,

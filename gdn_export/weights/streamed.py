@@ -17,7 +17,6 @@ streamed weight (it could only come from a placeholder).
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from contextlib import contextmanager
@@ -150,12 +149,18 @@ def _guarded_neutral(original):
     return remap_if_neutral_op
 
 
-def check_all_written(weights: StreamedWeights, record: dict, graph: str) -> None:
-    """Every placeholder weight that the graph (``graph.nnef``'s text) reads must have been written by its writer:
-    one that was not means torch-to-nnef wrote it another way, from the placeholder: a wrong model, refused. A
-    weight the graph does not read (a family's re-laid copy replaces it, or, traced with its real value, it was
-    dropped as an in-memory export drops it: a multiplication by ones) needs nothing."""
-    read = set(re.findall(r"label\s*=\s*'([^']+)'", graph))
+def variable_labels(graph) -> set[str]:
+    """The labels of the variables of torch-to-nnef's NNEF graph (``nnef_tools.model.Graph``; a graph pass of the
+    export's target, run before any rewrite): the weights the graph reads."""
+    return {op.attribs["label"] for op in graph.operations if op.type == "variable"}
+
+
+def check_all_written(weights: StreamedWeights, record: dict, read: set[str]) -> None:
+    """Every placeholder weight that the graph reads (``read``: its variables' labels, ``variable_labels``) must
+    have been written by its writer: one that was not means torch-to-nnef wrote it another way, from the
+    placeholder: a wrong model, refused. A weight the graph does not read (a family's re-laid copy replaces it, or,
+    traced with its real value, it was dropped as an in-memory export drops it: a multiplication by ones) needs
+    nothing."""
     missing = sorted(min(group) for group in weights.placeholders if group & read and not group & record["written"])
     if missing:
         raise GdnExportError(f"{len(missing)} streamed weights were not written as variables of their own name "

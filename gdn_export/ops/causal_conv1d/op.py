@@ -20,10 +20,11 @@ SCHEMA = "(Tensor x, Tensor weight, Tensor state) -> (Tensor, Tensor)"
 
 @dataclass(frozen=True)
 class ConvNode:
-    """One short-conv node as ``decide`` sees it (``ops.protocol.Node``): its rule reads only the plan."""
+    """One short-conv node as ``decide`` sees it (``ops.protocol.Node``): the plan and the dtype it computes in."""
 
     name: str
     entry: str = QUALNAME
+    dtype: str = "float32"  # numpy's name of the conv's arithmetic dtype (the weight's)
 
 
 def check_conv_operands(x_shape, weight_shape, state_shape) -> None:
