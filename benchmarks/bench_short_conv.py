@@ -69,6 +69,16 @@ DEPTHWISE = """    tail = slice(state, axes = [2], begin = [1], end = [{w}]);
 """
 
 
+def shifted_products(axis: int, w: int) -> tuple[list[str], str]:
+    """The lines ``t{i} = slice(full, i .. n - (w - 1 - i)) * weight tap i`` along ``axis``, and their sum's expression."""
+    lines = [f"    t{i} = slice(full, axes = [{axis}], begin = [{i}], end = [n - {w - 1 - i}]) * "
+             f"slice(wt, axes = [{axis}], begin = [{i}], end = [{i + 1}]);" for i in range(w)]
+    total = "t0"
+    for i in range(1, w):
+        total = f"add({total}, t{i})"
+    return lines, total
+
+
 def taps_last(w: int, f32: bool = False) -> str:
     """``f32``: an f16 graph's taps computed in f32 (full and weight cast up, the output cast down once)."""
     up = (lambda t: f"tract_core_cast({t}, to = 'f32')") if f32 else (lambda t: t)
@@ -77,14 +87,8 @@ def taps_last(w: int, f32: bool = False) -> str:
              f"    full = {up('concat([tail, xt], axis = 1)')};",
              "    n = squeeze(slice(tract_core_shape_of(full), axes = [0], begin = [1], end = [2]), axes = [0]);",
              f"    wt = {up('unsqueeze(transpose(weight, axes = [1, 0]), axes = [0])')};"]
-    terms = []
-    for i in range(w):
-        lines.append(f"    t{i} = slice(full, axes = [1], begin = [{i}], end = [n - {w - 1 - i}]) * "
-                     f"slice(wt, axes = [1], begin = [{i}], end = [{i + 1}]);")
-        terms.append(f"t{i}")
-    total = terms[0]
-    for t in terms[1:]:
-        total = f"add({total}, {t})"
+    products, total = shifted_products(1, w)
+    lines += products
     down = (lambda t: f"tract_core_cast({t}, to = 'f16')") if f32 else (lambda t: t)
     lines += [f"    acc = {total};", f"    y0 = transpose({down('acc * sigmoid(acc)')}, axes = [0, 2, 1]);",
               f"    st = transpose({down('slice(full, axes = [1], begin = [n - {w}], end = [n])')}, axes = [0, 2, 1]);"]
@@ -111,14 +115,8 @@ def taps_first(w: int) -> str:
              "    full = concat([tail, x], axis = 2);",
              "    n = squeeze(slice(tract_core_shape_of(full), axes = [0], begin = [2], end = [3]), axes = [0]);",
              "    wt = unsqueeze(weight, axes = [0]);"]
-    terms = []
-    for i in range(w):
-        lines.append(f"    t{i} = slice(full, axes = [2], begin = [{i}], end = [n - {w - 1 - i}]) * "
-                     f"slice(wt, axes = [2], begin = [{i}], end = [{i + 1}]);")
-        terms.append(f"t{i}")
-    total = terms[0]
-    for t in terms[1:]:
-        total = f"add({total}, {t})"
+    products, total = shifted_products(2, w)
+    lines += products
     lines += [f"    acc = {total};", "    y0 = acc * sigmoid(acc);",
               "    st = slice(full, axes = [2], begin = [n - {w}], end = [n]);"]
     return "\n".join(lines) + "\n"
