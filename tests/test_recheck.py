@@ -9,7 +9,7 @@ import pytest
 
 from gdn_export.errors import GdnExportError
 from gdn_export.pipeline.convert import check, convert
-from helpers import FIXTURES
+from helpers import FIXTURES, rewritten
 
 pytestmark = pytest.mark.slow  # converts fixtures
 
@@ -68,3 +68,8 @@ def test_calibrated_archive_needs_its_text(tmp_path):
         check(out, FIXTURES / "qwen3_5", calibration=other)
     result = check(out, FIXTURES / "qwen3_5", calibration=text)
     assert result.ok, result
+    # the record comes from the archive: a malformed one is refused before any text is read with it
+    bad = rewritten(out, tmp_path / "bad.nnef.tgz",
+                    metadata={"calibration": {"file": "calibration.txt", "sha256": "0", "tokens": 10 ** 12}})
+    with pytest.raises(GdnExportError, match="malformed calibration record"):
+        check(bad, FIXTURES / "qwen3_5", calibration=text)

@@ -676,6 +676,9 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
     return check_with(kind, path, family, layout, weights, prompt_len, decode_steps, batch)
 
 
+RECHECK_CALIBRATION_TOKENS = 1 << 22  # the most calibration tokens a re-check reads (an archive's record is untrusted)
+
+
 def _check_quantized(path, checkpoint_dir, metadata: dict, prompt_len: int, decode_steps: int, batch: int,
                      kind: str, calibration, say: Callable[[str], None]) -> LogitCheck:
     """``check`` of a Q4_0 / int8 archive: the plan its metadata records, read as ``run_plan`` reads it (the
@@ -690,7 +693,12 @@ def _check_quantized(path, checkpoint_dir, metadata: dict, prompt_len: int, deco
                        quantize_embeddings=bool(metadata.get("quantize_embeddings", False)),
                        fold_scales=metadata.get("folded_norms") is not None)
     recorded = metadata.get("calibration")
-    if recorded:
+    if recorded:  # from the archive: its shape checked before anything is read with it
+        named = isinstance(recorded, dict) and all(isinstance(recorded.get(k), str) for k in ("file", "sha256"))
+        bound = recorded.get("max_tokens", recorded.get("tokens")) if named else None
+        if not (isinstance(bound, int) and 0 < bound <= RECHECK_CALIBRATION_TOKENS):
+            raise GdnExportError(f"{path}'s gdn_export.json has a malformed calibration record (expected file, "
+                                 f"sha256 and 1 to {RECHECK_CALIBRATION_TOKENS} tokens): it cannot be re-checked")
         if calibration is None:
             raise worded(GdnExportError(f"{path} was calibrated on {recorded['file']} (sha256 "
                                         f"{recorded['sha256'][:12]}..): its Q4_0 scales can only be computed again "
@@ -700,7 +708,7 @@ def _check_quantized(path, checkpoint_dir, metadata: dict, prompt_len: int, deco
         if recorded.get("ctx", DEFAULT_CTX) != DEFAULT_CTX:
             raise GdnExportError(f"{path} was calibrated in windows of {recorded['ctx']} tokens; this gdn_export "
                                  f"reads windows of {DEFAULT_CTX}")
-        options["calibration_tokens"] = int(recorded.get("max_tokens", recorded["tokens"]))
+        options["calibration_tokens"] = bound
     elif calibration is not None:
         raise GdnExportError(f"{path} was not calibrated: drop the calibration text")
     # the plan is only read, never written: its output path is a name in the temporary folder
