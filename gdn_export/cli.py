@@ -54,23 +54,28 @@ def _convert(args) -> int:
     from gdn_export.pipeline.convert import plan_conversion, run_plan
 
     fmt = args.format or ("onnx" if args.output.endswith(".onnx") else "nnef")
+    plan = _in_flags(lambda: plan_conversion(
+        args.checkpoint, args.output, format=fmt, dtype=args.dtype, lowering=args.lowering,
+        tract_version=args.tract_version, check=False if args.no_check else args.check, force=args.force,
+        runtime=args.runtime or "cpu", core_dtype=args.core_dtype, chunk_size=args.chunk_size,
+        streamed=not args.in_memory, prompt_len=args.prompt_len, decode_steps=args.decode_steps,
+        quantize=args.quantize, quantize_embeddings=args.quantize_embeddings, logits=args.logits,
+        serving=args.serving, q4_rule=args.q4_rule, calibration=args.calibration,
+        calibration_tokens=args.calibration_tokens, fold_scales=args.fold_scales, int8_passes=args.int8_passes))
+    print(run_plan(plan, _progress))
+    return 0
+
+
+def _in_flags(call):
+    """``call()``, an error it raises worded with the command line's flags where it carries them
+    (``errors.worded``: exit status 2 for a refused combination of options, 1 for a state of the world)."""
     try:
-        plan = plan_conversion(args.checkpoint, args.output, format=fmt, dtype=args.dtype, lowering=args.lowering,
-                               tract_version=args.tract_version, check=False if args.no_check else args.check,
-                               force=args.force, runtime=args.runtime or "cpu", core_dtype=args.core_dtype,
-                               chunk_size=args.chunk_size, streamed=not args.in_memory, prompt_len=args.prompt_len,
-                               decode_steps=args.decode_steps, quantize=args.quantize,
-                               quantize_embeddings=args.quantize_embeddings, logits=args.logits,
-                               serving=args.serving, q4_rule=args.q4_rule, calibration=args.calibration,
-                               calibration_tokens=args.calibration_tokens, fold_scales=args.fold_scales,
-                               int8_passes=args.int8_passes)
+        return call()
     except GdnExportError as err:
         flags = getattr(err, "flags", None)
         if flags is None:
             raise
         raise (UsageError if err.usage else GdnExportError)(flags) from None
-    print(run_plan(plan, _progress))
-    return 0
 
 
 def _check(args) -> int:
@@ -78,8 +83,8 @@ def _check(args) -> int:
 
     _progress(f"checking {args.model} against {args.checkpoint}: prefill {args.prompt_len} + decode "
               f"{args.decode_steps}, batch {args.batch}")
-    result = check(args.model, args.checkpoint, args.prompt_len, args.decode_steps, args.batch, kind=args.kind,
-                   calibration=args.calibration, progress=_progress)
+    result = _in_flags(lambda: check(args.model, args.checkpoint, args.prompt_len, args.decode_steps, args.batch,
+                                     kind=args.kind, calibration=args.calibration, progress=_progress))
     print(f"{args.model}: {result}")
     if result.quality is not None:
         print(f"  {quality_line(result.quality)}")

@@ -55,7 +55,7 @@ def test_int8_archive_is_checked_with_the_same_rounding(tmp_path):
     assert result.quality is not None
 
 
-def test_calibrated_archive_needs_its_text(tmp_path):
+def test_calibrated_archive_needs_its_text(tmp_path, capsys):
     text = tmp_path / "calibration.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 400, encoding="utf-8")
     other = tmp_path / "other.txt"
@@ -64,6 +64,11 @@ def test_calibrated_archive_needs_its_text(tmp_path):
     convert(FIXTURES / "qwen3_5", out, quantize="q4_0", calibration=text, calibration_tokens=1000, check=False)
     with pytest.raises(GdnExportError, match=r"calibrated on calibration\.txt .*calibration=FILE"):
         check(out, FIXTURES / "qwen3_5")
+    from gdn_export.cli import main as cli
+
+    assert cli(["check", str(out), str(FIXTURES / "qwen3_5")]) == 1  # the command line's wording, one line
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "pass --calibration FILE with that text" in err[-1] and len([e for e in err if "error" in e]) == 1, err
     with pytest.raises(GdnExportError, match="is not the text"):
         check(out, FIXTURES / "qwen3_5", calibration=other)
     result = check(out, FIXTURES / "qwen3_5", calibration=text)
