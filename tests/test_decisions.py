@@ -171,3 +171,16 @@ def test_every_op_decides_through_the_one_signature():
         params = list(inspect.signature(decide).parameters.values())
         assert [p.kind for p in params] == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 2, name
         assert decide.__annotations__["return"] in ("Decision", Decision), name  # a string under PEP 563
+
+
+@pytest.mark.parametrize("runtime,dtype,version,expected", [
+    ("cpu", "float32", (0, 23, 9), "chunks"), ("any", "float32", (0, 23, 9), "chunks"),
+    ("cuda", "float32", (0, 23, 9), "native"),  # the chunk scan is measured on CPU only
+    ("cpu", "float16", (0, 23, 9), "native"), ("cpu", "float16", (0, 22, 1), "portable")])
+def test_short_conv_decision(runtime, dtype, version, expected):
+    from gdn_export.ops.causal_conv1d.nnef import decide
+    from gdn_export.ops.causal_conv1d.op import ConvNode
+    from gdn_export.ops.options import LoweringOptions
+
+    decision = decide(ConvNode("y", dtype=dtype), LoweringOptions(tract_version=version, runtime=runtime))
+    assert decision.lowering == expected, decision

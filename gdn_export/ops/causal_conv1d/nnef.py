@@ -94,12 +94,16 @@ fragment {name}(
 
 def decide(node: ConvNode, options: LoweringOptions) -> Decision:
     """The short conv (``ops.protocol.Decide``): "chunks" where it computes in f32 (f32 and int8 archives; the
-    module docstring), else tract's fused op ("native", from 0.23.5), else NNEF's depthwise conv ("portable")."""
-    if node.dtype == "float32":
+    module docstring) for a CPU (runtime "cpu" or "any"), else tract's fused op ("native", from 0.23.5), else NNEF's
+    depthwise conv ("portable")."""
+    if node.dtype == "float32" and options.runtime != "cuda":
         return Decision(node.name, node.entry, "chunks", f"a tract_core_scan over chunks of {CHUNK} tokens, channels "
                         "last (f32: S = 128 ~4x and S = 1 ~2.5x faster than the fused op, benchmarks/"
                         "bench_short_conv.py)", None)
-    why = f"{node.dtype}: tract's f16 arithmetic makes the scan ~3x slower than the fused op for one token"
+    why = (f"{node.dtype}: tract's f16 arithmetic makes the scan ~3x slower than the fused op for one token"
+           if node.dtype != "float32" else
+           # measured on CPU only; tract's CUDA runtime ran the GDN's scans at CPU speed (ops/gated_delta_rule/policy.py)
+           "runtime cuda: the chunk scan is not measured there, the fused op is kept")
     if options.tract_version >= FUSED_CONV_FIRST_VERSION:
         return Decision(node.name, node.entry, "native", f"{OP_NAME} exists on this tract ({why})", None)
     return Decision(node.name, node.entry, "portable", f"{OP_NAME} is not in tract before 0.23.5 ({why})", None)
