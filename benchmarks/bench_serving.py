@@ -3,7 +3,7 @@ another through ``Session``, in one run.
 
     python benchmarks/bench_serving.py CHECKPOINT_DIR [--concurrency 1,2,4,8,16] [--prompt 128] [--new 64]
                                        [--workers 2] [--prefill-piece 128[,64...]] [--prefill-rows 1[,2...]]
-                                       [--dtype float32|float16] [--quantize q4_0|int8]
+                                       [--dtype float32|float16] [--quantize q4_0|int8|f16]
                                        [--plans one[,per-batch][,serve]] [--rounds R] [--cpus 0,1] [--json OUT]
                                        [--keep DIR]
                                        [--session-archive plain|serving]
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                         "batch-size bucket, the earlier scheme), serve (`gdn-export serve` over HTTP: one plan), or "
                         "a comma list of them: one,per-batch,serve")
     parser.add_argument("--dtype", choices=["float32", "float16"], default="float32")
-    parser.add_argument("--quantize", choices=["q4_0", "int8"], default=None)
+    parser.add_argument("--quantize", choices=["q4_0", "int8", "f16"], default=None)
     parser.add_argument("--rounds", type=int, default=1, help="run the sequential baseline and every configuration "
                         "this many times, interleaved (every other round in reverse order); medians")
     parser.add_argument("--cpus", help="pin this script and its children to these cores (a list for "
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.loads((args.checkpoint / "config.json").read_text())["vocab_size"]
     folder = args.keep or Path(tempfile.mkdtemp(prefix="gdn_serving_"))
     folder.mkdir(parents=True, exist_ok=True)
-    fmt = args.quantize or {"float32": "f32", "float16": "f16"}[args.dtype]
+    fmt = args.quantize or {"float32": "f32", "float16": "f16-graph"}[args.dtype]
     suffix = "" if fmt == "f32" else f"-{fmt}"
     options = ["--dtype", args.dtype, *(["--quantize", args.quantize] if args.quantize else [])]
     plain, served = folder / f"plain{suffix}.nnef.tgz", folder / f"serving{suffix}.nnef.tgz"

@@ -14,7 +14,7 @@ What it does, in this order, all in one run:
    reference logits of ``--prompt`` + ``--decode`` random token ids (in a child process, freed after).
 3. Converts every format: gdn_export with ``gdn-export convert --no-check --logits last`` (the head on the last
    position only, as llama.cpp computes logits and as generation needs them; f32 ``--dtype float32``, f16
-   ``--dtype float16``, q4_0 ``--dtype float32 --quantize q4_0``: linear layers in Q4_0; the table says what the
+   ``--quantize f16`` (float16 weights, float32 graph), f16-graph ``--dtype float16``, q4_0 ``--dtype float32 --quantize q4_0``: linear layers in Q4_0; the table says what the
    tied embedding / head got), llama.cpp with ``convert_hf_to_gguf.py --outtype f32|f16`` of the same folder and
    Q4_0 by ``llama-quantize`` of the F32 GGUF (its default recipe, which keeps some tensors in other types: the
    table says which type the tied ``token_embd`` got; its conversion time includes the F32 GGUF's).
@@ -93,11 +93,14 @@ TOKENIZER_SIZE = 151643  # BPE tokens; the three specials follow, as in Qwen2 / 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+")
-GDN_FORMATS = {"f32": ["--dtype", "float32"], "f16": ["--dtype", "float16"],
+# f16: float16 weights, float32 graph (--quantize f16, the CPU's f16 format); f16-graph: the float16 graph (--dtype
+# float16, activations in f16 too: what tract's CUDA runtime wants), both against llama.cpp's F16
+GDN_FORMATS = {"f32": ["--dtype", "float32"], "f16": ["--dtype", "float32", "--quantize", "f16"],
+               "f16-graph": ["--dtype", "float16"],
                "q4_0": ["--dtype", "float32", "--quantize", "q4_0"], "int8": ["--dtype", "float32", "--quantize", "int8"],
                "int8x2": ["--dtype", "float32", "--quantize", "int8", "--int8-passes", "2"]}
 # int8 against llama.cpp's Q8_0 (int8x2, inputs rounded in two passes, too: Q8_0 made and measured again beside it)
-GGUF_FORMATS = {"f32": "F32", "f16": "F16", "q4_0": "Q4_0", "int8": "Q8_0", "int8x2": "Q8_0"}
+GGUF_FORMATS = {"f32": "F32", "f16": "F16", "f16-graph": "F16", "q4_0": "Q4_0", "int8": "Q8_0", "int8x2": "Q8_0"}
 QUANTIZED = ("q4_0", "int8", "int8x2")  # GGUFs made by llama-quantize of the F32 one
 
 CONVERT_WRAPPER = '''"""Run llama.cpp's convert_hf_to_gguf.py, accepting an unknown BPE pre-tokenizer hash as "qwen35".
@@ -449,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-cpp", type=Path, help="a llama.cpp tree with build/bin (llama-bench, llama-quantize, "
                         "libllama.so); without it the llama.cpp rows are skipped")
     parser.add_argument("--layers", type=int, default=24, help="decoder layers (24: Qwen3.5 0.8B)")
-    parser.add_argument("--formats", default="f32,f16,q4_0", help="a subset of f32,f16,q4_0,int8,int8x2 (int8: "
+    parser.add_argument("--formats", default="f32,f16,q4_0", help="a subset of f32,f16,f16-graph,q4_0,int8,int8x2 "
+                        "(f16: --quantize f16, f16-graph: --dtype float16, both against llama.cpp's F16; int8: "
                         "against llama.cpp's Q8_0; int8x2: --int8-passes 2)")
     parser.add_argument("--sizes-only", action="store_true", help="convert every format and print the file sizes "
                         "only (no reference, no speed or quality): for a format too slow to run on this machine")
@@ -533,7 +537,7 @@ def run(args, formats: list[str], workdir: Path) -> int:
             if fmt in QUANTIZED:
                 llama.quantize(made["llama", "f32"][0], gguf, GGUF_FORMATS[fmt])
             else:
-                llama.convert(checkpoint, gguf, fmt)
+                llama.convert(checkpoint, gguf, GGUF_FORMATS[fmt].lower())
             seconds = time.perf_counter() - start
             if fmt in QUANTIZED:  # a quantized GGUF's cost includes its F32 source's conversion
                 seconds += made["llama", "f32"][1]
@@ -609,7 +613,7 @@ def sizes_only(args, formats: list[str], workdir: Path, checkpoint: Path, llama,
                     llama.convert(checkpoint, f32_gguf, "f32")
                 llama.quantize(f32_gguf, gguf, GGUF_FORMATS[fmt])
             else:
-                llama.convert(checkpoint, gguf, fmt)
+                llama.convert(checkpoint, gguf, GGUF_FORMATS[fmt].lower())
             types = llama.tensor_types(gguf)
             llama_label = f"{GGUF_FORMATS[fmt]} (token_embd {types.get('token_embd.weight', '?')})"
             llama_size = gguf.stat().st_size

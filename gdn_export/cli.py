@@ -412,10 +412,12 @@ def parser() -> argparse.ArgumentParser:
                          help="the check's reference: transformers' whole model in memory (full), one decoder "
                               "layer in memory at a time (layerwise), or full where it fits (auto)")
     convert.add_argument("--no-check", action="store_true", help="run no check at all")
-    convert.add_argument("--quantize", choices=["q4_0", "int8"], default=None,
+    convert.add_argument("--quantize", choices=["q4_0", "int8", "f16"], default=None,
                          help="q4_0: every linear layer's weight (inner size a multiple of 32) in tract's Q4_0; int8: "
                               "every linear layer's weight in int8 (a scale per output channel) on tract's integer "
-                              "matmuls, its input rounded per row in the graph (--dtype float32)")
+                              "matmuls, its input rounded per row in the graph (--dtype float32); f16: every linear "
+                              "layer's weight and the embedding table in float16, computed in float32 (half the "
+                              "bytes; on a CPU faster than --dtype float16, docs/QUANTIZATION.md)")
     convert.add_argument("--int8-passes", type=int, choices=[1, 2], default=1,
                          help="with --quantize int8: round each layer's input in 1 pass (the default) or 2 (the "
                               "rounding's residual too: a second int8 row, mean KL 0.23x on the trained fixture, "

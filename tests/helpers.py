@@ -320,6 +320,22 @@ def rewritten(source: Path, target: Path, metadata: dict | None = None, drop_met
     return target
 
 
+def damaged(source: Path, target: Path, member: str) -> Path:
+    """A copy of archive ``source`` with the sign bit of ``member``'s first f16 number flipped: a Q4_0 weight's first
+    block's scale (every weight of the block negated), an f16 weight's first value."""
+    with tarfile.open(source) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    with tarfile.open(target, "w:gz", compresslevel=1) as out:
+        for info, data in members:
+            if info.name == member:
+                data = bytearray(data)
+                data[128 + 1] ^= 0x80  # the first f16 number's high byte
+                data = bytes(data)
+            info.size = len(data)
+            out.addfile(info, io.BytesIO(data))
+    return target
+
+
 def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size = len(data)

@@ -1,7 +1,6 @@
 """`gdn-export check` of quantized archives: the weights quantized again from the checkpoint by the rule the archive
 records, checked as `convert` checked them (a damaged weight file fails), calibrated archives given their text."""
 
-import io
 import tarfile
 from pathlib import Path
 
@@ -9,27 +8,12 @@ import pytest
 
 from gdn_export.errors import GdnExportError
 from gdn_export.pipeline.convert import check, convert
-from helpers import FIXTURES, rewritten
+from helpers import FIXTURES, damaged, rewritten
 
 pytestmark = pytest.mark.slow  # converts fixtures
 
 # a .dat header's item type (bytes 48-51): tract's Q4_0 is 0x4030 from vendor "RT"
 Q40_ITEM_TYPE = bytes.fromhex("4030") + b"RT"
-
-
-def damaged(source: Path, target: Path, member: str) -> Path:
-    """A copy of archive ``source`` with one Q4_0 block of ``member`` changed: its scale negated (f16 sign bit)."""
-    with tarfile.open(source) as tar:
-        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
-    with tarfile.open(target, "w:gz", compresslevel=1) as out:
-        for info, data in members:
-            if info.name == member:
-                data = bytearray(data)
-                data[128 + 1] ^= 0x80  # the first block's f16 scale, high byte: every weight of the block negated
-                data = bytes(data)
-            info.size = len(data)
-            out.addfile(info, io.BytesIO(data))
-    return target
 
 
 def test_q4_0_archive_is_checked_with_its_own_rule_and_a_damaged_weight_fails(tmp_path):

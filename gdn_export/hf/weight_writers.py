@@ -1,4 +1,5 @@
-"""How each parameter of the exportable model is written from the checkpoint: in the export dtype, in Q4_0 or in int8.
+"""How each parameter of the exportable model is written from the checkpoint: in the export dtype, in Q4_0, in int8
+or in float16.
 
 ``plan_writes`` pairs every parameter the traced graph may write (under each of its names: a tied tensor has two)
 with a writer that reads the checkpoint: the parameter's own tensor, or rows of one for the weights a family
@@ -11,6 +12,8 @@ reference is transformers' own ``nn.Linear`` is written in int8 with a scale per
 ``linear`` of it becomes tract's integer matmul (``int8.lower_linears``, a pass over torch-to-nnef's graph). In a
 quantized export of float32 the embedding table, which only a gather reads, is stored in int8 with a scale per row, and the gather takes codes and
 scales (``int8.lower_gathers``): a quarter of its float32 bytes, the largest tensor a quantized archive had left.
+With ``quantize="f16"`` (``gdn_export.weights.f16``) every linear layer's weight and every table is stored in float16
+for a float32 graph (the tables negated, a tied head with a copy of its own, ``f16.lower_gathers``).
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ from gdn_export.errors import GdnExportError
 from gdn_export.hf.blocks import ExpertStacks
 from gdn_export.hf.tensors import TORCH_TO_NUMPY, write_nnef_rows
 from gdn_export.models.derived import PLACEHOLDER, RECIPE, Recipe, rows_of
-from gdn_export.weights import int8, q4_0
+from gdn_export.weights import f16, int8, q4_0
 from gdn_export.weights.streamed import StreamedWeights
 
-SCHEMES = {q4_0.NAME: q4_0, int8.NAME: int8}
+SCHEMES = {q4_0.NAME: q4_0, int8.NAME: int8, f16.NAME: f16}
 QUANTIZATIONS = tuple(SCHEMES)
 DATUM_TYPES = {torch.float32: "f32", torch.float16: "f16"}
 
@@ -52,6 +55,7 @@ class QuantizationReport:
     int8_tables: list[str] = field(default_factory=list)  # checkpoint names of embedding tables stored in int8
     table_bytes: tuple[int, int] = (0, 0)  # their bytes in the export dtype, and in int8 (codes and scales)
     int8_passes: int = 1  # int8: each linear layer's input rounded in 1 or 2 passes (int8.round_activations)
+    f16_tables: list[str] = field(default_factory=list)  # f16: checkpoint names of embedding tables stored in f16
 
     def __str__(self) -> str:
         if self.scheme is None:
@@ -62,6 +66,9 @@ class QuantizationReport:
         text = (f"{len(self.quantized)} weights in {self.scheme.upper()} ({_size(self.bytes_before)} -> "
                 f"{_size(self.bytes_after)}{f'; {how}' if self.scheme == q4_0.NAME else ''}"
                 f"{'; inputs rounded in 2 passes (codes and residual)' if self.int8_passes == 2 else ''})")
+        if self.f16_tables:
+            text += (f"; {len(self.f16_tables)} embedding table in F16 (negated, the gathered rows negated back: "
+                     f"{_size(self.table_bytes[0])} -> {_size(self.table_bytes[1])})")
         if self.int8_tables:
             text += (f"; {len(self.int8_tables)} embedding table in int8 (a scale per row, applied to the gathered "
                      f"rows: {_size(self.table_bytes[0])} -> {_size(self.table_bytes[1])})")
@@ -157,12 +164,13 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
                                 int8_passes=int8_passes)
     chosen: set[int] = set()
     table8: set[int] = set()
+    table16: set[int] = set()
     if quantize is not None:  # a head still tied to the table (no block-sized rows) is the table: kept with it
         candidates = (linear | tables) if quantize_embeddings else linear - tables
         chosen = {key for key in candidates if scheme.quantizable(tuple(params[key].shape))}
         if scheme is q4_0:
             report.kept[f"with an inner size not a multiple of {q4_0.BLOCK}"] = len(candidates - chosen)
-        else:
+        elif scheme is int8:
             emulable = {key for key in chosen if _int8_reference_is_linear(params[key], names, model)}
             report.kept["whose reference is no nn.Linear of transformers' model, or re-laid beyond a choice of rows"] \
                 = len(chosen - emulable)
@@ -174,6 +182,8 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
             if scheme is int8:
                 report.kept["expert stacks (tract_moe_ffn takes f32, f16 or Q4_0 stacks: no operand for int8 "
                             "scales)"] += len(trio)
+            elif scheme is f16:
+                report.kept["expert stacks (f16 stacks in a float32 tract_moe_ffn not measured)"] += len(trio)
             elif not fused_moe(module.gate):
                 report.kept["expert stacks of a MoE that runs dense (no tract_moe_ffn: see the MoE lines)"] += len(trio)
             elif not all(_quantizable_derived(p) for p in trio):
@@ -186,8 +196,11 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
         report.kept["not a linear layer's weight (embeddings, convolutions, MoE routers)"] = sum(
             p.dim() >= 2 and key not in candidates for key, p in params.items())
         report.kept = +report.kept  # without the zero counts
-        if dtype == torch.float32:  # a table only gathered from (not a tied head's too): codes and scales gathered
-            table8 = {key for key in tables - chosen - linear if int8.quantizable(tuple(params[key].shape))}
+        gathered_only = tables - chosen - linear  # a table only gathered from (not a tied head's too)
+        if scheme is f16:  # its rows in f16, negated (f16.lower_gathers)
+            table16 = {key for key in gathered_only if f16.quantizable(tuple(params[key].shape))}
+        elif dtype == torch.float32:  # codes and scales gathered
+            table8 = {key for key in gathered_only if int8.quantizable(tuple(params[key].shape))}
     int8_weights = int8.Int8Weights(frozenset(label for key in chosen for label in labels[key]),
                                     passes=int8_passes) if scheme is int8 else None
     # an int8 archive's tables are stored negated: a tied head's int8 copy would otherwise be the same constant as its
@@ -197,7 +210,8 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
     writers = {}
     for key, group in labels.items():
         param = params[key]
-        stored = scheme.NAME if key in chosen else int8.NAME if key in table8 else None
+        stored = scheme.NAME if key in chosen else int8.NAME if key in table8 else f16.NAME if key in table16 \
+            else None
         if key in chosen:
             source = _source_name(param, names)
             recipe = getattr(param, RECIPE, None)
@@ -208,27 +222,29 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
                     report.grams[source] = calibration.grams[source]
         writer = _writer(group[0], param, names, weights, dtype, stored,
                          int8_tables if key in table8 else int8_weights, tuple(group),
-                         report.q4_0_rule(source) if stored == q4_0.NAME else None)
+                         report.q4_0_rule(source) if stored == q4_0.NAME else None, negated=key in table16)
         if key in chosen:
             report.quantized.append(source)
             report.bytes_before += param.numel() * dtype.itemsize
             report.bytes_after += scheme.nbytes(tuple(param.shape))
-        elif key in table8:
-            report.int8_tables.append(_source_name(param, names))
-            report.table_bytes = (report.table_bytes[0] + param.numel() * dtype.itemsize,
-                                  report.table_bytes[1] + int8.nbytes(tuple(param.shape)))
+        elif key in table8 or key in table16:
+            (report.int8_tables if key in table8 else report.f16_tables).append(_source_name(param, names))
+            report.table_bytes = (report.table_bytes[0] + param.numel() * dtype.itemsize, report.table_bytes[1] +
+                                  (int8 if key in table8 else f16).nbytes(tuple(param.shape)))
         writers.update(dict.fromkeys(group, writer))
     placeholders = tuple(frozenset(group) for key, group in labels.items() if getattr(params[key], PLACEHOLDER, False))
     storages = frozenset(p.untyped_storage().data_ptr() for p in params.values() if getattr(p, PLACEHOLDER, False))
     compressed = {label: DATUM_TYPES[dtype] for key in tables & chosen for label in labels[key]}
     deferrable = {label: DATUM_TYPES[dtype] for key, group in labels.items()
-                  if key not in chosen | table8 and params[key].dim() >= 2 for label in group}
+                  if key not in chosen | table8 | table16 and params[key].dim() >= 2 for label in group}
     for quantized in (int8_weights, int8_tables):  # int8 scales: written once the graph pass gave their shapes
         if quantized is not None:
             scales = int8.scale_writers(quantized)
             writers.update(scales)
             deferrable.update(dict.fromkeys(scales, DATUM_TYPES[torch.float32]))
-    return StreamedWeights(writers, placeholders, storages, compressed, deferrable, int8_weights, int8_tables), report
+    f16_tables = frozenset(label for key in table16 for label in labels[key])
+    return StreamedWeights(writers, placeholders, storages, compressed, deferrable, int8_weights, int8_tables,
+                           f16_tables), report
 
 
 def _int8_reference_is_linear(param, names: dict, model: nn.Module) -> bool:
@@ -306,11 +322,12 @@ class DerivedSource:
 
 def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, stored: str | None,
             int8_weights: int8.Int8Weights | None = None, aliases: tuple[str, ...] = (),
-            q4_0_rule: tuple | None = None):
+            q4_0_rule: tuple | None = None, negated: bool = False):
     """Writes parameter ``label`` from the checkpoint: its tensor, or its recipe's result; in ``stored`` ("q4_0",
     "int8": then its scales go to ``int8_weights``), else in the export dtype; a slice of rows at a time
     (memory: one slice, or the one source a conversion makes whole). ``aliases``: every label of the parameter.
-    ``q4_0_rule``: (rule, importance, second moments) of a Q4_0 weight (``QuantizationReport.q4_0_rule``)."""
+    ``q4_0_rule``: (rule, importance, second moments) of a Q4_0 weight (``QuantizationReport.q4_0_rule``);
+    ``negated``: an f16 table's values negated (``gdn_export.weights.f16``)."""
     entry, recipe = checkpoint_source(label, param, names, weights)
     shape = tuple(param.shape)
     aliases = aliases or (label,)
@@ -324,6 +341,8 @@ def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, stored:
             if stored == int8.NAME:
                 scales = int8.write_nnef(file, shape, read, negated=int8_weights.negated)
                 int8_weights.scales.update(dict.fromkeys(aliases, scales))
+            elif stored == f16.NAME:
+                f16.write_nnef(file, shape, read, negated=negated, name=f"weight {label}")
             elif quantized:
                 q4_0.write_nnef(file, shape, read, *(q4_0_rule or ()))
             else:
@@ -351,7 +370,7 @@ class _Dequantized:
 def dequantized_view(weights, report: QuantizationReport):
     """``weights`` with the quantized parameters (and the tables stored in int8) read as tract reads them: the
     check's reference of a quantized export."""
-    if not report.quantized and not report.int8_tables:
+    if not report.quantized and not report.int8_tables and not report.f16_tables:
         return weights
     entries = dict(weights.entries)
     for name in report.quantized:
@@ -361,6 +380,8 @@ def dequantized_view(weights, report: QuantizationReport):
         entries[name] = _Dequantized(weights.entries[name], round_trip)
     for name in report.int8_tables:
         entries[name] = _Dequantized(weights.entries[name], int8.round_trip)
+    for name in report.f16_tables:
+        entries[name] = _Dequantized(weights.entries[name], f16.round_trip)
     return replace(weights, entries=entries)
 
 

@@ -418,7 +418,7 @@ class NnefSteps:
         if logits not in LOGITS:
             raise GdnExportError(f"logits {logits!r} is not one of {', '.join(LOGITS)}")
         validate_quantize(options.get("quantize"), options.get("quantize_embeddings", False),
-                          options.get("dtype", "float32"))
+                          options.get("dtype", "float32"), runtime)
         if options.get("tract_version") is not None:
             try:
                 parse_version(options["tract_version"])
@@ -483,7 +483,7 @@ class NnefSteps:
             "generation_files": sorted(carried), "quantize": plan.quantize, "logits": plan.logits,
             "serving": plan.serving,
             "quantized": len(quantization.quantized),
-            "q4_rule": plan.q4_rule if plan.quantize else None,
+            "q4_rule": plan.q4_rule if plan.quantize not in (None, "f16") else None,
             "calibration": measured.metadata() if measured is not None else None,
             "folded_norms": len(folding.folds) if folding is not None else None,
             "states": state_metadata(lm),
@@ -535,14 +535,32 @@ class NnefSteps:
 NNEF = NnefSteps()
 
 
-_QUANTIZED_AS = {"q4_0": "Q4_0", "int8": "int8 (inputs rounded per row as in the graph)"}
+_QUANTIZED_AS = {"q4_0": "Q4_0", "int8": "int8 (inputs rounded per row as in the graph)",
+                 "f16": "float16 (rounded to nearest even)"}
 
 
-def validate_quantize(quantize: str | None, quantize_embeddings: bool, dtype: str) -> None:
+def validate_quantize(quantize: str | None, quantize_embeddings: bool, dtype: str, runtime: str = "cpu") -> None:
     """Before any work: a known scheme; int8 computes around its integer matmuls in float32 and chooses the
-    table's format itself."""
+    table's format itself; f16 is float16 weights for a float32 graph on a CPU."""
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise GdnExportError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if quantize == "f16" and dtype != "float32":
+        raise worded(GdnExportError(f"quantize='f16' with dtype {dtype!r}: it stores float16 weights for a float32 "
+                                    "graph; a float16 graph has float16 weights already: drop quantize='f16' or "
+                                    "convert with dtype='float32'"),
+                     f"--quantize f16 with --dtype {dtype}: it stores float16 weights for a float32 graph; a float16 "
+                     "graph has float16 weights already: drop one")
+    if quantize == "f16" and quantize_embeddings:
+        raise worded(GdnExportError("quantize_embeddings with quantize='f16': the embedding table of an f16 archive is "
+                                    "stored in float16 already; drop the option"),
+                     "--quantize-embeddings with --quantize f16: the embedding table of an f16 archive is stored in "
+                     "float16 already; drop the option")
+    if quantize == "f16" and runtime == "cuda":
+        raise worded(GdnExportError("quantize='f16' with runtime='cuda': float16 weights in a float32 graph are "
+                                    "measured on tract's CPU runtime only; for tract's CUDA runtime convert with "
+                                    "dtype='float16' (its kernels compute in float16)"),
+                     "--quantize f16 with --runtime cuda: float16 weights in a float32 graph are measured on tract's "
+                     "CPU runtime only; for CUDA convert with --dtype float16")
     if quantize == "int8" and dtype != "float32":
         raise GdnExportError(f"quantize='int8' with dtype {dtype!r}: the int8 graph scales and rounds its activations "
                              "in float32; convert with dtype='float32' (--dtype float32)")
@@ -688,7 +706,7 @@ def _check_quantized(path, checkpoint_dir, metadata: dict, prompt_len: int, deco
     options = dict(quantize=metadata["quantize"], dtype=metadata.get("dtype") or "float32")
     if options["quantize"] == "int8":
         options["int8_passes"] = metadata.get("int8_passes", 1)
-    else:
+    elif options["quantize"] == "q4_0":
         options.update(q4_rule=metadata.get("q4_rule") or "search",
                        quantize_embeddings=bool(metadata.get("quantize_embeddings", False)),
                        fold_scales=metadata.get("folded_norms") is not None)

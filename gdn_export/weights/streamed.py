@@ -46,6 +46,8 @@ class StreamedWeights:
     int8: object = None  # gdn_export.weights.int8.Int8Weights of an int8 export: the graph's linears of them lowered
     # the embedding tables stored in int8 (Int8Weights): every gather of them takes codes and scales
     int8_tables: object = None
+    # the embedding tables stored in f16, negated (gdn_export.weights.f16): every gather of them cast and negated back
+    f16_tables: frozenset = frozenset()
 
 
 REAL_BYTES = 1 << 20  # parameters below this size are traced with their values
