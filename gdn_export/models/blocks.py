@@ -85,14 +85,26 @@ def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, scaling: fl
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float):
-    """transformers' eager attention: q ``[B, H, S, D]``, k/v ``[B, Hkv, P+S, D]`` (GQA by repeat_interleave)."""
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling + mask
-    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(weights, value).transpose(1, 2)  # [B, S, H, Dv]
+    """transformers' eager attention: q ``[B, H, S, D]``, k/v ``[B, Hkv, P+S, D]``, mask ``[B or 1, 1, S, P+S]``;
+    returns ``[B, S, H, Dv]``.
+
+    GQA: query head ``h`` reads key/value head ``h // G`` (``G = H / Hkv``), as transformers' ``repeat_interleave``
+    of k and v; here the G query heads of one key head are stacked as rows of one product (q viewed ``[B, Hkv, G*S,
+    D]``): the same dot products, without copying the cache G times per call, which in tract cost O(past) copies and
+    operand packings every decode step (a quarter of the 0.8B shape's step at 512 tokens of past)."""
+    batch, heads, seq, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    if groups == 1:
+        weights = torch.matmul(query, key.transpose(2, 3)) * scaling + mask
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+        return torch.matmul(weights, value).transpose(1, 2)
+    stacked = query.reshape(batch, kv_heads, groups * seq, dim)
+    scores = torch.matmul(stacked, key.transpose(2, 3)) * scaling                    # [B, Hkv, G*S, P+S]
+    scores = scores.reshape(batch, kv_heads, groups, seq, -1) + mask[:, :, None]    # [B, Hkv, G, S, P+S]
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(weights.reshape(batch, kv_heads, groups * seq, -1), value)   # [B, Hkv, G*S, Dv]
+    return out.reshape(batch, heads, seq, -1).transpose(1, 2)
 
 
 def extend_cache(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
