@@ -49,6 +49,9 @@ EXTRA = [  # (fixture, convert() keyword arguments, label)
     ("qwen3_next", {"quantize": "int8", "int8_passes": 2}, "int8-2"),
     ("lara_mini", {"quantize": "int8"}, "int8"),  # a tied head
     ("fla_delta_net", {"quantize": "int8"}, "int8"),  # a tied head
+    # f16 weights for a float32 graph (tables negated, gathered back by a graph pass)
+    ("qwen3_5_vl", {"quantize": "f16"}, "f16w"),  # a tied head
+    ("qwen3_5_moe", {"quantize": "f16", "serving": True}, "f16w-serving"),
 ]
 
 

@@ -101,8 +101,10 @@ def _info(args) -> int:
     runnable = load_tract_model(args.model)
     print(f"{args.model}")
     if metadata:
-        print(f"  family: {metadata.get('family')} ({metadata.get('model_type')}), dtype {metadata.get('dtype')}, "
-              f"vocab {metadata.get('vocab_size')}")
+        weights = f", {metadata['quantized']} weights in {metadata['quantize'].upper()}" \
+            if metadata.get("quantize") and metadata.get("quantized") is not None else ""
+        print(f"  family: {metadata.get('family')} ({metadata.get('model_type')}), dtype {metadata.get('dtype')}"
+              f"{weights}, vocab {metadata.get('vocab_size')}")
         if metadata.get("serving"):
             print("  serving graph: each row its own past length (past_len) and count of new tokens (seq_len); cache "
                   "outputs are the new positions only; `gdn-export serve` batches requests over it (docs/SERVING.md)")

@@ -21,7 +21,7 @@ def test_round_trip_is_round_half_to_even_in_float16():
 
 
 @pytest.mark.slow
-def test_f16_export_matches_transformers_with_the_same_weights_and_tells_them_from_float32(tmp_path):
+def test_f16_export_matches_transformers_with_the_same_weights_and_tells_them_from_float32(tmp_path, capsys):
     """Qwen3.5 with its head tied to the table: every linear layer's weight in float16 (the head a copy of its own),
     the table in float16 stored negated and gathered back; tract against transformers with the same rounded weights
     passes the float32 rule, and the same logits against the float32 weights do not (the check tells them apart)."""
@@ -50,6 +50,11 @@ def test_f16_export_matches_transformers_with_the_same_weights_and_tells_them_fr
     assert recheck.ok, recheck
     broken = check(damaged(out, tmp_path / "broken.nnef.tgz", "hf.lm_head.weight.dat"), FIXTURES / "qwen3_5_vl")
     assert not broken.ok, broken  # one head weight's sign flipped
+    from gdn_export.cli import main as cli
+
+    capsys.readouterr()
+    assert cli(["info", str(out)]) == 0
+    assert f"dtype float32, {len(linear)} weights in F16" in capsys.readouterr().out
 
 
 def test_f16_refusals(tmp_path):
