@@ -11,6 +11,7 @@
                         [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop TEXT]... [--ignore-eos]
                         [--max-model-len N]
     gdn-export serve MODEL.nnef.tgz [--host 127.0.0.1] [--port N] [--workers W] [--max-queue Q] [--slots N]
+                     [--prefill-piece T] [--prefill-rows N] [--prefix-cache-mib MIB]
                      [--api-key KEY] [--max-model-len N] [--request-timeout S] [--shutdown-grace S]
     gdn-export perplexity MODEL.nnef.tgz|MODEL.onnx TEXT_FILE [--ctx 256] [--chunks N] [--reference CHECKPOINT_DIR]
                           [--tokenizer TOKENIZER_JSON] [--json]
@@ -360,6 +361,9 @@ def _serve(args) -> int:
     if not batched and args.prefill_rows != 1:
         raise UsageError(f"--prefill-rows batches prompts over a serving graph; {args.model} has none (convert it "
                          "with --serving)")
+    if not batched and args.prefix_cache_mib is not None:
+        raise UsageError(f"--prefix-cache-mib sizes the batched Engine's prefix cache; {args.model} has no serving "
+                         "graph (convert it with --serving)")
 
     def ready(host: str, port: int) -> None:
         where = f"[{host}]" if ":" in host else host
@@ -373,7 +377,7 @@ def _serve(args) -> int:
               log_level=args.log_level, ready=ready, slots=args.slots, progress=_progress,
               prefill_piece=args.prefill_piece, prefill_rows=args.prefill_rows, api_key=api_key,
               request_timeout=args.request_timeout, max_model_len=args.max_model_len, allow_long=allow_long,
-              shutdown_grace=args.shutdown_grace)
+              shutdown_grace=args.shutdown_grace, prefix_cache_mib=args.prefix_cache_mib)
     except KeyboardInterrupt:  # SIGTERM or Ctrl-C: the requests in flight were answered or ended (docs/SERVER.md)
         pass
     _progress("stopped")
@@ -526,6 +530,10 @@ def parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-rows", type=_count(1), default=1, metavar="N",
                      help="a serving archive: the prompt pieces of up to N requests run in one call, each its own "
                           "length (default 1; each row count is one more plan of packed weights)")
+    srv.add_argument("--prefix-cache-mib", type=_number(0), default=None, metavar="MIB",
+                     help="a serving archive: memory for snapshots of the states at a prompt's multiples of 64 "
+                          "tokens, reused by prompts that start the same (least recently used out; default 512, "
+                          "0: none); on top of the slots' memory (docs/SERVING.md)")
     srv.add_argument("--slots", type=_count(1), default=None,
                      help="a serving archive (convert --serving): requests batched at once, split over the workers "
                           "(default 8)")

@@ -344,13 +344,15 @@ def test_an_archive_without_tokenizer_or_template(small_server):
 def test_cli_serve_refuses_bad_arguments(converted):
     from gdn_export.cli import main
 
-    for args in (["--port", "70000"], ["--workers", "0"], ["--max-queue", "-1"], ["--prefill-piece", "0"]):
+    for args in (["--port", "70000"], ["--workers", "0"], ["--max-queue", "-1"], ["--prefill-piece", "0"],
+                 ["--prefix-cache-mib", "-1"]):
         with pytest.raises(SystemExit) as info:
             main(["serve", str(converted(NAME)), *args])
         assert info.value.code == 2
     # the Engine's prefill pieces end on the prefix cache's 64-token boundaries: refused before anything loads
     assert main(["serve", str(converted(NAME, serving=True)), "--prefill-piece", "100", "--port", "0"]) == 2
     assert main(["serve", str(converted(NAME)), "--prefill-rows", "2", "--port", "0"]) == 2
+    assert main(["serve", str(converted(NAME)), "--prefix-cache-mib", "64", "--port", "0"]) == 2  # no Engine
     with pytest.raises(SystemExit) as info:
         main(["serve", str(Path(converted(NAME)).with_suffix(".none"))])
     assert info.value.code == 2
@@ -363,7 +365,8 @@ def test_gdn_export_serve(converted, session, tmp_path, served):
     log = tmp_path / "stderr.txt"
     process, base = serve_process([str(converted(NAME, serving=served)), "--host", "127.0.0.1", "--workers", "2",
                                    "--max-queue", "1", "--served-model-name", NAME, "--prefill-piece", "64"]
-                                  + (["--slots", "4", "--prefill-rows", "2"] if served else []), log)
+                                  + (["--slots", "4", "--prefill-rows", "2", "--prefix-cache-mib", "1.5"] if served
+                                     else []), log)
     try:
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == [NAME]
@@ -371,6 +374,7 @@ def test_gdn_export_serve(converted, session, tmp_path, served):
         assert health["workers"] == 2 and health.get("slots") == (4 if served else None)
         assert health.get("prefill_piece") == (64 if served else None)
         assert health.get("prefill_rows") == (2 if served else None)
+        assert health.get("prefix_cache", {}).get("max_bytes") == (3 << 19 if served else None)
         text, ids, _ = expected(session, temperature=0, stop_token_ids=[])
         chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
                                                 extra_body={"ignore_eos": True}))

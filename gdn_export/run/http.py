@@ -549,10 +549,10 @@ def default_slots(workers: int) -> int:
 
 
 def executor_for(session, workers: int, max_queue: int, slots: int | None = None, progress=None,
-                 prefill_piece: int | None = None, prefill_rows: int = 1):
+                 prefill_piece: int | None = None, prefill_rows: int = 1, prefix_cache_mib: float | None = None):
     """The executor ``serve`` runs on: an ``Engine`` for a serving archive (planned now), else a
     ``WorkerPool``; ``prefill_piece`` (None: the default, 128) prompt tokens per prefill call; ``prefill_rows``
-    (an Engine's): prompts whose pieces run in one call."""
+    (an Engine's): prompts whose pieces run in one call; ``prefix_cache_mib`` (an Engine's; None: its default)."""
     if prefill_piece is not None and not session.serving:
         session.prefill_piece = prefill_piece
     if session.serving:
@@ -563,6 +563,8 @@ def executor_for(session, workers: int, max_queue: int, slots: int | None = None
             progress(f"planning the serving graph for batches of up to {max(slots_per_worker(slots, workers))} "
                      "rows (one plan for every batch size)")
         piece = {} if prefill_piece is None else {"prefill_piece": prefill_piece}
+        if prefix_cache_mib is not None:
+            piece["prefix_cache_mib"] = prefix_cache_mib
         return Engine(session, slots=slots, workers=workers, max_queue=max_queue, plan_now=True,
                       prefill_rows=prefill_rows, **piece)
     from gdn_export.run.generation.executor import WorkerPool
@@ -614,7 +616,7 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
           model_name: str | None = None, log_level: str = "warning", ready=None, slots: int | None = None,
           progress=None, prefill_piece: int | None = None, prefill_rows: int = 1, *, api_key: str | None = None,
           request_timeout: float | None = None, max_model_len: int | None = None, allow_long: bool = False,
-          shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE) -> None:
+          shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE, prefix_cache_mib: float | None = None) -> None:
     """Serve the archive at ``path`` until interrupted (Ctrl-C, SIGTERM): ``workers`` threads over one tract
     plan, at most ``max_queue`` requests waiting; a serving archive on an ``Engine`` of ``slots`` slots (default 8;
     every batch-size bucket planned before the server answers); ``prefill_piece``: prompt tokens per prefill call (a
@@ -623,7 +625,8 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
     the socket listens (connections made from then on are served once the model is loaded). ``api_key``: asked on
     every /v1 route; ``request_timeout``: each request's deadline in seconds; ``max_model_len``: prompt + new tokens
     at most (default: the model's context; longer only with ``allow_long``); ``shutdown_grace``: seconds in-flight
-    requests get after SIGTERM (docs/SERVER.md)."""
+    requests get after SIGTERM; ``prefix_cache_mib``: an Engine's prefix cache bound (None: 512 MiB; 0: none)
+    (docs/SERVER.md)."""
     import uvicorn
 
     from gdn_export.run.session import Session
@@ -633,8 +636,8 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
         raise GdnExportError(f"shutdown_grace must be >= 0 seconds, got {shutdown_grace}")
     session = Session(path)
     context_bound(session.metadata.get("context_length"), max_model_len, allow_long)  # refused before any planning
-    if (slots is not None or prefill_rows != 1) and not session.serving:
-        option = "--slots" if slots is not None else "--prefill-rows"
+    if (slots is not None or prefill_rows != 1 or prefix_cache_mib is not None) and not session.serving:
+        option = "--slots" if slots is not None else "--prefill-rows" if prefill_rows != 1 else "--prefix-cache-mib"
         raise GdnExportError(f"{option} batches requests over a serving graph; {path} has none (convert it with "
                              "--serving)")
     if api_key is None and not is_loopback(host):
@@ -644,7 +647,7 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
     executor = None
     try:
         executor = executor_for(session, workers, max_queue, slots, progress, prefill_piece,  # plans: seconds
-                                prefill_rows)
+                                prefill_rows, prefix_cache_mib)
         executor.archive.limit_context(max_model_len, allow_long)
         if max_model_len is None and executor.archive.context_note:
             say(f"warning: {executor.archive.context_note}")

@@ -208,6 +208,7 @@ class Engine(QueuedExecutor):
                     "calls": {f"{kind} x {rows}": n for (kind, rows), n in sorted(self.calls.items())},
                     "prefill_piece": self.prefill_piece, "prefill_rows": self.prefill_rows,
                     "prefix_cache": {"entries": len(self.prefix_cache), "bytes": self.prefix_cache.nbytes,
+                                     "max_bytes": self.prefix_cache.max_bytes,
                                      "hits": self.prefix_cache.hits, "misses": self.prefix_cache.misses}}
 
     def close(self) -> None:
