@@ -34,7 +34,7 @@ they take among the graph's outputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -57,10 +57,18 @@ class Context:
     past_len: torch.Tensor | None = None  # serving graphs: [B], each row's own past length
     past: torch.Tensor | None = None  # the first key cache input (its axis 2 is the padded past P)
     rows: RowLengths | None = None  # serving graphs: each row's own count of real new tokens
+    masks: dict = field(default_factory=dict)  # (dtype, sliding_window) -> the mask built by the first layer asking
 
     def mask(self, keys: torch.Tensor, dtype: torch.dtype, sliding_window: int | None = None) -> torch.Tensor:
-        """The additive attention mask over ``keys`` (an extended key cache): ``blocks.causal_mask``."""
-        return blocks.causal_mask(self.positions, keys, dtype, sliding_window, self.past_len, self.past)
+        """The additive attention mask over ``keys`` (an extended key cache): ``blocks.causal_mask``, built once per
+        call for every attention layer of the same dtype and window. Every key cache of a call has the same past
+        length (``positions`` are taken from the first one for all layers alike), so every layer's mask is the same
+        tensor; built per layer, each would scan its P+S key positions again (a cumsum, 0.28 ms a layer per decode
+        step of the 0.8B shape at 512 tokens of past)."""
+        key = (dtype, sliding_window)
+        if key not in self.masks:
+            self.masks[key] = blocks.causal_mask(self.positions, keys, dtype, sliding_window, self.past_len, self.past)
+        return self.masks[key]
 
 
 class Decoder:
