@@ -243,7 +243,9 @@ def convert(
     ``fold_scales`` (off by default), per-channel scales folded into the norms whose output only linear layers read
     (``gdn_export.hf.folding``: exact in float, verified). ``quantize="int8"``: every linear layer's weight in int8
     with a scale per output channel, its input rounded per row in the graph, in ``int8_passes`` (2: the rounding's
-    residual too, a second int8 row per row; docs/INT8.md). ``logits``:
+    residual too, a second int8 row per row; docs/INT8.md). ``quantize="f16"``: every linear layer's weight and the
+    embedding table in float16 for a float32 graph (on a CPU faster than ``dtype="float16"``; docs/QUANTIZATION.md).
+    ``logits``:
     "all" (logits of every new position) or "last" (of the last one only, ``[B, 1, vocab]``: what generation needs;
     the head then runs once per call). ``serving``: the graph ``gdn_export.Engine`` batches requests with (a second
     input ``past_len [B]``, each row's own past length; cache outputs are the new positions only; docs/SERVING.md).
