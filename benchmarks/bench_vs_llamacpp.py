@@ -417,7 +417,7 @@ def quantized_layout(archive: Path, fmt: str) -> str:
         item = tuple(int(v) for v in np.frombuffer(tar.extractfile(table).read(128), np.uint32, 2, 44)) \
             if table else (0, 0)
     head = any(n.endswith("lm_head.weight.dat") for n in names)
-    kind = {"q4_0": "Q4_0", "int8": "int8", "int8x2": "int8 (inputs in 2 passes)"}[fmt]
+    kind = {"q4_0": "Q4_0", "int8": "int8", "int8x2": "int8 (inputs in 2 passes)", "f16": "f16"}[fmt]
     table_type = {(32, 0): "f32", (16, 0): "f16", (8, 4): "int8 + a scale per row"}.get(item, "?")
     return f"linear layers + a copy of the tied head in {kind}; table {table_type}" if head else \
         f"linear layers; tied table {table_type}, head included"
@@ -525,7 +525,7 @@ def run(args, formats: list[str], workdir: Path) -> int:
         call([sys.executable, "-m", "gdn_export.cli", "convert", str(checkpoint), "-o", str(archive), "--force",
               "--no-check", "--logits", "last", *GDN_FORMATS[fmt]])
         seconds = time.perf_counter() - start
-        label = f"{fmt} ({quantized_layout(archive, fmt)})" if fmt in QUANTIZED else fmt
+        label = f"{fmt} ({quantized_layout(archive, fmt)})" if fmt in QUANTIZED or fmt == "f16" else fmt
         made["gdn", fmt] = (archive, seconds, label)
         log(f"gdn_export {fmt}: converted in {seconds:.1f}s, {archive.stat().st_size / 1e9:.2f} GB; "
             f"load average {load_average()}")
