@@ -57,15 +57,16 @@ def test_f16_export_matches_transformers_with_the_same_weights_and_tells_them_fr
     assert f"dtype float32, {len(linear)} weights in F16" in capsys.readouterr().out
 
 
-def test_f16_refusals(tmp_path):
-    with pytest.raises(GdnExportError, match="float16 weights for a float32 graph"):
-        convert(FIXTURES / "qwen3_5", tmp_path / "h.nnef.tgz", quantize="f16", dtype="float16", check=False)
-    with pytest.raises(GdnExportError, match="stored in float16 already"):
-        convert(FIXTURES / "qwen3_5", tmp_path / "h.nnef.tgz", quantize="f16", quantize_embeddings=True)
-    with pytest.raises(GdnExportError, match="CPU runtime only"):
-        convert(FIXTURES / "qwen3_5", tmp_path / "h.nnef.tgz", quantize="f16", runtime="cuda")
-    with pytest.raises(GdnExportError, match="--dtype float16"):
-        convert(FIXTURES / "qwen3_5", tmp_path / "h.onnx", quantize="f16", format="onnx")
+@pytest.mark.parametrize("options,message", [
+    (dict(dtype="float16", check=False), "float16 weights for a float32 graph"),
+    (dict(quantize_embeddings=True), "stored in float16 already"),
+    (dict(runtime="cuda"), "CPU runtime only"),
+    (dict(format="onnx"), "--dtype float16"),
+], ids=["dtype-float16", "quantize-embeddings", "cuda", "onnx"])
+def test_f16_refusals(tmp_path, options, message):
+    out = tmp_path / ("h.onnx" if options.get("format") == "onnx" else "h.nnef.tgz")
+    with pytest.raises(GdnExportError, match=message):
+        convert(FIXTURES / "qwen3_5", out, quantize="f16", **options)
     assert list(tmp_path.iterdir()) == []
 
 
