@@ -76,6 +76,9 @@ def test_a_weight_beyond_float16_range_is_refused():
     values = np.array([[1.0, -7e4], [0.5, 2.0]], np.float32)
     with pytest.raises(GdnExportError, match="weight w has a value of magnitude 70000, beyond float16's range"):
         f16.write_nnef(io.BytesIO(), values.shape, lambda a, b: values[a:b], name="weight w")
+    broken = np.array([[1.0, np.nan]], np.float32)
+    with pytest.raises(GdnExportError, match="weight w holds a non-finite value"):
+        f16.write_nnef(io.BytesIO(), broken.shape, lambda a, b: broken[a:b], name="weight w")
     out = io.BytesIO()
     f16.write_nnef(out, values[:, :1].shape, lambda a, b: values[a:b, :1], negated=True)
     np.testing.assert_array_equal(np.frombuffer(out.getvalue()[128:], np.float16), [-1.0, -0.5])

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError
-from gdn_export.weights.graph_edit import GraphEdit, readers_left, variables
+from gdn_export.weights.graph_edit import GraphEdit, readers_left, table_gathers, variables
 from gdn_export.weights.int8 import write_header
 
 NAME = "f16"
@@ -65,6 +65,8 @@ def write_nnef(file: BinaryIO, shape: tuple[int, ...], read_rows: Callable[[int,
         with np.errstate(over="ignore"):
             rows = values.astype(np.float16)
         if not np.isfinite(rows).all():
+            if not np.isfinite(values).all():
+                raise GdnExportError(f"{name} holds a non-finite value (inf or nan) in the checkpoint")
             worst = float(np.abs(values[~np.isfinite(rows)]).max())
             raise GdnExportError(f"{name} has a value of magnitude {worst:g}, beyond float16's range (largest "
                                  f"{LARGEST:g}): --quantize f16 cannot store it; convert it in float32")
@@ -77,10 +79,7 @@ def lower_gathers(graph, labels: frozenset) -> None:
     to float32 and a negation. Refused: a table read otherwise than by a gather (its values are negated)."""
     edit = GraphEdit(graph)
     declared = variables(graph, labels)
-    gathers = [op for op in graph.operations if op.type == "tract_core_gather" and op.inputs
-               and op.inputs[0].producer is not None and op.inputs[0].producer.type == "variable"
-               and op.inputs[0].producer.attribs["label"] in labels]
-    for op in gathers:
+    for op in table_gathers(graph, labels):
         y = edit.take_output(op)
         rows = edit.op("tract_core_gather", tuple(op.inputs), f"{y.name}__f16_negated_rows", np.float16,
                        attribs=op.attribs)

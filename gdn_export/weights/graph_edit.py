@@ -21,6 +21,13 @@ def variables(graph, labels: frozenset) -> dict:
     return out
 
 
+def table_gathers(graph, labels: frozenset) -> list:
+    """The ``tract_core_gather`` operations of the graph whose table is a variable of ``labels``."""
+    return [op for op in graph.operations if op.type == "tract_core_gather" and op.inputs
+            and op.inputs[0].producer is not None and op.inputs[0].producer.type == "variable"
+            and op.inputs[0].producer.attribs["label"] in labels]
+
+
 def readers_left(graph, declared: dict, lowered: tuple[str, ...]) -> set[str]:
     """The labels of ``declared`` read by an operation other than the lowered ones (``lowered`` types), or by none:
     a weight read otherwise would need its float values."""

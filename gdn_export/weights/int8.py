@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError
-from gdn_export.weights.graph_edit import GraphEdit, is_zero_literal, readers_left, variables
+from gdn_export.weights.graph_edit import GraphEdit, is_zero_literal, readers_left, table_gathers, variables
 
 NAME = "int8"
 INVERSE_127 = np.float32(1.0 / 127.0)  # written in the graph as its shortest decimal, read back to the same f32
@@ -285,10 +285,7 @@ def lower_gathers(graph, weights: Int8Weights) -> None:
     a table read otherwise than by a gather."""
     edit = GraphEdit(graph)
     declared = variables(graph, weights.labels)
-    gathers = [op for op in graph.operations if op.type == "tract_core_gather" and op.inputs
-               and op.inputs[0].producer is not None and op.inputs[0].producer.type == "variable"
-               and op.inputs[0].producer.attribs["label"] in weights.labels]
-    for op in gathers:
+    for op in table_gathers(graph, weights.labels):
         table, y = op.inputs[0], edit.take_output(op)
         label = table.producer.attribs["label"]
         weights.scale_shapes[label] = (int(table.producer.attribs["shape"][0]), 1)
