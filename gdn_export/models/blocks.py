@@ -95,7 +95,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     batch, heads, seq, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
-    if groups == 1:
+    if groups == 1:  # one query head per key head: the plain products (no reshapes in the graph)
         weights = torch.matmul(query, key.transpose(2, 3)) * scaling + mask
         weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
         return torch.matmul(weights, value).transpose(1, 2)
