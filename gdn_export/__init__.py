@@ -6,7 +6,7 @@
 transformers, onnx); its names (``export``, ``convert``, ``check``, ``gated_delta_rule``, ``GatedDeltaRule``,
 ``gated_delta_scan``, ...) define the ``t2n_extra`` custom ops in torch on first use (``torch.ops.t2n_extra.
 gated_delta_scan``, ``gated_delta_rule``, ``causal_conv1d_update``, ``moe_ffn``; or call
-``gdn_export.ops.register_custom_ops()``). ``gdn_export.export`` registers gdn_export's torch-to-nnef handlers
+``gdn_export.ops.register_custom_ops()``); when torch is already imported, ``import gdn_export`` defines them at once. ``gdn_export.export`` registers gdn_export's torch-to-nnef handlers
 for its duration; wrap your own ``torch_to_nnef.export_model_to_nnef`` call in
 ``gdn_export.backends.compat.torch_to_nnef.conversion(CUSTOM_OPS)`` (docs/ARCHITECTURE.md) to export them yourself.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from typing import Any
 
 from gdn_export.errors import (GdnExportError, LoweringError, MissingExtraError, OperandError, ParityError,
@@ -50,6 +51,12 @@ def __getattr__(name: str) -> Any:
     if importlib.util.find_spec(f"gdn_export.{name}") is not None:  # a submodule, e.g. gdn_export.run.runtime
         return importlib.import_module(f"gdn_export.{name}")
     raise AttributeError(f"module 'gdn_export' has no attribute {name!r}")
+
+
+if "torch" in sys.modules:  # torch is already paid for: define the t2n_extra ops now (~20 ms), as a torch
+    # custom-op package does on import, so torch.ops.t2n_extra.* resolve without touching an export-side name first.
+    # Without torch nothing heavy is imported (the run side and gdn-export --help stay torch-free).
+    importlib.import_module("gdn_export.ops").register_custom_ops()
 
 
 __all__ = [

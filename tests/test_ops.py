@@ -81,6 +81,36 @@ class DeltaNetModule(torch.nn.Module):
         return self.rule(q, k, v, None, beta, s0)
 
 
+def test_import_defines_the_ops_when_torch_is_already_imported():
+    """A torch user's order (import torch, import gdn_export, call the op) works as with any custom-op package: the
+    t2n_extra ops are defined by the import itself, and their result is the float64 recurrence's. A fresh process:
+    this one registered the ops in conftest."""
+    script = (
+        "import sys, torch, gdn_export\n"
+        "assert not any(m.startswith(('transformers', 'torch_to_nnef', 'onnx')) for m in sys.modules), 'heavy import'\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "q, k = (torch.nn.functional.normalize(torch.randn(1, 2, 5, 8, generator=g), dim=-1) for _ in range(2))\n"
+        "v = torch.randn(1, 2, 5, 4, generator=g)\n"
+        "gate = -torch.rand(1, 2, 5, generator=g)\n"
+        "beta = torch.rand(1, 2, 5, generator=g)\n"
+        "s0 = torch.randn(1, 2, 8, 4, generator=g)\n"
+        "y, s = torch.ops.t2n_extra.gated_delta_scan(q, k, v, gate, beta, s0)\n"
+        "for name in ('gated_delta_rule', 'causal_conv1d_update', 'moe_ffn'):\n"
+        "    getattr(torch.ops.t2n_extra, name)\n"
+        "torch.save({'args': (q, k, v, gate, beta, s0), 'y': y, 's': s}, sys.argv[1])\n")
+    import subprocess
+    import sys
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        out = f"{folder}/result.pt"
+        done = subprocess.run([sys.executable, "-c", script, out], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        result = torch.load(out)
+    y, s = gated_delta_head_major(*(t.double().numpy() for t in result["args"]))
+    np.testing.assert_allclose(result["y"].numpy(), y, rtol=1e-5, atol=1e-5)  # float32 against float64
+    np.testing.assert_allclose(result["s"].numpy(), s, rtol=1e-5, atol=1e-5)
+
+
 def test_module_without_decay_is_delta_net(tmp_path):
     """GatedDeltaRule with g=None is the DeltaNet rule (no decay), eager and exported to tract."""
     q, k, v, _, beta, s0 = make_rule_inputs(1, 6, 2, 2, 8, 8)
