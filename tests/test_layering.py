@@ -101,27 +101,35 @@ def _under(name: str, prefixes) -> bool:
 G = ROOT + "."
 CONVERT_SIDE = ("torch", "torch_to_nnef", "transformers", "nnef_tools", "onnx", "safetensors")
 # (modules, what their closure must not contain, why)
-UPPER = ("ops", "backends.nnef", "backends.onnx", "pipeline", "hf", "models", "layers", "weights", "run", "cli")
+UPPER = ("ops", "backends.nnef", "backends.onnx", "pipeline", "checkpoints", "megatron", "hf", "models", "layers",
+         "weights", "run", "cli")
 RULES = [
     ([G + "errors", G + "parity"], [G + m for m in UPPER + ("backends.compat",)] + list(CONVERT_SIDE),
      "the bottom: errors and the parity rule depend on nothing"),
     ([G + "backends.compat"], [G + m for m in UPPER],
      "compat patches third-party internals for any layer: it imports nothing of gdn_export but errors"),
-    ([G + "run"], [G + m for m in ("ops", "backends", "pipeline", "hf", "models", "layers", "weights", "cli")]
+    ([G + "run"], [G + m for m in ("ops", "backends", "pipeline", "checkpoints", "megatron", "hf", "models", "layers",
+                                   "weights", "cli")]
      + list(CONVERT_SIDE), "the run side executes archives: tract and numpy, never torch or the converter"),
-    ([G + "ops"], [G + m for m in ("pipeline", "hf", "models", "layers", "cli", "run.serving", "run.generation",
-                                   "run.http")],
+    ([G + "ops"], [G + m for m in ("pipeline", "checkpoints", "megatron", "hf", "models", "layers", "cli",
+                                   "run.serving", "run.generation", "run.http")],
      "an op is below the models that use it and the pipelines that export it"),
-    ([G + "backends.nnef", G + "backends.onnx"], [G + m for m in ("ops", "pipeline", "hf", "models", "layers", "cli",
+    ([G + "backends.nnef", G + "backends.onnx"], [G + m for m in ("ops", "pipeline", "checkpoints", "megatron", "hf",
+                                                                  "models", "layers", "cli",
                                                                   "run.serving", "run.generation", "run.http")],
      "a back-end names no op: ops register into it"),
-    ([G + "models", G + "layers"], [G + m for m in ("pipeline", "hf", "backends", "cli")] + ["transformers"],
+    ([G + "models", G + "layers"], [G + m for m in ("pipeline", "checkpoints", "megatron", "hf", "backends", "cli")]
+     + ["transformers"],
      "models are plain torch over the ops; they know no checkpoint format and no back-end"),
-    ([G + "weights"], [G + m for m in ("ops", "backends.nnef", "backends.onnx", "pipeline", "hf", "models", "layers",
-                                       "cli")],
+    ([G + "weights"], [G + m for m in ("ops", "backends.nnef", "backends.onnx", "pipeline", "checkpoints", "megatron",
+                                       "hf", "models", "layers", "cli")],
      "weight formats are leaves (compat may wrap third-party writers for them)"),
-    ([G + "hf"], [G + m for m in ("pipeline", "cli", "backends.nnef", "backends.onnx")],
-     "checkpoints and families are below the pipeline that converts them"),
+    ([G + "hf"], [G + m for m in ("pipeline", "cli", "backends.nnef", "backends.onnx", "checkpoints", "megatron")],
+     "Hugging Face reading and the families are below every other checkpoint source and the pipelines"),
+    ([G + "megatron"], [G + m for m in ("pipeline", "cli", "backends.nnef", "backends.onnx", "checkpoints")],
+     "a checkpoint source (it may build on hf) is below the registry of sources and the pipelines"),
+    ([G + "checkpoints"], [G + m for m in ("pipeline", "cli", "backends.nnef", "backends.onnx")],
+     "the registry of checkpoint sources is below the pipelines that open checkpoints through it"),
     ([G + "pipeline"], [G + "cli"], "the CLI is the top"),
 ]
 # what every op shares: the Decision record, the export's plan (which validates every op's options from their light

@@ -197,15 +197,11 @@ class CheckpointWeights:
 
 
 def open_checkpoint(checkpoint_dir: str | os.PathLike, family=None, config: dict | None = None):
-    """``(family, layout, model, weights)`` for a checkpoint folder: its family, its layout, the empty model
-    (parameters on meta) and every parameter's tensor, all checked; no weight is read."""
+    """``(family, layout, model, weights)`` for a Hugging Face checkpoint folder: its family, its layout, the empty
+    model (parameters on meta) and every parameter's tensor, all checked; no weight is read. A folder of any source
+    (Megatron too): ``gdn_export.checkpoints.open_checkpoint``."""
     from gdn_export.hf.families import family_for
-    from gdn_export.megatron.checkpoint import is_megatron_checkpoint
 
-    if family is None and config is None and is_megatron_checkpoint(checkpoint_dir):
-        from gdn_export.megatron.family import open_megatron
-
-        return open_megatron(checkpoint_dir)
     config = read_config(checkpoint_dir) if config is None else config
     layout = resolve_layout(config)
     where = "config.json" + ("'s text_config" if layout.wrapper else "")

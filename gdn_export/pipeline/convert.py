@@ -17,14 +17,13 @@ from gdn_export.errors import GdnExportError, LoweringError, ParityError, worded
 from gdn_export.run.archive import GENERATION_FILES, nnef_tgz_path, read_metadata
 from gdn_export.ops.gated_delta_rule.capabilities import parse_version
 from gdn_export.hf.check import LogitCheck, check_archive, transformers_references, validate_check
-from gdn_export.hf.checkpoint import (CheckpointError, cast_buffers, empty_model, materialize, model_in_memory,
-                                      open_checkpoint, read_config)
+from gdn_export.checkpoints import family_for, open_checkpoint, read_config
+from gdn_export.hf.checkpoint import CheckpointError, cast_buffers, empty_model, materialize, model_in_memory
 from gdn_export.hf.layerwise import layerwise_logits
 from gdn_export.hf.layout import resolve_layout
 from gdn_export.hf.weight_writers import (QUANTIZATIONS, dequantized_view, int8_reference_linears, plan_writes,
                                           separate_tied_head, untied_view)
 from gdn_export.run.runtime import lean_allocator
-from gdn_export.hf.families import family_for
 from gdn_export.models.decoder import serving_inputs
 from gdn_export.ops.moe_ffn.op import moe_report
 
@@ -673,10 +672,7 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
         metadata = read_metadata(path)
     if not metadata or "states" not in metadata:
         raise GdnExportError(f"{path} was not written by gdn-export convert (no gdn_export.json with states)")
-    from gdn_export.megatron.checkpoint import is_megatron_checkpoint
-
-    megatron = is_megatron_checkpoint(checkpoint_dir)  # no config.json: its args give the model
-    config = open_checkpoint(checkpoint_dir)[1].config if megatron else read_config(checkpoint_dir)
+    config = read_config(checkpoint_dir)
     family = family_for(config["model_type"])
     if metadata.get("model_type") != config["model_type"]:
         raise GdnExportError(f"{path} holds a {metadata.get('family')} model ({metadata.get('model_type')}); "
@@ -691,7 +687,7 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
     if calibration is not None:
         raise GdnExportError(f"{path} is not quantized: calibration text is only read to re-check a calibrated "
                              "Q4_0 archive")
-    family, layout, _, weights = open_checkpoint(checkpoint_dir, *(() if megatron else (family, config)))
+    family, layout, _, weights = open_checkpoint(checkpoint_dir, family, config)
     kind = kind if kind != "auto" else reference_fits(weights, getattr(torch, metadata.get("dtype", "float32")))
     return check_with(kind, path, family, layout, weights, prompt_len, decode_steps, batch)
 

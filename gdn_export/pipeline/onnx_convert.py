@@ -224,7 +224,8 @@ ONNX = OnnxSteps()
 def _exportable(checkpoint_dir, export_dtype: torch.dtype, placeholders: bool) -> Traced:
     """The checkpoint read and its exportable module; with ``placeholders``, large parameters traced as
     placeholders (``extras["sources"]`` says where each is read); else the model in memory."""
-    from gdn_export.hf.checkpoint import cast_buffers, materialize, open_checkpoint
+    from gdn_export.checkpoints import open_checkpoint
+    from gdn_export.hf.checkpoint import cast_buffers, materialize
 
     family, layout, model, weights = open_checkpoint(checkpoint_dir)
     materialize(model, weights, export_dtype, placeholders=placeholders)

@@ -1,4 +1,5 @@
-"""The Hugging Face families gdn_export converts, keyed by config.json's model_type."""
+"""The Hugging Face families gdn_export converts, keyed by config.json's model_type (every source's families, Megatron's
+too: ``gdn_export.checkpoints.all_families``)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,14 @@ from gdn_export.hf.families.base import ExportableLM, Family, StateSpec
 
 # one module per family, each defining FAMILY
 FAMILY_MODULES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "qwen4_exp", "lara_mini", "kimi_linear",
-                 "fla", "megatron")
+                 "fla")
 
 
 def all_families() -> list[Family]:
     families = []
     for name in FAMILY_MODULES:
         try:
-            module = importlib.import_module("gdn_export.megatron.family" if name == "megatron"
-                                             else f"gdn_export.hf.families.{name}")
+            module = importlib.import_module(f"gdn_export.hf.families.{name}")
         except ModuleNotFoundError as err:
             if err.name == f"gdn_export.hf.families.{name}":
                 continue  # not written yet
@@ -26,16 +26,18 @@ def all_families() -> list[Family]:
     return families
 
 
-def family_for(model_type: str) -> Family:
-    """The family of config.json's ``model_type``; a published wrapper's (``qwen3_5``) is its language model's."""
+def family_for(model_type: str, families: list[Family] | None = None) -> Family:
+    """The family of config.json's ``model_type`` among ``families`` (default: the Hugging Face ones); a published
+    wrapper's (``qwen3_5``) is its language model's."""
     from gdn_export.hf.layout import WRAPPERS
 
+    families = all_families() if families is None else families
     if model_type in WRAPPERS:
         model_type = WRAPPERS[model_type].text_model_type
-    for family in all_families():
+    for family in families:
         if model_type in family.model_types:
             return family
-    known = sorted({t for f in all_families() for t in f.model_types} | set(WRAPPERS))
+    known = sorted({t for f in families for t in f.model_types} | set(WRAPPERS))
     raise CheckpointError(f"model_type {model_type!r} is not supported; gdn_export converts: {', '.join(known)}")
 
 
