@@ -37,12 +37,8 @@ import warnings
 from typing import Sequence
 
 from gdn_export.errors import GdnExportError, missing_extra
-from gdn_export.ops.gated_delta_rule.policy import RUNTIMES  # these two are light: --help imports no torch (nor numpy)
-from gdn_export.ops.gated_delta_rule.registry import LOWERINGS
-
-# the --runtime choices an ONNX file adds; the rule is backends/onnx/registry.RUNTIMES (tests/test_onnx.py checks they
-# agree), whose package imports torch: --help does not
-ONNX_RUNTIMES = ("onnxruntime", "tract-onnx", "any")
+from gdn_export.ops.gated_delta_rule.registry import LOWERINGS  # light: --help imports no torch (nor numpy)
+from gdn_export.targets import ALL_RUNTIMES
 
 
 def _progress(message: str) -> None:
@@ -403,7 +399,7 @@ def parser() -> argparse.ArgumentParser:
                               "(native, an error where inexact), or a portable lowering")
     convert.add_argument("--format", choices=["nnef", "onnx"], default=None,
                          help="nnef (.nnef.tgz for tract) or onnx (.onnx; default: from the output's suffix)")
-    convert.add_argument("--runtime", choices=list(RUNTIMES) + [r for r in ONNX_RUNTIMES if r not in RUNTIMES],
+    convert.add_argument("--runtime", choices=list(ALL_RUNTIMES),
                          default=None,
                          help="where the model will run: tract cpu (default), cuda, any; with --format onnx "
                               "onnxruntime (default: its contrib ops where exact), tract-onnx, any (portable Scan)")

@@ -104,8 +104,8 @@ CONVERT_SIDE = ("torch", "torch_to_nnef", "transformers", "nnef_tools", "onnx", 
 UPPER = ("ops", "backends.nnef", "backends.onnx", "pipeline", "checkpoints", "megatron", "hf", "models", "layers",
          "weights", "run", "cli")
 RULES = [
-    ([G + "errors", G + "parity"], [G + m for m in UPPER + ("backends.compat",)] + list(CONVERT_SIDE),
-     "the bottom: errors and the parity rule depend on nothing"),
+    ([G + "errors", G + "parity", G + "targets"], [G + m for m in UPPER + ("backends.compat",)] + list(CONVERT_SIDE),
+     "the bottom: errors, the parity rule and the table of runtimes and float types depend on nothing"),
     ([G + "backends.compat"], [G + m for m in UPPER],
      "compat patches third-party internals for any layer: it imports nothing of gdn_export but errors"),
     ([G + "run"], [G + m for m in ("ops", "backends", "pipeline", "checkpoints", "megatron", "hf", "models", "layers",

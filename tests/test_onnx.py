@@ -293,11 +293,19 @@ def test_cli_usage_errors(tmp_path, capsys, argv, message):
 
 
 def test_cli_runtimes_are_the_back_ends():
-    """The CLI's --runtime choices for ONNX (a light copy: --help imports no torch) are the back-end's rule."""
-    from gdn_export.backends.onnx.registry import RUNTIMES
-    from gdn_export.cli import ONNX_RUNTIMES
+    """The CLI's --runtime choices are every back-end's rule (one table, gdn_export.targets) and each back-end
+    validates against it: the NNEF plan, the ONNX plan and the runner of .onnx files."""
+    import argparse
 
-    assert ONNX_RUNTIMES == RUNTIMES
+    from gdn_export.backends.onnx.registry import RUNTIMES as ONNX
+    from gdn_export.cli import parser
+    from gdn_export.ops.gated_delta_rule.policy import RUNTIMES as NNEF
+    from gdn_export.run.onnx_session import RUNTIMES as RUNNERS
+
+    actions = [a for a in parser()._subparsers._group_actions if isinstance(a, argparse._SubParsersAction)]
+    runtime = next(a for a in actions[0].choices["convert"]._actions if "--runtime" in a.option_strings)
+    assert set(runtime.choices) == set(NNEF) | set(ONNX)
+    assert set(RUNNERS) == set(ONNX) - {"any"}
 
 
 def test_format_and_suffix_errors(tmp_path, capsys):

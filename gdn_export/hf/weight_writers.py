@@ -31,12 +31,12 @@ from gdn_export.errors import GdnExportError
 from gdn_export.hf.blocks import ExpertStacks
 from gdn_export.hf.tensors import TORCH_TO_NUMPY, write_nnef_rows
 from gdn_export.models.derived import PLACEHOLDER, RECIPE, Recipe, rows_of
+from gdn_export.targets import NNEF_DATUM
 from gdn_export.weights import f16, int8, q4_0
 from gdn_export.weights.streamed import StreamedWeights
 
 SCHEMES = {q4_0.NAME: q4_0, int8.NAME: int8, f16.NAME: f16}
 QUANTIZATIONS = tuple(SCHEMES)
-DATUM_TYPES = {torch.float32: "f32", torch.float16: "f16"}
 
 
 @dataclass
@@ -234,14 +234,14 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
         writers.update(dict.fromkeys(group, writer))
     placeholders = tuple(frozenset(group) for key, group in labels.items() if getattr(params[key], PLACEHOLDER, False))
     storages = frozenset(p.untyped_storage().data_ptr() for p in params.values() if getattr(p, PLACEHOLDER, False))
-    compressed = {label: DATUM_TYPES[dtype] for key in tables & chosen for label in labels[key]}
-    deferrable = {label: DATUM_TYPES[dtype] for key, group in labels.items()
+    compressed = {label: NNEF_DATUM[str(dtype).removeprefix("torch.")] for key in tables & chosen for label in labels[key]}
+    deferrable = {label: NNEF_DATUM[str(dtype).removeprefix("torch.")] for key, group in labels.items()
                   if key not in chosen | table8 | table16 and params[key].dim() >= 2 for label in group}
     for quantized in (int8_weights, int8_tables):  # int8 scales: written once the graph pass gave their shapes
         if quantized is not None:
             scales = int8.scale_writers(quantized)
             writers.update(scales)
-            deferrable.update(dict.fromkeys(scales, DATUM_TYPES[torch.float32]))
+            deferrable.update(dict.fromkeys(scales, NNEF_DATUM["float32"]))
     f16_tables = frozenset(label for key in table16 for label in labels[key])
     return StreamedWeights(writers, placeholders, storages, compressed, deferrable, int8_weights, int8_tables,
                            f16_tables), report

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError, LoweringError, ParityError, worded
+from gdn_export.targets import FLOAT_DTYPES
 from gdn_export.run.archive import GENERATION_FILES, nnef_tgz_path, read_metadata
 from gdn_export.ops.gated_delta_rule.capabilities import parse_version
 from gdn_export.hf.check import LogitCheck, check_archive, transformers_references, validate_check
@@ -27,7 +28,7 @@ from gdn_export.run.runtime import lean_allocator
 from gdn_export.models.decoder import serving_inputs
 from gdn_export.ops.moe_ffn.op import moe_report
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}
 LOGITS = ("all", "last")  # the logits a call returns: of every new position, or of the last one only
 FORMAT_VERSION = 1
 

@@ -9,6 +9,7 @@ import zlib
 from pathlib import Path
 
 from gdn_export.errors import GdnExportError
+from gdn_export.targets import FLOAT_DTYPES
 
 METADATA_FILE = "gdn_export.json"
 MIB = 1 << 20
@@ -192,7 +193,7 @@ def _dimension(value) -> bool:
 def _state(value) -> bool:
     return (isinstance(value, dict) and isinstance(value.get("name"), str) and value["name"]
             and isinstance(value.get("shape"), list) and all(_dimension(d) for d in value["shape"])
-            and value.get("dtype") in ("float32", "float16") and isinstance(value.get("kind", ""), str)
+            and value.get("dtype") in FLOAT_DTYPES and isinstance(value.get("kind", ""), str)
             and (value.get("layer") is None or _is_int(value["layer"])))
 
 
@@ -202,7 +203,7 @@ METADATA_SCHEMA = {
     "family": (lambda v: isinstance(v, str), "a string", False),
     "model_type": (lambda v: isinstance(v, str), "a string", False),
     "text_model_type": (lambda v: isinstance(v, str), "a string", False),
-    "dtype": (lambda v: v in ("float32", "float16"), "float32 or float16", False),
+    "dtype": (lambda v: v in FLOAT_DTYPES, " or ".join(FLOAT_DTYPES), False),
     "core_dtype": (lambda v: v is None or v == "float16", "null or float16", False),
     "vocab_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1", False),
     "context_length": (lambda v: v is None or _is_int(v) and v >= 1, "null or an integer >= 1", False),

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from gdn_export.errors import GdnExportError
+from gdn_export.targets import ONNX_RUNNERS
 
-RUNTIMES = ("onnxruntime", "tract-onnx")
+RUNTIMES = ONNX_RUNNERS
 _NP = {"float32": np.float32, "float16": np.float16}
 
 

@@ -12,8 +12,8 @@ from gdn_export.errors import GdnExportError
 from gdn_export.run.archive import first_line, json_member, read_metadata, text_member
 from gdn_export.run.runtime import load_tract_model, run_tract_tensors
 from gdn_export.run.runtime import steady_allocator as keep_buffers_mapped
+from gdn_export.targets import numpy_dtype
 
-NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
 class Session:
@@ -129,7 +129,7 @@ class Session:
 
         return [
             tract.Tensor.from_numpy(np.zeros([batch if d == "B" else 0 if d == "P" else d for d in spec["shape"]],
-                                             NUMPY_DTYPES[spec["dtype"]]))
+                                             numpy_dtype(spec["dtype"])))
             for spec in self.state_specs
         ]
 

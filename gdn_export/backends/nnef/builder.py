@@ -10,7 +10,8 @@ from nnef_tools.model import Graph as NGraph
 from nnef_tools.model import Operation as NOperation
 from nnef_tools.model import Tensor as NTensor
 
-TRACT_DTYPE_NAMES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+from gdn_export.targets import NNEF_DATUM
+
 
 
 class NnefBuilder:
@@ -60,8 +61,8 @@ class NnefBuilder:
         if np.dtype(x.dtype) == dtype:
             return self.op("copy", x, shape=x.shape, out=out)
         return self.op(
-            "tract_core_cast", x, shape=x.shape, dtype=dtype, attribs={"to": TRACT_DTYPE_NAMES[dtype]},
-            what=f"as_{TRACT_DTYPE_NAMES[dtype]}", out=out,
+            "tract_core_cast", x, shape=x.shape, dtype=dtype, attribs={"to": NNEF_DATUM[np.dtype(dtype).name]},
+            what=f"as_{NNEF_DATUM[np.dtype(dtype).name]}", out=out,
         )
 
     def transpose(self, x: NTensor, axes: Sequence[int], out: NTensor | None = None) -> NTensor:

@@ -12,8 +12,9 @@ from typing import Callable
 
 from gdn_export.backends.registration import registrar
 from gdn_export.errors import LoweringError
+from gdn_export.targets import ONNX_RUNTIMES
 
-RUNTIMES = ("onnxruntime", "tract-onnx", "any")
+RUNTIMES = ONNX_RUNTIMES
 # what lowering= may ask of the ONNX target: "native" is the contrib op (the fused form, as for NNEF)
 LOWERINGS = ("auto", "native", "scan")
 CONTRIB_VERIFIED = (1, 32)  # onnxruntime version whose contrib ops were measured exact (older ones: not used)

@@ -22,13 +22,16 @@ measurements in benchmarks/RESULTS.md (``benchmarks/bench_lowerings.py``, H=16, 
 
 from __future__ import annotations
 
+from gdn_export.targets import NNEF_RUNTIMES
+
 # runtime -> registered lowerings (registry.py) to try in order; the emitter takes the first exact one
 ORDER: dict[str, tuple[str, ...]] = {
     "any": ("native", "scan"),
     "cpu": ("chunked", "scan"),
     "cuda": ("native", "scan"),
 }
-RUNTIMES = tuple(ORDER)
+RUNTIMES = NNEF_RUNTIMES
+assert tuple(ORDER) == RUNTIMES, "a lowering order for every NNEF runtime of gdn_export.targets"
 
 
 def candidates(runtime: str) -> tuple[str, ...]:

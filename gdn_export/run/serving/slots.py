@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from gdn_export.errors import GdnExportError
+from gdn_export.targets import numpy_dtype
 
-NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 SCRATCH = -1  # a padding row: reads the scratch row, writes nothing
 # Linux's MADV_DONTNEED on a private anonymous mapping frees the pages and reads zeros after; elsewhere (macOS's is
 # advisory and may keep the contents) the rows are zeroed by writing, in plain arrays
@@ -70,7 +70,7 @@ class SlotPool:
         self._caches: dict[int, list[np.ndarray]] = {}  # state index -> one [..., capacity, ...] per slot
         self._cache_axis: dict[int, int] = {}  # the past axis of a cache, batch axis removed
         for index, spec in enumerate(specs):
-            dtype = NUMPY_DTYPES[spec["dtype"]]
+            dtype = numpy_dtype(spec["dtype"])
             dims = [d for d in spec["shape"] if d != "B"]
             if "P" in dims:
                 axis = dims.index("P")
