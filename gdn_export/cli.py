@@ -39,6 +39,8 @@ from typing import Sequence
 from gdn_export.errors import GdnExportError, missing_extra
 from gdn_export.ops.gated_delta_rule.registry import LOWERINGS  # light: --help imports no torch (nor numpy)
 from gdn_export.targets import ALL_RUNTIMES
+from gdn_export.weights import formats
+from gdn_export.weights.q4_0 import format as q4_0_format  # the options Q4_0 owns (light, as the registry)
 
 
 def _progress(message: str) -> None:
@@ -414,19 +416,14 @@ def parser() -> argparse.ArgumentParser:
                          help="the check's reference: transformers' whole model in memory (full), one decoder "
                               "layer in memory at a time (layerwise), or full where it fits (auto)")
     convert.add_argument("--no-check", action="store_true", help="run no check at all")
-    convert.add_argument("--quantize", choices=["q4_0", "int8", "f16"], default=None,
-                         help="q4_0: every linear layer's weight (inner size a multiple of 32) in tract's Q4_0; int8: "
-                              "every linear layer's weight in int8 (a scale per output channel) on tract's integer "
-                              "matmuls, its input rounded per row in the graph (--dtype float32); f16: every linear "
-                              "layer's weight and the embedding table in float16, computed in float32 (half the "
-                              "bytes; on a CPU faster than --dtype float16, docs/QUANTIZATION.md)")
+    convert.add_argument("--quantize", choices=list(formats.names()), default=None, help=formats.quantize_help())
     convert.add_argument("--int8-passes", type=int, choices=[1, 2], default=1,
                          help="with --quantize int8: round each layer's input in 1 pass (the default) or 2 (the "
                               "rounding's residual too: a second int8 row, mean KL 0.23x on the trained fixture, "
                               "more int8 work; docs/INT8.md)")
     convert.add_argument("--quantize-embeddings", action="store_true",
                          help="with --quantize, the embedding table too (refused when the head is tied to it)")
-    convert.add_argument("--q4-rule", choices=["search", "nearest", "gptq"], default=None,
+    convert.add_argument("--q4-rule", choices=list(q4_0_format.RULES), default=None,
                          help="how Q4_0 blocks are chosen: search (the default without --calibration: each scale of "
                               "least squared error), gptq (the default with --calibration: GPTQ's error feedback "
                               "across columns), nearest (llama.cpp's plain Q4_0, d = extreme / -8); docs/Q4_0.md")

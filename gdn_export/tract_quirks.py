@@ -693,7 +693,7 @@ EQUAL_CONSTANTS_MERGED = Quirk(
          "(151936 x 1024), whose codes equal its tied table's",
     workaround="an int8 archive's embedding tables are stored with their codes and scales negated (the same "
                "products), so that no table holds a head's values",
-    applied_in=("gdn_export/weights/int8.py", "gdn_export/hf/weight_writers.py"),
+    applied_in=("gdn_export/weights/int8/codec.py", "gdn_export/hf/weight_writers.py"),
     when_fixed="the tables can be stored as they are (Int8Weights.negated can go)",
     canary="test_equal_constants_merged",
 )

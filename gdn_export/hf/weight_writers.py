@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -32,16 +31,14 @@ from gdn_export.hf.blocks import ExpertStacks
 from gdn_export.hf.tensors import TORCH_TO_NUMPY, write_nnef_rows
 from gdn_export.models.derived import PLACEHOLDER, RECIPE, Recipe, rows_of
 from gdn_export.targets import NNEF_DATUM
-from gdn_export.weights import f16, int8, q4_0
+from gdn_export.weights import q4_0
+from gdn_export.weights.encoding import Encoding
+from gdn_export.weights.formats import weight_format
 from gdn_export.weights.streamed import StreamedWeights
-
-SCHEMES = {q4_0.NAME: q4_0, int8.NAME: int8, f16.NAME: f16}
-QUANTIZATIONS = tuple(SCHEMES)
-
 
 @dataclass
 class QuantizationReport:
-    """What a quantized export stored in Q4_0, and what it left in the export dtype."""
+    """What a quantized export stored in its weight format, and what it left in the export dtype."""
 
     scheme: str | None = None
     rule: str = q4_0.RULES[0]  # how each block's scale was chosen (gdn_export.weights.q4_0.RULES)
@@ -52,32 +49,28 @@ class QuantizationReport:
     kept: Counter = field(default_factory=Counter)  # reason -> count of 2-D weights left unquantized
     bytes_before: int = 0  # of the quantized tensors, in the export dtype
     bytes_after: int = 0
-    int8_tables: list[str] = field(default_factory=list)  # checkpoint names of embedding tables stored in int8
-    table_bytes: tuple[int, int] = (0, 0)  # their bytes in the export dtype, and in int8 (codes and scales)
+    tables: list[str] = field(default_factory=list)  # checkpoint names of embedding tables stored beside the weights
+    table_words: str = ""  # how they are stored, in the report's words (the tables' encoding's)
+    table_bytes: tuple[int, int] = (0, 0)  # their bytes in the export dtype, and stored
     int8_passes: int = 1  # int8: each linear layer's input rounded in 1 or 2 passes (int8.round_activations)
-    f16_tables: list[str] = field(default_factory=list)  # f16: checkpoint names of embedding tables stored in f16
+    rounds_inputs: bool = False  # the reference rounds the inputs of the quantized layers as the graph does (int8)
+    round_trips: dict = field(default_factory=dict)  # checkpoint name -> its reading once stored (the reference's)
+    describe: Callable = lambda report: ""  # the weight format's own words (its codec's describe)
 
     def __str__(self) -> str:
         if self.scheme is None:
             return ""
-        how = f"{self.rule} scales" if self.rule != "gptq" else f"GPTQ for {len(self.grams)} of them, the others search"
-        if self.calibration:
-            how += f", {self.calibration}, {len(self.importance)} of them weighted by input channel"
+        details = self.describe(self)
         text = (f"{len(self.quantized)} weights in {self.scheme.upper()} ({_size(self.bytes_before)} -> "
-                f"{_size(self.bytes_after)}{f'; {how}' if self.scheme == q4_0.NAME else ''}"
-                f"{'; inputs rounded in 2 passes (codes and residual)' if self.int8_passes == 2 else ''})")
-        if self.f16_tables:
-            text += (f"; {len(self.f16_tables)} embedding table in F16 (negated, the gathered rows negated back: "
-                     f"{_size(self.table_bytes[0])} -> {_size(self.table_bytes[1])})")
-        if self.int8_tables:
-            text += (f"; {len(self.int8_tables)} embedding table in int8 (a scale per row, applied to the gathered "
-                     f"rows: {_size(self.table_bytes[0])} -> {_size(self.table_bytes[1])})")
+                f"{_size(self.bytes_after)}{details})")
+        if self.tables:
+            text += (f"; {len(self.tables)} embedding table in {self.table_words}: {_size(self.table_bytes[0])} -> "
+                     f"{_size(self.table_bytes[1])})")
         if self.kept:
             text += "; kept in the export dtype: " + ", ".join(f"{n} {why}" for why, n in sorted(self.kept.items()))
-        if self.scheme == int8.NAME and (warning := int8.slow_here_warning()):
+        if warning := getattr(weight_format(self.scheme).codec_module(), "slow_here_warning", lambda: "")():
             text += f"; WARNING: {warning}"
         return text
-
 
     def q4_0_rule(self, name: str) -> tuple[str, np.ndarray | None, np.ndarray | None]:
         """(rule, importance, second moments) the weight of checkpoint name ``name`` was stored with: GPTQ needs
@@ -104,7 +97,7 @@ def separate_tied_head(model: nn.Module, quantize: str | None, quantize_embeddin
     avoid that."""
     if quantize is None:
         return None
-    scheme = SCHEMES.get(quantize, q4_0)
+    codec = weight_format(quantize).codec_module()
     names = {id(param): name for name, param in model.named_parameters()}
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     heads = [(name, module) for name, module in model.named_modules()
@@ -119,7 +112,7 @@ def separate_tied_head(model: nn.Module, quantize: str | None, quantize_embeddin
     if len(heads) != 1:  # several linear layers read the table: left as it is (its slices stay in --dtype)
         return None
     (head_name, head), = heads
-    if not scheme.quantizable(tuple(head.weight.shape)):
+    if not codec.quantizable(tuple(head.weight.shape)):
         return None
     table_name = names[id(head.weight)]
     head.weight = rows_of(head.weight, None)
@@ -136,11 +129,11 @@ def untied_view(weights, layout, names: tuple[str, str]):
 
 def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, quantize: str | None = None,
                 quantize_embeddings: bool = False, fused_moe: Callable[[str], bool] = lambda gate: False,
-                q4_rule: str = q4_0.RULES[0], calibration=None,
+                q4_rule: str | None = None, calibration=None,
                 int8_passes: int = 1) -> tuple[StreamedWeights, QuantizationReport]:
     """The writers of ``lm``'s parameters (``model`` is the checkpoint's model inside it) and what was quantized.
 
-    ``q4_rule``: how each Q4_0 block's scale is chosen (``q4_0.RULES``); ``calibration`` (a
+    ``q4_rule``: how each Q4_0 block's scale is chosen (``q4_0.RULES``; None: the first); ``calibration`` (a
     ``gdn_export.hf.calibration.Calibration``): the search weighs each weight's error by its input channel's
     importance, for the weights it measured whose columns the export keeps as they are (no ``part`` or ``pad``
     recipe); the others are searched unweighted.
@@ -148,9 +141,8 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
     ``fused_moe(gate)``: whether a ``moe_ffn`` node of that gate runs as tract's ``tract_moe_ffn`` in this export
     (``ops.moe_ffn.nnef.decide``): only then are its expert stacks quantized (the op's Q4_0 path, all three
     stacks or none); the dense form would read them through reshapes and slices, which a Q4_0 constant cannot take."""
-    if quantize is not None and quantize not in QUANTIZATIONS:
-        raise GdnExportError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
-    scheme = SCHEMES.get(quantize)
+    fmt = weight_format(quantize)  # an unknown name: its one-line error
+    codec = fmt.codec_module() if quantize is not None else None
     names = {id(param): name for name, param in model.named_parameters()}
     labels: dict[int, list[str]] = {}  # a tied tensor has several names: torch-to-nnef may write it under any
     for label, param in lm.named_parameters(remove_duplicate=False):
@@ -158,36 +150,32 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
     params = {id(param): param for param in lm.parameters()}
     tables = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Embedding)}
     linear = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Linear)}
+    q4_rule = q4_rule or q4_0.RULES[0]
     if q4_rule not in q4_0.RULES:
         raise GdnExportError(f"Q4_0 rule {q4_rule!r} is not one of {', '.join(q4_0.RULES)}")
     report = QuantizationReport(scheme=quantize, rule=q4_rule, calibration=str(calibration or ""),
-                                int8_passes=int8_passes)
+                                int8_passes=int8_passes, rounds_inputs=getattr(codec, "ROUNDS_INPUTS", False),
+                                describe=getattr(codec, "describe", lambda report: ""))
     chosen: set[int] = set()
-    table8: set[int] = set()
-    table16: set[int] = set()
-    if quantize is not None:  # a head still tied to the table (no block-sized rows) is the table: kept with it
+    table_keys: set[int] = set()
+    tables_encoding = None
+    if codec is not None:  # a head still tied to the table (no block-sized rows) is the table: kept with it
         candidates = (linear | tables) if quantize_embeddings else linear - tables
-        chosen = {key for key in candidates if scheme.quantizable(tuple(params[key].shape))}
-        if scheme is q4_0:
-            report.kept[f"with an inner size not a multiple of {q4_0.BLOCK}"] = len(candidates - chosen)
-        elif scheme is int8:
-            emulable = {key for key in chosen if _int8_reference_is_linear(params[key], names, model)}
-            report.kept["whose reference is no nn.Linear of transformers' model, or re-laid beyond a choice of rows"] \
-                = len(chosen - emulable)
-            chosen = emulable
+        chosen = {key for key in candidates if codec.quantizable(tuple(params[key].shape))}
+        if hasattr(codec, "select"):  # the format narrows the choice (e.g. to weights its check can emulate)
+            chosen, kept = codec.select(chosen, candidates,
+                                        lambda key: _reference_is_linear(params[key], names, model))
+            report.kept.update(kept)
         stacks = [m for m in lm.modules() if isinstance(m, ExpertStacks)]
         for module in stacks:
             trio = [module.gate_proj, module.up_proj, module.down_proj]
             keys = {id(p) for p in trio}
-            if scheme is int8:
-                report.kept["expert stacks (tract_moe_ffn takes f32, f16 or Q4_0 stacks: no operand for int8 "
-                            "scales)"] += len(trio)
-            elif scheme is f16:
-                report.kept["expert stacks (f16 stacks in a float32 tract_moe_ffn not measured)"] += len(trio)
-            elif not fused_moe(module.gate):
-                report.kept["expert stacks of a MoE that runs dense (no tract_moe_ffn: see the MoE lines)"] += len(trio)
-            elif not all(_quantizable_derived(p) for p in trio):
-                report.kept[f"expert stacks with an inner size not a multiple of {q4_0.BLOCK}"] += len(trio)
+            shapes = [(tuple(p.shape), tuple(getattr(p, RECIPE).source.shape) if hasattr(p, RECIPE) else None)
+                      for p in trio]
+            kept_why = codec.expert_stacks_kept(shapes, fused_moe(module.gate)) \
+                if hasattr(codec, "expert_stacks_kept") else "expert stacks (this weight format stores none)"
+            if kept_why:
+                report.kept[kept_why] += len(trio)
             else:
                 chosen |= keys
             candidates |= keys
@@ -197,57 +185,65 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
             p.dim() >= 2 and key not in candidates for key, p in params.items())
         report.kept = +report.kept  # without the zero counts
         gathered_only = tables - chosen - linear  # a table only gathered from (not a tied head's too)
-        if scheme is f16:  # its rows in f16, negated (f16.lower_gathers)
-            table16 = {key for key in gathered_only if f16.quantizable(tuple(params[key].shape))}
-        elif dtype == torch.float32:  # codes and scales gathered
-            table8 = {key for key in gathered_only if int8.quantizable(tuple(params[key].shape))}
-    int8_weights = int8.Int8Weights(frozenset(label for key in chosen for label in labels[key]),
-                                    passes=int8_passes) if scheme is int8 else None
-    # an int8 archive's tables are stored negated: a tied head's int8 copy would otherwise be the same constant as its
-    # table for tract (Int8Weights)
-    int8_tables = int8.Int8Weights(frozenset(label for key in table8 for label in labels[key]),
-                                   negated=scheme is int8) if table8 else None
+
+        def pick(table_codec) -> frozenset:
+            table_keys.update(key for key in gathered_only if table_codec.quantizable(tuple(params[key].shape)))
+            return frozenset(label for key in table_keys for label in labels[key])
+
+        tables_encoding = codec.tables_encoding(str(dtype).removeprefix("torch."), pick) \
+            if hasattr(codec, "tables_encoding") else None
+        if tables_encoding is None or not tables_encoding.labels:  # no table stored beside the weights
+            tables_encoding = None
+            table_keys.clear()
+    weights_encoding = None
+    if codec is not None:
+        chosen_labels = frozenset(label for key in chosen for label in labels[key])
+        weights_encoding = codec.weights_encoding(chosen_labels, report) if hasattr(codec, "weights_encoding") \
+            else Encoding(codec, chosen_labels)
+    if tables_encoding is not None:
+        report.table_words = tables_encoding.table_words
     writers = {}
     for key, group in labels.items():
         param = params[key]
-        stored = scheme.NAME if key in chosen else int8.NAME if key in table8 else f16.NAME if key in table16 \
-            else None
+        encoding = weights_encoding if key in chosen else tables_encoding if key in table_keys else None
+        source = _source_name(param, names) if encoding is not None else None
         if key in chosen:
-            source = _source_name(param, names)
             recipe = getattr(param, RECIPE, None)
-            if scheme is q4_0 and calibration is not None and source in calibration.importance and (
+            if calibration is not None and source in calibration.importance and (
                     recipe is None or (recipe.part is None and recipe.pad is None)):
                 report.importance[source] = calibration.importance[source]
                 if q4_rule == "gptq" and source in calibration.grams and param.dim() == 2:
                     report.grams[source] = calibration.grams[source]
-        writer = _writer(group[0], param, names, weights, dtype, stored,
-                         int8_tables if key in table8 else int8_weights, tuple(group),
-                         report.q4_0_rule(source) if stored == q4_0.NAME else None, negated=key in table16)
+        writer = _writer(group[0], param, names, weights, dtype, encoding, tuple(group), source)
         if key in chosen:
             report.quantized.append(source)
             report.bytes_before += param.numel() * dtype.itemsize
-            report.bytes_after += scheme.nbytes(tuple(param.shape))
-        elif key in table8 or key in table16:
-            (report.int8_tables if key in table8 else report.f16_tables).append(_source_name(param, names))
+            report.bytes_after += encoding.nbytes(tuple(param.shape))
+        elif key in table_keys:
+            report.tables.append(source)
             report.table_bytes = (report.table_bytes[0] + param.numel() * dtype.itemsize, report.table_bytes[1] +
-                                  (int8 if key in table8 else f16).nbytes(tuple(param.shape)))
+                                  encoding.nbytes(tuple(param.shape)))
         writers.update(dict.fromkeys(group, writer))
+    for encoding in (weights_encoding, tables_encoding):  # what the reference reads of each stored tensor
+        if encoding is not None:
+            names_stored = report.quantized if encoding is weights_encoding else report.tables
+            report.round_trips.update({name: encoding.round_trip(name) for name in names_stored})
     placeholders = tuple(frozenset(group) for key, group in labels.items() if getattr(params[key], PLACEHOLDER, False))
     storages = frozenset(p.untyped_storage().data_ptr() for p in params.values() if getattr(p, PLACEHOLDER, False))
-    compressed = {label: NNEF_DATUM[str(dtype).removeprefix("torch.")] for key in tables & chosen for label in labels[key]}
+    compressed = {label: NNEF_DATUM[str(dtype).removeprefix("torch.")] for key in tables & chosen
+                  for label in labels[key]}
     deferrable = {label: NNEF_DATUM[str(dtype).removeprefix("torch.")] for key, group in labels.items()
-                  if key not in chosen | table8 | table16 and params[key].dim() >= 2 for label in group}
-    for quantized in (int8_weights, int8_tables):  # int8 scales: written once the graph pass gave their shapes
-        if quantized is not None:
-            scales = int8.scale_writers(quantized)
-            writers.update(scales)
-            deferrable.update(dict.fromkeys(scales, NNEF_DATUM["float32"]))
-    f16_tables = frozenset(label for key in table16 for label in labels[key])
-    return StreamedWeights(writers, placeholders, storages, compressed, deferrable, int8_weights, int8_tables,
-                           f16_tables), report
+                  if key not in chosen | table_keys and params[key].dim() >= 2 for label in group}
+    graph_passes: tuple = ()
+    for encoding in (weights_encoding, tables_encoding):  # their own tensors (int8 scales): written after the passes
+        if encoding is not None:
+            writers.update(encoding.extra)
+            deferrable.update(dict.fromkeys(encoding.extra, NNEF_DATUM["float32"]))
+            graph_passes += encoding.graph_passes
+    return StreamedWeights(writers, placeholders, storages, compressed, deferrable, graph_passes), report
 
 
-def _int8_reference_is_linear(param, names: dict, model: nn.Module) -> bool:
+def _reference_is_linear(param, names: dict, model: nn.Module) -> bool:
     """The check's reference rounds the input of transformers' own ``nn.Linear`` (``int8.reference_hooks``): the
     weight must be one (the checkpoint parameter itself, or rows of it: a scale per row is the same either way)."""
     recipe = getattr(param, RECIPE, None)
@@ -256,13 +252,6 @@ def _int8_reference_is_linear(param, names: dict, model: nn.Module) -> bool:
     name = _source_name(param, names)
     module = model.get_submodule(name.rpartition(".")[0]) if "." in name else None
     return isinstance(module, nn.Linear) and name.endswith(".weight")
-
-
-def _quantizable_derived(param) -> bool:
-    """Q4_0 blocks of the parameter are blocks of its source too (so that the check's reference, the source read
-    through Q4_0, computes with what tract does): both inner sizes whole blocks."""
-    recipe = getattr(param, RECIPE, None)
-    return q4_0.quantizable(tuple(param.shape)) and (recipe is None or q4_0.quantizable(tuple(recipe.source.shape)))
 
 
 def _source_name(param, names: dict) -> str:
@@ -320,35 +309,27 @@ class DerivedSource:
         return np.ascontiguousarray(self.recipe.apply(value, rows_applied=True)).reshape(-1)
 
 
-def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, stored: str | None,
-            int8_weights: int8.Int8Weights | None = None, aliases: tuple[str, ...] = (),
-            q4_0_rule: tuple | None = None, negated: bool = False):
-    """Writes parameter ``label`` from the checkpoint: its tensor, or its recipe's result; in ``stored`` ("q4_0",
-    "int8": then its scales go to ``int8_weights``), else in the export dtype; a slice of rows at a time
-    (memory: one slice, or the one source a conversion makes whole). ``aliases``: every label of the parameter.
-    ``q4_0_rule``: (rule, importance, second moments) of a Q4_0 weight (``QuantizationReport.q4_0_rule``);
-    ``negated``: an f16 table's values negated (``gdn_export.weights.f16``)."""
+def _writer(label: str, param, names: dict, weights, dtype: torch.dtype, encoding: Encoding | None,
+            aliases: tuple[str, ...] = (), source: str | None = None):
+    """Writes parameter ``label`` from the checkpoint: its tensor, or its recipe's result; stored by ``encoding``
+    (a weight format's: codes, blocks, float16...; ``source``: its checkpoint name), else in the export dtype; a
+    slice of rows at a time (memory: one slice, or the one source a conversion makes whole). ``aliases``: every
+    label of the parameter."""
     entry, recipe = checkpoint_source(label, param, names, weights)
     shape = tuple(param.shape)
     aliases = aliases or (label,)
-    quantized = stored in SCHEMES
 
     def write(file) -> None:
-        source = entry if recipe is None else DerivedSource(entry, recipe)
-        target = np.dtype(np.float32 if quantized else TORCH_TO_NUMPY[dtype])
-        read = lambda start, stop: source.rows(start, stop, target).reshape(stop - start, *shape[1:])  # noqa: E731
+        source_rows = entry if recipe is None else DerivedSource(entry, recipe)
+        target = np.dtype(np.float32 if encoding is not None else TORCH_TO_NUMPY[dtype])
+        read = lambda start, stop: source_rows.rows(start, stop, target).reshape(stop - start, *shape[1:])  # noqa: E731
         try:
-            if stored == int8.NAME:
-                scales = int8.write_nnef(file, shape, read, negated=int8_weights.negated)
-                int8_weights.scales.update(dict.fromkeys(aliases, scales))
-            elif stored == f16.NAME:
-                f16.write_nnef(file, shape, read, negated=negated, name=f"weight {label}")
-            elif quantized:
-                q4_0.write_nnef(file, shape, read, *(q4_0_rule or ()))
+            if encoding is not None:
+                encoding.write(file, shape, read, label, aliases, source)
             else:
                 write_nnef_rows(file, shape, target, read)
         finally:
-            getattr(source, "release", lambda: None)()
+            getattr(source_rows, "release", lambda: None)()
 
     return write
 
@@ -368,25 +349,20 @@ class _Dequantized:
 
 
 def dequantized_view(weights, report: QuantizationReport):
-    """``weights`` with the quantized parameters (and the tables stored in int8) read as tract reads them: the
-    check's reference of a quantized export."""
-    if not report.quantized and not report.int8_tables and not report.f16_tables:
+    """``weights`` with the parameters stored in a weight format (and the tables stored beside them) read as tract
+    reads them: the check's reference of a quantized export."""
+    if not report.quantized and not report.tables:
         return weights
+    codec = weight_format(report.scheme).codec_module()
     entries = dict(weights.entries)
-    for name in report.quantized:
-        round_trip = SCHEMES[report.scheme].round_trip
-        if report.scheme == q4_0.NAME:  # with the rule, importance and second moments it was written with
-            round_trip = partial(q4_0.round_trip, **dict(zip(("rule", "importance", "gram"), report.q4_0_rule(name))))
-        entries[name] = _Dequantized(weights.entries[name], round_trip)
-    for name in report.int8_tables:
-        entries[name] = _Dequantized(weights.entries[name], int8.round_trip)
-    for name in report.f16_tables:
-        entries[name] = _Dequantized(weights.entries[name], f16.round_trip)
+    for name in [*report.quantized, *report.tables]:
+        entries[name] = _Dequantized(weights.entries[name], report.round_trips.get(name, codec.round_trip))
     return replace(weights, entries=entries)
 
 
 def int8_reference_linears(report: QuantizationReport) -> frozenset:
-    """The names of transformers' ``nn.Linear`` modules whose input the reference of an int8 export rounds."""
-    if report.scheme != int8.NAME:
+    """The names of transformers' ``nn.Linear`` modules whose input the reference rounds (a format whose graph
+    rounds the inputs of its layers: int8)."""
+    if not report.rounds_inputs:
         return frozenset()
     return frozenset(name.rpartition(".")[0] for name in report.quantized)

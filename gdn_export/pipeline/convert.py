@@ -22,8 +22,9 @@ from gdn_export.checkpoints import family_for, open_checkpoint, read_config
 from gdn_export.hf.checkpoint import CheckpointError, cast_buffers, empty_model, materialize, model_in_memory
 from gdn_export.hf.layerwise import layerwise_logits
 from gdn_export.hf.layout import resolve_layout
-from gdn_export.hf.weight_writers import (QUANTIZATIONS, dequantized_view, int8_reference_linears, plan_writes,
-                                          separate_tied_head, untied_view)
+from gdn_export.hf.weight_writers import (dequantized_view, int8_reference_linears, plan_writes, separate_tied_head,
+                                          untied_view)
+from gdn_export.weights.formats import check_owned_options, weight_format
 from gdn_export.run.runtime import lean_allocator
 from gdn_export.models.decoder import serving_inputs
 from gdn_export.ops.moe_ffn.op import moe_report
@@ -276,8 +277,6 @@ def plan_conversion(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
     format (``format_steps(format)``: ``validate``, ``validate_after_check``, ``output_path``). An error about an
     option the command line spells differently carries that wording too (``errors.worded``: ``err.flags``), which
     the CLI prints."""
-    from gdn_export.weights.q4_0 import RULES
-
     defaults = dict(dtype="float32", lowering="auto", prompt_len=16, decode_steps=8, tract_version=None,
                     core_dtype=None, chunk_size=None, streamed=True, quantize=None, quantize_embeddings=False,
                     logits="all", serving=False, q4_rule=None, calibration_tokens=8192, fold_scales=False,
@@ -285,35 +284,11 @@ def plan_conversion(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
     unknown = set(options) - set(defaults)
     if unknown:
         raise TypeError(f"plan_conversion() got unexpected options {sorted(unknown)}")
-    quantize, q4_rule = options.get("quantize"), options.get("q4_rule")  # q4_rule None: not given
     target = format_steps(format)
     runtime = target.resolve_runtime(runtime)
     target.validate({**options, "calibration": calibration}, runtime)  # first: what the format cannot honour
-    if quantize != "q4_0" and (q4_rule is not None or calibration is not None):
-        raise worded(GdnExportError("q4_rule and calibration choose how quantize='q4_0' stores its blocks: they need "
-                                    "quantize='q4_0'"),
-                     "--q4-rule and --calibration choose how --quantize q4_0 picks its scales: add --quantize q4_0")
-    if q4_rule is None:  # calibration's second moments make GPTQ possible: measured the better of the two with them
-        q4_rule = options["q4_rule"] = "gptq" if calibration is not None else "search"
-    if q4_rule not in RULES:
-        raise GdnExportError(f"q4_rule {q4_rule!r} is not one of {', '.join(RULES)}")
-    if calibration is not None and q4_rule == "nearest":
-        raise worded(GdnExportError("calibration weights the Q4_0 scale search: it needs quantize='q4_0' and q4_rule "
-                                    "'search' or 'gptq'"),
-                     "--calibration weights the scale search; --q4-rule nearest does not search: drop one")
-    if q4_rule == "gptq" and calibration is None:
-        raise worded(GdnExportError("q4_rule='gptq' needs calibration text (the inputs' second moments): "
-                                    "calibration=FILE"),
-                     "--q4-rule gptq needs --calibration TEXT_FILE (the inputs' second moments)")
-    if calibration is not None and not Path(calibration).is_file():
-        raise GdnExportError(f"calibration text {calibration} is not a file")
-    passes = options.get("int8_passes", 1)
-    if passes not in (1, 2) or isinstance(passes, bool):
-        raise GdnExportError(f"int8_passes must be 1 or 2 (rounds of each int8 layer's input), got {passes!r}")
-    if passes != 1 and quantize != "int8":
-        raise worded(GdnExportError("int8_passes chooses how quantize='int8' rounds its activations: it needs "
-                                    "quantize='int8'"),
-                     "--int8-passes chooses how --quantize int8 rounds its activations: add --quantize int8")
+    # the options a weight format owns (q4_rule, int8_passes, ...): refused without it, checked and completed by it
+    check_owned_options(options.get("quantize"), options, calibration)
     dtype = options.get("dtype", "float32")
     if dtype not in DTYPES:
         raise GdnExportError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -419,8 +394,8 @@ class NnefSteps:
         logits = options.get("logits", "all")
         if logits not in LOGITS:
             raise GdnExportError(f"logits {logits!r} is not one of {', '.join(LOGITS)}")
-        validate_quantize(options.get("quantize"), options.get("quantize_embeddings", False),
-                          options.get("dtype", "float32"), runtime)
+        weight_format(options.get("quantize")).validate(options.get("dtype", "float32"), runtime,
+                                                        options.get("quantize_embeddings", False))
         if options.get("tract_version") is not None:
             try:
                 parse_version(options["tract_version"])
@@ -480,19 +455,19 @@ class NnefSteps:
         lm, extras, checkpoint_dir = traced.lm, traced.extras, Path(plan.checkpoint_dir)
         measured, folding, quantization = extras["measured"], extras["folding"], extras["quantization"]
         carried = {name: checkpoint_dir / name for name in GENERATION_FILES if (checkpoint_dir / name).is_file()}
+        recorded = weight_format(plan.quantize).metadata(plan)  # what the weight format records of itself
         metadata = {
             **common_metadata(plan, traced, inputs, outputs),
             "generation_files": sorted(carried), "quantize": plan.quantize, "logits": plan.logits,
             "serving": plan.serving,
             "quantized": len(quantization.quantized),
-            "q4_rule": plan.q4_rule if plan.quantize not in (None, "f16") else None,
+            "q4_rule": recorded.pop("q4_rule", None),  # in the place it had before formats were units
             "calibration": measured.metadata() if measured is not None else None,
             "folded_norms": len(folding.folds) if folding is not None else None,
             "states": state_metadata(lm),
             "runtime": plan.runtime,
         }
-        if plan.quantize == "int8":  # only there: every other archive's metadata stays as it was
-            metadata["int8_passes"] = plan.int8_passes
+        metadata.update(recorded)
         if plan.quantize_embeddings:  # what `check` re-quantizes (absent: False, as every archive before it)
             metadata["quantize_embeddings"] = True
         path = staging / plan.out_path.name
@@ -510,7 +485,7 @@ class NnefSteps:
                                reference=traced.family.reference, weights=traced.weights.summary(),
                                generation_files=sorted(carried),
                                quantization=str(quantization) + (f"; {folding}" if folding is not None else ""),
-                               moe=moe_report(report.decisions), quantized_as=_QUANTIZED_AS.get(plan.quantize, ""))
+                               moe=moe_report(report.decisions), quantized_as=weight_format(plan.quantize).reference)
         return Staged(path, result, lambda: os.replace(path, plan.out_path))
 
     @staticmethod
@@ -535,41 +510,6 @@ class NnefSteps:
 
 
 NNEF = NnefSteps()
-
-
-_QUANTIZED_AS = {"q4_0": "Q4_0", "int8": "int8 (inputs rounded per row as in the graph)",
-                 "f16": "float16 (rounded to nearest even)"}
-
-
-def validate_quantize(quantize: str | None, quantize_embeddings: bool, dtype: str, runtime: str = "cpu") -> None:
-    """Before any work: a known scheme; int8 computes around its integer matmuls in float32 and chooses the
-    table's format itself; f16 is float16 weights for a float32 graph on a CPU."""
-    if quantize is not None and quantize not in QUANTIZATIONS:
-        raise GdnExportError(f"quantize {quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
-    if quantize == "f16" and dtype != "float32":
-        raise worded(GdnExportError(f"quantize='f16' with dtype {dtype!r}: it stores float16 weights for a float32 "
-                                    "graph; a float16 graph has float16 weights already: drop quantize='f16' or "
-                                    "convert with dtype='float32'"),
-                     f"--quantize f16 with --dtype {dtype}: it stores float16 weights for a float32 graph; a float16 "
-                     "graph has float16 weights already: drop one")
-    if quantize == "f16" and quantize_embeddings:
-        raise worded(GdnExportError("quantize_embeddings with quantize='f16': the embedding table of an f16 archive is "
-                                    "stored in float16 already; drop the option"),
-                     "--quantize-embeddings with --quantize f16: the embedding table of an f16 archive is stored in "
-                     "float16 already; drop the option")
-    if quantize == "f16" and runtime == "cuda":
-        raise worded(GdnExportError("quantize='f16' with runtime='cuda': float16 weights in a float32 graph are "
-                                    "measured on tract's CPU runtime only; for tract's CUDA runtime convert with "
-                                    "dtype='float16' (its kernels compute in float16)"),
-                     "--quantize f16 with --runtime cuda: float16 weights in a float32 graph are measured on tract's "
-                     "CPU runtime only; for CUDA convert with --dtype float16")
-    if quantize == "int8" and dtype != "float32":
-        raise GdnExportError(f"quantize='int8' with dtype {dtype!r}: the int8 graph scales and rounds its activations "
-                             "in float32; convert with dtype='float32' (--dtype float32)")
-    if quantize == "int8" and quantize_embeddings:
-        raise GdnExportError("quantize_embeddings (--quantize-embeddings) with quantize='int8': the embedding table "
-                             "of an int8 archive is stored in int8 already (a scale per row, applied to the gathered "
-                             "rows); drop the option")
 
 
 def _fused_moe(runtime: str, tract_version: str | None):
@@ -702,13 +642,8 @@ def _check_quantized(path, checkpoint_dir, metadata: dict, prompt_len: int, deco
     calibration included), checked against ``check_reference``'s weights as ``run_plan`` checks."""
     from gdn_export.hf.calibration import DEFAULT_CTX
 
-    options = dict(quantize=metadata["quantize"], dtype=metadata.get("dtype") or "float32")
-    if options["quantize"] == "int8":
-        options["int8_passes"] = metadata.get("int8_passes", 1)
-    elif options["quantize"] == "q4_0":
-        options.update(q4_rule=metadata.get("q4_rule") or "search",
-                       quantize_embeddings=bool(metadata.get("quantize_embeddings", False)),
-                       fold_scales=metadata.get("folded_norms") is not None)
+    options = dict(quantize=metadata["quantize"], dtype=metadata.get("dtype") or "float32",
+                   **weight_format(metadata["quantize"]).options_from_metadata(metadata))
     recorded = metadata.get("calibration")
     if recorded:  # from the archive: its shape checked before anything is read with it
         named = isinstance(recorded, dict) and all(isinstance(recorded.get(k), str) for k in ("file", "sha256"))
@@ -732,7 +667,7 @@ def _check_quantized(path, checkpoint_dir, metadata: dict, prompt_len: int, deco
     plan = plan_conversion(checkpoint_dir, Path(tempfile.gettempdir()) / "gdn_export_check.nnef.tgz", force=True,
                            check=False, calibration=calibration, **options)
     say(f"quantizing {checkpoint_dir} again as {path} records it ({plan.quantize}"
-        f"{', rule ' + plan.q4_rule if plan.quantize == 'q4_0' else ''})")
+        f"{', rule ' + plan.q4_rule if plan.q4_rule else ''})")
     traced = NNEF.read(plan, say, {})
     measured = traced.extras["measured"]
     if measured is not None and measured.sha256 != recorded["sha256"]:

@@ -24,7 +24,6 @@ from gdn_export.ops.options import LoweringOptions, validate_options
 from gdn_export.backends.nnef.output_names import declared_outputs, keep_output_names
 from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
 from gdn_export.weights.casts import fold_weight_casts, weights_cast_before_use
-from gdn_export.weights import f16, int8
 from gdn_export.weights.streamed import (StreamedWeights, annotate_compressed_gathers, check_all_written,
                                          streamed_writes, variable_labels, write_deferred)
 from gdn_export.run.runtime import alongside, load_tract_model, run_tract, tract_version as installed_tract_version
@@ -173,12 +172,7 @@ def export(
         passes.append(lambda graph: read.update(variable_labels(graph)))
         if weights.compressed:
             passes.append(lambda graph: annotate_compressed_gathers(graph, weights.compressed))
-        if weights.int8 is not None:  # torch-to-nnef's linear of each int8 weight, to tract's integer matmul
-            passes.append(lambda graph: int8.lower_linears(graph, weights.int8))
-        if weights.int8_tables is not None:  # gathers of an int8 table: codes and scales
-            passes.append(lambda graph: int8.lower_gathers(graph, weights.int8_tables))
-        if weights.f16_tables:  # gathers of an f16 table (stored negated): cast and negated back
-            passes.append(lambda graph: f16.lower_gathers(graph, weights.f16_tables))
+        passes.extend(weights.graph_passes)  # what the weight formats' encodings need of the graph
     target = nnef_target(version, lowering=lowering, dynamic_axes=dynamic_axes, runtime=runtime,
                          core_dtype=core_dtype, chunk_size=chunk_size, graph_passes=passes)
 

@@ -22,7 +22,7 @@ from gdn_export.pipeline.convert import ConvertReport, Staged, Traced
 import gdn_export.ops.onnx_handlers  # noqa: F401  (every op registers its ONNX lowering)
 from gdn_export.backends.onnx.registry import LOWERINGS, RUNTIMES, validate
 from gdn_export.ops.causal_conv1d.op import QUALNAME as CONV_QUALNAME
-from gdn_export.weights import ONNX_QUANTIZE_REFUSAL
+from gdn_export.weights.formats import weight_format
 
 
 @dataclass
@@ -94,12 +94,12 @@ class OnnxSteps:
             raise worded(LoweringError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)} for an ONNX export"),
                          f"--runtime {runtime} is tract's (NNEF); an ONNX file runs in: {', '.join(RUNTIMES)}")
         quantize = options.get("quantize")
+        refusal = weight_format(quantize).onnx_refusal
         logits, lowering = options.get("logits", "all"), options.get("lowering", "auto")
         q4 = "tract's Q4_0 format"
         refused = [  # (API message, flag, why), in the command line's order
             (f"quantize={quantize!r} is an NNEF option: not available with format='onnx'"
-             f" ({ONNX_QUANTIZE_REFUSAL.get(quantize, '')})", quantize is not None, "--quantize",
-             ONNX_QUANTIZE_REFUSAL.get(quantize, "")),
+             f" ({refusal})", quantize is not None, "--quantize", refusal),
             ("quantize_embeddings is an NNEF option: not available with format='onnx'",
              bool(options.get("quantize_embeddings")), "--quantize-embeddings", q4),
             (f"q4_rule={options.get('q4_rule')!r} is an NNEF option: not available with format='onnx'",

@@ -211,7 +211,10 @@ METADATA_SCHEMA = {
     "outputs": (_names, "a list of names", False),
     "generation_files": (lambda v: isinstance(v, list) and all(n in GENERATION_FILES for n in v),
                          f"a list of names among {', '.join(GENERATION_FILES)}", False),
-    "quantize": (lambda v: v in (None, "q4_0", "int8", "f16"), "null, q4_0, int8 or f16", False),
+    # the weight format's name (gdn_export.weights.formats, a registry the run side does not import: any format's
+    # archive runs; the name is shown, never used to read anything)
+    "quantize": (lambda v: v is None or isinstance(v, str) and v.isidentifier() and len(v) <= 32,
+                 "null or a weight format's name (an identifier of at most 32 characters)", False),
     "logits": (lambda v: v in ("all", "last"), "all or last", False),
     "serving": (lambda v: isinstance(v, bool), "true or false", False),
     "quantized": (lambda v: _is_int(v) and v >= 0, "an integer >= 0", False),

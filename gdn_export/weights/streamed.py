@@ -43,11 +43,9 @@ class StreamedWeights:
     # written after the trace (``write_deferred``), while tract reads the graph for its output names, which
     # declares such weights as inputs of that type and never opens their files (gdn_export/backends/nnef/output_names.py)
     deferrable: Mapping[str, str] = field(default_factory=dict)
-    int8: object = None  # gdn_export.weights.int8.Int8Weights of an int8 export: the graph's linears of them lowered
-    # the embedding tables stored in int8 (Int8Weights): every gather of them takes codes and scales
-    int8_tables: object = None
-    # the embedding tables stored in f16, negated (gdn_export.weights.f16): every gather of them cast and negated back
-    f16_tables: frozenset = frozenset()
+    # the passes over torch-to-nnef's graph that the weight formats' encodings need, in order (e.g. the linears of
+    # int8 weights to tract's integer matmul, the gathers of an int8 or f16 table): each takes the graph
+    graph_passes: tuple = ()
 
 
 REAL_BYTES = 1 << 20  # parameters below this size are traced with their values

@@ -8,7 +8,7 @@ is never folded and keeps its own name, so each renamed output is re-declared as
 ``NAME = select(c, NAME__raw, NAME__raw)``: the same value whatever ``c`` is. It copies the tensor once
 per call, so only the outputs tract would rename get it.
 
-Why this one is a pass over graph.nnef after it is written, the one left of gdn_export's own (weights/int8.py's is
+Why this one is a pass over graph.nnef after it is written, the one left of gdn_export's own (weights/int8/codec.py's is
 the int8 helper's): which outputs tract renames is decided by tract's declutter on the loaded model (which ops it
 fuses, which copies it removes), so only tract can say it, about a written graph; torch-to-nnef's translated graph
 (where the other passes run: ``backends.nnef.target.OfflineTractTarget``'s graph passes) cannot predict it, and

@@ -20,10 +20,14 @@ streams a tensor row by row; ``dequantize`` is the reference the check compares 
 
 from __future__ import annotations
 
+import sys
 from typing import BinaryIO, Callable
 
 import numpy as np
 import torch
+
+from gdn_export.weights.encoding import Encoding
+from gdn_export.weights.q4_0.format import RULES  # noqa: F401  (how blocks are chosen: the docstring; the first is the default)
 
 BLOCK = 32
 BLOCK_BYTES = 18
@@ -35,7 +39,6 @@ def quantizable(shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2 and shape[-1] % BLOCK == 0 and shape[-1] > 0
 
 
-RULES = ("search", "nearest", "gptq")  # how blocks are chosen (see the module docstring); the first is the default
 # The search's candidate scales, d = m / -(8 + step) for these steps (llama.cpp's make_qx_quants tries 19 steps of
 # 0.1 in -0.9..0.9), and how many times the codes nearest for the f16 scale then the scale of least error for those
 # codes are recomputed. Measured on 2**20 Gaussian and Student-t(3) values: squared error 0.885x and 0.936x the
@@ -247,3 +250,57 @@ def write_nnef(file: BinaryIO, shape: tuple[int, ...], read_rows: Callable[[int,
     step = max(1, slice_bytes // row_bytes)
     for start in range(0, shape[0], step):
         file.write(quantize(read_rows(start, min(shape[0], start + step)), rule, importance, gram).tobytes())
+
+
+# -- the codec protocol (gdn_export.weights.encoding): what the conversion asks of the Q4_0 format --------------------
+
+
+def select(chosen: set, candidates: set, reference_is_linear) -> tuple[set, dict]:
+    return chosen, {f"with an inner size not a multiple of {BLOCK}": len(candidates - chosen)}
+
+
+def expert_stacks_kept(shapes: list, fused: bool) -> str | None:
+    """Only stacks tract's fused op reads (its Q4_0 path: all three or none), and only when their blocks are blocks
+    of their checkpoint sources too (so that the check's reference, the source read through Q4_0, computes with
+    what tract does)."""
+    if not fused:
+        return "expert stacks of a MoE that runs dense (no tract_moe_ffn: see the MoE lines)"
+    if not all(quantizable(shape) and (source is None or quantizable(source)) for shape, source in shapes):
+        return f"expert stacks with an inner size not a multiple of {BLOCK}"
+    return None
+
+
+class Q4Encoding(Encoding):
+    """Q4_0 weights, each with the rule (and calibration) the report holds for its checkpoint name."""
+
+    def __init__(self, labels: frozenset, report) -> None:
+        super().__init__(sys.modules[__name__], labels)
+        self.report = report
+
+    def write(self, file: BinaryIO, shape: tuple[int, ...], read_rows, label: str, aliases: tuple,
+              source: str) -> None:
+        write_nnef(file, shape, read_rows, *self.report.q4_0_rule(source))
+
+    def round_trip(self, source: str):
+        rule, importance, gram = self.report.q4_0_rule(source)
+        return lambda x: round_trip(x, rule=rule, importance=importance, gram=gram)
+
+
+def weights_encoding(labels: frozenset, report) -> Q4Encoding:
+    return Q4Encoding(labels, report)
+
+
+def tables_encoding(dtype: str, pick):
+    """A float32 export's embedding tables (read by gathers only) in int8, a scale per row: a quarter of their
+    bytes (a float16 export keeps them)."""
+    from gdn_export.weights.int8 import codec as int8
+
+    return int8.table_encoding(pick(int8), negated=False) if dtype == "float32" else None
+
+
+def describe(report) -> str:
+    how = f"{report.rule} scales" if report.rule != "gptq" else \
+        f"GPTQ for {len(report.grams)} of them, the others search"
+    if report.calibration:
+        how += f", {report.calibration}, {len(report.importance)} of them weighted by input channel"
+    return f"; {how}"

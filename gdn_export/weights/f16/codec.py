@@ -22,14 +22,17 @@ gather as well, the head's weight would be packed on every call instead of once
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import BinaryIO, Callable
 
 import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError
+from gdn_export.weights.encoding import Encoding
 from gdn_export.weights.graph_edit import GraphEdit, readers_left, table_gathers, variables
-from gdn_export.weights.int8 import write_header
+from gdn_export.weights.int8.codec import write_header
 
 NAME = "f16"
 SLICE_BYTES = 64 << 20  # a weight is written a slice of rows of about this many float32 bytes at a time
@@ -89,3 +92,33 @@ def lower_gathers(graph, labels: frozenset) -> None:
     if read:
         raise GdnExportError(f"{len(read)} float16 tables are read by the graph otherwise than by a gather "
                              f"(e.g. {min(read)}): their stored values are negated")
+
+
+# -- the codec protocol (gdn_export.weights.encoding): what the conversion asks of the f16 format ---------------------
+
+
+def expert_stacks_kept(shapes: list, fused: bool) -> str:
+    return "expert stacks (f16 stacks in a float32 tract_moe_ffn not measured)"
+
+
+class F16Encoding(Encoding):
+    """float16 values; ``negated`` for the embedding tables (each gather then cast and negated back, the module
+    docstring says why)."""
+
+    def __init__(self, labels: frozenset, negated: bool = False) -> None:
+        passes = (functools.partial(lower_gathers, labels=labels),) if negated else ()
+        super().__init__(sys.modules[__name__], labels, graph_passes=passes)
+        self.negated = negated
+        self.table_words = "F16 (negated, the gathered rows negated back"
+
+    def write(self, file: BinaryIO, shape: tuple[int, ...], read_rows, label: str, aliases: tuple,
+              source: str) -> None:
+        write_nnef(file, shape, read_rows, negated=self.negated, name=f"weight {label}")
+
+
+def weights_encoding(labels: frozenset, report) -> F16Encoding:
+    return F16Encoding(labels)
+
+
+def tables_encoding(dtype: str, pick) -> F16Encoding:
+    return F16Encoding(pick(sys.modules[__name__]), negated=True)

@@ -25,6 +25,7 @@ a float32 one (``scale_writers``).
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError
+from gdn_export.weights.encoding import Encoding
 from gdn_export.weights.graph_edit import GraphEdit, is_zero_literal, readers_left, table_gathers, variables
 
 NAME = "int8"
@@ -338,7 +340,8 @@ def linear_weights(module: torch.nn.Module, passes: int = 1):
 
     writers = {label: writer(label, param) for label, param in module.named_parameters() if label in labels}
     scales = scale_writers(weights)
-    return StreamedWeights({**writers, **scales}, deferrable=dict.fromkeys(scales, "f32"), int8=weights)
+    return StreamedWeights({**writers, **scales}, deferrable=dict.fromkeys(scales, "f32"),
+                           graph_passes=(functools.partial(lower_linears, weights=weights),))
 
 
 def reference_hooks(model: torch.nn.Module, linear_names: frozenset, jitter_seed: int | None = None,
@@ -353,3 +356,54 @@ def reference_hooks(model: torch.nn.Module, linear_names: frozenset, jitter_seed
         handles.append(module.register_forward_pre_hook(
             lambda module, args: (round_activations(args[0], jitter, passes), *args[1:])))
     return handles
+
+
+# -- the codec protocol (gdn_export.weights.encoding): what the conversion asks of the int8 format --------------------
+
+ROUNDS_INPUTS = True  # the check's reference rounds the inputs of the int8 layers as the graph does (reference_hooks)
+
+
+def select(chosen: set, candidates: set, reference_is_linear) -> tuple[set, dict]:
+    """Only weights whose reference is transformers' own ``nn.Linear`` (the check rounds that layer's input)."""
+    emulable = {key for key in chosen if reference_is_linear(key)}
+    return emulable, {"whose reference is no nn.Linear of transformers' model, or re-laid beyond a choice of rows":
+                      len(chosen - emulable)}
+
+
+def expert_stacks_kept(shapes: list, fused: bool) -> str:
+    return "expert stacks (tract_moe_ffn takes f32, f16 or Q4_0 stacks: no operand for int8 scales)"
+
+
+class Int8Encoding(Encoding):
+    """int8 codes with a scale per row: the linear layers' weights (their graph's linears lowered to the integer
+    matmul) or the embedding tables (their gathers take codes and scales); the scales are written after the pass."""
+
+    def __init__(self, labels: frozenset, passes: int = 1, negated: bool = False, tables: bool = False) -> None:
+        self.weights = Int8Weights(labels, passes=passes, negated=negated)
+        lower = lower_gathers if tables else lower_linears
+        super().__init__(sys.modules[__name__], labels, graph_passes=(functools.partial(lower, weights=self.weights),),
+                         extra=scale_writers(self.weights))
+        self.table_words = "int8 (a scale per row, applied to the gathered rows"
+
+    def write(self, file: BinaryIO, shape: tuple[int, ...], read_rows, label: str, aliases: tuple,
+              source: str) -> None:
+        scales = write_nnef(file, shape, read_rows, negated=self.weights.negated)
+        self.weights.scales.update(dict.fromkeys(aliases, scales))
+
+
+def weights_encoding(labels: frozenset, report) -> Int8Encoding:
+    return Int8Encoding(labels, passes=report.int8_passes)
+
+
+def table_encoding(labels: frozenset, negated: bool) -> Int8Encoding:
+    return Int8Encoding(labels, negated=negated, tables=True)
+
+
+def tables_encoding(dtype: str, pick) -> Int8Encoding:
+    """An int8 archive's tables in int8 too, stored negated: a tied head's int8 copy would otherwise be the same
+    constant as its table for tract (``Int8Weights``)."""
+    return table_encoding(pick(sys.modules[__name__]), negated=True)
+
+
+def describe(report) -> str:
+    return "; inputs rounded in 2 passes (codes and residual)" if report.int8_passes == 2 else ""

@@ -1,0 +1,43 @@
+"""How one set of tensors is stored in an archive: the weights a format chose, or the embedding tables it stores
+beside them. A format's codec (``weights/<format>/codec.py``) makes them; ``hf.weight_writers.plan_writes`` asks it
+and never tests a format's name.
+
+The codec protocol (what ``plan_writes`` reads of ``weight_format(name).codec_module()``):
+
+* required: ``quantizable(shape) -> bool`` (the tensors it can store), ``nbytes(shape) -> int``, ``round_trip(x)`` (a
+  tensor as tract computes with it once stored: the check's reference) and ``write_nnef(file, shape, read_rows)``;
+* optional: ``select(chosen, candidates, reference_is_linear) -> (chosen, {reason: count})`` (narrow the choice:
+  a weight its check cannot emulate), ``expert_stacks_kept(shapes, fused) -> reason | None`` (whether the MoE expert
+  stacks of a ``moe_ffn`` node take the format: ``shapes`` is each stack's shape and its checkpoint source's, ``fused``
+  whether tract's fused op runs it; default: kept), ``weights_encoding(labels, report) -> Encoding`` (default:
+  ``Encoding(codec, labels)``), ``tables_encoding(labels, dtype) -> Encoding | None`` (the embedding tables only a
+  gather reads, stored beside the weights; default: none) and ``describe(report) -> str`` (the report's words).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import BinaryIO, Callable
+
+
+@dataclass
+class Encoding:
+    """``labels``: the traced module's names of the tensors stored so; ``codec``: the module that writes them."""
+
+    codec: object
+    labels: frozenset = frozenset()
+    graph_passes: tuple = ()  # passes over torch-to-nnef's graph these tensors need (StreamedWeights.graph_passes)
+    extra: dict = field(default_factory=dict)  # label -> writer of a tensor the passes added (e.g. int8 scales)
+    table_words: str = ""  # the report's words for embedding tables stored so
+
+    def write(self, file: BinaryIO, shape: tuple[int, ...], read_rows: Callable, label: str, aliases: tuple,
+              source: str) -> None:
+        """Write the tensor ``label`` (also named ``aliases``; from checkpoint tensor ``source``)."""
+        self.codec.write_nnef(file, shape, read_rows)
+
+    def round_trip(self, source: str) -> Callable:
+        """The reference's reading of checkpoint tensor ``source`` once stored so."""
+        return self.codec.round_trip
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        return self.codec.nbytes(shape)

@@ -1,0 +1,45 @@
+"""The Q4_0 format's entry (``gdn_export.weights.formats``): tract's Q4_0 blocks, each scale chosen by a rule
+(``q4_rule``), optionally weighted by calibration text (``calibration``: measured by ``gdn_export.hf.calibration``,
+which reads the checkpoint's tokenizer, so it lives with the checkpoints; docs/Q4_0.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gdn_export.errors import GdnExportError, worded
+from gdn_export.weights.formats import OwnedOption, WeightFormat, register
+
+RULES = ("search", "nearest", "gptq")  # how blocks are chosen (codec.py's docstring); the first is the default
+
+
+def _resolve(options: dict, calibration) -> None:
+    q4_rule = options.get("q4_rule")
+    if q4_rule is None:  # calibration's second moments make GPTQ possible: measured the better of the two with them
+        q4_rule = options["q4_rule"] = "gptq" if calibration is not None else "search"
+    if q4_rule not in RULES:
+        raise GdnExportError(f"q4_rule {q4_rule!r} is not one of {', '.join(RULES)}")
+    if calibration is not None and q4_rule == "nearest":
+        raise worded(GdnExportError("calibration weights the Q4_0 scale search: it needs quantize='q4_0' and q4_rule "
+                                    "'search' or 'gptq'"),
+                     "--calibration weights the scale search; --q4-rule nearest does not search: drop one")
+    if q4_rule == "gptq" and calibration is None:
+        raise worded(GdnExportError("q4_rule='gptq' needs calibration text (the inputs' second moments): "
+                                    "calibration=FILE"),
+                     "--q4-rule gptq needs --calibration TEXT_FILE (the inputs' second moments)")
+    if calibration is not None and not Path(calibration).is_file():
+        raise GdnExportError(f"calibration text {calibration} is not a file")
+
+
+FORMAT = register(WeightFormat(
+    name="q4_0", label="Q4_0", codec="gdn_export.weights.q4_0.codec",
+    help="every linear layer's weight (inner size a multiple of 32) in tract's Q4_0",
+    reference="Q4_0",
+    onnx_refusal="tract's Q4_0 format; an ONNX export keeps float weights",
+    options=(OwnedOption("q4_rule", None, "--q4-rule"), OwnedOption("calibration", None, "--calibration")),
+    needs=("q4_rule and calibration choose how quantize='q4_0' stores its blocks: they need quantize='q4_0'",
+           "--q4-rule and --calibration choose how --quantize q4_0 picks its scales: add --quantize q4_0"),
+    resolve=_resolve,
+    metadata=lambda plan: {"q4_rule": plan.q4_rule},
+    options_from_metadata=lambda metadata: dict(q4_rule=metadata.get("q4_rule") or "search",
+                                                 quantize_embeddings=bool(metadata.get("quantize_embeddings", False)),
+                                                 fold_scales=metadata.get("folded_norms") is not None)))

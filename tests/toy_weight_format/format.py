@@ -1,0 +1,15 @@
+"""The toy format's registry entry: its one registry line is the ``register`` call."""
+
+from gdn_export.errors import GdnExportError
+from gdn_export.weights.formats import WeightFormat, register
+
+
+def _validate(dtype: str, runtime: str, quantize_embeddings: bool) -> None:
+    if dtype != "float32":
+        raise GdnExportError(f"quantize='bf16r' with dtype {dtype!r}: it stores float32 values")
+
+
+FORMAT = register(WeightFormat(
+    name="bf16r", label="BF16R", codec="toy_weight_format.codec",
+    help="every linear layer's weight rounded to bfloat16, stored in float32 (a test's format)",
+    reference="bfloat16-rounded weights", onnx_refusal="a test's format", validate=_validate))
