@@ -119,9 +119,21 @@ def check_owned_options(name: str | None, options: dict, calibration: Any) -> No
     chosen.resolve(options, calibration)
 
 
+def codec_attributes(package: str) -> Callable[[str], Any]:
+    """A format folder's module ``__getattr__``: ``gdn_export.weights.<format>.X`` is its ``codec.X``, imported on
+    first use, so that importing the folder's light ``format.py`` (the registry does) loads no codec."""
+
+    def attribute(name: str) -> Any:
+        if name in ("format", "codec"):  # a submodule not imported yet: ``from ... import format`` imports it alone
+            raise AttributeError(name)
+        return getattr(importlib.import_module(f"{package}.codec"), name)
+
+    return attribute
+
+
 def quantize_help() -> str:
     return "; ".join(f"{fmt.name}: {fmt.help}" for fmt in _load().values())
 
 
-__all__ = ["FLOAT", "FORMATS", "OwnedOption", "WeightFormat", "all_formats", "check_owned_options", "names",
+__all__ = ["FLOAT", "FORMATS", "OwnedOption", "WeightFormat", "all_formats", "check_owned_options", "codec_attributes", "names",
            "owned_defaults", "quantize_help", "register", "weight_format"]
