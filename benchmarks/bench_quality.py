@@ -106,9 +106,9 @@ def held_out_prompt(text: str, chars: int = 160) -> str:
 
 
 def gdn_quantize_choices() -> list[str]:
-    from gdn_export.hf.weight_writers import QUANTIZATIONS
+    from gdn_export.weights.formats import names
 
-    return list(QUANTIZATIONS)
+    return list(names())
 
 
 def gdn_row(name: str, archive: Path, text: Path, ctx: int, checkpoint: Path, prompt: str, greedy: int,

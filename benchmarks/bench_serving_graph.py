@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from gdn_export.run.archive import read_metadata  # noqa: E402
 from gdn_export.run.runtime import load_tract_model, run_tract_tensors  # noqa: E402
-from gdn_export.run.session import NUMPY_DTYPES  # noqa: E402
+from gdn_export.targets import numpy_dtype  # noqa: E402
 
 
 def inputs_for(meta: dict, batch: int, tokens: int, past: int) -> list[np.ndarray]:
@@ -46,7 +46,7 @@ def inputs_for(meta: dict, batch: int, tokens: int, past: int) -> list[np.ndarra
     inputs += [given[name] for name in ("past_len", "seq_len") if name in meta["inputs"]]
     for spec in meta["states"]:
         shape = [batch if d == "B" else cached if d == "P" else d for d in spec["shape"]]
-        inputs.append((0.1 * rng.standard_normal(shape)).astype(NUMPY_DTYPES[spec["dtype"]]))
+        inputs.append((0.1 * rng.standard_normal(shape)).astype(numpy_dtype(spec["dtype"])))
     return inputs
 
 
