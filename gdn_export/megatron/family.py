@@ -270,6 +270,24 @@ def _attention_sources(checkpoint, config: MegatronConfig, where: str, prefix: s
         put(prefix + "k_norm.weight", _whole(checkpoint, (d,), where + "k_layernorm.weight"))
 
 
+def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
+    """The part sizes of every fused projection (packed ``in_proj``, its conv, SwiGLU ``linear_fc1``), by tensor:
+    how a legacy tensor-parallel checkpoint's shards are merged (each rank holds its slice of every part)."""
+    mixers = {"gdn": GatedDeltaNetMixer, "gdn2": GatedDeltaNet2Mixer, "gdp": GatedDeltaProductMixer}
+    blocks: dict[str, list[int]] = {}
+    for kind, index, mlps in config.blocks:
+        if kind in mixers:
+            where = f"decoder.layers.{index}." + ("mixer." if kind == "gdp" else "self_attention.")
+            sections = mixers[kind].sections(config)
+            conv = ("z", "beta", "alpha", "f", "b", "w", "a") + tuple(f"b{i}" for i in range(config.gdp_num_householder))
+            blocks[where + "in_proj.weight"] = [size for _, size in sections]
+            blocks[where + "conv1d.weight"] = [size for part, size in sections if part not in conv]
+        if config.mlp_activation == "swiglu":
+            for mlp in mlps:
+                blocks[f"decoder.layers.{mlp}.mlp.linear_fc1.weight"] = [config.ffn_hidden_size] * 2
+    return blocks
+
+
 class MegatronWeights(CheckpointWeights):
     """``CheckpointWeights`` whose summary names the checkpoint's format and Megatron layer types."""
 
@@ -297,7 +315,10 @@ FAMILY = MegatronFamily(name="Megatron-LM hybrid", model_types=(MODEL_TYPE,), lm
 def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
     names = {**MIXER_NAMES, "gdp": f"{MIXER_NAMES['gdp']} (n={config.gdp_num_householder})"}
     used = sorted({names[kind] for kind, _, _ in config.blocks}) + (["MLP"] if "-" in config.pattern else [])
-    return (f"Megatron {checkpoint.format} checkpoint, pattern {config.pattern} "
+    tp = int(checkpoint.args.get("tensor_model_parallel_size", 1) or 1)
+    pp = int(checkpoint.args.get("pipeline_model_parallel_size", 1) or 1)
+    saved = f" saved with tensor-parallel size {tp}, pipeline-parallel size {pp}" if tp * pp > 1 else ""
+    return (f"Megatron {checkpoint.format} checkpoint{saved}, pattern {config.pattern} "
             f"({', '.join(used)})")
 
 
@@ -308,6 +329,7 @@ def open_megatron(folder: str | os.PathLike):
 
     checkpoint = MegatronCheckpoint(Path(folder))
     config = read_config(checkpoint)
+    checkpoint.blocks = fused_blocks(config)
     with parameters_on_meta():
         model = MegatronHybridLM(config).eval()
     sources, skipped = parameter_sources(model, checkpoint)
