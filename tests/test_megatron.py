@@ -21,7 +21,7 @@ from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
-MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy")
+MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy")
 PROMPT = 16
 
 
@@ -185,11 +185,11 @@ def test_legacy_grid_disagrees_with_args(tmp_path, capsys):
     refused(capsys, folder, tmp_path / "m.nnef.tgz", "lacks mp_rank_00")
 
 
-def _with_args(tmp_path: Path, **changes) -> Path:
+def _with_args(tmp_path: Path, mixer: str = "gdn", **changes) -> Path:
     """The fixture with ``common.pt`` (the older torch_dist layout of the common state, read first) holding changed args."""
     from gdn_export.megatron.checkpoint import MegatronCheckpoint
 
-    folder = _copy(tmp_path)
+    folder = _copy(tmp_path, mixer)
     args = {**MegatronCheckpoint(folder).args, **changes}
     torch.save({"args": argparse.Namespace(**args), "checkpoint_version": 3.0},
                folder / "iter_0000001" / "common.pt")
@@ -199,6 +199,46 @@ def _with_args(tmp_path: Path, **changes) -> Path:
 def test_unknown_layer_symbol(tmp_path, capsys):
     refused(capsys, _with_args(tmp_path, hybrid_layer_pattern="G-*-GX"), tmp_path / "m.nnef.tgz",
             "layer symbol(s) 'X'")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"moe_router_score_function": "sigmoid"}, "moe_router_score_function 'sigmoid'"),
+    ({"moe_router_topk_scaling_factor": 2.5}, "moe_router_topk_scaling_factor 2.5"),
+    ({"moe_router_enable_expert_bias": True}, "moe_router_enable_expert_bias"),
+    ({"moe_router_num_groups": 2}, "moe_router_num_groups 2"),
+])
+def test_moe_routing_other_than_softmax_top_k_refused(tmp_path, capsys, change, message):
+    refused(capsys, _with_args(tmp_path, "moe", **change), tmp_path / "m.nnef.tgz", message)
+
+
+def test_grouped_gemm_legacy_experts_read_the_same_model(tmp_path):
+    """The MoE fixture's legacy save with its experts renamed as ``TEGroupedMLP`` stores them
+    (``experts.linear_fc1.weight<e>``, Megatron's grouped-GEMM experts; ``SequentialMLP`` writes
+    ``experts.local_experts.<e>.linear_fc1.weight``, as the fixture was saved) reads to the same model."""
+    import re
+
+    folder = _copy(tmp_path, "moe_legacy")
+
+    def regroup(model):
+        for name in [n for n in model if ".local_experts." in n]:
+            new = re.sub(r"local_experts\.(\d+)\.(linear_fc[12])\.weight", r"\2.weight\1", name)
+            model[new] = model.pop(name)
+
+    _edit_rank(folder, "mp_rank_00", regroup)
+    family, layout, _, weights = open_megatron(folder)
+    assert any(piece.endswith(".linear_fc1.weight3") for source in weights.entries.values()
+               for piece, _ in source.pieces)
+    model = model_in_memory(family, layout, weights)
+    tokens, expected = golden("moe_legacy")
+    with torch.no_grad():
+        judge("moe", model(torch.from_numpy(tokens)).logits.numpy(), expected)
+
+
+def test_moe_report_names_the_qwen_next_pieces():
+    _, _, _, weights = open_megatron(FIXTURES / "megatron_moe")
+    for what in ("MoE (4 experts, top-2 softmax, gated shared expert)", "gated attention output",
+                 "rotary on 4 of 16 channels", "zero-centred (1 + w) norms"):
+        assert what in weights.summary(), weights.summary()
 
 
 class _Payload:

@@ -398,7 +398,8 @@ def _stage_offsets(args: dict, stages: int) -> list[tuple[int, int]]:
 _ROW_PARALLEL = ("out_proj.weight", "linear_proj.weight", "linear_fc2.weight")
 _COLUMN_PARALLEL = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias", "A_log",
                     "dt_bias", "in_proj.weight", "conv1d.weight", "linear_fc1.weight", "mixer.norm.weight")
-_REPLICATED = ("layer_norm_weight", "layernorm.weight", "final_norm.weight", "out_norm.weight", "norm.weight")
+_REPLICATED = ("layer_norm_weight", "layernorm.weight", "final_norm.weight", "out_norm.weight", "norm.weight",
+               "router.weight", "gate_weight")
 _BLOCKED = ("in_proj.weight", "conv1d.weight")
 
 
@@ -453,6 +454,7 @@ class MegatronSource:
     checkpoint: MegatronCheckpoint
     pieces: list[Piece]
     shape: tuple[int, ...]
+    offset: float = 0.0  # added to every value: 1 for a zero-centred norm weight (Megatron computes with 1 + w)
     _whole: np.ndarray | None = field(default=None, repr=False)
 
     @property
@@ -478,6 +480,8 @@ class MegatronSource:
         if value.numel() != int(np.prod(self.shape, dtype=np.int64)):
             raise MegatronCheckpointError(f"{self.name}: {list(value.shape)} in the checkpoint, {list(self.shape)} "
                                           "expected from the model's arguments")
+        if self.offset:
+            return (value.reshape(self.shape).float() + self.offset).to(dtype)
         return value.reshape(self.shape).to(dtype)
 
     def rows(self, start: int, stop: int, target: np.dtype) -> np.ndarray:
