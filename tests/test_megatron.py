@@ -21,7 +21,7 @@ from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
-MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy")
+MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "gpt")
 PROMPT = 16
 
 
@@ -232,6 +232,19 @@ def test_grouped_gemm_legacy_experts_read_the_same_model(tmp_path):
     tokens, expected = golden("moe_legacy")
     with torch.no_grad():
         judge("moe", model(torch.from_numpy(tokens)).logits.numpy(), expected)
+
+
+def test_gpt_model_layers_are_read_per_transformer_layer():
+    """A GPTModel with GDN layers (Megatron-Bridge's Qwen3-Next layout): linear_attention_freq / moe_layer_freq
+    give each layer's mixer and MLP."""
+    _, _, model, weights = open_megatron(FIXTURES / "megatron_gpt")
+    assert "GPTModel layers GE*EG-*E" in weights.summary(), weights.summary()
+    assert model.config.layer_types == ["linear_attention", "full_attention"] * 2
+
+
+def test_gpt_model_without_linear_attention_freq_refused(tmp_path, capsys):
+    refused(capsys, _with_args(tmp_path, "gpt", linear_attention_freq=[1, 0]), tmp_path / "m.nnef.tgz",
+            "linear_attention_freq [1, 0] is neither a positive int nor a list of 4 0/1 flags")
 
 
 def test_moe_report_names_the_qwen_next_pieces():

@@ -29,18 +29,43 @@ def _arg(args: dict, *names, default=None):
     return default
 
 
-def _pattern(args: dict) -> str:
+def _per_layer(args: dict, name: str, layers: int, every) -> list[int]:
+    """A GPTModel's per-layer flags: ``args[name]`` as a list, or an int N expanded as Megatron does (``every``)."""
+    value = _arg(args, name)
+    if isinstance(value, int) and value > 0:
+        return [int(every(i, value)) for i in range(layers)]
+    if isinstance(value, (list, tuple)) and len(value) == layers and all(v in (0, 1) for v in value):
+        return [int(v) for v in value]
+    raise MegatronCheckpointError(f"{name} {value!r} is neither a positive int nor a list of {layers} 0/1 flags")
+
+
+def _layers(args: dict) -> list[tuple[str, int]]:
+    """``(symbol, Megatron layer index)`` of every layer in order. A hybrid model's pattern gives one symbol per
+    layer (``|`` pipeline marks dropped, the MTP part after ``/`` left out). A ``GPTModel`` built with
+    ``experimental_attention_variant`` ``gated_delta_net`` / ``gdn`` (how Megatron-Bridge builds Qwen3-Next) has
+    no pattern: each of its ``TransformerLayer``s holds a mixer (``linear_attention_freq``: 1 = GDN ``G``, 0 =
+    ``SelfAttention`` ``*``) and an MLP (``moe_layer_freq``: 1 = MoE ``E``, 0 = dense ``-``) under one index, as
+    Megatron's ``get_transformer_layer_with_experimental_attention_variant_spec`` builds them."""
     pattern = _arg(args, "hybrid_layer_pattern", "hybrid_override_pattern")
-    if not isinstance(pattern, str) or not pattern:
-        raise MegatronCheckpointError("the checkpoint's args have no hybrid_layer_pattern: only Megatron hybrid "
-                                      "models (HybridModel / MambaModel with a layer pattern) are supported")
-    return pattern.split("/")[0].replace("|", "")
+    if isinstance(pattern, str) and pattern:
+        return [(symbol, i) for i, symbol in enumerate(pattern.split("/")[0].replace("|", ""))]
+    variant = _arg(args, "experimental_attention_variant")
+    if variant not in ("gated_delta_net", "gdn", "gdn2"):
+        raise MegatronCheckpointError("the checkpoint's args have no hybrid_layer_pattern and no gated delta-net "
+                                      "experimental_attention_variant: only Megatron hybrid models (HybridModel / "
+                                      "MambaModel with a layer pattern) and GPTModels with GDN layers are supported")
+    layers = int(_arg(args, "num_layers", default=0))
+    linear = _per_layer(args, "linear_attention_freq", layers, lambda i, n: (i + 1) % n != 0)
+    moe = _per_layer(args, "moe_layer_freq", layers, lambda i, n: i % n == 0) if _arg(args, "num_experts") \
+        else [0] * layers
+    return [(symbol, i) for i in range(layers) for symbol in ("G*"[1 - linear[i]], "-E"[moe[i]])]
 
 
 def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
     """The model's arguments from ``args``, checked against what gdn_export computes exactly."""
     args = checkpoint.args
-    pattern = _pattern(args)
+    layers = _layers(args)
+    pattern = "".join(symbol for symbol, _ in layers)
     unknown = sorted({s for s in pattern if s not in SUPPORTED_SYMBOLS})
     if unknown:
         raise MegatronCheckpointError(
@@ -81,7 +106,7 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
     tied = not bool(_arg(args, "untie_embeddings_and_output_weights", default=False))
     kinds = {"G": "gdn2" if variant == "gdn2" else "gdn", "M": "gdp", "*": "attention"}
     blocks = []
-    for index, symbol in enumerate(pattern):
+    for symbol, index in layers:
         if symbol in "-E":
             if not blocks:
                 raise MegatronCheckpointError(f"layer pattern {pattern!r} starts with an MLP or MoE layer: a mixer "
@@ -120,7 +145,7 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
         attention_output_gate=bool(_arg(args, "attention_output_gate", default=False)),
         rotary_dim=rotary_dim if rotary_dim != kv_channels else 0,
         **(_moe_config(args, hidden) if "E" in pattern else {}),
-        moe_layers=[i for i, s in enumerate(pattern) if s == "E"])
+        moe_layers=[i for s, i in layers if s == "E"])
 
 
 def _moe_config(args: dict, hidden: int) -> dict:
@@ -202,7 +227,8 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
         used.update(piece for piece, _ in source.pieces)
 
     put("model.embeddings.weight", _whole(checkpoint, shapes["model.embeddings.weight"], "embedding.word_embeddings.weight"))
-    put("model.norm.weight", _whole(checkpoint, shapes["model.norm.weight"], "decoder.final_norm.weight"))
+    put("model.norm.weight", _whole(checkpoint, shapes["model.norm.weight"], "decoder.final_norm.weight",
+                                    "decoder.final_layernorm.weight"))
     if not config.tie_word_embeddings:
         put("lm_head.weight", _whole(checkpoint, shapes["lm_head.weight"], "output_layer.weight"))
     for b, (kind, index, mlps) in enumerate(config.blocks):
@@ -444,8 +470,9 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
     tp = int(checkpoint.args.get("tensor_model_parallel_size", 1) or 1)
     pp = int(checkpoint.args.get("pipeline_model_parallel_size", 1) or 1)
     saved = f" saved with tensor-parallel size {tp}, pipeline-parallel size {pp}" if tp * pp > 1 else ""
-    return (f"Megatron {checkpoint.format} checkpoint{saved}, pattern {config.pattern} "
-            f"({', '.join(used)})")
+    gpt = not _arg(checkpoint.args, "hybrid_layer_pattern", "hybrid_override_pattern")
+    layers = f"GPTModel layers {config.pattern} (a mixer and an MLP each)" if gpt else f"pattern {config.pattern}"
+    return f"Megatron {checkpoint.format} checkpoint{saved}, {layers} ({', '.join(used)})"
 
 
 def open_megatron(folder: str | os.PathLike):
