@@ -21,7 +21,7 @@ from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
-MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "gpt")
+MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "gpt", "ep2")
 PROMPT = 16
 
 
@@ -63,7 +63,8 @@ def test_report_names_megatron_layers():
     _, _, model, weights = open_megatron(FIXTURES / "megatron_gdn2")
     assert "GatedDeltaNet2" in weights.summary()
     assert model.config.layer_types == ["linear_attention", "full_attention", "linear_attention"]
-    for name, what in (("tp2", "tensor-parallel size 2"), ("pp2_legacy", "pipeline-parallel size 2")):
+    for name, what in (("tp2", "tensor-parallel size 2"), ("pp2_legacy", "pipeline-parallel size 2"),
+                       ("ep2", "expert-parallel size 2")):
         _, _, _, weights = open_megatron(FIXTURES / f"megatron_{name}")
         assert what in weights.summary(), weights.summary()
 

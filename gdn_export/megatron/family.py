@@ -467,9 +467,10 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
         used.append(f"rotary on {config.rotary_dim} of {config.kv_channels} channels")
     if zero_centred(checkpoint.args):
         used.append("zero-centred (1 + w) norms")
-    tp = int(checkpoint.args.get("tensor_model_parallel_size", 1) or 1)
-    pp = int(checkpoint.args.get("pipeline_model_parallel_size", 1) or 1)
-    saved = f" saved with tensor-parallel size {tp}, pipeline-parallel size {pp}" if tp * pp > 1 else ""
+    sizes = {what: int(checkpoint.args.get(f"{key}_model_parallel_size", 1) or 1)
+             for what, key in (("tensor", "tensor"), ("pipeline", "pipeline"), ("expert", "expert"))}
+    saved = (" saved with " + ", ".join(f"{what}-parallel size {size}" for what, size in sizes.items())
+             if any(size > 1 for size in sizes.values()) else "")
     gpt = not _arg(checkpoint.args, "hybrid_layer_pattern", "hybrid_override_pattern")
     layers = f"GPTModel layers {config.pattern} (a mixer and an MLP each)" if gpt else f"pattern {config.pattern}"
     return f"Megatron {checkpoint.format} checkpoint{saved}, {layers} ({', '.join(used)})"
