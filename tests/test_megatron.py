@@ -176,6 +176,21 @@ def test_replicated_norm_differs_between_ranks(tmp_path, capsys):
     refused(capsys, folder, tmp_path / "m.nnef.tgz", "its copies differ")
 
 
+def test_merge_tensor_parallel_regroups_parts_and_refuses_uneven_ones():
+    """Each TP rank holds its slice of every part of a fused projection: the merge regroups them part by part, and
+    parts that cannot be split evenly over the ranks are refused."""
+    from gdn_export.megatron.checkpoint import MegatronCheckpointError, merge_tensor_parallel
+
+    global_parts = [torch.arange(4.0), 10 + torch.arange(2.0)]  # parts of 4 and 2 rows
+    shards = [torch.cat([part.chunk(2)[rank] for part in global_parts]) for rank in range(2)]
+    merged = merge_tensor_parallel("decoder.layers.0.self_attention.in_proj.weight", shards, [4, 2])
+    assert torch.equal(merged, torch.cat(global_parts))
+    with pytest.raises(MegatronCheckpointError, match="split evenly over 2 tensor-parallel ranks"):
+        merge_tensor_parallel("decoder.layers.0.self_attention.in_proj.weight", shards, [3, 3])
+    with pytest.raises(MegatronCheckpointError, match="without a known part layout"):
+        merge_tensor_parallel("decoder.layers.0.self_attention.in_proj.weight", shards, None)
+
+
 def test_legacy_grid_disagrees_with_args(tmp_path, capsys):
     """Stage folders of a TP-only save (args: PP 1) are not read as pipeline stages."""
     folder = _copy(tmp_path, "pp2_legacy")
