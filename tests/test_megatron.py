@@ -21,7 +21,9 @@ from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
-MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "gpt", "ep2")
+MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "gpt", "ep2", "bridge_qwen3_next",
+          "bridge_qwen3_5")
+BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5")
 PROMPT = 16
 
 
@@ -55,6 +57,30 @@ def test_converted_checkpoint_in_tract_matches_megatron(name, shared_session):
     tokens, expected = golden(name.removeprefix("megatron_"))
     actual = session_logits(shared_session(name, "float32", tokens.shape[0]), tokens, PROMPT)
     judge(name.removeprefix("megatron_"), actual, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", by_fixture(*(f"megatron_{m}" for m in BRIDGE)))
+def test_bridge_made_checkpoint_in_tract_matches_the_hugging_face_model(name, shared_session):
+    """The Megatron-Bridge conversions of fixtures/qwen3_next and fixtures/qwen3_5, in tract, against the logits of
+    the Hugging Face model they came from (transformers' forward, stored beside Megatron's)."""
+    tokens = golden(name.removeprefix("megatron_"))[0]
+    expected = np.load(FIXTURES / name / "golden.npz")["hf_logits"]
+    actual = session_logits(shared_session(name, "float32", tokens.shape[0]), tokens, PROMPT)
+    judge(name, actual, expected)
+
+
+def test_bridge_checkpoint_reads_its_run_config():
+    _, _, model, weights = open_megatron(FIXTURES / "megatron_bridge_qwen3_next")
+    assert "saved by Megatron-Bridge" in weights.summary() and "GPTModel layers GE*EGE" in weights.summary()
+    assert model.config.num_experts == 4 and model.config.moe_shared_expert_gate
+
+
+def test_bridge_run_config_with_python_tags_refused(tmp_path, capsys):
+    folder = _copy(tmp_path, "bridge_qwen3_5")
+    config = folder / "iter_0000000" / "run_config.yaml"
+    config.write_text("model: !!python/object/apply:os.system ['touch ran']\n" + config.read_text())
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "is not a readable run_config.yaml")
 
 
 def test_report_names_megatron_layers():

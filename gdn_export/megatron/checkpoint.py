@@ -37,6 +37,8 @@ from gdn_export.hf.tensors import CheckpointError
 TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
 TORCH_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+BRIDGE_CONFIG = "run_config.yaml"
+BRIDGE_CONFIG_LIMIT = 4 << 20
 LEGACY_RANK = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
 
 
@@ -160,11 +162,52 @@ def is_megatron_checkpoint(folder: str | os.PathLike) -> bool:
     return folder.is_dir() and not (folder / "config.json").exists() and find_iteration(folder) is not None
 
 
+def _has_args(state) -> bool:
+    if isinstance(state, list) and state and isinstance(state[0], dict):
+        state = state[0]
+    return isinstance(state, dict) and state.get("args") is not None
+
+
+# Megatron-Bridge's model provider (a TransformerConfig) names some arguments differently from Megatron-LM's args
+_BRIDGE_RENAMED = {"num_moe_experts": "num_experts"}
+
+
+def bridge_args(path: Path) -> dict:
+    """Megatron-LM-style ``args`` from a Megatron-Bridge checkpoint's ``run_config.yaml`` (``ConfigContainer.to_yaml``:
+    its ``model`` section holds the model provider's ``TransformerConfig`` fields). Read with ``yaml.safe_load``:
+    ``_target_`` entries stay plain strings, nothing is imported or built; a python tag is an error."""
+    import yaml
+
+    size = path.stat().st_size
+    if size > BRIDGE_CONFIG_LIMIT:
+        raise MegatronCheckpointError(f"{path} is {size} bytes: a Megatron-Bridge run_config.yaml is at most "
+                                      f"{BRIDGE_CONFIG_LIMIT} bytes")
+    try:
+        config = yaml.safe_load(path.read_text(errors="replace"))
+    except yaml.YAMLError as err:
+        raise MegatronCheckpointError(f"{path} is not a readable run_config.yaml: {str(err).splitlines()[0][:160]}") \
+            from None
+    model = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(model, dict):
+        raise MegatronCheckpointError(f"{path} has no 'model' section (Megatron-Bridge's model provider)")
+    args = {_BRIDGE_RENAMED.get(key, key): value for key, value in model.items()}
+    activation = model.get("activation_func")
+    activation = activation.get("_target_") if isinstance(activation, dict) else activation
+    gated = bool(model.get("gated_linear_unit"))
+    args["swiglu"] = gated and activation == "torch.nn.functional.silu"
+    args["squared_relu"] = not gated and isinstance(activation, str) and activation.endswith("squared_relu")
+    if gated and not args["swiglu"]:
+        raise MegatronCheckpointError(f"{path}: a gated MLP with activation {activation!r} (only SiLU, SwiGLU)")
+    args["untie_embeddings_and_output_weights"] = not model.get("share_embeddings_and_output_weights", True)
+    return args
+
+
 class MegatronCheckpoint:
     """A Megatron checkpoint's ``args`` and tensors (by name), read lazily one tensor at a time."""
 
     format: str
     args: dict
+    saved_by: str = "Megatron"
 
     def __init__(self, folder: str | os.PathLike) -> None:
         root = Path(folder)
@@ -213,15 +256,20 @@ class MegatronCheckpoint:
                 raise MegatronCheckpointError(f"{file} is shorter than the metadata says ({index.fqn} ends at byte "
                                               f"{info.offset + info.length})")
         common = self.folder / "common.pt"
+        bridge_config = self.folder / BRIDGE_CONFIG
         if common.is_file():
             state = safe_torch_load(str(common), str(common))
         else:
             keys = [k for k in self._objects if k.split("/")[0] == "common_state"]
-            if not keys:
+            if not keys and not bridge_config.is_file():
                 raise MegatronCheckpointError(f"{self.folder} has neither common.pt nor a common_state object: "
                                               "no model arguments")
-            state = safe_torch_load(io.BytesIO(self._blob(keys[0])), f"{self.folder}'s common_state")
-        self.args = self._args_of(state)
+            state = safe_torch_load(io.BytesIO(self._blob(keys[0])), f"{self.folder}'s common_state") if keys else {}
+        if _has_args(state) or not bridge_config.is_file():
+            self.args = self._args_of(state)
+        else:  # Megatron-Bridge keeps no args in the checkpoint: its model provider's fields are in run_config.yaml
+            self.args = bridge_args(bridge_config)
+            self.saved_by = "Megatron-Bridge"
 
     def _entries(self, fqn: str):
         return [(index, info) for index, info in self._storage.items() if index.fqn == fqn]

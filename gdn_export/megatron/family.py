@@ -473,7 +473,8 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
              if any(size > 1 for size in sizes.values()) else "")
     gpt = not _arg(checkpoint.args, "hybrid_layer_pattern", "hybrid_override_pattern")
     layers = f"GPTModel layers {config.pattern} (a mixer and an MLP each)" if gpt else f"pattern {config.pattern}"
-    return f"Megatron {checkpoint.format} checkpoint{saved}, {layers} ({', '.join(used)})"
+    by = " (saved by Megatron-Bridge: run_config.yaml)" if checkpoint.saved_by == "Megatron-Bridge" else ""
+    return f"Megatron {checkpoint.format} checkpoint{by}{saved}, {layers} ({', '.join(used)})"
 
 
 def open_megatron(folder: str | os.PathLike):
