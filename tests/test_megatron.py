@@ -21,7 +21,7 @@ from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
-MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "gpt", "ep2", "bridge_qwen3_next",
+MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "gpt", "ep2", "bridge_qwen3_next",
           "bridge_qwen3_5")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5")
 PROMPT = 16
@@ -243,14 +243,15 @@ def test_unknown_layer_symbol(tmp_path, capsys):
             "layer symbol(s) 'X'")
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"moe_router_score_function": "sigmoid"}, "moe_router_score_function 'sigmoid'"),
-    ({"moe_router_topk_scaling_factor": 2.5}, "moe_router_topk_scaling_factor 2.5"),
-    ({"moe_router_enable_expert_bias": True}, "moe_router_enable_expert_bias"),
-    ({"moe_router_num_groups": 2}, "moe_router_num_groups 2"),
+@pytest.mark.parametrize("mixer, change, message", [
+    ("moe", {"moe_router_score_function": "sqrtsoftplus"}, "moe_router_score_function 'sqrtsoftplus'"),
+    ("moe", {"moe_router_topk_scaling_factor": 2.5}, "moe_router_topk_scaling_factor 2.5"),
+    ("moe", {"moe_router_enable_expert_bias": True}, "moe_router_enable_expert_bias"),
+    ("moe", {"moe_router_num_groups": 2}, "moe_router_num_groups 2"),
+    ("moe_sigmoid", {"moe_router_group_topk": 2}, "moe_router_group_topk 2 and moe_router_topk 2"),
 ])
-def test_moe_routing_other_than_softmax_top_k_refused(tmp_path, capsys, change, message):
-    refused(capsys, _with_args(tmp_path, "moe", **change), tmp_path / "m.nnef.tgz", message)
+def test_moe_routing_gdn_export_does_not_compute_is_refused(tmp_path, capsys, mixer, change, message):
+    refused(capsys, _with_args(tmp_path, mixer, **change), tmp_path / "m.nnef.tgz", message)
 
 
 def test_grouped_gemm_legacy_experts_read_the_same_model(tmp_path):

@@ -447,7 +447,7 @@ _ROW_PARALLEL = ("out_proj.weight", "linear_proj.weight", "linear_fc2.weight")
 _COLUMN_PARALLEL = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias", "A_log",
                     "dt_bias", "in_proj.weight", "conv1d.weight", "linear_fc1.weight", "mixer.norm.weight")
 _REPLICATED = ("layer_norm_weight", "layernorm.weight", "final_norm.weight", "out_norm.weight", "norm.weight",
-               "router.weight", "gate_weight")
+               "router.weight", "router.expert_bias", "gate_weight")
 _BLOCKED = ("in_proj.weight", "conv1d.weight")
 
 

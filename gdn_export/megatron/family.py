@@ -149,27 +149,39 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
 
 
 def _moe_config(args: dict, hidden: int) -> dict:
-    """The ``E`` layers' arguments, checked against the routing gdn_export computes: Megatron's ``TopKRouter`` with
-    the softmax score function, no score scaling, expert bias or group-limited routing."""
+    """The ``E`` layers' arguments, checked against the routings gdn_export computes: Megatron's ``TopKRouter`` with
+    softmax scores (without scaling, expert bias or groups), or with sigmoid scores (DeepSeek-V3's routing: expert
+    bias, scaling, groups scored by their top-2 sum)."""
     def refuse_if(condition: bool, what: str) -> None:
         if condition:
             raise MegatronCheckpointError(f"MoE layers with {what} are not supported (softmax top-k routing without "
-                                          "scaling, expert bias or groups)")
+                                          "scaling, expert bias or groups; or sigmoid routing with groups scored by "
+                                          "their top-2 sum)")
 
     score = _arg(args, "moe_router_score_function", default="softmax")
-    refuse_if(score != "softmax", f"moe_router_score_function {score!r}")
-    refuse_if((_arg(args, "moe_router_topk_scaling_factor", default=None) or 1.0) != 1.0,
-              f"moe_router_topk_scaling_factor {_arg(args, 'moe_router_topk_scaling_factor')}")
-    refuse_if(bool(_arg(args, "moe_router_enable_expert_bias", default=False)), "moe_router_enable_expert_bias")
-    refuse_if((_arg(args, "moe_router_num_groups", default=None) or 1) != 1,
-              f"moe_router_num_groups {_arg(args, 'moe_router_num_groups')}")
+    scaling = float(_arg(args, "moe_router_topk_scaling_factor", default=None) or 1.0)
+    bias = bool(_arg(args, "moe_router_enable_expert_bias", default=False))
+    groups = int(_arg(args, "moe_router_num_groups", default=None) or 1)
+    group_topk = int(_arg(args, "moe_router_group_topk", default=None) or 1)
+    top_k = int(_arg(args, "moe_router_topk", default=2))
+    refuse_if(score not in ("softmax", "sigmoid"), f"moe_router_score_function {score!r}")
+    if score == "softmax":
+        refuse_if(scaling != 1.0, f"moe_router_topk_scaling_factor {_arg(args, 'moe_router_topk_scaling_factor')}")
+        refuse_if(bias, "moe_router_enable_expert_bias")
+        refuse_if(groups != 1, f"moe_router_num_groups {groups}")
+    else:
+        refuse_if(groups > 1 and top_k // group_topk != 2,
+                  f"moe_router_num_groups {groups}, moe_router_group_topk {group_topk} and moe_router_topk {top_k} "
+                  f"(a group scored by its top-{top_k // group_topk} sum)")
     experts = _arg(args, "num_experts", default=None)
     if not experts:
         raise MegatronCheckpointError("the layer pattern has MoE ('E') layers but the args give no num_experts")
     shared = int(_arg(args, "moe_shared_expert_intermediate_size", default=0) or 0)
-    return dict(num_experts=int(experts), moe_router_topk=int(_arg(args, "moe_router_topk", default=2)),
+    return dict(num_experts=int(experts), moe_router_topk=top_k,
                 moe_ffn_hidden_size=int(_arg(args, "moe_ffn_hidden_size", "ffn_hidden_size", default=4 * hidden)),
                 moe_router_pre_softmax=bool(_arg(args, "moe_router_pre_softmax", default=False)),
+                moe_router_score_function=score, moe_router_expert_bias=bias, moe_router_scaling=scaling,
+                moe_router_num_groups=groups, moe_router_group_topk=group_topk if groups > 1 else 1,
                 moe_shared_expert_size=shared,
                 moe_shared_expert_gate=bool(shared and _arg(args, "moe_shared_expert_gate", default=False)))
 
@@ -341,6 +353,8 @@ def _moe_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, sh
     """An ``E`` layer's ``MoELayer``: router, routed experts (``linear_fc1`` = ``[gate; up]`` per expert), shared
     expert and its gate."""
     put(prefix + "router.weight", _whole(checkpoint, shapes[prefix + "router.weight"], where + "router.weight"))
+    if config.moe_router_expert_bias:
+        put(prefix + "expert_bias", _whole(checkpoint, shapes[prefix + "expert_bias"], where + "router.expert_bias"))
     for param, linear in (("gate_up_proj", "linear_fc1"), ("down_proj", "linear_fc2")):
         name = f"{prefix}experts.{param}"
         put(name, MegatronSource(checkpoint, _expert_pieces(checkpoint, where, linear, config.num_experts),
@@ -457,7 +471,12 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
     names = {**MIXER_NAMES, "gdp": f"{MIXER_NAMES['gdp']} (n={config.gdp_num_householder})"}
     used = sorted({names[kind] for kind, _, _ in config.blocks}) + (["MLP"] if "-" in config.pattern else [])
     if config.moe_layers:
-        used.append(f"MoE ({config.num_experts} experts, top-{config.moe_router_topk} softmax"
+        sigmoid = (f"sigmoid" + (", expert bias" if config.moe_router_expert_bias else "")
+                   + (f", {config.moe_router_group_topk} of {config.moe_router_num_groups} groups"
+                      if config.moe_router_num_groups > 1 else "")
+                   + (f", scaled by {config.moe_router_scaling:g}" if config.moe_router_scaling != 1 else ""))
+        used.append(f"MoE ({config.num_experts} experts, top-{config.moe_router_topk} "
+                    + (sigmoid if config.moe_router_score_function == "sigmoid" else "softmax")
                     + (" before top-k" if config.moe_router_pre_softmax else "")
                     + (", gated shared expert" if config.moe_shared_expert_gate else
                        ", shared expert" if config.moe_shared_expert_size else "") + ")")

@@ -28,8 +28,9 @@ from gdn_export.layers.attention import Attention, rotate_half
 from gdn_export.layers.common import RMSNorm, ShortConvolution, decay_parameters, rms_normalize, split_heads
 from gdn_export.layers.lm import FlaForCausalLM, LMConfig
 from gdn_export.models import blocks
-from gdn_export.models.blocks import (dense_experts, gated_delta_mixer, gdn_decay, identity_steps, per_head_decay,
-                                      routed_moe, short_conv, softmax_gate, top_k_routing)
+from gdn_export.models.blocks import (dense_experts, gated_delta_mixer, gdn_decay, grouped_sigmoid_routing,
+                                      identity_steps, per_head_decay, routed_moe, short_conv, softmax_gate,
+                                      top_k_routing)
 from gdn_export.models.state import StateSpec, conv_state, delta_states, recurrent_state
 from gdn_export.ops.gated_delta_rule.op import gated_delta_rule
 
@@ -69,6 +70,11 @@ class MegatronConfig(LMConfig):
     moe_ffn_hidden_size: int = 0
     moe_router_topk: int = 1
     moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (no renormalization)
+    moe_router_score_function: str = "softmax"  # or "sigmoid" (DeepSeek-V3's routing, below)
+    moe_router_expert_bias: bool = False  # sigmoid: a bias added to the scores for the choice only
+    moe_router_scaling: float = 1.0  # sigmoid: the chosen (renormalized) scores times this
+    moe_router_num_groups: int = 1  # sigmoid: experts in groups, the top group_topk groups chosen first
+    moe_router_group_topk: int = 1
     moe_shared_expert_size: int = 0
     moe_shared_expert_gate: bool = False
 
@@ -260,16 +266,23 @@ class MegatronExperts(nn.Module):
 
 
 class MegatronMoE(nn.Module):
-    """Megatron's ``MoELayer``: ``TopKRouter`` with the softmax score function (``moe_router_pre_softmax``: top-k of
-    the softmax over every expert; otherwise the softmax over the top-k logits, i.e. the top-k probabilities
-    renormalized), the routed experts mixed by those weights, plus the shared expert, scaled by
-    ``sigmoid(x @ gate_weight)`` when it has a gate (``SharedExpertMLP``)."""
+    """Megatron's ``MoELayer``: ``TopKRouter`` (``topk_routing_with_score_function``), the routed experts mixed by its
+    weights, plus the shared expert, scaled by ``sigmoid(x @ gate_weight)`` when it has a gate
+    (``SharedExpertMLP``). Softmax scores: ``moe_router_pre_softmax``, top-k of the softmax over every expert;
+    otherwise the softmax over the top-k logits (the top-k probabilities renormalized). Sigmoid scores: the experts
+    chosen by score + ``expert_bias`` (within the ``group_topk`` best of ``num_groups`` groups, a group scored by its
+    top-``topk / group_topk`` sum), weighted by their unbiased scores, renormalized when top-k > 1, times
+    ``moe_router_topk_scaling_factor``: DeepSeek-V3's routing (``models.blocks.grouped_sigmoid_routing``)."""
 
     def __init__(self, config: MegatronConfig) -> None:
         super().__init__()
         c = config
         self.top_k, self.normalize = c.moe_router_topk, not c.moe_router_pre_softmax
+        self.sigmoid, self.scaling = c.moe_router_score_function == "sigmoid", c.moe_router_scaling
+        self.groups, self.top_groups = c.moe_router_num_groups, c.moe_router_group_topk
         self.router = _linear(c.hidden_size, c.num_experts)
+        if c.moe_router_expert_bias:
+            self.expert_bias = nn.Parameter(torch.zeros(c.num_experts))
         self.experts = MegatronExperts(c.num_experts, c.hidden_size, c.moe_ffn_hidden_size)
         if c.moe_shared_expert_size:
             self.shared_expert = MegatronMLP(c.hidden_size, c.moe_shared_expert_size, "swiglu")
@@ -279,11 +292,22 @@ class MegatronMoE(nn.Module):
 
     @property
     def gate(self) -> str:
+        if self.sigmoid:  # the weights choose the experts exactly when the scaling is positive (kimi_linear's rule)
+            return "grouped_sigmoid" if self.scaling > 0 else "grouped_sigmoid_signed"
         return softmax_gate(self.normalize)
+
+    def routing(self, flat: torch.Tensor) -> torch.Tensor:
+        logits = self.router(flat)
+        if not self.sigmoid:
+            return top_k_routing(logits, self.top_k, self.normalize)
+        bias = self.expert_bias if hasattr(self, "expert_bias") else torch.zeros(logits.shape[-1])
+        return grouped_sigmoid_routing(logits.float(), bias, top_k=self.top_k, groups=self.groups,
+                                       top_groups=self.top_groups, normalize=self.top_k > 1,
+                                       scaling=self.scaling).to(logits.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        weights = top_k_routing(self.router(flat), self.top_k, self.normalize)
+        weights = self.routing(flat)
         if self.stacks is None:  # the eager reference: every expert, mixed by the routing
             gate, up = self.experts.gate_up_proj.chunk(2, dim=1)
             out = dense_experts(flat, weights, gate, up, self.experts.down_proj, F.silu)
