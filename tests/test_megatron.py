@@ -21,7 +21,7 @@ from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
-MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "gpt", "ep2", "bridge_qwen3_next",
+MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "gpt", "ep2", "bridge_qwen3_next",
           "bridge_qwen3_5")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5")
 PROMPT = 16

@@ -453,6 +453,7 @@ _BLOCKED = ("in_proj.weight", "conv1d.weight")
 
 def tensor_parallel_axis(name: str) -> int | None:
     """The axis Megatron splits ``name`` over tensor-parallel ranks, None when it is replicated."""
+    name = re.sub(r"\.weight\d+$", ".weight", name)  # TEGroupedMLP's per-expert linear_fc1.weight<e>
     if name.endswith(_ROW_PARALLEL):
         return 1
     if name.endswith(_COLUMN_PARALLEL):
@@ -479,7 +480,7 @@ def merge_tensor_parallel(name: str, shards: list[torch.Tensor], blocks: list[in
         raise MegatronCheckpointError(f"{name}: tensor-parallel shards of unequal shapes "
                                       f"{[list(s.shape) for s in shards]}")
     if blocks is None:
-        if name.endswith(_BLOCKED):
+        if name.endswith(_BLOCKED) or re.search(r"experts\.(local_experts\.\d+\.)?linear_fc1\.weight\d*$", name):
             raise MegatronCheckpointError(f"{name}: a fused projection without a known part layout")
         return torch.cat(shards, dim=axis)
     if any(size % ranks for size in blocks) or sum(blocks) != first.shape[0] * ranks:

@@ -413,17 +413,26 @@ def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
             conv = ("z", "beta", "alpha", "f", "b", "w", "a") + tuple(f"b{i}" for i in range(config.gdp_num_householder))
             blocks[where + "in_proj.weight"] = [size for _, size in sections]
             blocks[where + "conv1d.weight"] = [size for part, size in sections if part not in conv]
-        if config.mlp_activation == "swiglu":
-            for mlp in mlps:
-                blocks[f"decoder.layers.{mlp}.mlp.linear_fc1.weight"] = [config.ffn_hidden_size] * 2
+        for mlp in mlps:
+            where = f"decoder.layers.{mlp}.mlp."
+            if mlp in config.moe_layers:  # every SwiGLU expert, as SequentialMLP and TEGroupedMLP name them
+                for e in range(config.num_experts):
+                    for name in (f"experts.local_experts.{e}.linear_fc1.weight", f"experts.linear_fc1.weight{e}"):
+                        blocks[where + name] = [config.moe_ffn_hidden_size] * 2
+                if config.moe_shared_expert_size:
+                    blocks[where + "shared_experts.linear_fc1.weight"] = [config.moe_shared_expert_size] * 2
+            elif config.mlp_activation == "swiglu":
+                blocks[where + "linear_fc1.weight"] = [config.ffn_hidden_size] * 2
     return blocks
 
 
 def refuse_unverified(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> None:
     """What is read by the same means as verified layouts but has no fixture: refused rather than guessed."""
-    if config.moe_layers and checkpoint.format == "legacy" and getattr(checkpoint, "tensor_parallel", 1) > 1:
-        raise MegatronCheckpointError("a legacy checkpoint with MoE layers saved with tensor-parallel size > 1 is not "
-                                      "supported (expert tensor parallelism; save torch_dist)")
+    tp = getattr(checkpoint, "tensor_parallel", 1)
+    expert_tp = _arg(checkpoint.args, "expert_tensor_parallel_size", default=tp)
+    if config.moe_layers and checkpoint.format == "legacy" and tp > 1 and expert_tp != tp:
+        raise MegatronCheckpointError(f"a legacy MoE checkpoint saved with expert_tensor_parallel_size {expert_tp} "
+                                      f"!= tensor_model_parallel_size {tp} is not supported (save torch_dist)")
 
 
 class MegatronWeights(CheckpointWeights):
