@@ -53,15 +53,20 @@ class Attention(nn.Module):
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
         return 1.0 / (float(self.rope_theta) ** exponents)
 
-    def forward(self, x: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor,
-                context: Context) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x ``[B, S, D]``, caches ``[B, Hkv, P, d]``, the decoder's ``context`` (positions ``[1, S]``, or ``[B, S]`` in
-        a serving graph, and the mask) -> (out, key cache, value cache)."""
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[B, S, heads, d]`` before rotary (q and k normalized when ``qk_norm``)."""
         q = split_heads(self.q_proj(x), self.head_dim)
         k = split_heads(self.k_proj(x), self.head_dim)
         v = split_heads(self.v_proj(x), self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor,
+                context: Context) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x ``[B, S, D]``, caches ``[B, Hkv, P, d]``, the decoder's ``context`` (positions ``[1, S]``, or ``[B, S]`` in
+        a serving graph, and the mask) -> (out, key cache, value cache)."""
+        q, k, v = self.heads(x)
         cos, sin = blocks.rope_cos_sin(self.inv_freq(), context.positions, 1.0, x.dtype)
         cos, sin = cos[:, :, None], sin[:, :, None]  # [1 or B, S, 1, d] against [B, S, H, d]
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

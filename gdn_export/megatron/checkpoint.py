@@ -25,6 +25,7 @@ import argparse
 import io
 import os
 import pickle
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,9 @@ from gdn_export.hf.tensors import CheckpointError
 TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
 TORCH_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+BRIDGE_CONFIG = "run_config.yaml"
+BRIDGE_CONFIG_LIMIT = 4 << 20
+LEGACY_RANK = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
 
 
 class MegatronCheckpointError(CheckpointError):
@@ -158,11 +162,52 @@ def is_megatron_checkpoint(folder: str | os.PathLike) -> bool:
     return folder.is_dir() and not (folder / "config.json").exists() and find_iteration(folder) is not None
 
 
+def _has_args(state) -> bool:
+    if isinstance(state, list) and state and isinstance(state[0], dict):
+        state = state[0]
+    return isinstance(state, dict) and state.get("args") is not None
+
+
+# Megatron-Bridge's model provider (a TransformerConfig) names some arguments differently from Megatron-LM's args
+_BRIDGE_RENAMED = {"num_moe_experts": "num_experts"}
+
+
+def bridge_args(path: Path) -> dict:
+    """Megatron-LM-style ``args`` from a Megatron-Bridge checkpoint's ``run_config.yaml`` (``ConfigContainer.to_yaml``:
+    its ``model`` section holds the model provider's ``TransformerConfig`` fields). Read with ``yaml.safe_load``:
+    ``_target_`` entries stay plain strings, nothing is imported or built; a python tag is an error."""
+    import yaml
+
+    size = path.stat().st_size
+    if size > BRIDGE_CONFIG_LIMIT:
+        raise MegatronCheckpointError(f"{path} is {size} bytes: a Megatron-Bridge run_config.yaml is at most "
+                                      f"{BRIDGE_CONFIG_LIMIT} bytes")
+    try:
+        config = yaml.safe_load(path.read_text(errors="replace"))
+    except yaml.YAMLError as err:
+        raise MegatronCheckpointError(f"{path} is not a readable run_config.yaml: {str(err).splitlines()[0][:160]}") \
+            from None
+    model = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(model, dict):
+        raise MegatronCheckpointError(f"{path} has no 'model' section (Megatron-Bridge's model provider)")
+    args = {_BRIDGE_RENAMED.get(key, key): value for key, value in model.items()}
+    activation = model.get("activation_func")
+    activation = activation.get("_target_") if isinstance(activation, dict) else activation
+    gated = bool(model.get("gated_linear_unit"))
+    args["swiglu"] = gated and activation == "torch.nn.functional.silu"
+    args["squared_relu"] = not gated and isinstance(activation, str) and activation.endswith("squared_relu")
+    if gated and not args["swiglu"]:
+        raise MegatronCheckpointError(f"{path}: a gated MLP with activation {activation!r} (only SiLU, SwiGLU)")
+    args["untie_embeddings_and_output_weights"] = not model.get("share_embeddings_and_output_weights", True)
+    return args
+
+
 class MegatronCheckpoint:
     """A Megatron checkpoint's ``args`` and tensors (by name), read lazily one tensor at a time."""
 
     format: str
     args: dict
+    saved_by: str = "Megatron"
 
     def __init__(self, folder: str | os.PathLike) -> None:
         root = Path(folder)
@@ -171,25 +216,16 @@ class MegatronCheckpoint:
             raise MegatronCheckpointError(f"{root} is no Megatron checkpoint (expected iter_*/ with .metadata + "
                                           f"*.distcp, or iter_*/mp_rank_00/{LEGACY_FILE})")
         self.folder = iteration
+        self.blocks: dict[str, list[int]] = {}
         ranks = sorted(p.name for p in iteration.glob("mp_rank_*"))
         if (iteration / ".metadata").is_file():
             self.format = "torch_dist"
             self._open_dist()
         elif ranks:
             self.format = "legacy"
-            if ranks != ["mp_rank_00"]:
-                raise MegatronCheckpointError(
-                    f"{iteration} holds {len(ranks)} model-parallel shards ({', '.join(ranks[:4])}): only "
-                    "tensor- and pipeline-parallel size 1 is supported (mp_rank_00 alone; or a torch_dist checkpoint)")
-            self._open_legacy(iteration / "mp_rank_00" / LEGACY_FILE)
+            self._open_legacy(iteration, ranks)
         else:
             raise MegatronCheckpointError(f"{iteration} has neither .metadata (torch_dist) nor mp_rank_00/ (legacy)")
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-            size = self.args.get(key, 1) or 1
-            if size != 1:
-                raise MegatronCheckpointError(
-                    f"the checkpoint was saved with {key}={size}: only tensor- and pipeline-parallel size 1 is "
-                    "supported (re-save it with size 1, e.g. Megatron's checkpoint converter)")
 
     # --- torch_dist --------------------------------------------------------------------------------------------
 
@@ -220,15 +256,20 @@ class MegatronCheckpoint:
                 raise MegatronCheckpointError(f"{file} is shorter than the metadata says ({index.fqn} ends at byte "
                                               f"{info.offset + info.length})")
         common = self.folder / "common.pt"
+        bridge_config = self.folder / BRIDGE_CONFIG
         if common.is_file():
             state = safe_torch_load(str(common), str(common))
         else:
             keys = [k for k in self._objects if k.split("/")[0] == "common_state"]
-            if not keys:
+            if not keys and not bridge_config.is_file():
                 raise MegatronCheckpointError(f"{self.folder} has neither common.pt nor a common_state object: "
                                               "no model arguments")
-            state = safe_torch_load(io.BytesIO(self._blob(keys[0])), f"{self.folder}'s common_state")
-        self.args = self._args_of(state)
+            state = safe_torch_load(io.BytesIO(self._blob(keys[0])), f"{self.folder}'s common_state") if keys else {}
+        if _has_args(state) or not bridge_config.is_file():
+            self.args = self._args_of(state)
+        else:  # Megatron-Bridge keeps no args in the checkpoint: its model provider's fields are in run_config.yaml
+            self.args = bridge_args(bridge_config)
+            self.saved_by = "Megatron-Bridge"
 
     def _entries(self, fqn: str):
         return [(index, info) for index, info in self._storage.items() if index.fqn == fqn]
@@ -263,16 +304,80 @@ class MegatronCheckpoint:
 
     # --- legacy ------------------------------------------------------------------------------------------------
 
-    def _open_legacy(self, path: Path) -> None:
+    def _open_legacy(self, iteration: Path, ranks: list[str]) -> None:
+        """Every ``mp_rank_<tp>[_<pp>]`` folder of the TP x PP grid the args name (one missing or extra is an
+        error): each stage's layers renumbered from their stage-local index to the global one, each tensor kept as
+        its TP shards, merged when read (``read``)."""
+        grid = {}
+        for name in ranks:
+            match = LEGACY_RANK.fullmatch(name)
+            if match is None:
+                raise MegatronCheckpointError(f"{iteration / name}: not a mp_rank_<tp:02d>[_<pp:03d>] folder (expert-"
+                                              "parallel legacy checkpoints are not supported; use torch_dist)")
+            grid[(int(match[1]), int(match[2] or 0))] = (name, match[2] is not None)
+        first = grid.get((0, 0))
+        if first is None:
+            raise MegatronCheckpointError(f"{iteration} lacks mp_rank_00 (or mp_rank_00_000), the first rank")
+        states = {(0, 0): self._legacy_state(iteration / first[0] / LEGACY_FILE)}
+        self.args = self._args_of(states[(0, 0)])
+        tp = int(self.args.get("tensor_model_parallel_size", 1) or 1)
+        pp = int(self.args.get("pipeline_model_parallel_size", 1) or 1)
+        if int(self.args.get("expert_model_parallel_size", 1) or 1) != 1:
+            raise MegatronCheckpointError("legacy checkpoints saved with expert_model_parallel_size > 1 are not "
+                                          "supported (save torch_dist)")
+        expected = {(t, s): f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") for t in range(tp) for s in range(pp)}
+        for key, folder in expected.items():
+            if key not in grid or grid[key][0] != folder:
+                raise MegatronCheckpointError(f"{iteration} lacks {folder}: the args say tensor-parallel size {tp} x "
+                                              f"pipeline-parallel size {pp}, so mp_rank_00..{tp - 1:02d}"
+                                              + (f" x _000..{pp - 1:03d}" if pp > 1 else "") + " must all be there")
+        extra = sorted(grid[key][0] for key in grid if key not in expected)
+        if extra:
+            raise MegatronCheckpointError(f"{iteration} holds {extra[0]}, outside the tensor-parallel size {tp} x "
+                                          f"pipeline-parallel size {pp} grid of its args")
+        offsets = _stage_offsets(self.args, pp)
+        self._shards: dict[str, list[torch.Tensor]] = {}
+        for t in range(tp):
+            merged: dict[str, torch.Tensor] = {}
+            for s in range(pp):
+                path = iteration / expected[(t, s)] / LEGACY_FILE
+                state = states.pop((t, s), None) or self._legacy_state(path)
+                for name, value in self._stage_model(state, path, s, offsets).items():
+                    if name in merged and not torch.equal(merged[name], value):
+                        raise MegatronCheckpointError(f"{name} differs between pipeline stages of {expected[(t, 0)]}")
+                    merged[name] = value
+            if t and set(merged) != set(self._shards):
+                odd = sorted(set(merged) ^ set(self._shards))[0]
+                raise MegatronCheckpointError(f"tensor-parallel rank {t} and rank 0 hold different tensors ({odd})")
+            for name, value in merged.items():
+                self._shards.setdefault(name, []).append(value)
+        self.tensor_parallel = tp
+
+    @staticmethod
+    def _legacy_state(path: Path):
         if not path.is_file():
             raise MegatronCheckpointError(f"{path} is missing")
         state = safe_torch_load(str(path), str(path))
-        model = state.get("model") if isinstance(state, dict) else None
-        if not isinstance(model, dict):
-            raise MegatronCheckpointError(f"{path} holds no 'model' state dict (pipeline stages or virtual pipeline "
-                                          "models are not supported)")
-        self._legacy = {k: v for k, v in model.items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
-        self.args = self._args_of(state)
+        if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+            raise MegatronCheckpointError(f"{path} holds no 'model' state dict (virtual pipeline models, model0 / "
+                                          "model1..., are not supported)")
+        return state
+
+    @staticmethod
+    def _stage_model(state, path: Path, stage: int, offsets: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+        """A stage's tensors with their global layer numbers (a legacy stage numbers its layers from 0)."""
+        start, count = offsets[stage]
+        out = {}
+        for name, value in state["model"].items():
+            if not isinstance(value, torch.Tensor) or "_extra_state" in name:
+                continue
+            if name.startswith("decoder.layers."):
+                index, _, rest = name[len("decoder.layers."):].partition(".")
+                if not index.isdigit() or int(index) >= count:
+                    raise MegatronCheckpointError(f"{path}: {name} is outside pipeline stage {stage}'s {count} layers")
+                name = f"decoder.layers.{start + int(index)}.{rest}"
+            out[name] = value
+        return out
 
     # --- common ------------------------------------------------------------------------------------------------
 
@@ -288,20 +393,102 @@ class MegatronCheckpoint:
         raise MegatronCheckpointError("the checkpoint's common state has no 'args' (Megatron-LM's arguments)")
 
     def names(self) -> list[str]:
-        return list(self._tensors) if self.format == "torch_dist" else list(self._legacy)
+        return list(self._tensors) if self.format == "torch_dist" else list(self._shards)
 
     def info(self, name: str) -> TensorInfo:
         if self.format == "torch_dist":
             meta = self._tensors[name]
             return TensorInfo(name, tuple(meta.size), meta.properties.dtype)
-        value = self._legacy[name]
-        return TensorInfo(name, tuple(value.shape), value.dtype)
+        shards = self._shards[name]
+        shape = list(shards[0].shape)
+        axis = tensor_parallel_axis(name) if len(shards) > 1 else None
+        if axis is not None:
+            shape[axis] = sum(shard.shape[axis] if shard.dim() > axis else 0 for shard in shards)
+        return TensorInfo(name, tuple(shape), shards[0].dtype)
 
     def has(self, name: str) -> bool:
-        return name in (self._tensors if self.format == "torch_dist" else self._legacy)
+        return name in (self._tensors if self.format == "torch_dist" else self._shards)
 
     def read(self, name: str) -> torch.Tensor:
-        return self._read_dist(name) if self.format == "torch_dist" else self._legacy[name]
+        if self.format == "torch_dist":
+            return self._read_dist(name)
+        shards = self._shards[name]
+        return shards[0] if len(shards) == 1 else merge_tensor_parallel(name, shards, self.blocks.get(name))
+
+
+def _stage_offsets(args: dict, stages: int) -> list[tuple[int, int]]:
+    """(first global layer, layer count) of each pipeline stage: the hybrid pattern's ``|`` segments, or, without
+    them, an even split of its layers (as Megatron's ``select_pipeline_segment`` allocates them)."""
+    pattern = args.get("hybrid_layer_pattern") or args.get("hybrid_override_pattern") or ""
+    main = pattern.split("/")[0]
+    if stages == 1:
+        return [(0, len(main.replace("|", "")) or 10**9)]
+    if "|" in main:
+        counts = [len(segment) for segment in main.split("|")]
+        if len(counts) != stages:
+            raise MegatronCheckpointError(f"layer pattern {pattern!r} has {len(counts)} pipeline segments but the "
+                                          f"checkpoint has {stages} pipeline stages (virtual pipelines are not supported)")
+    else:
+        layers = len(main) or int(args.get("num_layers") or 0)
+        if not layers or layers % stages or args.get("num_layers_in_first_pipeline_stage") or \
+                args.get("num_layers_in_last_pipeline_stage"):
+            raise MegatronCheckpointError(f"cannot tell which of the {layers} layers each of the {stages} pipeline "
+                                          "stages holds (no '|' in the layer pattern and no even split)")
+        counts = [layers // stages] * stages
+    starts = [sum(counts[:i]) for i in range(stages)]
+    return list(zip(starts, counts))
+
+
+# How Megatron's parallel layers split a tensor over tensor-parallel ranks (by the parameter's name):
+# ColumnParallelLinear / VocabParallelEmbedding and the mixers' per-head parameters on axis 0, RowParallelLinear on
+# axis 1, norms replicated. A fused projection (packed in_proj, conv1d, SwiGLU linear_fc1) is split per part: each
+# rank holds its slice of every part, so its rows are merged through the block layout the model's arguments give.
+_ROW_PARALLEL = ("out_proj.weight", "linear_proj.weight", "linear_fc2.weight")
+_COLUMN_PARALLEL = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias", "A_log",
+                    "dt_bias", "in_proj.weight", "conv1d.weight", "linear_fc1.weight", "mixer.norm.weight")
+_REPLICATED = ("layer_norm_weight", "layernorm.weight", "final_norm.weight", "out_norm.weight", "norm.weight",
+               "router.weight", "router.expert_bias", "gate_weight")
+_BLOCKED = ("in_proj.weight", "conv1d.weight")
+
+
+def tensor_parallel_axis(name: str) -> int | None:
+    """The axis Megatron splits ``name`` over tensor-parallel ranks, None when it is replicated."""
+    name = re.sub(r"\.weight\d+$", ".weight", name)  # TEGroupedMLP's per-expert linear_fc1.weight<e>
+    if name.endswith(_ROW_PARALLEL):
+        return 1
+    if name.endswith(_COLUMN_PARALLEL):
+        return 0
+    if name.endswith(_REPLICATED):
+        return None
+    raise MegatronCheckpointError(f"{name}: how Megatron splits it over tensor-parallel ranks is not known here "
+                                  "(only the layers gdn_export reads)")
+
+
+def merge_tensor_parallel(name: str, shards: list[torch.Tensor], blocks: list[int] | None) -> torch.Tensor:
+    """The global tensor from its TP shards, in rank order; ``blocks`` = the global sizes of the parts of a fused
+    projection (each rank holding 1/TP of every part, in part order)."""
+    axis, ranks = tensor_parallel_axis(name), len(shards)
+    first = shards[0]
+    if any(shard.dim() != first.dim() or shard.dtype != first.dtype for shard in shards):
+        raise MegatronCheckpointError(f"{name}: its tensor-parallel shards differ in rank or dtype")
+    if axis is None:
+        if any(not torch.equal(shard, first) for shard in shards[1:]):
+            raise MegatronCheckpointError(f"{name} is replicated over tensor-parallel ranks but its copies differ")
+        return first
+    if any(shard.shape[:axis] + shard.shape[axis + 1:] != first.shape[:axis] + first.shape[axis + 1:]
+           or shard.shape[axis] != first.shape[axis] for shard in shards):
+        raise MegatronCheckpointError(f"{name}: tensor-parallel shards of unequal shapes "
+                                      f"{[list(s.shape) for s in shards]}")
+    if blocks is None:
+        if name.endswith(_BLOCKED) or re.search(r"experts\.(local_experts\.\d+\.)?linear_fc1\.weight\d*$", name):
+            raise MegatronCheckpointError(f"{name}: a fused projection without a known part layout")
+        return torch.cat(shards, dim=axis)
+    if any(size % ranks for size in blocks) or sum(blocks) != first.shape[0] * ranks:
+        raise MegatronCheckpointError(f"{name}: {ranks} shards of {first.shape[0]} rows cannot hold parts "
+                                      f"{blocks} split evenly over {ranks} tensor-parallel ranks")
+    local = [size // ranks for size in blocks]
+    parts = [shard.split(local, dim=0) for shard in shards]
+    return torch.cat([parts[r][p] for p in range(len(blocks)) for r in range(ranks)], dim=0)
 
 
 Piece = tuple[str, object]  # (checkpoint tensor, the rows taken from it: a slice, a list of row indices, or None)
@@ -316,6 +503,7 @@ class MegatronSource:
     checkpoint: MegatronCheckpoint
     pieces: list[Piece]
     shape: tuple[int, ...]
+    offset: float = 0.0  # added to every value: 1 for a zero-centred norm weight (Megatron computes with 1 + w)
     _whole: np.ndarray | None = field(default=None, repr=False)
 
     @property
@@ -341,6 +529,8 @@ class MegatronSource:
         if value.numel() != int(np.prod(self.shape, dtype=np.int64)):
             raise MegatronCheckpointError(f"{self.name}: {list(value.shape)} in the checkpoint, {list(self.shape)} "
                                           "expected from the model's arguments")
+        if self.offset:
+            return (value.reshape(self.shape).float() + self.offset).to(dtype)
         return value.reshape(self.shape).to(dtype)
 
     def rows(self, start: int, stop: int, target: np.dtype) -> np.ndarray:

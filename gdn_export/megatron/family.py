@@ -6,17 +6,20 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from torch import nn
+
 from gdn_export.hf.checkpoint import CheckpointWeights
 from gdn_export.hf.families.base import Family
 from gdn_export.hf.families.fla import FlaLM
 from gdn_export.hf.layout import Layout
 from gdn_export.megatron.checkpoint import MegatronCheckpoint, MegatronCheckpointError, MegatronSource
+from gdn_export.layers.common import RMSNorm
 from gdn_export.megatron.model import (MIXER_NAMES, GatedDeltaNet2Mixer, GatedDeltaNetMixer, GatedDeltaProductMixer,
-                                       MegatronConfig, MegatronHybridLM)
+                                       MegatronConfig, MegatronHybridLM, MegatronMoE)
 
 MODEL_TYPE = "megatron_hybrid"
 SUPPORTED_SYMBOLS = {"G": "GatedDeltaNet / GatedDeltaNet2", "M": "GatedDeltaProductMixer", "*": "SelfAttention",
-                     "-": "MLP"}
+                     "-": "MLP", "E": "MoE"}
 
 
 def _arg(args: dict, *names, default=None):
@@ -26,18 +29,43 @@ def _arg(args: dict, *names, default=None):
     return default
 
 
-def _pattern(args: dict) -> str:
+def _per_layer(args: dict, name: str, layers: int, every) -> list[int]:
+    """A GPTModel's per-layer flags: ``args[name]`` as a list, or an int N expanded as Megatron does (``every``)."""
+    value = _arg(args, name)
+    if isinstance(value, int) and value > 0:
+        return [int(every(i, value)) for i in range(layers)]
+    if isinstance(value, (list, tuple)) and len(value) == layers and all(v in (0, 1) for v in value):
+        return [int(v) for v in value]
+    raise MegatronCheckpointError(f"{name} {value!r} is neither a positive int nor a list of {layers} 0/1 flags")
+
+
+def _layers(args: dict) -> list[tuple[str, int]]:
+    """``(symbol, Megatron layer index)`` of every layer in order. A hybrid model's pattern gives one symbol per
+    layer (``|`` pipeline marks dropped, the MTP part after ``/`` left out). A ``GPTModel`` built with
+    ``experimental_attention_variant`` ``gated_delta_net`` / ``gdn`` (how Megatron-Bridge builds Qwen3-Next) has
+    no pattern: each of its ``TransformerLayer``s holds a mixer (``linear_attention_freq``: 1 = GDN ``G``, 0 =
+    ``SelfAttention`` ``*``) and an MLP (``moe_layer_freq``: 1 = MoE ``E``, 0 = dense ``-``) under one index, as
+    Megatron's ``get_transformer_layer_with_experimental_attention_variant_spec`` builds them."""
     pattern = _arg(args, "hybrid_layer_pattern", "hybrid_override_pattern")
-    if not isinstance(pattern, str) or not pattern:
-        raise MegatronCheckpointError("the checkpoint's args have no hybrid_layer_pattern: only Megatron hybrid "
-                                      "models (HybridModel / MambaModel with a layer pattern) are supported")
-    return pattern.split("/")[0].replace("|", "")
+    if isinstance(pattern, str) and pattern:
+        return [(symbol, i) for i, symbol in enumerate(pattern.split("/")[0].replace("|", ""))]
+    variant = _arg(args, "experimental_attention_variant")
+    if variant not in ("gated_delta_net", "gdn", "gdn2"):
+        raise MegatronCheckpointError("the checkpoint's args have no hybrid_layer_pattern and no gated delta-net "
+                                      "experimental_attention_variant: only Megatron hybrid models (HybridModel / "
+                                      "MambaModel with a layer pattern) and GPTModels with GDN layers are supported")
+    layers = int(_arg(args, "num_layers", default=0))
+    linear = _per_layer(args, "linear_attention_freq", layers, lambda i, n: (i + 1) % n != 0)
+    moe = _per_layer(args, "moe_layer_freq", layers, lambda i, n: i % n == 0) if _arg(args, "num_experts") \
+        else [0] * layers
+    return [(symbol, i) for i in range(layers) for symbol in ("G*"[1 - linear[i]], "-E"[moe[i]])]
 
 
 def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
     """The model's arguments from ``args``, checked against what gdn_export computes exactly."""
     args = checkpoint.args
-    pattern = _pattern(args)
+    layers = _layers(args)
+    pattern = "".join(symbol for symbol, _ in layers)
     unknown = sorted({s for s in pattern if s not in SUPPORTED_SYMBOLS})
     if unknown:
         raise MegatronCheckpointError(
@@ -50,11 +78,7 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
 
     refuse_if(_arg(args, "normalization", default="LayerNorm") != "RMSNorm",
               f"normalization {_arg(args, 'normalization', default='LayerNorm')!r} (only RMSNorm)")
-    refuse_if(bool(_arg(args, "apply_layernorm_1p", "layernorm_zero_centered_gamma", default=False)),
-              "a zero-centered norm weight (apply_layernorm_1p)")
     refuse_if(bool(_arg(args, "add_bias_linear", default=False)), "add_bias_linear (linear layers with biases)")
-    refuse_if(bool(_arg(args, "attention_output_gate", default=False)), "attention_output_gate")
-    refuse_if((_arg(args, "rotary_percent", default=1.0) or 1.0) != 1.0, "rotary_percent != 1")
     refuse_if(bool(_arg(args, "rotary_interleaved", default=False)), "rotary_interleaved")
     if "*" in pattern:
         refuse_if(_arg(args, "position_embedding_type", default="rope") != "rope",
@@ -70,8 +94,11 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
     groups = int(_arg(args, "num_query_groups", default=heads) if _arg(args, "group_query_attention", default=True)
                  else heads)
     kv_channels = int(_arg(args, "kv_channels", default=hidden // heads))
+    rotary_dim = int(kv_channels * float(_arg(args, "rotary_percent", default=1.0) or 1.0))
     if "*" in pattern:
-        refuse_if(kv_channels * heads != hidden, f"kv_channels {kv_channels} x {heads} heads != hidden {hidden}")
+        refuse_if(rotary_dim % 2 or not 0 < rotary_dim <= kv_channels,
+                  f"rotary_percent {_arg(args, 'rotary_percent')} ({rotary_dim} of {kv_channels} channels; an even "
+                  "number of at least 2)")
     embedding = checkpoint.info("embedding.word_embeddings.weight") if checkpoint.has(
         "embedding.word_embeddings.weight") else None
     if embedding is None:
@@ -79,11 +106,11 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
     tied = not bool(_arg(args, "untie_embeddings_and_output_weights", default=False))
     kinds = {"G": "gdn2" if variant == "gdn2" else "gdn", "M": "gdp", "*": "attention"}
     blocks = []
-    for index, symbol in enumerate(pattern):
-        if symbol == "-":
+    for symbol, index in layers:
+        if symbol in "-E":
             if not blocks:
-                raise MegatronCheckpointError(f"layer pattern {pattern!r} starts with an MLP layer: a mixer must come "
-                                              "first")
+                raise MegatronCheckpointError(f"layer pattern {pattern!r} starts with an MLP or MoE layer: a mixer "
+                                              "must come first")
             blocks[-1][2].append(index)
         else:
             if symbol == "M" and checkpoint.has(f"decoder.layers.{index}.mixer.D"):
@@ -114,7 +141,54 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
         mamba_head_dim=int(_arg(args, "mamba_head_dim", default=64)),
         mamba_num_groups=int(_arg(args, "mamba_num_groups", default=8)),
         mamba_num_heads=int(_arg(args, "mamba_num_heads", default=0) or 0),
-        gdp_num_householder=int(_arg(args, "gdp_num_householder", default=3)), gdp_conv_kernel_dim=gdp_conv)
+        gdp_num_householder=int(_arg(args, "gdp_num_householder", default=3)), gdp_conv_kernel_dim=gdp_conv,
+        attention_output_gate=bool(_arg(args, "attention_output_gate", default=False)),
+        rotary_dim=rotary_dim if rotary_dim != kv_channels else 0,
+        **(_moe_config(args, hidden) if "E" in pattern else {}),
+        moe_layers=[i for s, i in layers if s == "E"])
+
+
+def _moe_config(args: dict, hidden: int) -> dict:
+    """The ``E`` layers' arguments, checked against the routings gdn_export computes: Megatron's ``TopKRouter`` with
+    softmax scores (without scaling, expert bias or groups), or with sigmoid scores (DeepSeek-V3's routing: expert
+    bias, scaling, groups scored by their top-2 sum)."""
+    def refuse_if(condition: bool, what: str) -> None:
+        if condition:
+            raise MegatronCheckpointError(f"MoE layers with {what} are not supported (softmax top-k routing without "
+                                          "scaling, expert bias or groups; or sigmoid routing with groups scored by "
+                                          "their top-2 sum)")
+
+    score = _arg(args, "moe_router_score_function", default="softmax")
+    scaling = float(_arg(args, "moe_router_topk_scaling_factor", default=None) or 1.0)
+    bias = bool(_arg(args, "moe_router_enable_expert_bias", default=False))
+    groups = int(_arg(args, "moe_router_num_groups", default=None) or 1)
+    group_topk = int(_arg(args, "moe_router_group_topk", default=None) or 1)
+    top_k = int(_arg(args, "moe_router_topk", default=2))
+    refuse_if(score not in ("softmax", "sigmoid"), f"moe_router_score_function {score!r}")
+    if score == "softmax":
+        refuse_if(scaling != 1.0, f"moe_router_topk_scaling_factor {_arg(args, 'moe_router_topk_scaling_factor')}")
+        refuse_if(bias, "moe_router_enable_expert_bias")
+        refuse_if(groups != 1, f"moe_router_num_groups {groups}")
+    else:
+        refuse_if(groups > 1 and top_k // group_topk != 2,
+                  f"moe_router_num_groups {groups}, moe_router_group_topk {group_topk} and moe_router_topk {top_k} "
+                  f"(a group scored by its top-{top_k // group_topk} sum)")
+    experts = _arg(args, "num_experts", default=None)
+    if not experts:
+        raise MegatronCheckpointError("the layer pattern has MoE ('E') layers but the args give no num_experts")
+    shared = int(_arg(args, "moe_shared_expert_intermediate_size", default=0) or 0)
+    return dict(num_experts=int(experts), moe_router_topk=top_k,
+                moe_ffn_hidden_size=int(_arg(args, "moe_ffn_hidden_size", "ffn_hidden_size", default=4 * hidden)),
+                moe_router_pre_softmax=bool(_arg(args, "moe_router_pre_softmax", default=False)),
+                moe_router_score_function=score, moe_router_expert_bias=bias, moe_router_scaling=scaling,
+                moe_router_num_groups=groups, moe_router_group_topk=group_topk if groups > 1 else 1,
+                moe_shared_expert_size=shared,
+                moe_shared_expert_gate=bool(shared and _arg(args, "moe_shared_expert_gate", default=False)))
+
+
+def zero_centred(args: dict) -> bool:
+    """Megatron's norms compute with ``1 + w`` (Transformer Engine's ``zero_centered_gamma``)."""
+    return bool(_arg(args, "apply_layernorm_1p", "layernorm_zero_centered_gamma", default=False))
 
 
 def _first(checkpoint: MegatronCheckpoint, base: str) -> str:
@@ -165,7 +239,8 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
         used.update(piece for piece, _ in source.pieces)
 
     put("model.embeddings.weight", _whole(checkpoint, shapes["model.embeddings.weight"], "embedding.word_embeddings.weight"))
-    put("model.norm.weight", _whole(checkpoint, shapes["model.norm.weight"], "decoder.final_norm.weight"))
+    put("model.norm.weight", _whole(checkpoint, shapes["model.norm.weight"], "decoder.final_norm.weight",
+                                    "decoder.final_layernorm.weight"))
     if not config.tie_word_embeddings:
         put("lm_head.weight", _whole(checkpoint, shapes["lm_head.weight"], "output_layer.weight"))
     for b, (kind, index, mlps) in enumerate(config.blocks):
@@ -208,6 +283,9 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
             put(f"model.layers.{b}.mlp_norms.{j}.weight", _whole(
                 checkpoint, (config.hidden_size,), layer + "mlp.linear_fc1.layer_norm_weight",
                 layer + "pre_mlp_layernorm.weight"))
+            if index in config.moe_layers:
+                _moe_sources(checkpoint, config, layer + "mlp.", prefix, shapes, put)
+                continue
             ffn = config.ffn_hidden_size
             if config.mlp_activation == "swiglu":
                 put(prefix + "gate_proj.weight", MegatronSource(checkpoint, [(layer + "mlp.linear_fc1.weight",
@@ -223,6 +301,10 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
                 put(prefix + "up_proj.weight", _whole(checkpoint, (ffn, config.hidden_size), layer + "mlp.linear_fc1.weight"))
             put(prefix + "down_proj.weight", _whole(checkpoint, shapes[prefix + "down_proj.weight"],
                                                     layer + "mlp.linear_fc2.weight"))
+    if zero_centred(checkpoint.args):  # every RMSNorm Megatron builds from its config; not GDP's gated norm
+        for name, module in model.named_modules():
+            if isinstance(module, RMSNorm):
+                sources[name + ".weight"].offset = 1.0
     missing = sorted(set(shapes) - set(sources))
     if missing:
         raise MegatronCheckpointError(f"no checkpoint tensor for {', '.join(missing[:5])}")
@@ -247,17 +329,66 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
     return sources, skipped
 
 
+def _expert_pieces(checkpoint, where: str, linear: str, experts: int) -> list:
+    """The routed experts' ``linear`` (``linear_fc1`` / ``linear_fc2``) in expert order: one stacked tensor
+    ``experts.experts.<linear>.weight`` (torch_dist, with the expert axis first, for sequential and grouped-GEMM
+    experts alike), or one tensor per expert in a legacy checkpoint (``SequentialMLP``:
+    ``experts.local_experts.<e>.<linear>.weight``; ``TEGroupedMLP``: ``experts.<linear>.weight<e>``)."""
+    stacked = f"{where}experts.experts.{linear}.weight"
+    if checkpoint.has(stacked):
+        return [(stacked, None)]
+    for name_of in (lambda e: f"{where}experts.local_experts.{e}.{linear}.weight",
+                    lambda e: f"{where}experts.{linear}.weight{e}"):
+        names = [name_of(e) for e in range(experts)]
+        if all(checkpoint.has(name) for name in names):
+            return [(name, None) for name in names]
+    if checkpoint.has(f"{where}experts.weight1"):
+        raise MegatronCheckpointError(f"{where}experts.weight1: the legacy GroupedMLP layout (weight1 / weight2) is "
+                                      "not supported (save torch_dist, or SequentialMLP / TEGroupedMLP experts)")
+    raise MegatronCheckpointError(f"weights missing from the checkpoint: {stacked} (or the {experts} experts' "
+                                  f"{where}experts.local_experts.<e>.{linear}.weight)")
+
+
+def _moe_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, shapes, put) -> None:
+    """An ``E`` layer's ``MoELayer``: router, routed experts (``linear_fc1`` = ``[gate; up]`` per expert), shared
+    expert and its gate."""
+    put(prefix + "router.weight", _whole(checkpoint, shapes[prefix + "router.weight"], where + "router.weight"))
+    if config.moe_router_expert_bias:
+        put(prefix + "expert_bias", _whole(checkpoint, shapes[prefix + "expert_bias"], where + "router.expert_bias"))
+    for param, linear in (("gate_up_proj", "linear_fc1"), ("down_proj", "linear_fc2")):
+        name = f"{prefix}experts.{param}"
+        put(name, MegatronSource(checkpoint, _expert_pieces(checkpoint, where, linear, config.num_experts),
+                                 shapes[name]))
+    if config.moe_shared_expert_size:
+        size, fc1 = config.moe_shared_expert_size, where + "shared_experts.linear_fc1.weight"
+        for part, rows in (("gate_proj", slice(0, size)), ("up_proj", slice(size, 2 * size))):
+            name = f"{prefix}shared_expert.{part}.weight"
+            if not checkpoint.has(fc1):
+                raise MegatronCheckpointError(f"weights missing from the checkpoint: {fc1}")
+            put(name, MegatronSource(checkpoint, [(fc1, rows)], shapes[name]))
+        put(prefix + "shared_expert.down_proj.weight", _whole(
+            checkpoint, shapes[prefix + "shared_expert.down_proj.weight"], where + "shared_experts.linear_fc2.weight"))
+        if config.moe_shared_expert_gate:
+            put(prefix + "shared_expert_gate.weight", _whole(
+                checkpoint, shapes[prefix + "shared_expert_gate.weight"], where + "shared_experts.gate_weight"))
+
+
 def _attention_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, shapes, put) -> None:
     """``linear_qkv`` rows are per query group ``[q (heads/groups · d) | k (d) | v (d)]``: gathered into q, k, v."""
     d, groups = config.kv_channels, config.num_query_groups
     per_group = config.num_attention_heads // groups
-    stride = (per_group + 2) * d
-    rows = {"q": [], "k": [], "v": []}
+    # per query group: [q (per_group heads) | gate (per_group heads, attention_output_gate) | k | v]
+    sizes = [("q", per_group * d)] + ([("gate", per_group * d)] if config.attention_output_gate else []) + \
+        [("k", d), ("v", d)]
+    rows = {part: [] for part, _ in sizes}
+    base = 0
     for g in range(groups):
-        base = g * stride
-        rows["q"] += range(base, base + per_group * d)
-        rows["k"] += range(base + per_group * d, base + (per_group + 1) * d)
-        rows["v"] += range(base + (per_group + 1) * d, base + stride)
+        for part, size in sizes:
+            rows[part] += range(base, base + size)
+            base += size
+    if config.attention_output_gate:
+        put(prefix + "gate_proj.weight", MegatronSource(checkpoint, [(where + "linear_qkv.weight", rows["gate"])],
+                                                        shapes[prefix + "gate_proj.weight"]))
     for part in ("q", "k", "v"):
         put(f"{prefix}{part}_proj.weight", MegatronSource(checkpoint, [(where + "linear_qkv.weight", rows[part])],
                                                           shapes[f"{prefix}{part}_proj.weight"]))
@@ -268,6 +399,40 @@ def _attention_sources(checkpoint, config: MegatronConfig, where: str, prefix: s
     if config.qk_layernorm:
         put(prefix + "q_norm.weight", _whole(checkpoint, (d,), where + "q_layernorm.weight"))
         put(prefix + "k_norm.weight", _whole(checkpoint, (d,), where + "k_layernorm.weight"))
+
+
+def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
+    """The part sizes of every fused projection (packed ``in_proj``, its conv, SwiGLU ``linear_fc1``), by tensor:
+    how a legacy tensor-parallel checkpoint's shards are merged (each rank holds its slice of every part)."""
+    mixers = {"gdn": GatedDeltaNetMixer, "gdn2": GatedDeltaNet2Mixer, "gdp": GatedDeltaProductMixer}
+    blocks: dict[str, list[int]] = {}
+    for kind, index, mlps in config.blocks:
+        if kind in mixers:
+            where = f"decoder.layers.{index}." + ("mixer." if kind == "gdp" else "self_attention.")
+            sections = mixers[kind].sections(config)
+            conv = ("z", "beta", "alpha", "f", "b", "w", "a") + tuple(f"b{i}" for i in range(config.gdp_num_householder))
+            blocks[where + "in_proj.weight"] = [size for _, size in sections]
+            blocks[where + "conv1d.weight"] = [size for part, size in sections if part not in conv]
+        for mlp in mlps:
+            where = f"decoder.layers.{mlp}.mlp."
+            if mlp in config.moe_layers:  # every SwiGLU expert, as SequentialMLP and TEGroupedMLP name them
+                for e in range(config.num_experts):
+                    for name in (f"experts.local_experts.{e}.linear_fc1.weight", f"experts.linear_fc1.weight{e}"):
+                        blocks[where + name] = [config.moe_ffn_hidden_size] * 2
+                if config.moe_shared_expert_size:
+                    blocks[where + "shared_experts.linear_fc1.weight"] = [config.moe_shared_expert_size] * 2
+            elif config.mlp_activation == "swiglu":
+                blocks[where + "linear_fc1.weight"] = [config.ffn_hidden_size] * 2
+    return blocks
+
+
+def refuse_unverified(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> None:
+    """What is read by the same means as verified layouts but has no fixture: refused rather than guessed."""
+    tp = getattr(checkpoint, "tensor_parallel", 1)
+    expert_tp = _arg(checkpoint.args, "expert_tensor_parallel_size", default=tp)
+    if config.moe_layers and checkpoint.format == "legacy" and tp > 1 and expert_tp != tp:
+        raise MegatronCheckpointError(f"a legacy MoE checkpoint saved with expert_tensor_parallel_size {expert_tp} "
+                                      f"!= tensor_model_parallel_size {tp} is not supported (save torch_dist)")
 
 
 class MegatronWeights(CheckpointWeights):
@@ -290,15 +455,54 @@ class MegatronFamily(Family):
         return ()
 
 
-FAMILY = MegatronFamily(name="Megatron-LM hybrid", model_types=(MODEL_TYPE,), lm_class=FlaLM,
+class MegatronLM(FlaLM):
+    """The exportable model: ``FlaLM`` whose MoE layers run their routed experts as one ``moe_ffn`` node over
+    ``ExpertStacks`` (the project's sparse MoE path, as the Hugging Face MoE families do), built here from the
+    model being exported and handed to each ``MegatronMoE`` unregistered."""
+
+    def __init__(self, model: MegatronHybridLM, dtype) -> None:
+        from gdn_export.hf.blocks import ExpertStacks
+
+        super().__init__(model, dtype)
+        stacks = {}
+        for name, module in model.named_modules():
+            if isinstance(module, MegatronMoE):
+                stacks[name.replace(".", "_")] = ExpertStacks(module.experts, module.gate)
+                object.__setattr__(module, "stacks", stacks[name.replace(".", "_")])
+        self.expert_stacks = nn.ModuleDict(stacks)
+
+
+FAMILY = MegatronFamily(name="Megatron-LM hybrid", model_types=(MODEL_TYPE,), lm_class=MegatronLM,
                         reference="gdn_export's eager Megatron model (matched against Megatron's own logits in tests)")
 
 
 def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
     names = {**MIXER_NAMES, "gdp": f"{MIXER_NAMES['gdp']} (n={config.gdp_num_householder})"}
     used = sorted({names[kind] for kind, _, _ in config.blocks}) + (["MLP"] if "-" in config.pattern else [])
-    return (f"Megatron {checkpoint.format} checkpoint, pattern {config.pattern} "
-            f"({', '.join(used)})")
+    if config.moe_layers:
+        sigmoid = (f"sigmoid" + (", expert bias" if config.moe_router_expert_bias else "")
+                   + (f", {config.moe_router_group_topk} of {config.moe_router_num_groups} groups"
+                      if config.moe_router_num_groups > 1 else "")
+                   + (f", scaled by {config.moe_router_scaling:g}" if config.moe_router_scaling != 1 else ""))
+        used.append(f"MoE ({config.num_experts} experts, top-{config.moe_router_topk} "
+                    + (sigmoid if config.moe_router_score_function == "sigmoid" else "softmax")
+                    + (" before top-k" if config.moe_router_pre_softmax else "")
+                    + (", gated shared expert" if config.moe_shared_expert_gate else
+                       ", shared expert" if config.moe_shared_expert_size else "") + ")")
+    if config.attention_output_gate:
+        used.append("gated attention output")
+    if config.rotary_dim:
+        used.append(f"rotary on {config.rotary_dim} of {config.kv_channels} channels")
+    if zero_centred(checkpoint.args):
+        used.append("zero-centred (1 + w) norms")
+    sizes = {what: int(checkpoint.args.get(f"{key}_model_parallel_size", 1) or 1)
+             for what, key in (("tensor", "tensor"), ("pipeline", "pipeline"), ("expert", "expert"))}
+    saved = (" saved with " + ", ".join(f"{what}-parallel size {size}" for what, size in sizes.items())
+             if any(size > 1 for size in sizes.values()) else "")
+    gpt = not _arg(checkpoint.args, "hybrid_layer_pattern", "hybrid_override_pattern")
+    layers = f"GPTModel layers {config.pattern} (a mixer and an MLP each)" if gpt else f"pattern {config.pattern}"
+    by = " (saved by Megatron-Bridge: run_config.yaml)" if checkpoint.saved_by == "Megatron-Bridge" else ""
+    return f"Megatron {checkpoint.format} checkpoint{by}{saved}, {layers} ({', '.join(used)})"
 
 
 def open_megatron(folder: str | os.PathLike):
@@ -308,6 +512,8 @@ def open_megatron(folder: str | os.PathLike):
 
     checkpoint = MegatronCheckpoint(Path(folder))
     config = read_config(checkpoint)
+    refuse_unverified(config, checkpoint)
+    checkpoint.blocks = fused_blocks(config)
     with parameters_on_meta():
         model = MegatronHybridLM(config).eval()
     sources, skipped = parameter_sources(model, checkpoint)

@@ -8,8 +8,9 @@ by the pattern's symbols; each has a pre-norm and a residual:
 | ``G`` | ``TransformerLayer`` + ``ssm.gated_delta_net.GatedDeltaNet`` | ``GatedDeltaNetMixer`` |
 | ``G`` with ``experimental_attention_variant='gdn2'`` | ``TransformerLayer`` + ``GatedDeltaNet2`` | ``GatedDeltaNet2Mixer`` |
 | ``M`` (a ``GatedDeltaProductMixer`` spec) | ``MambaLayer`` + ``ssm.gated_delta_product.GatedDeltaProductMixer`` | ``GatedDeltaProductMixer`` |
-| ``*`` | ``TransformerLayer`` + ``SelfAttention`` (GQA, rotary) | ``gdn_export.layers.Attention`` |
+| ``*`` | ``TransformerLayer`` + ``SelfAttention`` (GQA, rotary) | ``gdn_export.layers.Attention``; ``MegatronAttention`` with an output gate, partial rotary or ``kv_channels`` != hidden / heads |
 | ``-`` | ``MLPLayer`` + ``MLP`` (SwiGLU or squared ReLU) | ``MegatronMLP`` |
+| ``E`` | ``MoETransformerLayer`` + ``MoELayer`` (top-k softmax router, SwiGLU experts, gated shared expert) | ``MegatronMoE`` |
 
 The project's decoder loop runs blocks of one mixer followed by the MLP layers after it (``Block``); each block is
 one "layer" of the export (its states are ``conv_<i>``/``state_<i>`` or ``key_<i>``/``value_<i>``, i the block).
@@ -23,10 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gdn_export.layers.attention import Attention
+from gdn_export.layers.attention import Attention, rotate_half
 from gdn_export.layers.common import RMSNorm, ShortConvolution, decay_parameters, rms_normalize, split_heads
 from gdn_export.layers.lm import FlaForCausalLM, LMConfig
-from gdn_export.models.blocks import gated_delta_mixer, gdn_decay, identity_steps, per_head_decay, short_conv
+from gdn_export.models import blocks
+from gdn_export.models.blocks import (dense_experts, gated_delta_mixer, gdn_decay, grouped_sigmoid_routing,
+                                      identity_steps, per_head_decay, routed_moe, short_conv, softmax_gate,
+                                      top_k_routing)
 from gdn_export.models.state import StateSpec, conv_state, delta_states, recurrent_state
 from gdn_export.ops.gated_delta_rule.op import gated_delta_rule
 
@@ -59,6 +63,20 @@ class MegatronConfig(LMConfig):
     mamba_num_heads: int = 0
     gdp_num_householder: int = 1
     gdp_conv_kernel_dim: int = 4
+    attention_output_gate: bool = False
+    rotary_dim: int = 0  # channels of a head that rotary turns (Megatron's int(kv_channels * rotary_percent))
+    moe_layers: list = field(default_factory=list)  # Megatron indices of the 'E' layers (among the blocks' MLPs)
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_router_topk: int = 1
+    moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (no renormalization)
+    moe_router_score_function: str = "softmax"  # or "sigmoid" (DeepSeek-V3's routing, below)
+    moe_router_expert_bias: bool = False  # sigmoid: a bias added to the scores for the choice only
+    moe_router_scaling: float = 1.0  # sigmoid: the chosen (renormalized) scores times this
+    moe_router_num_groups: int = 1  # sigmoid: experts in groups, the top group_topk groups chosen first
+    moe_router_group_topk: int = 1
+    moe_shared_expert_size: int = 0
+    moe_shared_expert_gate: bool = False
 
 
 def _linear(inputs: int, outputs: int) -> nn.Linear:
@@ -235,16 +253,132 @@ class MegatronMLP(nn.Module):
         return self.down_proj(F.relu(self.up_proj(x)).square())
 
 
-class Block(nn.Module):
-    """One mixer layer (``attn_norm``, ``attn``) and the Megatron MLP layers after it (``mlp_norms``, ``mlps``)."""
+class MegatronExperts(nn.Module):
+    """A ``MoELayer``'s routed SwiGLU experts as stacks, in the layout of transformers' ``*Experts`` that the
+    project's sparse MoE path takes (``hf.blocks.ExpertStacks``): ``gate_up_proj`` ``[E, 2I, D]`` (each expert's
+    ``linear_fc1`` = ``[gate; up]``), ``down_proj`` ``[E, D, I]`` (its ``linear_fc2``)."""
 
-    def __init__(self, config: MegatronConfig, mixer: nn.Module, mlp_count: int) -> None:
+    def __init__(self, experts: int, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * ffn, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, ffn))
+        self.act_fn = nn.SiLU()
+
+
+class MegatronMoE(nn.Module):
+    """Megatron's ``MoELayer``: ``TopKRouter`` (``topk_routing_with_score_function``), the routed experts mixed by its
+    weights, plus the shared expert, scaled by ``sigmoid(x @ gate_weight)`` when it has a gate
+    (``SharedExpertMLP``). Softmax scores: ``moe_router_pre_softmax``, top-k of the softmax over every expert;
+    otherwise the softmax over the top-k logits (the top-k probabilities renormalized). Sigmoid scores: the experts
+    chosen by score + ``expert_bias`` (within the ``group_topk`` best of ``num_groups`` groups, a group scored by its
+    top-``topk / group_topk`` sum), weighted by their unbiased scores, renormalized when top-k > 1, times
+    ``moe_router_topk_scaling_factor``: DeepSeek-V3's routing (``models.blocks.grouped_sigmoid_routing``)."""
+
+    def __init__(self, config: MegatronConfig) -> None:
+        super().__init__()
+        c = config
+        self.top_k, self.normalize = c.moe_router_topk, not c.moe_router_pre_softmax
+        self.sigmoid, self.scaling = c.moe_router_score_function == "sigmoid", c.moe_router_scaling
+        self.groups, self.top_groups = c.moe_router_num_groups, c.moe_router_group_topk
+        self.router = _linear(c.hidden_size, c.num_experts)
+        if c.moe_router_expert_bias:
+            self.expert_bias = nn.Parameter(torch.zeros(c.num_experts))
+        self.experts = MegatronExperts(c.num_experts, c.hidden_size, c.moe_ffn_hidden_size)
+        if c.moe_shared_expert_size:
+            self.shared_expert = MegatronMLP(c.hidden_size, c.moe_shared_expert_size, "swiglu")
+            if c.moe_shared_expert_gate:
+                self.shared_expert_gate = _linear(c.hidden_size, 1)
+        self.stacks = None  # the moe_ffn stacks, set (unregistered) by the exportable model (family.MegatronLM)
+
+    @property
+    def gate(self) -> str:
+        if self.sigmoid:  # the weights choose the experts exactly when the scaling is positive (kimi_linear's rule)
+            return "grouped_sigmoid" if self.scaling > 0 else "grouped_sigmoid_signed"
+        return softmax_gate(self.normalize)
+
+    def routing(self, flat: torch.Tensor) -> torch.Tensor:
+        logits = self.router(flat)
+        if not self.sigmoid:
+            return top_k_routing(logits, self.top_k, self.normalize)
+        bias = self.expert_bias if hasattr(self, "expert_bias") else torch.zeros(logits.shape[-1])
+        return grouped_sigmoid_routing(logits.float(), bias, top_k=self.top_k, groups=self.groups,
+                                       top_groups=self.top_groups, normalize=self.top_k > 1,
+                                       scaling=self.scaling).to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights = self.routing(flat)
+        if self.stacks is None:  # the eager reference: every expert, mixed by the routing
+            gate, up = self.experts.gate_up_proj.chunk(2, dim=1)
+            out = dense_experts(flat, weights, gate, up, self.experts.down_proj, F.silu)
+        else:
+            out = routed_moe(flat, weights, self.router.weight, self.stacks.gate_proj, self.stacks.up_proj,
+                             self.stacks.down_proj, self.top_k, self.stacks.gate)
+        if hasattr(self, "shared_expert"):
+            shared = self.shared_expert(flat)
+            if hasattr(self, "shared_expert_gate"):
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
+        return out.view_as(x)
+
+
+class MegatronAttention(Attention):
+    """Megatron's ``SelfAttention`` where it leaves FLA's layout: heads of ``kv_channels`` (any width),
+    ``attention_output_gate`` (per query group ``[q | gate | k | v]`` in ``linear_qkv``; the attention output times
+    ``sigmoid(gate)`` before ``linear_proj``), rotary on the first ``rotary_dim`` channels of each head (Megatron's
+    ``rotary_percent``, NeoX halves within them; the rest pass through)."""
+
+    def __init__(self, config: MegatronConfig, layer_idx: int) -> None:
+        nn.Module.__init__(self)
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_query_groups, c.kv_channels
+        self.window_size, self.rope_theta, self.qk_norm, self.layer_idx = None, c.rotary_base, c.qk_layernorm, layer_idx
+        self.rotary_dim = c.rotary_dim or c.kv_channels
+        query, kv = c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
+        self.q_proj = nn.Linear(c.hidden_size, query, bias=c.add_qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, kv, bias=c.add_qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, kv, bias=c.add_qkv_bias)
+        self.o_proj = _linear(query, c.hidden_size)
+        if c.attention_output_gate:
+            self.gate_proj = _linear(c.hidden_size, query)
+        if c.qk_layernorm:
+            self.q_norm, self.k_norm = RMSNorm(c.kv_channels, eps=c.norm_eps), RMSNorm(c.kv_channels, eps=c.norm_eps)
+
+    def inv_freq(self) -> torch.Tensor:
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim
+        return 1.0 / (float(self.rope_theta) ** exponents)
+
+    def forward(self, x, past_key, past_value, context):
+        q, k, v = self.heads(x)
+        cos, sin = blocks.rope_cos_sin(self.inv_freq(), context.positions, 1.0, x.dtype)
+        cos, sin = cos[:, :, None], sin[:, :, None]
+        r = self.rotary_dim
+
+        def rotate(t):
+            turned = t[..., :r] * cos + rotate_half(t[..., :r]) * sin
+            return turned if r == self.head_dim else torch.cat([turned, t[..., r:]], dim=-1)
+
+        out, key, value = blocks.cached_attention(rotate(q).transpose(1, 2), rotate(k).transpose(1, 2),
+                                                  v.transpose(1, 2), past_key, past_value, context.mask,
+                                                  self.head_dim ** -0.5)
+        if hasattr(self, "gate_proj"):
+            out = (out.float() * torch.sigmoid(self.gate_proj(x).float())).to(out.dtype)
+        return self.o_proj(out), key, value
+
+
+class Block(nn.Module):
+    """One mixer layer (``attn_norm``, ``attn``) and the Megatron MLP / MoE layers after it (``mlp_norms``,
+    ``mlps``)."""
+
+    def __init__(self, config: MegatronConfig, mixer: nn.Module, mlp_indices: list[int]) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.attn = mixer
-        self.mlp_norms = nn.ModuleList(RMSNorm(config.hidden_size, eps=config.norm_eps) for _ in range(mlp_count))
-        self.mlps = nn.ModuleList(MegatronMLP(config.hidden_size, config.ffn_hidden_size, config.mlp_activation)
-                                  for _ in range(mlp_count))
+        self.mlp_norms = nn.ModuleList(RMSNorm(config.hidden_size, eps=config.norm_eps) for _ in mlp_indices)
+        self.mlps = nn.ModuleList(
+            MegatronMoE(config) if index in config.moe_layers
+            else MegatronMLP(config.hidden_size, config.ffn_hidden_size, config.mlp_activation)
+            for index in mlp_indices)
 
     def forward(self, step, *args):
         return step(*args)
@@ -257,6 +391,10 @@ def build_mixer(kind: str, config: MegatronConfig, index: int) -> nn.Module:
         return GatedDeltaNet2Mixer(config)
     if kind == "gdp":
         return GatedDeltaProductMixer(config)
+    c = config
+    if c.attention_output_gate or (c.rotary_dim or c.kv_channels) != c.kv_channels or \
+            c.kv_channels * c.num_attention_heads != c.hidden_size:
+        return MegatronAttention(config, index)
     attention = Attention(config.hidden_size, config.num_attention_heads, config.num_query_groups,
                           qkv_bias=config.add_qkv_bias, qk_norm=config.qk_layernorm, rope_theta=config.rotary_base,
                           layer_idx=index)
@@ -275,7 +413,7 @@ class MegatronHybridLM(FlaForCausalLM):
         self.model = nn.Module()
         self.model.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.model.layers = nn.ModuleList(
-            Block(config, build_mixer(kind, config, i), len(mlps)) for i, (kind, _, mlps) in enumerate(config.blocks))
+            Block(config, build_mixer(kind, config, i), mlps) for i, (kind, _, mlps) in enumerate(config.blocks))
         self.model.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
