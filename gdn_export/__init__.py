@@ -6,8 +6,8 @@
 transformers, onnx); its names (``export``, ``convert``, ``check``, ``gated_delta_rule``, ``GatedDeltaRule``,
 ``gated_delta_scan``, ...) define the ``t2n_extra`` custom ops in torch on first use (``torch.ops.t2n_extra.
 gated_delta_scan``, ``gated_delta_rule``, ``causal_conv1d_update``, ``moe_ffn``; or call
-``gdn_export.ops.register_custom_ops()``); when torch is already imported, ``import gdn_export`` defines them at once. ``gdn_export.export`` registers gdn_export's torch-to-nnef handlers
-for its duration; wrap your own ``torch_to_nnef.export_model_to_nnef`` call in
+``gdn_export.ops.register_custom_ops()``); when torch is already imported, ``import gdn_export`` defines them at
+once. ``gdn_export.export`` registers gdn_export's torch-to-nnef handlers for its duration; wrap your own ``torch_to_nnef.export_model_to_nnef`` call in
 ``gdn_export.backends.compat.torch_to_nnef.conversion(CUSTOM_OPS)`` (docs/ARCHITECTURE.md) to export them yourself.
 """
 

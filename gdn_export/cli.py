@@ -40,7 +40,6 @@ from gdn_export.errors import GdnExportError, missing_extra
 from gdn_export.ops.gated_delta_rule.registry import LOWERINGS  # light: --help imports no torch (nor numpy)
 from gdn_export.targets import ALL_RUNTIMES
 from gdn_export.weights import formats
-from gdn_export.weights.q4_0 import format as q4_0_format  # the options Q4_0 owns (light, as the registry)
 
 
 def _progress(message: str) -> None:
@@ -59,8 +58,7 @@ def _convert(args) -> int:
         runtime=args.runtime or "cpu", core_dtype=args.core_dtype, chunk_size=args.chunk_size,
         streamed=not args.in_memory, prompt_len=args.prompt_len, decode_steps=args.decode_steps,
         quantize=args.quantize, quantize_embeddings=args.quantize_embeddings, logits=args.logits,
-        serving=args.serving, q4_rule=args.q4_rule, calibration=args.calibration,
-        calibration_tokens=args.calibration_tokens, fold_scales=args.fold_scales, int8_passes=args.int8_passes))
+        serving=args.serving, **{option.name: getattr(args, option.name) for option in _format_options()}))
     print(run_plan(plan, _progress))
     return 0
 
@@ -151,6 +149,11 @@ def _quiet_transformers() -> None:
         return
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+
+
+def _format_options() -> list:
+    """Every ``convert`` option a weight format owns (``gdn_export.weights.formats``: the flag, its keywords)."""
+    return [option for fmt in formats.all_formats() for option in fmt.options]
 
 
 def _count(minimum: int):
@@ -317,7 +320,7 @@ def _perplexity(args) -> int:
             raise UsageError(f"--reference {args.reference} is not a checkpoint folder")
 
         def reference():
-            from gdn_export.hf.reference import eager_window_logits
+            from gdn_export.checkpoints.reference import eager_window_logits
 
             _quiet_transformers()
             return eager_window_logits(args.reference)
@@ -417,25 +420,10 @@ def parser() -> argparse.ArgumentParser:
                               "layer in memory at a time (layerwise), or full where it fits (auto)")
     convert.add_argument("--no-check", action="store_true", help="run no check at all")
     convert.add_argument("--quantize", choices=list(formats.names()), default=None, help=formats.quantize_help())
-    convert.add_argument("--int8-passes", type=int, choices=[1, 2], default=1,
-                         help="with --quantize int8: round each layer's input in 1 pass (the default) or 2 (the "
-                              "rounding's residual too: a second int8 row, mean KL 0.23x on the trained fixture, "
-                              "more int8 work; docs/INT8.md)")
     convert.add_argument("--quantize-embeddings", action="store_true",
                          help="with --quantize, the embedding table too (refused when the head is tied to it)")
-    convert.add_argument("--q4-rule", choices=list(q4_0_format.RULES), default=None,
-                         help="how Q4_0 blocks are chosen: search (the default without --calibration: each scale of "
-                              "least squared error), gptq (the default with --calibration: GPTQ's error feedback "
-                              "across columns), nearest (llama.cpp's plain Q4_0, d = extreme / -8); docs/Q4_0.md")
-    convert.add_argument("--calibration", metavar="TEXT_FILE", default=None,
-                         help="with --quantize q4_0: weigh each weight's error by its input channel's mean squared "
-                              "activation on this text (llama-imatrix's importance), read with the checkpoint's "
-                              "tokenizer")
-    convert.add_argument("--fold-scales", action="store_true",
-                         help="with --calibration: fold per-channel scales into the norms (AWQ's transformation, "
-                              "exact in float; not measured better on the trained fixture; docs/Q4_0.md)")
-    convert.add_argument("--calibration-tokens", type=_count(2), default=8192,
-                         help="at most this many tokens of the calibration text, in windows of 512 (default 8192)")
+    for option in _format_options():  # the options a weight format owns, as its registry entry declares them
+        convert.add_argument(option.flag, dest=option.name, default=option.default, **option.cli)
     convert.add_argument("--logits", choices=["all", "last"], default="all",
                          help="logits of every new position (all: scoring, perplexity) or of the last one only "
                               "(last: generation; the head then runs once per call, not per prompt token)")

@@ -675,7 +675,7 @@ TRANSFORMERS_FLA_KERNELS_WITHOUT_GPU = Quirk(
          "Triton's '0 active drivers' on a machine without a GPU",
     workaround="the CPU references (gdn-export perplexity --reference; the test suite) put a None entry for 'fla' "
                "in sys.modules before transformers' model modules import, so transformers takes its torch path",
-    applied_in=("gdn_export/hf/reference.py",),
+    applied_in=("gdn_export/checkpoints/reference.py",),
     when_fixed="the None entry can go once transformers checks the tensors' device before taking fla's kernels; "
                "gdn-export convert's check does not carry it yet (a CPU machine with fla installed fails its check)",
     no_canary="needs flash-linear-attention and Triton installed on a machine without a GPU, which the suite's "

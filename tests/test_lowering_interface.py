@@ -39,7 +39,7 @@ def test_the_emitter_and_export_see_the_registry():
 
 
 def test_every_runtime_orders_registered_lowerings_and_ends_with_one_that_always_applies():
-    assert policy.RUNTIMES == ("any", "cpu", "cuda")
+    assert policy.RUNTIMES == ("any", "cpu", "cuda") == tuple(policy.ORDER)  # an order for every NNEF runtime
     for runtime in policy.RUNTIMES:
         order = policy.candidates(runtime)
         assert set(order) <= set(registry.registry()), runtime

@@ -49,6 +49,15 @@ def test_eager_model_matches_megatron(mixer):
         judge(mixer, model(torch.from_numpy(tokens)).logits.numpy(), expected)
 
 
+def test_perplexity_reference_reads_a_megatron_folder():
+    """`gdn-export perplexity --reference` opens a folder of any source: a Megatron one's window logits are
+    Megatron's own forward of that window (the golden's first row, from an empty cache)."""
+    from gdn_export.checkpoints.reference import eager_window_logits
+
+    tokens, expected = golden("gdn")
+    judge("gdn", eager_window_logits(FIXTURES / "megatron_gdn")(tokens[0])[None], expected[:1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", by_fixture(*(f"megatron_{m}" for m in MIXERS)))
 def test_converted_checkpoint_in_tract_matches_megatron(name, shared_session):

@@ -25,7 +25,8 @@ def test_every_source_is_complete():
         assert families, f"{source.name} builds no family"
         for family in families:
             for model_type in family.model_types:
-                assert model_type not in seen_types, f"{model_type} claimed by {seen_types[model_type]} and {source.name}"
+                assert model_type not in seen_types, \
+                    f"{model_type} claimed by {seen_types[model_type]} and {source.name}"
                 seen_types[model_type] = source.name
                 assert checkpoints.family_for(model_type) is family
 

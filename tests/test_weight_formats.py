@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,24 +35,52 @@ def test_every_format_is_complete(fmt):
         assert str(err.value) == fmt.needs[0]
 
 
-def test_the_cli_lists_the_registry():
-    from gdn_export.cli import parser
-
-    text = parser().parse_args  # noqa: F841  (the parser builds: its choices come from the registry)
+def test_every_format_folder_is_registered():
+    """The folders on disk (weights/<name>/format.py), not the registry's own list: a folder left out of FORMATS fails;
+    and --quantize offers exactly the registered formats, each with its words in the help."""
     import argparse
 
+    from gdn_export.cli import parser
+
+    folders = sorted(p.parent.name for p in Path(formats.__file__).parent.glob("*/format.py"))
+    assert sorted([*formats.FORMATS, formats.FLOAT]) == folders
     actions = [a for a in parser()._subparsers._group_actions if isinstance(a, argparse._SubParsersAction)]
-    quantize = next(a for a in actions[0].choices["convert"]._actions if "--quantize" in a.option_strings)
-    assert tuple(quantize.choices) == formats.names()
-    assert all(f"{name}:" in quantize.help for name in formats.names())
+    convert_actions = actions[0].choices["convert"]._actions
+    quantize = next(a for a in convert_actions if "--quantize" in a.option_strings)
+    assert set(quantize.choices) == set(formats.names()) >= set(formats.FORMATS)
+    assert all(f"{name}:" in quantize.help for name in formats.FORMATS)
+    flags = {flag for a in convert_actions for flag in a.option_strings}
+    assert all(option.flag in flags for fmt in formats.all_formats() for option in fmt.options)
+
+
+def test_a_format_folder_loads_no_codec_until_used():
+    """The registry and a probe of a format's package (hasattr, as copy or pickle do) import neither numpy nor torch:
+    --help lists the formats on the base install."""
+    import subprocess
+    import sys
+
+    script = ("import sys, gdn_export.weights.q4_0 as q; from gdn_export.weights import formats; formats.names(); "
+              "hasattr(q, '__all__'); hasattr(q, '__path__'); "
+              "assert not {'numpy', 'torch'} & set(sys.modules), sorted({'numpy', 'torch'} & set(sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture
+def toy_format():
+    """tests/toy_weight_format registered for one test, removed after it (the registry is the process's)."""
+    import toy_weight_format.format as toy
+
+    formats.register(toy.FORMAT)
+    yield toy.FORMAT
+    formats.unregister(toy.FORMAT.name)
 
 
 @pytest.mark.slow
-def test_a_format_of_ones_own_converts_checks_and_runs(tmp_path, capsys):
+def test_a_format_of_ones_own_converts_checks_and_runs(tmp_path, capsys, toy_format):
     """tests/toy_weight_format registers 'bf16r' on import: the CLI takes it, convert stores its tensors and checks
     the archive against transformers with the same rounded weights (float32 rule), `check` re-rounds, the run side
     runs it, and the check tells it from the float32 weights."""
-    import toy_weight_format.format  # noqa: F401  (its registry line)
     from gdn_export import Session, check, convert
     from gdn_export.cli import main as cli
 
@@ -69,6 +98,16 @@ def test_a_format_of_ones_own_converts_checks_and_runs(tmp_path, capsys):
     assert report.check.ok and report.check.dtype == "float32", report.check
     quality = report.check.quality  # the same logits against the unrounded weights: outside the float32 rule
     assert quality is not None and quality.max_abs_error > report.check.tolerance, quality
-    session = Session(out)
-    logits = session.prefill(np.array([[1, 2, 3]]))
-    assert logits.shape[:2] == (1, 3) and np.isfinite(logits).all()
+    # the run side: a Session's logits are transformers' with every linear weight rounded as the format stores it
+    from gdn_export.hf.checkpoint import load_model
+    from gdn_export.parity import max_abs_error
+
+    model = load_model(FIXTURES / "qwen3_5")
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(module.weight.bfloat16().float())
+        tokens = np.array([[1, 2, 3, 4, 5, 6, 7]])
+        expected = model(input_ids=torch.from_numpy(tokens)).logits.numpy()
+    actual = Session(out).prefill(tokens)
+    assert max_abs_error(actual, expected) <= 1e-4 * max(1.0, float(np.abs(expected).max()))  # the float32 rule

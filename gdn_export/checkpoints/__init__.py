@@ -37,7 +37,8 @@ class CheckpointSource:
 # in the order folders are tried: Megatron first (its folders have no config.json), Hugging Face last (any folder)
 SOURCES = (
     CheckpointSource("Megatron-LM (torch_dist, legacy)", "gdn_export.megatron.source"),
-    CheckpointSource("Hugging Face / flash-linear-attention folder (config.json + safetensors)", "gdn_export.hf.source"),
+    CheckpointSource("Hugging Face / flash-linear-attention folder (config.json + safetensors)",
+                     "gdn_export.hf.source"),
 )
 
 

@@ -61,7 +61,8 @@ class QuantizationReport:
         if self.scheme is None:
             return ""
         details = self.describe(self)
-        text = (f"{len(self.quantized)} weights in {self.scheme.upper()} ({_size(self.bytes_before)} -> "
+        label = weight_format(self.scheme).label
+        text = (f"{len(self.quantized)} weights in {label} ({_size(self.bytes_before)} -> "
                 f"{_size(self.bytes_after)}{details})")
         if self.tables:
             text += (f"; {len(self.tables)} embedding table in {self.table_words}: {_size(self.table_bytes[0])} -> "

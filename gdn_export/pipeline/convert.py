@@ -423,7 +423,8 @@ class NnefSteps:
             start = time.perf_counter()
             say(f"calibrating on {plan.calibration} (at most {plan.calibration_tokens} tokens)")
             measured = calibrate(plan.checkpoint_dir, plan.calibration, family, layout, weights,
-                                 max_tokens=plan.calibration_tokens, grams=plan.q4_rule == "gptq")
+                                 max_tokens=plan.calibration_tokens,
+                                 **weight_format(plan.quantize).calibration_options(plan))
             if plan.fold_scales:
                 from gdn_export.hf.folding import fold
 
@@ -642,7 +643,9 @@ def _check_quantized(path, checkpoint_dir, metadata: dict, prompt_len: int, deco
     calibration included), checked against ``check_reference``'s weights as ``run_plan`` checks."""
     from gdn_export.hf.calibration import DEFAULT_CTX
 
+    # what every archive records (quantize_embeddings absent: False), then what its format records of itself
     options = dict(quantize=metadata["quantize"], dtype=metadata.get("dtype") or "float32",
+                   quantize_embeddings=bool(metadata.get("quantize_embeddings", False)),
                    **weight_format(metadata["quantize"]).options_from_metadata(metadata))
     recorded = metadata.get("calibration")
     if recorded:  # from the archive: its shape checked before anything is read with it

@@ -11,7 +11,7 @@ at each scored position, KL(reference || export) of the next-token distributions
 ``--kl-divergence``: its mean and 99th percentile) and whether the two models' most likely tokens agree (top-1).
 
 The run side: numpy, tokenizers and the model's runtime (tract, or onnxruntime for a ``.onnx``). The reference's
-logits come from the convert side (``gdn_export.hf.reference``, torch and transformers), which the caller passes in.
+logits come from the convert side (``gdn_export.checkpoints.reference``, torch and transformers), which the caller passes in.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def measure(archive, text_file, ctx: int = 256, reference: Callable[[], Logits] 
             tokenizer_path=None, chunks: int | None = None, onnx_runtime: str = "onnxruntime",
             progress: Callable[[int, int, float], None] | None = None) -> Perplexity:
     """``gdn-export perplexity``: the figures for ``archive`` on ``text_file``. ``reference()`` makes the reference's
-    window logits (``gdn_export.hf.reference.eager_window_logits``: the convert side, which the run side does not
+    window logits (``gdn_export.checkpoints.reference.eager_window_logits``: the convert side, which the run side does not
     import), called once the inputs are checked; ``reference_dir`` is its checkpoint (a tokenizer for an .onnx)."""
     text = read_text(text_file)
     session = open_export(archive, onnx_runtime)

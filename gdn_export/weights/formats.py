@@ -14,7 +14,7 @@ default.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from gdn_export.errors import GdnExportError, worded
@@ -26,11 +26,13 @@ FLOAT = "float"
 
 @dataclass(frozen=True)
 class OwnedOption:
-    """An option of ``convert`` that only one format reads: its keyword, its default (not given) and its flag."""
+    """An option of ``convert`` that only one format reads: its keyword, its default (not given), its flag and the
+    flag's ``argparse`` keywords (type, choices, action, metavar, help: the CLI adds it from here)."""
 
     name: str
     default: Any
     flag: str
+    cli: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class WeightFormat:
     resolve: Callable[[dict, Any], None] = lambda options, calibration: None
     metadata: Callable[[Any], dict] = lambda plan: {}
     options_from_metadata: Callable[[dict], dict] = lambda metadata: {}
+    calibration_options: Callable[[Any], dict] = lambda plan: {}  # calibrate()'s keywords (a calibrated format's)
 
     def codec_module(self):
         return importlib.import_module(self.codec)
@@ -124,16 +127,25 @@ def codec_attributes(package: str) -> Callable[[str], Any]:
     first use, so that importing the folder's light ``format.py`` (the registry does) loads no codec."""
 
     def attribute(name: str) -> Any:
-        if name in ("format", "codec"):  # a submodule not imported yet: ``from ... import format`` imports it alone
+        # a submodule not imported yet (``from ... import format`` then imports it alone), or a dunder probe
+        # (``hasattr(module, "__all__")``, copy, pickle...): not the codec's, and never worth importing torch for
+        if name in ("format", "codec") or name.startswith("_"):
             raise AttributeError(name)
         return getattr(importlib.import_module(f"{package}.codec"), name)
 
     return attribute
 
 
+def unregister(name: str) -> None:
+    """Remove a format ``register`` added (a test's own, when the test ends)."""
+    if name in FORMATS:
+        raise GdnExportError(f"weight format {name!r} is one of gdn_export's own: it cannot be removed")
+    _REGISTRY.pop(name, None)
+
+
 def quantize_help() -> str:
     return "; ".join(f"{fmt.name}: {fmt.help}" for fmt in _load().values())
 
 
-__all__ = ["FLOAT", "FORMATS", "OwnedOption", "WeightFormat", "all_formats", "check_owned_options", "codec_attributes", "names",
-           "owned_defaults", "quantize_help", "register", "weight_format"]
+__all__ = ["FLOAT", "FORMATS", "OwnedOption", "WeightFormat", "all_formats", "check_owned_options",
+           "codec_attributes", "names", "owned_defaults", "quantize_help", "register", "unregister", "weight_format"]

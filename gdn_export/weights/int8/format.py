@@ -30,7 +30,10 @@ FORMAT = register(WeightFormat(
     onnx_refusal="the ONNX exporter writes float weights only: its integer route with the same numbers (Abs, "
                  "ReduceMax, Round, Cast, MatMulInteger without zero points) is not written; DynamicQuantizeLinear "
                  "rounds asymmetrically to uint8, other numbers",
-    options=(OwnedOption("int8_passes", 1, "--int8-passes"),),
+    options=(OwnedOption("int8_passes", 1, "--int8-passes", dict(
+        type=int, choices=[1, 2], help="with --quantize int8: round each layer's input in 1 pass (the default) or 2 "
+        "(the rounding's residual too: a second int8 row, mean KL 0.23x on the trained fixture, more int8 work; "
+        "docs/INT8.md)")),),
     needs=("int8_passes chooses how quantize='int8' rounds its activations: it needs quantize='int8'",
            "--int8-passes chooses how --quantize int8 rounds its activations: add --quantize int8"),
     validate=_validate,

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from gdn_export.weights.encoding import Encoding
-from gdn_export.weights.q4_0.format import RULES  # noqa: F401  (how blocks are chosen: the docstring; the first is the default)
+# how blocks are chosen (the module docstring); the first is the default
+from gdn_export.weights.q4_0.format import RULES  # noqa: F401
 
 BLOCK = 32
 BLOCK_BYTES = 18

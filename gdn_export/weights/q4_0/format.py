@@ -9,6 +9,7 @@ from pathlib import Path
 from gdn_export.errors import GdnExportError, worded
 from gdn_export.weights.formats import OwnedOption, WeightFormat, register
 
+DEFAULT_CALIBRATION_TOKENS = 8192
 RULES = ("search", "nearest", "gptq")  # how blocks are chosen (codec.py's docstring); the first is the default
 
 
@@ -28,6 +29,14 @@ def _resolve(options: dict, calibration) -> None:
                      "--q4-rule gptq needs --calibration TEXT_FILE (the inputs' second moments)")
     if calibration is not None and not Path(calibration).is_file():
         raise GdnExportError(f"calibration text {calibration} is not a file")
+    tokens = options.get("calibration_tokens", DEFAULT_CALIBRATION_TOKENS)
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 2:
+        raise worded(GdnExportError(f"calibration_tokens must be an integer >= 2, got {tokens!r}"),
+                     f"--calibration-tokens must be >= 2, got {tokens!r}")
+    if options.get("fold_scales") and calibration is None:
+        raise worded(GdnExportError("fold_scales folds the per-channel scales calibration measures: it needs "
+                                    "calibration=FILE"),
+                     "--fold-scales folds the scales --calibration measures: add --calibration TEXT_FILE")
 
 
 FORMAT = register(WeightFormat(
@@ -35,11 +44,27 @@ FORMAT = register(WeightFormat(
     help="every linear layer's weight (inner size a multiple of 32) in tract's Q4_0",
     reference="Q4_0",
     onnx_refusal="tract's Q4_0 format; an ONNX export keeps float weights",
-    options=(OwnedOption("q4_rule", None, "--q4-rule"), OwnedOption("calibration", None, "--calibration")),
-    needs=("q4_rule and calibration choose how quantize='q4_0' stores its blocks: they need quantize='q4_0'",
-           "--q4-rule and --calibration choose how --quantize q4_0 picks its scales: add --quantize q4_0"),
+    options=(
+        OwnedOption("q4_rule", None, "--q4-rule", dict(
+            choices=list(RULES), help="how Q4_0 blocks are chosen: search (the default without --calibration: each "
+            "scale of least squared error), gptq (the default with --calibration: GPTQ's error feedback across "
+            "columns), nearest (llama.cpp's plain Q4_0, d = extreme / -8); docs/Q4_0.md")),
+        OwnedOption("calibration", None, "--calibration", dict(
+            metavar="TEXT_FILE", help="with --quantize q4_0: weigh each weight's error by its input channel's mean "
+            "squared activation on this text (llama-imatrix's importance), read with the checkpoint's tokenizer")),
+        OwnedOption("fold_scales", False, "--fold-scales", dict(
+            action="store_true", help="with --calibration: fold per-channel scales into the norms (AWQ's "
+            "transformation, exact in float; not measured better on the trained fixture; docs/Q4_0.md)")),
+        OwnedOption("calibration_tokens", DEFAULT_CALIBRATION_TOKENS, "--calibration-tokens", dict(
+            type=int, help="at most this many tokens of the calibration text, in windows of 512 (default "
+            f"{DEFAULT_CALIBRATION_TOKENS})")),
+    ),
+    needs=("q4_rule, calibration, calibration_tokens and fold_scales choose how quantize='q4_0' stores its blocks: "
+           "they need quantize='q4_0'",
+           "--q4-rule, --calibration, --calibration-tokens and --fold-scales choose how --quantize q4_0 picks its "
+           "scales: add --quantize q4_0"),
+    calibration_options=lambda plan: {"grams": plan.q4_rule == "gptq"},  # GPTQ needs the inputs' second moments
     resolve=_resolve,
     metadata=lambda plan: {"q4_rule": plan.q4_rule},
     options_from_metadata=lambda metadata: dict(q4_rule=metadata.get("q4_rule") or "search",
-                                                 quantize_embeddings=bool(metadata.get("quantize_embeddings", False)),
                                                  fold_scales=metadata.get("folded_norms") is not None)))

@@ -1,4 +1,5 @@
-"""The checkpoint's own logits for ``gdn-export perplexity --reference``: the family's eager model in float32."""
+"""The checkpoint's own logits for ``gdn-export perplexity --reference``: the family's eager model in float32, for a
+folder of any source (``gdn_export.checkpoints``)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ def eager_window_logits(checkpoint_dir: str | os.PathLike) -> Callable[[np.ndarr
     sys.modules.setdefault("fla", None)  # type: ignore[assignment]
     import torch
 
-    from gdn_export.hf.checkpoint import load_model
+    from gdn_export.checkpoints import open_checkpoint
+    from gdn_export.hf.checkpoint import model_in_memory
 
-    model = load_model(checkpoint_dir).eval()
+    family, layout, _, weights = open_checkpoint(checkpoint_dir)
+    model = model_in_memory(family, layout, weights).eval()
 
     def logits(window: np.ndarray) -> np.ndarray:
         with torch.no_grad():
