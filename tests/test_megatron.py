@@ -263,6 +263,20 @@ def test_moe_routing_gdn_export_does_not_compute_is_refused(tmp_path, capsys, mi
     refused(capsys, _with_args(tmp_path, mixer, **change), tmp_path / "m.nnef.tgz", message)
 
 
+@pytest.mark.parametrize("mixer, change, message", [
+    ("gdn", {"softmax_scale": 0.5}, "softmax_scale 0.5"),
+    ("gdn", {"use_rope_scaling": True}, "rope scaling"),
+    ("gdn", {"rotary_seq_len_interpolation_factor": 4.0}, "rotary_seq_len_interpolation_factor 4.0"),
+    ("gdn", {"mrope_section": [8, 12, 12]}, "mrope_section"),
+    ("moe", {"swiglu": False, "squared_relu": True}, "MoE experts without swiglu"),
+], ids=["softmax-scale", "rope-scaling", "interpolation", "mrope", "moe-activation"])
+def test_attention_and_expert_settings_gdn_export_does_not_compute_are_refused(tmp_path, capsys, mixer, change,
+                                                                               message):
+    """Settings that would change the attention's scale or rotary, or the experts' activation: refused in one line
+    rather than converted to another model."""
+    refused(capsys, _with_args(tmp_path, mixer, **change), tmp_path / "m.nnef.tgz", message)
+
+
 def test_grouped_gemm_legacy_experts_read_the_same_model(tmp_path):
     """The MoE fixture's legacy save with its experts renamed as ``TEGroupedMLP`` stores them
     (``experts.linear_fc1.weight<e>``, Megatron's grouped-GEMM experts; ``SequentialMLP`` writes

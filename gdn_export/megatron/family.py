@@ -95,6 +95,18 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
                  else heads)
     kv_channels = int(_arg(args, "kv_channels", default=hidden // heads))
     rotary_dim = int(kv_channels * float(_arg(args, "rotary_percent", default=1.0) or 1.0))
+    if "*" in pattern:  # what the attention computes otherwise than scaled dot products on plain rotary: refused
+        scale = _arg(args, "softmax_scale")
+        refuse_if(scale is not None and abs(float(scale) - kv_channels ** -0.5) > 1e-9 * kv_channels ** -0.5,
+                  f"softmax_scale {scale} (attention scales by kv_channels ** -0.5 = {kv_channels ** -0.5:.6g})")
+        refuse_if(bool(_arg(args, "use_rope_scaling", "rope_scaling", default=False)),
+                  "rope scaling (use_rope_scaling / rope_scaling: plain rotary only)")
+        factor = _arg(args, "rotary_seq_len_interpolation_factor", "seq_len_interpolation_factor")
+        refuse_if(factor not in (None, 1, 1.0), f"rotary_seq_len_interpolation_factor {factor} (plain rotary only)")
+        refuse_if(_arg(args, "mrope_section") is not None,
+                  f"mrope_section {_arg(args, 'mrope_section')} (multimodal rotary; plain rotary only)")
+    if "E" in pattern:  # the experts are SwiGLU (MegatronMoE)
+        refuse_if(not swiglu, "MoE experts without swiglu (only SwiGLU experts)")
     if "*" in pattern:
         refuse_if(rotary_dim % 2 or not 0 < rotary_dim <= kv_channels,
                   f"rotary_percent {_arg(args, 'rotary_percent')} ({rotary_dim} of {kv_channels} channels; an even "
