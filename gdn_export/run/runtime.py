@@ -33,6 +33,11 @@ def load_tract_model(path: str | os.PathLike, symbols: dict[str, int] | None = N
     path = Path(path)
     if not path.exists():
         raise TractRuntimeError(f"no model at {path}")
+    if path.is_file():  # what tract would read checked first (members, headers, digests, states): ArchiveError
+        from gdn_export.run.archive import read_metadata
+        from gdn_export.run.integrity import check_archive
+
+        interruptible(lambda: check_archive(path, read_metadata(path)))
 
     def load():
         model = tract.nnef().with_tract_transformers().load(str(path))
