@@ -180,7 +180,7 @@ def read_metadata(path: str | os.PathLike) -> dict | None:
         return None
     try:
         metadata = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as err:
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise ArchiveError(f"{path}: {METADATA_FILE} is not valid JSON ({err})") from None
     return check_metadata(metadata, f"{path}: {METADATA_FILE}")
 
@@ -202,7 +202,7 @@ def json_member(data: bytes, name: str, path: Path) -> dict:
     """Member ``name``'s bytes as a JSON object, or an ArchiveError."""
     try:
         value = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as err:
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise ArchiveError(f"{path}: {name} is not valid JSON ({first_line(err)})") from None
     if not isinstance(value, dict):
         raise ArchiveError(f"{path}: {name} must be a JSON object, got {type(value).__name__}")
