@@ -180,13 +180,22 @@ def _chunk_size(text: str) -> int:
 
 
 def _version(text: str) -> str:
-    from gdn_export.ops.gated_delta_rule.capabilities import parse_version  # numpy: only when given
+    from gdn_export.ops.gated_delta_rule.capabilities import check_target_version, parse_version  # numpy: when given
 
     try:
-        parse_version(text)
+        check_target_version(parse_version(text), _installed_tract())
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     return text
+
+
+def _installed_tract() -> tuple[int, int, int] | None:
+    from gdn_export.ops.gated_delta_rule.capabilities import parse_version
+
+    try:
+        return parse_version(_tract_version())
+    except (ImportError, ValueError):
+        return None
 
 
 # --- generate and serve ----------------------------------------------------------------------------------------

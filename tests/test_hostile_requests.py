@@ -214,3 +214,66 @@ def test_a_second_signal_ends_the_server_at_once(archive, tmp_path, signum):
     text = log.read_text()
     assert process.returncode == 1 and "Traceback" not in text and "exiting at once" in text, (process.returncode,
                                                                                               text)
+
+
+# --- the smaller ones ---------------------------------------------------------------------------------------------
+
+def test_small_cli_refusals_are_one_line(archive, tmp_path, capsys):
+    """perplexity --ctx past the model's context (from the fixture's config.json), a target tract newer than any
+    known, a Session over no file, a graph tract cannot parse (its line named, not ``opening file``)."""
+    from gdn_export.cli import main
+    from gdn_export.errors import GdnExportError
+    from gdn_export.run.session import Session
+    from helpers import resealed
+
+    context = json.loads((FIXTURES / NAME / "config.json").read_text())["max_position_embeddings"]
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 200)
+    assert main(["perplexity", str(archive), str(text), "--ctx", str(context + 1)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--ctx {context + 1}" in err[0] and str(context) in err[0], err
+    with pytest.raises(SystemExit) as info:
+        main(["convert", str(FIXTURES / NAME), "-o", str(tmp_path / "x.nnef.tgz"), "--tract-version", "9.9.9"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and "9.9.9" in err[0], err
+    with pytest.raises(GdnExportError, match="no file at"):
+        Session(tmp_path / "nonexistent.nnef.tgz")
+    broken = rewritten(archive, tmp_path / "syntax.nnef.tgz")
+    import io
+    import tarfile
+
+    with tarfile.open(broken) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    with tarfile.open(broken, "w:gz") as out:
+        for member, data in members:
+            if member.name == "graph.nnef":
+                lines = data.decode().splitlines()
+                row = next(i for i, line in enumerate(lines) if line.startswith("graph "))
+                lines[row] = lines[row].replace("graph ", "graph graph ", 1)
+                data = "\n".join(lines).encode()
+                member.size = len(data)
+            out.addfile(member, io.BytesIO(data))
+    resealed(broken)  # a graph a conversion could have written wrong, not a damaged archive
+    assert main(["info", str(broken)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"line {row + 1}" in err[0] and "opening file" not in err[0], err
+
+
+def test_a_killed_conversion_leaves_nothing_a_later_one_does_not_remove(tmp_path):
+    """`gdn-export convert` killed with SIGKILL while it writes: its hidden staging folder stays (nothing can run
+    on SIGKILL); the next conversion into the same folder removes it, and leaves none of its own."""
+    from gdn_export.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    process = subprocess.Popen([sys.executable, "-m", "gdn_export.cli", "convert", str(FIXTURES / NAME), "-o",
+                                str(out / "m.nnef.tgz"), "--no-check"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: any(p.name.startswith(".gdn_export_") for p in out.iterdir()), 120, "a staging folder")
+    finally:
+        process.kill()
+        process.wait()
+    assert [p for p in out.iterdir() if p.name.startswith(".gdn_export_")]
+    assert main(["convert", str(FIXTURES / NAME), "-o", str(out / "m.nnef.tgz"), "--no-check"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["m.nnef.tgz"]

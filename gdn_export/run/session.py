@@ -46,7 +46,7 @@ class Session:
         if prefill_piece is not None and prefill_piece < 1:
             raise GdnExportError(f"prefill_piece must be a positive number of tokens or None, got {prefill_piece}")
         self.path = Path(path)
-        metadata = read_metadata(self.path) if self.path.is_file() else None
+        metadata = read_metadata(self.path)  # no file there: said as such
         if not metadata or "states" not in metadata:
             raise GdnExportError(f"{self.path} was not written by gdn-export convert (no gdn_export.json with states)")
         self.metadata = metadata
