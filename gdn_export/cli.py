@@ -106,6 +106,10 @@ def _info(args) -> int:
             if metadata.get("quantize") and metadata.get("quantized") is not None else ""
         print(f"  family: {metadata.get('family')} ({metadata.get('model_type')}), dtype {metadata.get('dtype')}"
               f"{weights}, vocab {metadata.get('vocab_size')}")
+        context = metadata.get("context_length")
+        print(f"  context: {f'{context} tokens' if context else 'not stored (converted before it was)'}; "
+              + (f"{len(metadata['digests'])} members' SHA-256 verified" if metadata.get("digests") else
+                 "no digests (written before them): members and the gzip CRC-32 checked"))
         if metadata.get("serving"):
             print("  serving graph: each row its own past length (past_len) and count of new tokens (seq_len); cache "
                   "outputs are the new positions only; `gdn-export serve` batches requests over it (docs/SERVING.md)")
@@ -402,6 +406,9 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     top = _Parser(prog="gdn-export", description=__doc__.splitlines()[0])
+    from gdn_export import __version__
+
+    top.add_argument("--version", action="version", version=f"gdn-export {__version__}")
     sub = top.add_subparsers(dest="command", required=True)
     convert = sub.add_parser("convert", help="convert a local Hugging Face checkpoint to .nnef.tgz and check it")
     convert.add_argument("checkpoint", help="folder with config.json and *.safetensors")

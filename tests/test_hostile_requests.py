@@ -277,3 +277,20 @@ def test_a_killed_conversion_leaves_nothing_a_later_one_does_not_remove(tmp_path
     assert [p for p in out.iterdir() if p.name.startswith(".gdn_export_")]
     assert main(["convert", str(FIXTURES / NAME), "-o", str(out / "m.nnef.tgz"), "--no-check"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["m.nnef.tgz"]
+
+
+def test_version_and_info_say_what_an_operator_asks(archive, capsys):
+    """`gdn-export --version` (the package's, from pyproject.toml), `info`'s context (the fixture's config.json) and
+    whether the archive's digests were verified."""
+    import tomllib
+
+    from gdn_export.cli import main
+
+    version = tomllib.loads((FIXTURES.parent / "pyproject.toml").read_text())["project"]["version"]
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"gdn-export {version}"
+    context = json.loads((FIXTURES / NAME / "config.json").read_text())["max_position_embeddings"]
+    assert main(["info", str(archive)]) == 0
+    out = capsys.readouterr().out
+    assert f"context: {context} tokens" in out and "SHA-256 verified" in out, out
