@@ -32,7 +32,7 @@ GIB = 1 << 30
 rows: list[tuple[str, str, str, str]] = []
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import raw, rewritten  # noqa: E402  (the server tests' HTTP client and archive rewriter)
+from helpers import Zeros, raw, rewritten  # noqa: E402  (the server tests' HTTP client and archive rewriter)
 
 request = partial(raw, timeout=600)  # a tokenization of megabytes outlasts the tests' 60 s
 
@@ -260,20 +260,6 @@ def issue25(archive: Path, checkpoint: Path) -> None:
 
 # --- issue 34: hostile archives and requests ----------------------------------------------------------------------
 
-class _Zeros(io.RawIOBase):
-    def __init__(self, size: int) -> None:
-        self.left = size
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        n = min(len(buffer), self.left)
-        buffer[:n] = bytes(n)
-        self.left -= n
-        return n
-
-
 def with_members(source: Path, target: Path, zeros: dict[str, int] | None = None, flip: str | None = None,
                  level: int = 6) -> Path:
     """A copy of ``source`` with zero-filled members added (not in its digests: an attacker's) or 64 bytes of member
@@ -287,7 +273,7 @@ def with_members(source: Path, target: Path, zeros: dict[str, int] | None = None
         for name, size in (zeros or {}).items():
             info = tarfile.TarInfo(name)
             info.size = size
-            out.addfile(info, io.BufferedReader(_Zeros(size), 1 << 20))
+            out.addfile(info, io.BufferedReader(Zeros(size), 1 << 20))
     return target
 
 
@@ -321,6 +307,19 @@ def quietly(function, *args):
         except OSError:
             pass
     return run
+
+
+def signal_twice(process, base: str, signum: int) -> float:
+    """A long request sent, ``signum`` twice 0.5 s apart: the seconds from the second to the process's exit."""
+    body = json.dumps({"prompt": [1, 2], "max_tokens": 200_000, "ignore_eos": True})
+    threading.Thread(target=quietly(request, base, "POST", "/v1/completions", body), daemon=True).start()
+    time.sleep(0.5)
+    process.send_signal(signum)
+    time.sleep(0.5)
+    start = time.perf_counter()
+    process.send_signal(signum)
+    process.wait(60)
+    return time.perf_counter() - start
 
 
 def issue34(archive: Path, checkpoint: Path) -> None:
@@ -357,30 +356,19 @@ def issue34(archive: Path, checkpoint: Path) -> None:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 1000000\r\n\r\n" + b"{" * 1000)
         time.sleep(1)
-        # a second SIGTERM during the grace, a request in flight
-        body = json.dumps({"prompt": [1, 2], "max_tokens": 200_000, "ignore_eos": True})
-        threading.Thread(target=quietly(request, base, "POST", "/v1/completions", body), daemon=True).start()
-        process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        start = time.perf_counter()
-        process.send_signal(signal.SIGTERM)
-        process.wait(60)
+        # a second signal during the grace, a request in flight (the first server: after the upload above)
+        seconds = signal_twice(process, base, signal.SIGTERM)
         log = (work / "serve.log").read_text()
         rows.append(("client leaves mid-upload; then SIGTERM twice during the grace",
                      f"log: {sum('disconnected while sending' in line for line in log.splitlines())} line(s) for "
                      f"the upload; exit {process.returncode}; tracebacks: {log.count('Traceback')}",
-                     f"{time.perf_counter() - start:.2f} (after the 2nd)", ""))
+                     f"{seconds:.2f} (after the 2nd)", ""))
         process, base = start_server([str(archive), "--shutdown-grace", "30", "--max-model-len", "300000"], long,
                                      work / "serve2.log")
-        threading.Thread(target=quietly(request, base, "POST", "/v1/completions", body), daemon=True).start()
-        process.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        start = time.perf_counter()
-        process.send_signal(signal.SIGINT)
-        process.wait(60)
+        seconds = signal_twice(process, base, signal.SIGINT)
         log = (work / "serve2.log").read_text()
         rows.append(("Ctrl-C twice (grace 30 s)", f"exit {process.returncode}; tracebacks: {log.count('Traceback')}",
-                     f"{time.perf_counter() - start:.2f} (after the 2nd)", ""))
+                     f"{seconds:.2f} (after the 2nd)", ""))
         broken = rewritten(archive, work / "broken.nnef.tgz", add={"chat_template.jinja": b"{% for x in %}"})
         process, base = start_server([str(broken)], {}, work / "serve3.log")
         status, answer, seconds, _ = timed_request(base, json.dumps({"prompt": [1, 2], "max_tokens": 2}))

@@ -361,6 +361,22 @@ def resealed(path: Path) -> Path:
     return path
 
 
+class Zeros(io.RawIOBase):
+    """``size`` zero bytes, read by the chunk: a big archive member written without holding it in memory."""
+
+    def __init__(self, size: int) -> None:
+        self.left = size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self.left)
+        buffer[:n] = bytes(n)
+        self.left -= n
+        return n
+
+
 def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size = len(data)

@@ -19,7 +19,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from helpers import add_member
+from helpers import Zeros, add_member
 
 NAME = "qwen3_5"
 GIB, MIB = 1 << 30, 1 << 20
@@ -30,22 +30,6 @@ pytestmark = pytest.mark.xdist_group(NAME)
 @pytest.fixture(scope="session")
 def archive(converted):
     return converted(NAME)
-
-
-class _Zeros(io.RawIOBase):
-    """``size`` zero bytes read by the MiB (a big member written without holding it in memory)."""
-
-    def __init__(self, size: int) -> None:
-        self.left = size
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        n = min(len(buffer), self.left)
-        buffer[:n] = bytes(n)
-        self.left -= n
-        return n
 
 
 def copied(source: Path, target: Path, *, extra: dict | None = None, replace: dict | None = None,
@@ -68,7 +52,7 @@ def copied(source: Path, target: Path, *, extra: dict | None = None, replace: di
             if isinstance(value, int):
                 info = tarfile.TarInfo(name)
                 info.size = value
-                out.addfile(info, io.BufferedReader(_Zeros(value), MIB))
+                out.addfile(info, io.BufferedReader(Zeros(value), MIB))
             else:
                 add_member(out, name, value)
     return target
