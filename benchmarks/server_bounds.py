@@ -2,9 +2,12 @@
 now: the answer (HTTP status and code, or exit status and first line), seconds, and extra memory (peak RSS over the
 resting RSS, from /proc for the server, from getrusage for a command).
 
-    python benchmarks/server_bounds.py ARCHIVE.nnef.tgz CHECKPOINT_DIR
+    python benchmarks/server_bounds.py ARCHIVE.nnef.tgz CHECKPOINT_DIR [--issue 25|34|all|none] [--large BIG.nnef.tgz]
 
 ARCHIVE: an archive converted without --serving from CHECKPOINT_DIR (fixtures/qwen3_5: context 256 tokens).
+``--issue 34``: the cases of issue 34 (hostile archives and requests) at the issue's sizes; ``--large``: the cost of
+the archive check (members, headers, digests) against tract's load of a large archive, which is resealed first
+(digests recorded) when written before them.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ GIB = 1 << 30
 rows: list[tuple[str, str, str, str]] = []
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import raw, rewritten  # noqa: E402  (the server tests' HTTP client and archive rewriter)
+from helpers import Zeros, raw, rewritten  # noqa: E402  (the server tests' HTTP client and archive rewriter)
 
 request = partial(raw, timeout=600)  # a tokenization of megabytes outlasts the tests' 60 s
 
@@ -41,9 +44,12 @@ def kib(pid: int, field: str) -> int:
     return 0
 
 
-def command(case: str, args: list[str], env: dict | None = None) -> None:
-    """Run ``gdn-export ARGS`` under a parent that reports its peak RSS; one row."""
-    measure = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+def command(case: str, args: list[str], env: dict | None = None, limit: int | None = None) -> None:
+    """Run ``gdn-export ARGS`` under a parent that reports its peak RSS (``limit``: the child's address-space limit
+    in bytes); one row."""
+    measure = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]" +
+               (f", preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))" if limit else "") +
+               "); "
                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
                "sys.exit(done.returncode)")
     start = time.perf_counter()
@@ -52,6 +58,7 @@ def command(case: str, args: list[str], env: dict | None = None) -> None:
     seconds = time.perf_counter() - start
     *lines, peak = done.stderr.strip().splitlines()
     lines = [line for line in lines if not line.startswith("[")]  # progress lines
+    lines = [line for line in lines if line.strip()]
     rows.append((case, f"exit {done.returncode}: {lines[0][:150] if lines else ''} ({len(lines)} line(s))",
                  f"{seconds:.1f}", f"{int(peak) / 1024:.0f} MiB peak (whole process)"))
 
@@ -96,7 +103,24 @@ def big_prompt(base: str, auth: dict, megabytes: int, row) -> None:
 
 
 def main() -> None:
-    archive, checkpoint = Path(sys.argv[1]), Path(sys.argv[2])
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("archive", type=Path)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--issue", choices=["25", "34", "all", "none"], default="all")
+    parser.add_argument("--large", type=Path, help="a large archive: the check's cost against tract's load")
+    args = parser.parse_args()
+    if args.issue in ("34", "all"):
+        issue34(args.archive, args.checkpoint)
+    if args.large is not None:
+        check_cost(args.large)
+    if args.issue in ("25", "all"):
+        issue25(args.archive, args.checkpoint)
+    print_rows()
+
+
+def issue25(archive: Path, checkpoint: Path) -> None:
     work = Path(tempfile.mkdtemp(prefix="server_bounds_"))
     key = "k" * 32
     try:
@@ -232,7 +256,251 @@ def main() -> None:
         command("--port 70000", ["serve", str(archive), "--port", "70000"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"issue 25's cases, {time.strftime('%Y-%m-%d')}, this machine ({os.cpu_count()} cores, shared)\n")
+
+
+# --- issue 34: hostile archives and requests ----------------------------------------------------------------------
+
+def with_members(source: Path, target: Path, zeros: dict[str, int] | None = None, flip: str | None = None,
+                 level: int = 6) -> Path:
+    """A copy of ``source`` with zero-filled members added (not in its digests: an attacker's) or 64 bytes of member
+    ``flip`` inverted after its header (the gzip stream rewritten around them: only the digest tells)."""
+    with tarfile.open(source) as tar, tarfile.open(target, "w:gz", compresslevel=level) as out:
+        for member in tar.getmembers():
+            data = tar.extractfile(member).read()
+            if member.name == flip:
+                data = data[:1024] + bytes(b ^ 0xFF for b in data[1024:1088]) + data[1088:]
+            out.addfile(member, io.BytesIO(data))
+        for name, size in (zeros or {}).items():
+            info = tarfile.TarInfo(name)
+            info.size = size
+            out.addfile(info, io.BufferedReader(Zeros(size), 1 << 20))
+    return target
+
+
+def timed_request(base: str, body: str | bytes, path: str = "/v1/completions") -> tuple[int, dict, float, float]:
+    """(status, answer, seconds, the slowest /health answer meanwhile)."""
+    latencies, running = [0.0], threading.Event()
+
+    def poll():
+        while running.is_set():
+            begin = time.perf_counter()
+            request(base, "GET", "/health")
+            latencies.append(time.perf_counter() - begin)
+            time.sleep(0.02)
+
+    running.set()
+    poller = threading.Thread(target=poll)
+    poller.start()
+    start = time.perf_counter()
+    status, answer = request(base, "POST", path, body)
+    seconds = time.perf_counter() - start
+    running.clear()
+    poller.join()
+    return status, answer, seconds, max(latencies)
+
+
+def quietly(function, *args):
+    """``function(*args)`` for a thread whose connection the test cuts (the server exits under it)."""
+    def run():
+        try:
+            function(*args)
+        except OSError:
+            pass
+    return run
+
+
+def signal_twice(process, base: str, signum: int) -> float:
+    """A long request sent, ``signum`` twice 0.5 s apart: the seconds from the second to the process's exit."""
+    body = json.dumps({"prompt": [1, 2], "max_tokens": 200_000, "ignore_eos": True})
+    threading.Thread(target=quietly(request, base, "POST", "/v1/completions", body), daemon=True).start()
+    time.sleep(0.5)
+    process.send_signal(signum)
+    time.sleep(0.5)
+    start = time.perf_counter()
+    process.send_signal(signum)
+    process.wait(60)
+    return time.perf_counter() - start
+
+
+def issue34(archive: Path, checkpoint: Path) -> None:
+    work = Path(tempfile.mkdtemp(prefix="server_bounds_34_"))
+    try:
+        long = {"GDN_EXPORT_ALLOW_LONG_MAX_MODEL_LEN": "1"}  # a request that lasts through the shutdown grace
+        process, base = start_server([str(archive), "--request-timeout", "5", "--max-model-len", "300000"], long,
+                                     work / "serve.log")
+        rest = kib(process.pid, "VmRSS")
+
+        def http_row(case, status, answer, seconds, slowest=None):
+            error = answer.get("error", {}) if isinstance(answer, dict) else {}
+            health = f"; /health slowest {slowest:.2f} s" if slowest is not None else ""
+            rows.append((case, f"HTTP {status} {error.get('param') or ''} {error.get('message', '')[:70]}{health}",
+                         f"{seconds:.2f}", f"+{(kib(process.pid, 'VmHWM') - rest) / 1024:.0f} MiB peak (server)"))
+
+        for count in (300_000, 600_000):
+            body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 8, "stop": [str(i) for i in range(count)]})
+            status, answer, seconds, slowest = timed_request(base, body)
+            http_row(f"{count:,} stop strings ({len(body) / 1e6:.1f} MB), --request-timeout 5", status, answer,
+                     seconds, slowest)
+        for case, body, path in (
+                ("lone surrogate in a prompt", '{"prompt": "a\\ud800", "max_tokens": 2}', "/v1/completions"),
+                ("lone surrogate in a message", '{"messages": [{"role": "user", "content": "\\ud800"}]}',
+                 "/v1/chat/completions"),
+                ("JSON nested 100,000 deep", '{"prompt": [1], "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                 "/v1/completions"),
+                ("100,000 stop_token_ids", json.dumps({"prompt": [1], "stop_token_ids": list(range(100_000))}),
+                 "/v1/completions")):
+            status, answer, seconds, slowest = timed_request(base, body, path)
+            http_row(case, status, answer, seconds, slowest)
+        host, port = base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000000\r\n\r\n" + b"{" * 1000)
+        time.sleep(1)
+        # a second signal during the grace, a request in flight (the first server: after the upload above)
+        seconds = signal_twice(process, base, signal.SIGTERM)
+        log = (work / "serve.log").read_text()
+        rows.append(("client leaves mid-upload; then SIGTERM twice during the grace",
+                     f"log: {sum('disconnected while sending' in line for line in log.splitlines())} line(s) for "
+                     f"the upload; exit {process.returncode}; tracebacks: {log.count('Traceback')}",
+                     f"{seconds:.2f} (after the 2nd)", ""))
+        process, base = start_server([str(archive), "--shutdown-grace", "30", "--max-model-len", "300000"], long,
+                                     work / "serve2.log")
+        seconds = signal_twice(process, base, signal.SIGINT)
+        log = (work / "serve2.log").read_text()
+        rows.append(("Ctrl-C twice (grace 30 s)", f"exit {process.returncode}; tracebacks: {log.count('Traceback')}",
+                     f"{seconds:.2f} (after the 2nd)", ""))
+        broken = rewritten(archive, work / "broken.nnef.tgz", add={"chat_template.jinja": b"{% for x in %}"})
+        process, base = start_server([str(broken)], {}, work / "serve3.log")
+        status, answer, seconds, _ = timed_request(base, json.dumps({"prompt": [1, 2], "max_tokens": 2}))
+        chat_status, chat, _, _ = timed_request(base, json.dumps({"messages": [{"role": "user", "content": "x"}]}),
+                                                "/v1/chat/completions")
+        process.terminate()
+        process.wait(60)
+        warning = [line for line in (work / "serve3.log").read_text().splitlines() if "compile" in line]
+        rows.append(("chat template that does not compile", f"serve starts ({len(warning)} warning line); "
+                     f"completion HTTP {status}; chat HTTP {chat_status} {chat['error']['message'][:60]}", "", ""))
+
+        replace = rewritten(archive, work / "replace.nnef.tgz", add={
+            "chat_template.jinja": b"{{ ('x'*50000)|replace('x','x'*50000) }}"})
+        command("generate --chat, ('x'*50000)|replace('x','x'*50000)", ["generate", str(replace), "--chat",
+                                                                        "--prompt", "hi"])
+        unused = with_members(archive, work / "unused.nnef.tgz", zeros={"unused.dat": 3 << 29})
+        for name in ("info", "generate", "serve"):
+            extra = {"generate": ["--prompt-ids", "1"], "serve": ["--port", "0"]}.get(name, [])
+            command(f"{name}: a {unused.stat().st_size / 1e6:.1f} MB archive with a 1.5 GiB zero member",
+                    [name, str(unused), *extra])
+        three = with_members(archive, work / "three.nnef.tgz", zeros={f"unused{i}.dat": 3 << 29 for i in range(3)})
+        command("info: three 1.5 GiB zero members", ["info", str(three)])
+        with tarfile.open(archive) as tar:
+            table = next(m.name for m in tar.getmembers() if "embed_tokens" in m.name)
+        damaged = with_members(archive, work / "damaged.nnef.tgz", flip=table, level=0)
+        for name in ("info", "generate"):
+            command(f"{name}: 64 bytes of the embedding table flipped", [name, str(damaged)] +
+                    (["--prompt-ids", "1"] if name == "generate" else []))
+        with tarfile.open(archive) as tar:
+            meta = json.loads(tar.extractfile("gdn_export.json").read())
+        for shape in (["B", 4, 16, 12_000_000], ["B", 4, 100_000, 100_000]):
+            states = [dict(s) for s in meta["states"]]
+            index = next(i for i, s in enumerate(states) if s["kind"] == "recurrent")
+            states[index]["shape"] = shape
+            bad = rewritten(archive, work / "states.nnef.tgz", metadata={"states": states})
+            command(f"generate: state {shape}", ["generate", str(bad), "--prompt-ids", "1"])
+            if shape[-1] == 12_000_000:
+                command(f"generate: state {shape} under a 6 GB address-space limit",
+                        ["generate", str(bad), "--prompt-ids", "1"], limit=6 << 30)
+        deep = rewritten(archive, work / "deep.nnef.tgz", raw_metadata=b'{"a": ' + b"[" * 100_000 + b"]" * 100_000
+                         + b"}")
+        command("info: gdn_export.json nested 100,000 deep", ["info", str(deep)])
+        folder = work / "checkpoint"
+        shutil.copytree(checkpoint, folder)
+        (folder / "config.json").write_text('{"model_type": ' + "[" * 100_000 + "]" * 100_000 + "}")
+        command("convert: config.json nested 100,000 deep", ["convert", str(folder), "-o", str(work / "o.nnef.tgz"),
+                                                             "--no-check"])
+        text = work / "text.txt"
+        text.write_text("the quick brown fox jumps over the lazy dog " * 500)
+        command("perplexity --ctx 100000 (256-token model)", ["perplexity", str(archive), str(text), "--ctx",
+                                                              "100000"])
+        command("convert --tract-version 9.9.9", ["convert", str(checkpoint), "-o", str(work / "o.nnef.tgz"),
+                                                  "--tract-version", "9.9.9"])
+        out = work / "out"
+        out.mkdir()
+        killed = subprocess.Popen([*CLI, "convert", str(checkpoint), "-o", str(out / "m.nnef.tgz"), "--no-check"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while not any(p.name.startswith(".gdn_export_") for p in out.iterdir()):
+            time.sleep(0.05)
+        killed.kill()
+        killed.wait()
+        left = len([p for p in out.iterdir() if p.name.startswith(".gdn_export_")])
+        subprocess.run([*CLI, "convert", str(checkpoint), "-o", str(out / "m.nnef.tgz"), "--no-check"],
+                       capture_output=True, timeout=600)
+        rows.append(("convert SIGKILLed, then converted again", f"staging folders: {left} after the kill, "
+                     f"{len([p for p in out.iterdir() if p.name.startswith('.gdn_export_')])} after the next convert",
+                     "", ""))
+        command("Session on a nonexistent path (info /nonexistent.nnef.tgz)", ["info", "/nonexistent.nnef.tgz"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def check_cost(large: Path) -> None:
+    """The archive check's seconds against tract's load and plan of ``large`` (medians of 3, side by side)."""
+    import statistics
+
+    from gdn_export.run.archive import DIGESTS_FIELD, read_metadata
+    from gdn_export.run.integrity import _check
+    from gdn_export.run.runtime import load_tract_model
+
+    metadata = read_metadata(large) or {}
+    work = None
+    if DIGESTS_FIELD not in metadata:  # written before digests: resealed in a folder beside it
+        work = Path(tempfile.mkdtemp(prefix="check_cost_", dir=os.environ.get("CHECK_COST_DIR")))
+        sealed = work / large.name
+        reseal_streaming(large, sealed)
+        large, metadata = sealed, read_metadata(sealed)
+    try:
+        checks, loads = [], []
+        for _ in range(3):
+            start = time.perf_counter()
+            _check(large, metadata)
+            checks.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            plan = load_tract_model(large, {"B": 1})  # its own check is remembered: tract's load alone
+            loads.append(time.perf_counter() - start)
+            del plan
+        check, load = statistics.median(checks), statistics.median(loads)
+        rows.append((f"archive check of {large.name} ({large.stat().st_size / 1e9:.2f} GB): members, headers, "
+                     "SHA-256 of each", f"{check / load:.2f}x tract's load and plan ({load:.1f} s), medians of 3",
+                     f"{check:.2f}", ""))
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def reseal_streaming(source: Path, target: Path) -> None:
+    """``source`` rewritten with its members' digests recorded in its gdn_export.json (member by member, by the MiB)."""
+    import hashlib
+
+    digests = {}
+    with tarfile.open(source, "r|gz") as tar:
+        for member in tar:
+            if member.isfile() and member.name != "gdn_export.json":
+                handle, digest = tar.extractfile(member), hashlib.sha256()
+                while chunk := handle.read(1 << 22):
+                    digest.update(chunk)
+                digests[member.name] = {"size": member.size, "sha256": digest.hexdigest()}
+    with tarfile.open(source, "r|gz") as tar, tarfile.open(target, "w:gz", compresslevel=0) as out:
+        for member in tar:
+            handle = tar.extractfile(member)
+            if member.name == "gdn_export.json":
+                meta = json.loads(handle.read())
+                meta["digests"] = digests
+                data = json.dumps(meta, indent=1).encode()
+                member.size = len(data)
+                handle = io.BytesIO(data)
+            out.addfile(member, handle)
+
+
+def print_rows() -> None:
+    print(f"server bounds, {time.strftime('%Y-%m-%d')}, this machine ({os.cpu_count()} cores, shared)\n")
     print("| case | answer now | seconds | memory |\n|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")

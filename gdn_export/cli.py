@@ -102,6 +102,10 @@ def _info(args) -> int:
             if metadata.get("quantize") and metadata.get("quantized") is not None else ""
         print(f"  family: {metadata.get('family')} ({metadata.get('model_type')}), dtype {metadata.get('dtype')}"
               f"{weights}, vocab {metadata.get('vocab_size')}")
+        context = metadata.get("context_length")
+        print(f"  context: {f'{context} tokens' if context else 'not stored (converted before it was)'}; "
+              + (f"{len(metadata['digests'])} members' SHA-256 verified" if metadata.get("digests") else
+                 "no digests (written before them): members and the gzip CRC-32 checked"))
         if metadata.get("serving"):
             print("  serving graph: each row its own past length (past_len) and count of new tokens (seq_len); cache "
                   "outputs are the new positions only; `gdn-export serve` batches requests over it (docs/SERVING.md)")
@@ -181,13 +185,22 @@ def _chunk_size(text: str) -> int:
 
 
 def _version(text: str) -> str:
-    from gdn_export.ops.gated_delta_rule.capabilities import parse_version  # numpy: only when given
+    from gdn_export.ops.gated_delta_rule.capabilities import check_target_version, parse_version  # numpy: when given
 
     try:
-        parse_version(text)
+        check_target_version(parse_version(text), _installed_tract())
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     return text
+
+
+def _installed_tract() -> tuple[int, int, int] | None:
+    from gdn_export.ops.gated_delta_rule.capabilities import parse_version
+
+    try:
+        return parse_version(_tract_version())
+    except (ImportError, ValueError):
+        return None
 
 
 # --- generate and serve ----------------------------------------------------------------------------------------
@@ -394,6 +407,9 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     top = _Parser(prog="gdn-export", description=__doc__.splitlines()[0])
+    from gdn_export import __version__
+
+    top.add_argument("--version", action="version", version=f"gdn-export {__version__}")
     sub = top.add_subparsers(dest="command", required=True)
     convert = sub.add_parser("convert", help="convert a local Hugging Face checkpoint to .nnef.tgz and check it")
     convert.add_argument("checkpoint", help="folder with config.json and *.safetensors")

@@ -317,7 +317,7 @@ def rewritten(source: Path, target: Path, metadata: dict | None = None, drop_met
             out.addfile(member, io.BytesIO(data))
         for name, data in (add or {}).items():
             add_member(out, name, data)
-    return target
+    return resealed(target)
 
 
 def damaged(source: Path, target: Path, member: str) -> Path:
@@ -333,7 +333,48 @@ def damaged(source: Path, target: Path, member: str) -> Path:
                 data = bytes(data)
             info.size = len(data)
             out.addfile(info, io.BytesIO(data))
-    return target
+    return resealed(target)
+
+
+def resealed(path: Path) -> Path:
+    """The archive at ``path`` with the digests of its gdn_export.json recorded anew for its members as they are now
+    (what ``pack`` would have recorded): a test's deliberate change is an archive as a conversion would write it,
+    not a damaged one (gdn_export.run.integrity refuses those before tract reads them). Rewritten in place."""
+    import hashlib
+
+    with tarfile.open(path) as tar:
+        members = [(m, tar.extractfile(m).read() if m.isfile() else None) for m in tar.getmembers()]
+    digests = {m.name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+               for m, data in members if data is not None and m.name != "gdn_export.json"}
+    with tarfile.open(path, "w:gz", compresslevel=1) as out:
+        for member, data in members:
+            if member.name == "gdn_export.json":
+                try:
+                    meta = json.loads(data)
+                except (ValueError, RecursionError):  # a test's deliberately broken metadata stays as it is
+                    meta = None
+                if isinstance(meta, dict) and "digests" in meta:
+                    meta["digests"] = digests
+                    data = json.dumps(meta).encode()
+                    member.size = len(data)
+            out.addfile(member, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+class Zeros(io.RawIOBase):
+    """``size`` zero bytes, read by the chunk: a big archive member written without holding it in memory."""
+
+    def __init__(self, size: int) -> None:
+        self.left = size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self.left)
+        buffer[:n] = bytes(n)
+        self.left -= n
+        return n
 
 
 def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import tract
 
 import gdn_export
-from helpers import FIXTURES, archive_members, by_fixture
+from helpers import FIXTURES, archive_members, by_fixture, resealed
 from gdn_export import tract_quirks as tq
 from gdn_export.pipeline.convert import convert
 from gdn_export.hf.tensors import write_nnef_array
@@ -358,6 +358,7 @@ def test_a_wrong_gate_mode_fails_the_check(converted, reference_model, tmp_path)
                 data = data.replace(b"gate = 'softmax_topk'", b"gate = 'softmax_all'")
                 member.size = len(data)
             dst.addfile(member, io.BytesIO(data) if data is not None else None)
+    resealed(bad)  # a conversion that wrote the wrong gate, not a damaged archive
     assert graph_of(bad).count("gate = 'softmax_all'") == 2
     assert check_against_transformers(good, reference_model("qwen3_5_moe_64x8")).ok
     assert not check_against_transformers(bad, reference_model("qwen3_5_moe_64x8")).ok

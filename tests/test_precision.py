@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import FIXTURES, by_fixture
+from helpers import FIXTURES, by_fixture, resealed
 from gdn_export.cli import main as cli
 from gdn_export.errors import GdnExportError
 from gdn_export.hf.check import F16_MULTIPLE, check_against_transformers, compare_logits
@@ -98,6 +98,7 @@ def perturb_weight(src: Path, dst: Path, member: str, relative: float, seed: int
                 data = data[:DAT_HEADER] + (weights * (1 + relative * noise)).astype(np.float16).tobytes()
                 assert len(data) == info.size
             out.addfile(info, io.BytesIO(data) if data is not None else None)
+    resealed(dst)  # weights a conversion could have written, not a damaged archive
 
 
 # one MLP matrix of layer 0, each weight off by 1% (f16 rounds to 0.03%): the logits move ~4-5x the framework's f16

@@ -38,7 +38,7 @@ def read_config(checkpoint_dir: str | os.PathLike) -> dict:
         raise CheckpointError(f"{folder} has no config.json (expected config.json + *.safetensors)")
     try:
         config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise CheckpointError(f"{config_path} is not valid JSON: {err}") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise CheckpointError(f"{config_path} has no model_type")
@@ -92,7 +92,7 @@ def check_generation_config(folder: Path, vocab_size: int | None) -> None:
         return
     try:
         config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise CheckpointError(f"{path} is not valid JSON: {err}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} must be a JSON object")

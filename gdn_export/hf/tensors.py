@@ -145,7 +145,7 @@ class TensorIndex:
             weight_map = json.loads(path.read_text())["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError):
             raise CheckpointError(f"{path} is not a valid safetensors index (expected JSON with a weight_map)") from None
         shards = sorted(set(weight_map.values()))
         missing = [name for name in shards if not (self.folder / name).is_file()]
@@ -201,7 +201,7 @@ def _header_entries(path: Path) -> list[TensorEntry]:
             header = json.loads(handle.read(header_len))
             if not isinstance(header, dict):
                 raise TypeError
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, TypeError):
             raise CheckpointError(f"{path.name} has a malformed safetensors header") from None
     start = 8 + header_len
     entries = []

@@ -28,6 +28,7 @@ from gdn_export.weights.formats import check_owned_options, weight_format
 from gdn_export.run.runtime import lean_allocator
 from gdn_export.models.decoder import serving_inputs
 from gdn_export.ops.moe_ffn.op import moe_report
+from gdn_export.pipeline.staging import staging_folder
 
 DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}
 LOGITS = ("all", "last")  # the logits a call returns: of every new position, or of the last one only
@@ -341,7 +342,7 @@ def run_plan(plan: ConvertPlan, progress: Callable[[str], None] | None = None) -
     traced = target.read(plan, say, seconds)
     inputs, outputs, dynamic = state_names(traced.lm)
     plan.out_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".gdn_export_", dir=plan.out_path.parent) as staging:
+    with staging_folder(plan.out_path.parent) as staging:
         staged = target.export(plan, traced, Path(staging), inputs, outputs, dynamic, say, seconds)
         result = staged.report
         traced.lm = traced.model = None  # placeholders (or the in-memory model) are not needed by the check

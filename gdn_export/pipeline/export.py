@@ -28,6 +28,7 @@ from gdn_export.weights.streamed import (StreamedWeights, annotate_compressed_ga
                                          streamed_writes, variable_labels, write_deferred)
 from gdn_export.run.runtime import alongside, load_tract_model, run_tract, tract_version as installed_tract_version
 from gdn_export.backends.nnef.target import OfflineTractTarget
+from gdn_export.pipeline.staging import staging_folder
 
 
 @dataclass
@@ -177,7 +178,7 @@ def export(
                          core_dtype=core_dtype, chunk_size=chunk_size, graph_passes=passes)
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".gdn_export_", dir=path.parent) as tmp:
+    with staging_folder(path.parent) as tmp:
         folder = Path(tmp) / "model.nnef"
         start = time.perf_counter()
         with torch.no_grad(), conversion(CUSTOM_OPS), streamed_writes(weights) as written:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tarfile
@@ -12,6 +13,7 @@ from gdn_export.errors import GdnExportError
 from gdn_export.targets import FLOAT_DTYPES
 
 METADATA_FILE = "gdn_export.json"
+DIGESTS_FIELD = "digests"  # gdn_export.json's record of every other member's size and SHA-256 (``pack``)
 MIB = 1 << 20
 # what an archive member may hold before it is refused (read whole into memory, so bounded): a tokenizer.json of a
 # 250k-token vocabulary is ~11 MiB; the other files are configs and templates of kilobytes
@@ -33,10 +35,40 @@ COMPRESS_LEVEL = 0
 
 
 def pack(folder: Path, archive: Path) -> None:
-    """tar.gz the folder's files at the archive root (what tract loads), stored without compression."""
+    """tar.gz the folder's files at the archive root (what tract loads), stored without compression; when the folder
+    holds a gdn_export.json, every other file's size and SHA-256 are recorded in it first (``DIGESTS_FIELD``: what
+    ``gdn_export.run.integrity`` checks before tract reads the archive)."""
+    metadata_file = folder / METADATA_FILE
+    if metadata_file.is_file():
+        metadata = json.loads(metadata_file.read_text())
+        metadata[DIGESTS_FIELD] = file_digests(folder)
+        metadata_file.write_text(json.dumps(metadata, indent=1))
     with tarfile.open(archive, "w:gz", compresslevel=COMPRESS_LEVEL) as tar:
         for file in sorted(folder.iterdir()):
             tar.add(file, arcname=file.name)
+
+
+def file_digests(folder: Path) -> dict[str, dict]:
+    """``{name: {"size", "sha256"}}`` of the files of ``folder`` but gdn_export.json (what ``pack`` records)."""
+    digests = {}
+    for file in sorted(folder.iterdir()):
+        if file.name == METADATA_FILE or not file.is_file():
+            continue
+        digest = hashlib.sha256()
+        with open(file, "rb") as handle:
+            while chunk := handle.read(8 * MIB):
+                digest.update(chunk)
+        digests[file.name] = {"size": file.stat().st_size, "sha256": digest.hexdigest()}
+    return digests
+
+
+def digests_valid(value) -> bool:
+    """gdn_export.json's ``digests``: ``{member: {"size": bytes, "sha256": 64 hex digits}}``."""
+    hexdigits = set("0123456789abcdef")
+    return isinstance(value, dict) and all(
+        isinstance(name, str) and isinstance(entry, dict) and isinstance(entry.get("size"), int)
+        and not isinstance(entry["size"], bool) and entry["size"] >= 0 and isinstance(entry.get("sha256"), str)
+        and len(entry["sha256"]) == 64 and set(entry["sha256"]) <= hexdigits for name, entry in value.items())
 
 
 def _members(tar: tarfile.TarFile, names) -> dict[str, tarfile.TarInfo]:
@@ -108,7 +140,9 @@ def damage(path: Path, err: BaseException) -> str:
     reason = str(err).strip().splitlines()[0].rstrip(":") if str(err).strip() else type(err).__name__
     corrupt = gzip_damage(path)
     if corrupt is not None:
-        return damaged_message(path, corrupt)
+        from gdn_export.run.integrity import damaged_member
+
+        return damaged_member(path) or damaged_message(path, corrupt)
     return f"{path} is not a .nnef.tgz archive that gdn-export wrote ({reason})"
 
 
@@ -147,7 +181,7 @@ def read_metadata(path: str | os.PathLike) -> dict | None:
         return None
     try:
         metadata = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as err:
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise ArchiveError(f"{path}: {METADATA_FILE} is not valid JSON ({err})") from None
     return check_metadata(metadata, f"{path}: {METADATA_FILE}")
 
@@ -169,7 +203,7 @@ def json_member(data: bytes, name: str, path: Path) -> dict:
     """Member ``name``'s bytes as a JSON object, or an ArchiveError."""
     try:
         value = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as err:
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise ArchiveError(f"{path}: {name} is not valid JSON ({first_line(err)})") from None
     if not isinstance(value, dict):
         raise ArchiveError(f"{path}: {name} must be a JSON object, got {type(value).__name__}")
@@ -222,6 +256,7 @@ METADATA_SCHEMA = {
                "a list of {name, shape (sizes >= 0, B, P or S), dtype float32|float16, kind, layer}", False),
     "runtime": (lambda v: isinstance(v, str), "a string", False),
     "decisions": (lambda v: isinstance(v, list) and all(isinstance(d, dict) for d in v), "a list of objects", False),
+    DIGESTS_FIELD: (lambda v: digests_valid(v), "an object of {member: {size, sha256}}", False),
 }
 
 

@@ -35,7 +35,8 @@ from typing import Any
 from gdn_export.errors import GdnExportError
 from gdn_export.run.generation.chat import ChatTemplateError
 from gdn_export.run.generation.executor import ExecutorFull, context_bound
-from gdn_export.run.generation.generate import Generation, RequestError, chat_prompt_ids, prompt_ids_of, sampling_from
+from gdn_export.run.generation.generate import (MAX_STOP_TOKEN_IDS, Generation, RequestError, chat_prompt_ids,
+                                                prompt_ids_of, sampling_from)
 from gdn_export.run.generation.sampling import MAX_LOGPROBS, SamplingError
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -67,25 +68,32 @@ def _error_response(err: ApiError):
 
 # --- reading a request body ---------------------------------------------------------------------------------
 
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
 async def _json_body(request) -> dict:
+    from starlette.requests import ClientDisconnect
+
     size, chunks = 0, []
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # one line in the log, not a traceback (starlette's answer to anything unhandled)
+        import logging
+
+        logging.getLogger("uvicorn.error").warning("%s %s: the client disconnected while sending its request body "
+                                                   "(%d bytes received)", request.method, request.url.path, size)
+        raise ApiError(400, "the client disconnected while sending its request body") from None
     return await asyncio.to_thread(_parsed, b"".join(chunks))  # megabytes of JSON: off the event loop
 
 
 def _parsed(data: bytes) -> dict:
-    try:
-        body = json.loads(data, parse_constant=_refuse_constant)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ApiError(400, f"the request body is not valid JSON: {err}") from None
+    from gdn_export.run.request_json import RequestJsonError, parse_body
+
+    try:  # depth-limited, surrogates refused (request_json)
+        body = parse_body(data)
+    except RequestJsonError as err:
+        raise ApiError(400, str(err), err.param) from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -239,6 +247,9 @@ class App:
         if stop_ids is not None and not (isinstance(stop_ids, list) and all(
                 isinstance(i, int) and not isinstance(i, bool) for i in stop_ids)):
             raise ApiError(400, "'stop_token_ids' must be a list of integers", "stop_token_ids")
+        if stop_ids is not None and len(stop_ids) > MAX_STOP_TOKEN_IDS:  # before the set below is built
+            raise ApiError(400, f"'stop_token_ids' has {len(stop_ids)} ids, more than {MAX_STOP_TOKEN_IDS}",
+                           "stop_token_ids")
         ignore_eos = _field(body, "ignore_eos", "boolean", False)
         stop_token_ids = (set() if ignore_eos else set(self.archive.eos_token_ids)) | set(stop_ids or [])
         try:
@@ -596,6 +607,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def exit_at_once(sig: int) -> None:
+    """The process ended now with exit status 1 and one line on stderr: what a second signal during the shutdown
+    grace asks for (the requests still in flight are dropped, their connections closed by the system)."""
+    import os
+    import signal
+    import sys
+
+    name = signal.Signals(sig).name if sig in signal.Signals.__members__.values() else str(sig)
+    try:
+        sys.stderr.write(f"gdn-export: {name} again during the shutdown grace: exiting at once\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(1)
+
+
 def graceful_server(config, app_state: list, grace: float):
     """A ``uvicorn.Server`` whose shutdown (SIGTERM, Ctrl-C) stops admitting at once (503), gives the requests in
     flight ``grace`` seconds to finish, then ends them with an error body (a stream: an error event and ``[DONE]``)
@@ -603,6 +629,11 @@ def graceful_server(config, app_state: list, grace: float):
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:  # a second SIGTERM or Ctrl-C during the grace: at once, no cleanup, no traceback
+                exit_at_once(sig)
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets=None):
             for app in app_state:
                 app.drain(grace)
@@ -651,6 +682,8 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
         executor.archive.limit_context(max_model_len, allow_long)
         if max_model_len is None and executor.archive.context_note:
             say(f"warning: {executor.archive.context_note}")
+        if executor.archive.chat_template_error:  # serve completions all the same
+            say(f"warning: {executor.archive.chat_template_error}: chat requests get a 400")
         state: list = []
         app = make_app(executor, model_name or model_name_of(path), api_key, request_timeout, state)
         config = uvicorn.Config(app, log_level=log_level, http="h11", lifespan="off")

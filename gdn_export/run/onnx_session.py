@@ -33,7 +33,7 @@ def read_onnx_metadata(path) -> dict | None:
             where = f"{path}: its gdn_export metadata"
             try:
                 metadata = json.loads(entry.value)
-            except ValueError as err:
+            except (ValueError, RecursionError) as err:
                 raise GdnExportError(f"{where} is not valid JSON ({err})") from None
             return check_metadata(metadata, where)  # the schema an archive's gdn_export.json is read through
     return None

@@ -197,6 +197,10 @@ def measure(archive, text_file, ctx: int = 256, reference: Callable[[], Logits] 
     import), called once the inputs are checked; ``reference_dir`` is its checkpoint (a tokenizer for an .onnx)."""
     text = read_text(text_file)
     session = open_export(archive, onnx_runtime)
+    context = session.metadata.get("context_length")
+    if context is not None and ctx > context:  # positions past it were never trained: a figure of nothing
+        raise PerplexityError(f"--ctx {ctx} is longer than the model's context of {context} tokens "
+                              "(gdn_export.json's context_length)")
     tokenizer = tokenizer_for(session, tokenizer_path, reference_dir)
     vocab = session.metadata.get("vocab_size")
     ids = tokenizer.encode(text, add_special_tokens=False).ids

@@ -33,6 +33,11 @@ def load_tract_model(path: str | os.PathLike, symbols: dict[str, int] | None = N
     path = Path(path)
     if not path.exists():
         raise TractRuntimeError(f"no model at {path}")
+    if path.is_file():  # what tract would read checked first (members, headers, digests, states): ArchiveError
+        from gdn_export.run.archive import read_metadata
+        from gdn_export.run.integrity import check_archive
+
+        interruptible(lambda: check_archive(path, read_metadata(path)))
 
     def load():
         model = tract.nnef().with_tract_transformers().load(str(path))
@@ -57,7 +62,23 @@ def load_tract_model(path: str | os.PathLike, symbols: dict[str, int] | None = N
         damaged = gzip_damage(path) if path.is_file() else None
         if damaged is not None:  # say what is wrong with the file rather than what tract tripped on
             raise TractRuntimeError(damaged_message(path, damaged)) from None
-        raise TractRuntimeError(f"tract could not load {path}: {err}") from err
+        raise TractRuntimeError(f"tract could not load {path}: {tract_fault(str(err))}") from err
+
+
+def tract_fault(message: str) -> str:
+    """What tract's load error says went wrong: its deepest cause (tract's first line reads ``opening file "X"``
+    whatever the fault), a parse error as the graph's line; the message's first line when it has no causes."""
+    import re
+
+    lines = message.split("Stack backtrace:")[0].splitlines()
+    causes = [m.group(1).strip() for line in lines if (m := re.match(r"\s*\d+: (.*\S)", line))]
+    if not causes:
+        return lines[0].strip() if lines else message
+    deepest = causes[-1]
+    parse = re.match(r"at line (\d+), in (\w+)", deepest)
+    if parse:
+        return f"graph.nnef does not parse at line {parse.group(1)} (tract expected a {parse.group(2)})"
+    return deepest
 
 
 def interruptible(work: Callable[[], T]) -> T:

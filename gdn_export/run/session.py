@@ -46,7 +46,7 @@ class Session:
         if prefill_piece is not None and prefill_piece < 1:
             raise GdnExportError(f"prefill_piece must be a positive number of tokens or None, got {prefill_piece}")
         self.path = Path(path)
-        metadata = read_metadata(self.path) if self.path.is_file() else None
+        metadata = read_metadata(self.path)  # no file there: said as such
         if not metadata or "states" not in metadata:
             raise GdnExportError(f"{self.path} was not written by gdn-export convert (no gdn_export.json with states)")
         self.metadata = metadata
@@ -127,6 +127,7 @@ class Session:
     def _initial_states(self, batch: int) -> list:
         import tract
 
+        check_state_memory(self.path, self.state_specs, batch)
         return [
             tract.Tensor.from_numpy(np.zeros([batch if d == "B" else 0 if d == "P" else d for d in spec["shape"]],
                                              numpy_dtype(spec["dtype"])))
@@ -143,13 +144,14 @@ class Session:
         if vocab is not None and (ids.min() < 0 or ids.max() >= vocab):  # tract would abort the process
             bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
             raise GdnExportError(f"token id {bad} is outside this model's vocabulary [0, {vocab})")
+        if self._states is not None and ids.shape[0] != self._batch:
+            raise GdnExportError(f"batch size {ids.shape[0]} differs from this session's {self._batch}; "
+                                 "call reset() first")
+        runnable = self._runnable(ids.shape[0])  # the archive checked (states against the graph) before allocating
         if self._states is None:
             self._states = self._initial_states(ids.shape[0])
             self._batch = ids.shape[0]
-        elif ids.shape[0] != self._batch:
-            raise GdnExportError(f"batch size {ids.shape[0]} differs from this session's {self._batch}; "
-                                 "call reset() first")
-        runnable, piece = self._runnable(ids.shape[0]), self.prefill_piece or ids.shape[1]
+        piece = self.prefill_piece or ids.shape[1]
         logits = []
         for begin in range(0, ids.shape[1], piece):
             chunk = ids[:, begin:begin + piece].astype(np.int64)
@@ -232,6 +234,44 @@ class Session:
         new._states, new._batch = None, 0
         new.position = 0
         return new
+
+
+def check_state_memory(path: Path, specs: list[dict], batch: int, positions: int = 0) -> None:
+    """The states of ``batch`` rows (``positions`` cache positions) refused before they are allocated when they
+    would take more memory than the machine has available (/proc/meminfo's MemAvailable, and the address-space
+    limit): a one-line error rather than an allocation the system refuses or kills the process for."""
+    total = 0
+    for spec in specs:
+        count = 1
+        for d in spec["shape"]:
+            count *= batch if d == "B" else positions if d == "P" else 1 if d == "S" else d
+        total += count * np.dtype(NUMPY_DTYPES[spec["dtype"]]).itemsize
+    available = available_memory()
+    if available is not None and total > available:
+        raise GdnExportError(f"{path}: the states of {batch} row(s) take {total / (1 << 30):.1f} GiB, more than the "
+                             f"{available / (1 << 30):.1f} GiB of memory available")
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: MemAvailable (Linux), bounded by RLIMIT_AS less what is mapped; None
+    where neither is known."""
+    import resource
+
+    bounds = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                bounds.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        try:
+            mapped = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            mapped = 0
+        bounds.append(max(limit - mapped, 0))
+    return min(bounds) if bounds else None
 
 
 def _numpy(state) -> np.ndarray:

@@ -44,6 +44,17 @@ FUSED_TABLE: tuple[FusedCapability, ...] = (
 )
 
 # Measured up to 0.23.9; newer versions are assumed to keep 0.23.9's behaviour.
+NEWEST_MEASURED = (0, 23, 9)
+
+
+def check_target_version(version: tuple[int, int, int], installed: tuple[int, int, int] | None) -> None:
+    """A target tract newer than both the newest version measured and the installed one is refused (ValueError):
+    what it accepts is unknown, and no check could run the archive (``--tract-version 9.9.9``)."""
+    known = max(NEWEST_MEASURED, installed or NEWEST_MEASURED)
+    if version > known:
+        raise ValueError(f"tract {'.'.join(map(str, version))} is newer than any version gdn_export knows "
+                         f"(measured up to {'.'.join(map(str, NEWEST_MEASURED))}, installed "
+                         f"{'.'.join(map(str, installed)) if installed else 'none'})")
 
 
 def parse_version(version: str) -> tuple[int, int, int]:

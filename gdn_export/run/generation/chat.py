@@ -11,6 +11,7 @@ without adding special tokens (transformers' ``apply_chat_template(tokenize=True
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import re
@@ -57,13 +58,83 @@ def _check_sizes(args, kwargs) -> None:
             raise _too_big(f"asked for a size of {value}")
 
 
+def _size(value, limit: int = MAX_RENDERED_CHARS) -> int:
+    """About how many characters ``str(value)`` makes (strings their length, containers their items' sizes and
+    separators), counted only until it passes ``limit`` (a list of a million references to one long string is
+    sized from its first items). What the growth checks below compare with the output bound."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item) + 2
+        elif isinstance(item, dict):
+            total += 2 + 2 * len(item)
+            for key, child in item.items():
+                stack.extend((key, child))
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            total += 2 + 2 * len(item)
+            stack.extend(item)
+        else:
+            total += 24  # a number, None, a boolean (an int's digits are bounded by Python's own 4300-digit limit)
+    return total
+
+
+def _growth(kind: str, value, args, kwargs) -> int | None:
+    """The most characters ``kind`` (a str method or a filter that can multiply its input) makes of ``value`` with
+    these arguments; None for anything else (bounded by its input, or by ``_check_sizes``)."""
+    if not isinstance(value, str):
+        if kind == "join" and isinstance(value, (list, tuple)):
+            sep = args[0] if args else kwargs.get("d", "")
+            return _size(value) + len(str(sep)) * max(len(value) - 1, 0)
+        return None
+    if kind == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        old, new = args[0], args[1]
+        count = args[2] if len(args) > 2 else kwargs.get("count")
+        hits = value.count(old) if old else len(value) + 1
+        if isinstance(count, int) and count >= 0:
+            hits = min(hits, count)
+        return len(value) + hits * max(len(new) - len(old), 0)
+    if kind in ("join",):  # sep.join(items)
+        items = args[0] if args else ()
+        if isinstance(items, (list, tuple)):
+            return _size(list(items)) + len(value) * max(len(items) - 1, 0)
+        return None
+    if kind in ("format", "format_map"):
+        fields = value.count("{") + value.count("%")
+        widths = [int(w) for w in re.findall(r"\d+", value)]
+        values = list(args) + list(kwargs.values())
+        if widths and max(widths) > MAX_RENDERED_CHARS:
+            return max(widths)
+        return len(value) + fields * max((_size(v) for v in values), default=0)
+    if kind == "indent":
+        width = args[0] if args else kwargs.get("width", 4)
+        width = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+        return len(value) + width * (value.count("\n") + 1)
+    if kind == "expandtabs":
+        size = args[0] if args else kwargs.get("tabsize", 8)
+        return len(value) + (size if isinstance(size, int) else 8) * value.count("\t")
+    if kind == "wordwrap":
+        wrap = kwargs.get("wrapstring") or (args[3] if len(args) > 3 else "\n")
+        width = args[0] if args else kwargs.get("width", 79)
+        return len(value) + len(str(wrap)) * (len(value) // max(width if isinstance(width, int) else 1, 1) + 1)
+    return None
+
+
+def _check_growth(kind: str, value, args, kwargs) -> None:
+    grown = _growth(kind, value, args, kwargs)
+    if grown is not None and grown > MAX_RENDERED_CHARS:
+        raise _too_big(f"would make {grown} characters with {kind}")
+
+
 def _bounded_binop(operator: str, left, right):
     """``left operator right`` for the operators that can make a huge value in one step (``*``, ``**``, ``%``,
     ``+``), refused when the result would pass the output bound."""
     sized = (str, list, tuple)
     if operator == "*":
         for seq, count in ((left, right), (right, left)):
-            if isinstance(seq, sized) and isinstance(count, int) and len(seq) * max(count, 0) > MAX_RENDERED_CHARS:
+            if isinstance(seq, sized) and isinstance(count, int) and not isinstance(count, bool) and count > 0 and (
+                    len(seq) * count > MAX_RENDERED_CHARS or not isinstance(seq, str)
+                    and _size(seq, MAX_RENDERED_CHARS // count) * count > MAX_RENDERED_CHARS):
                 raise _too_big(f"repeats a value {count} times")
     elif operator == "**" and isinstance(left, (int, float)) and isinstance(right, (int, float)):
         if abs(left) > 1 and right > 0 and right * math.log2(abs(left)) > 4096:
@@ -74,7 +145,7 @@ def _bounded_binop(operator: str, left, right):
         if widths and max(widths) > MAX_RENDERED_CHARS:
             raise _too_big(f"formats a field {max(widths)} characters wide")
     elif operator == "+" and isinstance(left, sized) and isinstance(right, sized):
-        if len(left) + len(right) > MAX_RENDERED_CHARS:
+        if len(left) + len(right) > MAX_RENDERED_CHARS or _size(left) + _size(right) > MAX_RENDERED_CHARS:
             raise _too_big("joins values")
     return {"*": lambda a, b: a * b, "**": lambda a, b: a ** b, "%": lambda a, b: a % b,
             "+": lambda a, b: a + b}[operator](left, right)
@@ -83,8 +154,10 @@ def _bounded_binop(operator: str, left, right):
 @functools.lru_cache(maxsize=8)
 def compile_template(template: str):
     import jinja2
+    import jinja2.compiler
     import jinja2.ext
     import jinja2.nodes
+    import jinja2.runtime
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(jinja2.ext.Extension):
@@ -127,7 +200,7 @@ def compile_template(template: str):
 
         def __setitem__(self, name, value):
             TemplateNamespace._check_name(name)
-            if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_RENDERED_CHARS:
+            if isinstance(value, (str, list, tuple, dict)) and _size(value) > MAX_RENDERED_CHARS:
                 raise _too_big("grew a value")
             jinja2.utils.Namespace.__setitem__(self, name, value)
 
@@ -146,19 +219,63 @@ def compile_template(template: str):
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own spelling)
             _check_sizes(args, kwargs)
+            method = getattr(__obj, "__wrapped__", __obj)  # jinja wraps str.format in a function of its own
+            owner, name = getattr(method, "__self__", None), getattr(method, "__name__", "")
+            if isinstance(owner, str):  # str.replace, str.join, str.format...: sized before the C call makes it
+                if name == "join" and args and not isinstance(args[0], (list, tuple, str)):
+                    args = (list(itertools.islice(args[0], MAX_RENDERED_CHARS + 1)), *args[1:])
+                _check_growth(name, owner, args, kwargs)
             return super().call(__context, __obj, *args, **kwargs)
 
-    def bounded(function):
+    def bounded(name, function):
         @functools.wraps(function)
         def call(*args, **kwargs):
-            _check_sizes(args[1:], kwargs)  # the first is the value filtered (jinja may pass the context first)
+            plain = [a for a in args if not isinstance(a, (jinja2.runtime.Context, jinja2.nodes.EvalContext,
+                                                           jinja2.Environment))]
+            _check_sizes(plain[1:], kwargs)  # the first is the value filtered
+            if plain:
+                value = plain[0]
+                if name == "join" and not isinstance(value, (list, tuple, str)):  # a generator: sized as a list
+                    value = list(itertools.islice(value, MAX_RENDERED_CHARS + 1))
+                    args = tuple(value if a is plain[0] else a for a in args)
+                _check_growth(name, value, plain[1:], kwargs)
+                indent = kwargs.get("indent") or (plain[1] if name == "tojson" and len(plain) > 1 else 0)
+                factor = 1 + (indent if isinstance(indent, int) and not isinstance(indent, bool) else 0)
+                if name in ("string", "pprint", "tojson", "list") and _size(value) * factor > MAX_RENDERED_CHARS:
+                    raise _too_big(f"would make more text with {name}")
             return function(*args, **kwargs)
         return call
 
-    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    class BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
+        """``a ~ b`` compiled to ``environment.bounded_concat``: ``str()`` of a list of long strings would make its
+        text in one C call."""
+
+        def visit_Concat(self, node, frame):
+            self.write("environment.bounded_concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
+    BoundedEnvironment.code_generator_class = BoundedCodeGenerator
+
+    def bounded_concat(values) -> str:
+        if sum(_size(v) for v in values) > MAX_RENDERED_CHARS:
+            raise _too_big("joins values with ~")
+        return "".join(map(str, values))
+
+    def finalize(value):
+        """What ``{{ value }}`` prints, sized before ``str()`` makes it."""
+        if not isinstance(value, str) and _size(value) > MAX_RENDERED_CHARS:
+            raise _too_big("prints a value")
+        return value
+
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols],
+                             finalize=finalize)
+    env.bounded_concat = bounded_concat
     env.filters["tojson"] = tojson
     for name, function in list(env.filters.items()):
-        wrapped = bounded(function)
+        wrapped = bounded(name, function)
         for marker in ("jinja_pass_arg",):  # pass_context / pass_environment markers stay on the wrapper
             if hasattr(function, marker):
                 setattr(wrapped, marker, getattr(function, marker))

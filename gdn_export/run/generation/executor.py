@@ -171,6 +171,22 @@ class TokenStream:
             raise self._error
 
 
+def template_error(template: str | None) -> str | None:
+    """Why the chat template does not compile (one line), or None (it compiles, there is none, or jinja2 is not
+    installed: a chat says so when asked)."""
+    if template is None:
+        return None
+    try:
+        from gdn_export.run.generation.chat import compile_template
+
+        compile_template(template)
+    except ImportError:
+        return None
+    except GdnExportError as err:
+        return str(err).strip().splitlines()[0]
+    return None
+
+
 class ArchiveText:
     """What the text side needs from an archive, read once: tokenizer, chat template, generation config, the
     tokenizer config's special tokens (the names a chat template may use), vocabulary size."""
@@ -186,6 +202,9 @@ class ArchiveText:
         self.max_model_len: int = context_bound(self.model_context)  # prompt + new tokens, at most
         self.tokenizer = session.tokenizer
         self.chat_template = session.chat_template
+        self.chat_template_error = template_error(self.chat_template)  # refused once, at load: chats get a 400
+        if self.chat_template_error is not None:
+            self.chat_template = None
         self.generation_config: dict = session.generation_config or {}
         config = json_member(files["tokenizer_config.json"], "tokenizer_config.json", session.path) \
             if "tokenizer_config.json" in files else {}

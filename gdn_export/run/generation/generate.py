@@ -79,12 +79,48 @@ def tokenized(archive: ArchiveText, text: str, add_special_tokens: bool, param: 
     than the context (more characters than ``max_model_len`` tokens of the vocabulary's longest can hold:
     tokenizing megabytes takes seconds and about 200 bytes of memory per character). ``encode_batch`` releases the
     GIL (``encode`` holds it), so a server's event loop keeps answering meanwhile."""
+    check_text(text, param)
     limit = getattr(archive, "max_model_len", None)
     if limit is not None and len(text) > limit * longest_token(archive.tokenizer):
         raise ContextLengthError(f"This model's maximum context length is {limit} tokens; the {param} has "
                                  f"{len(text)} characters, more than {limit} tokens can hold. Please reduce the "
                                  f"length of the {param}.", param)
     return archive.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def check_text(text: str, param: str) -> None:
+    """``text`` is Unicode text: a lone UTF-16 surrogate (a JSON ``"\\ud800"``, an undecodable byte of a command
+    line) reaches no tokenizer."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise RequestError(f"the {param} holds a lone surrogate (U+{ord(text[err.start]):04X}) at character "
+                               f"{err.start}, which is not Unicode text", param) from None
+
+
+# What a request may ask to be matched against every token's text (OpenAI takes at most 4 stop strings; vLLM any
+# number, matched on its event loop's side in C++ speed): 32 strings of 4096 characters in all keep the matching
+# below a millisecond a token, wherever it runs. Stop token ids: a set lookup a token, bounded for the set's build.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 4096
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def check_stops(stops: Sequence[str], stop_token_ids: Sequence[int] | None = None) -> None:
+    """The request's stop strings and stop token ids within ``MAX_STOP_*``: a RequestError naming the field."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop has {len(stops)} strings, more than the {MAX_STOP_STRINGS} a request may give",
+                           "stop")
+    total = sum(len(s) for s in stops)
+    if total > MAX_STOP_CHARS:
+        raise RequestError(f"stop strings have {total} characters in all, more than the {MAX_STOP_CHARS} a request "
+                           "may give", "stop")
+    for stop in stops:
+        check_text(stop, "stop")
+    if stop_token_ids is not None and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"stop_token_ids has {len(stop_token_ids)} ids, more than the {MAX_STOP_TOKEN_IDS} a "
+                           "request may give", "stop_token_ids")
 
 
 @functools.lru_cache(maxsize=8)
@@ -144,6 +180,7 @@ class Generation:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) for s in stops):
             raise RequestError("stop must be a string or a list of strings", "stop")
+        check_stops(stops, stop_token_ids)
         if stops and archive.tokenizer is None:
             raise RequestError(f"stop strings need a tokenizer and {archive.path} carries none: use stop token ids",
                                "stop")
@@ -264,6 +301,9 @@ def chat_prompt_ids(archive: ArchiveText, messages) -> tuple[int, ...]:
     ``apply_chat_template(messages, add_generation_prompt=True)``)."""
     from gdn_export.run.generation.chat import render_chat
 
+    if getattr(archive, "chat_template_error", None):
+        raise RequestError(f"{archive.path.name}: {archive.chat_template_error} (chats are refused; completions "
+                           "are not affected)", "messages")
     if archive.chat_template is None:
         raise RequestError(f"{archive.path.name} carries no chat template: use a completion with a prompt instead",
                            "messages")

@@ -14,6 +14,8 @@ The rules are transformers' and vLLM's:
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,8 +46,13 @@ class SamplingParams:
         def number(name, value, integer=False):
             if isinstance(value, bool) or not isinstance(value, (int, float) if not integer else int):
                 raise SamplingError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}", name)
-            if not integer and not np.isfinite(value):
-                raise SamplingError(f"{name} must be finite, got {value!r}", name)
+            if not integer:  # a JSON integer may be of any size: float() of 10**400 overflows, numpy refuses 10**308
+                try:
+                    finite = math.isfinite(float(value))
+                except OverflowError:
+                    finite = False
+                if not finite:
+                    raise SamplingError(f"{name} must be a finite number, got {str(value)[:40]}", name)
 
         number("temperature", self.temperature)
         if self.temperature < 0:

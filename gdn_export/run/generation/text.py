@@ -12,6 +12,8 @@ stop string found, as OpenAI does (the stop string is not returned).
 
 from __future__ import annotations
 
+import functools
+
 REPLACEMENT = "\ufffd"
 
 
@@ -79,12 +81,26 @@ class StopStrings:
         return self._emit(len(self.text))
 
     def _held(self) -> int:
-        """The length of the longest end of the text that begins a stop string (a proper prefix of one)."""
-        for size in range(min(self.longest - 1, len(self.text)), 0, -1):
-            tail = self.text[-size:]
-            if any(stop.startswith(tail) for stop in self.stops):
+        """The length of the longest end of the text that begins a stop string (a proper prefix of one). Only the
+        prefixes that end with the text's last character are tried (``_ends``): at most the stop strings' total
+        length of comparisons a token, and in practice a handful."""
+        if not self.text:
+            return 0
+        for stop, size in self._ends.get(self.text[-1], ()):  # longest first: the first match is the answer
+            if size <= len(self.text) and self.text.endswith(stop[:size]):
                 return size
         return 0
+
+    @functools.cached_property
+    def _ends(self) -> dict[str, list[tuple[str, int]]]:
+        """For each character, the (stop string, prefix length) whose proper prefix ends with it, longest first."""
+        ends: dict[str, list[tuple[str, int]]] = {}
+        for stop in self.stops:
+            for size in range(len(stop) - 1, 0, -1):
+                ends.setdefault(stop[size - 1], []).append((stop, size))
+        for entries in ends.values():
+            entries.sort(key=lambda entry: -entry[1])
+        return ends
 
     def _emit(self, until: int) -> str:
         if until <= self.emitted:

@@ -169,6 +169,11 @@ class Engine(QueuedExecutor):
         self.calls: collections.Counter[tuple[str, int]] = collections.Counter()  # (kind, rows) -> tract calls
         self.prefix_cache = PrefixCache(int(prefix_cache_mib * MIB))
         self._init_queue()
+        from gdn_export.run.integrity import check_archive
+        from gdn_export.run.session import check_state_memory
+
+        check_archive(session.path, session.metadata)  # the states against the graph before the slots allocate them
+        check_state_memory(session.path, session.state_specs, slots + workers, positions=64)
         self._workers = [_Worker(self, SlotPool(session.state_specs, n), i) for i, n in enumerate(per_worker)]
         if plan_now:  # side by side, a thread per worker (tract's loads release the GIL)
             from concurrent.futures import ThreadPoolExecutor

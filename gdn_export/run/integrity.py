@@ -1,0 +1,338 @@
+"""What an archive must be before tract reads it: its members, their sizes and content.
+
+tract reads every member of a ``.nnef.tgz`` it is given, whether the graph uses it or not, and trusts each ``.dat``
+header; nothing in the gzip stream it reads is verified. So before tract sees an archive, one pass over it
+(``check_archive``) makes sure that:
+
+- every member is a regular file the graph or the metadata names (``graph.nnef``, ``gdn_export.json``, the
+  generation files ``gdn_export.json`` lists, and one ``<label>.dat`` per variable of the graph), each once;
+- every ``.dat`` header is a tensor file tract reads (NNEF's magic and version), of a data type gdn_export writes,
+  whose extents are the variable's declared shape and whose length is what that shape and type take: the archive
+  holds no more than what the graph needs;
+- each member's SHA-256 is the one recorded at conversion (``gdn_export.json``'s ``digests``, written by ``pack``):
+  a damaged member is named; an archive written before digests existed is checked by the gzip stream's own CRC-32
+  instead (read to its end here), which finds the damage without naming the member;
+- the states ``gdn_export.json`` declares are the graph's state inputs, shape for shape (a Session allocates them
+  from the metadata).
+
+A verified archive is remembered (path, size, modification time) for the rest of the process: a second plan of the
+same file does not pay the pass again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import struct
+import tarfile
+import threading
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gdn_export.run.archive import DIGESTS_FIELD, METADATA_FILE, MIB, ArchiveError
+
+GRAPH_FILE = "graph.nnef"
+GRAPH_LIMIT = 256 * MIB  # the 0.8B shape's graph is 0.7 MiB; a graph is read whole
+DAT_HEADER = 128  # NNEF's tensor file header
+NNEF_MAGIC = b"\x4e\xef"
+# (bits per item, item type) of the .dat files tract reads and gdn_export writes: floats (code 0), signed integers
+# (code 4: int8 weights), unsigned integers (code 1)
+PLAIN_TYPES = {(16, 0): "f16", (32, 0): "f32", (64, 0): "f64", (8, 4): "i8", (16, 4): "i16", (32, 4): "i32",
+               (64, 4): "i64", (8, 1): "u8", (16, 1): "u16", (32, 1): "u32", (64, 1): "u64"}
+# tract's block-quantized tensors: bits per item u32::MAX and a format code; Q4_0 blocks of 32 values in 18 bytes
+BLOCK_TYPES = {(0xFFFFFFFF, 0x54523040): ("q4_0", 32, 18)}
+_VARIABLE = re.compile(r"variable\s*<\s*\w+\s*>\s*\(\s*label\s*=\s*(['\"])(.*?)\1\s*,\s*shape\s*=\s*\[([^\]]*)\]")
+_EXTERNAL = re.compile(r"^\s*(\w+)\s*=\s*(?:tract_core_external|external\s*<\s*\w+\s*>)\s*\(\s*shape\s*=\s*\[([^\]]*)\]",
+                       re.MULTILINE)
+
+
+@dataclass
+class _Seen:
+    """What the pass over an archive found."""
+
+    graph: str | None = None
+    headers: dict[str, tuple[str, bytes, int]] = field(default_factory=dict)  # label: (member, header, size)
+    names: set[str] = field(default_factory=set)
+    digests: dict[str, str] = field(default_factory=dict)
+
+
+_verified: set[tuple] = set()
+_verified_lock = threading.Lock()
+
+
+def check_archive(path: str | os.PathLike, metadata: dict | None) -> None:
+    """``path`` (a .nnef.tgz) checked as the module says before tract reads it; ArchiveError naming the member at
+    fault otherwise. ``metadata``: its gdn_export.json (None: an archive of ``gdn_export.export`` without one)."""
+    path = Path(path)
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    with _verified_lock:
+        if key in _verified:
+            return
+    _check(path, metadata or {})
+    with _verified_lock:
+        _verified.add(key)
+
+
+def _check(path: Path, metadata: dict) -> None:
+    recorded = metadata.get(DIGESTS_FIELD)
+    listed = {METADATA_FILE, GRAPH_FILE, *metadata.get("generation_files", ())} if metadata else {GRAPH_FILE}
+    seen = _Seen()
+    labels: dict[str, list[int]] | None = None  # the graph's variables, once its member was read
+    try:
+        with open(path, "rb") as raw, io.BufferedReader(_Inflated(raw), MIB) as stream:
+            with tarfile.open(fileobj=stream, mode="r:") as tar:
+                for member in tar:
+                    name = member.name
+                    if name in seen.names:
+                        raise ArchiveError(f"{path}: member {name} appears twice")
+                    seen.names.add(name)
+                    if not member.isfile():
+                        raise ArchiveError(f"{path}: member {name} is not a regular file; an archive holds only files")
+                    if recorded is not None and name != METADATA_FILE:
+                        if name not in recorded:
+                            raise ArchiveError(f"{path}: member {name} is not one of those recorded at conversion "
+                                               f"({METADATA_FILE}'s digests); convert the model again")
+                        if member.size != recorded[name]["size"]:
+                            raise ArchiveError(f"{path} is damaged: member {name} is {member.size} bytes, "
+                                               f"{recorded[name]['size']} were written; convert it again")
+                    elif name not in listed and not name.endswith(".dat"):
+                        raise ArchiveError(f"{path}: member {name} is neither the graph, a weight (.dat) nor a file "
+                                           f"{METADATA_FILE} lists; tract would read it")
+                    if name.endswith(".dat") and labels is not None and name[:-4] not in labels:
+                        raise ArchiveError(_unused(path, name))
+                    handle = tar.extractfile(member)
+                    digest = hashlib.sha256()
+                    if name == GRAPH_FILE:
+                        if member.size > GRAPH_LIMIT:
+                            raise ArchiveError(f"{path}: {GRAPH_FILE} is {member.size / MIB:.0f} MiB, more than the "
+                                               f"{GRAPH_LIMIT // MIB} MiB a graph may be")
+                        data = handle.read()
+                        digest.update(data)
+                        seen.graph = data.decode("utf-8", "replace")
+                        labels = _variables(seen.graph)
+                        for label, (member_name, _, _) in seen.headers.items():
+                            if label not in labels:
+                                raise ArchiveError(_unused(path, member_name))
+                    elif name.endswith(".dat"):
+                        header = handle.read(DAT_HEADER)
+                        _check_header(path, name, header, member.size, labels)
+                        seen.headers[name[:-4]] = (name, header, member.size)
+                        digest.update(header)
+                        _hash_rest(handle, digest)
+                    else:
+                        _hash_rest(handle, digest)
+                    seen.digests[name] = digest.hexdigest()
+            while stream.read(MIB):  # the end-of-archive blocks: the gzip trailer's CRC-32 is checked at its end
+                pass
+    except ArchiveError:
+        raise
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as err:
+        from gdn_export.run.archive import damage
+
+        _check_digests(path, seen, recorded)  # a member whose digest differs is named rather than the stream
+        raise ArchiveError(damage(path, err)) from None
+    _check_complete(path, seen, recorded, metadata)
+
+
+class _Inflated(io.RawIOBase):
+    """A gzip stream's content, inflated from reads of 4 MiB of the file (``gzip.GzipFile`` reads it by the 8 KiB
+    and took twice as long over a 0.8 GB archive). The trailer's CRC-32 and size are checked once all the content
+    was read (zlib's own check would fail the read that reaches the trailer, losing the content before it, and
+    with it the name of the damaged member). Seeks go forward only (``tarfile`` over a file it reads in order)."""
+
+    def __init__(self, raw) -> None:
+        self.raw, self.inflate, self.position, self.crc = raw, zlib.decompressobj(-zlib.MAX_WBITS), 0, 0
+        self.started = self.ended = False
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        target = offset + (self.position if whence == 1 else 0)
+        if whence == 2 or target < self.position:
+            raise OSError("the archive is read in order: no seeking back")
+        while self.position < target:
+            if not self.read(min(target - self.position, 4 * MIB)):
+                break
+        return self.position
+
+    def _header(self, data: bytes) -> bytes:
+        """``data`` past the gzip header (RFC 1952) that begins it."""
+        if len(data) < 10 or data[:3] != b"\x1f\x8b\x08":
+            raise OSError("not a gzip file")
+        flags, at = data[3], 10
+        if flags & 4:  # FEXTRA
+            at += 2 + int.from_bytes(data[at:at + 2], "little")
+        for flag in (8, 16):  # FNAME, FCOMMENT: zero-terminated
+            if flags & flag:
+                end = data.find(b"\0", at)
+                if end < 0:
+                    raise OSError("a gzip header longer than 4 MiB")
+                at = end + 1
+        return data[at + (2 if flags & 2 else 0):]
+
+    def readinto(self, buffer) -> int:
+        while True:
+            if self.inflate.eof:  # what follows the deflate data is in unused_data (unconsumed_tail too)
+                if not self.ended:
+                    self._trailer()
+                    self.ended = True
+                return 0
+            if self.inflate.unconsumed_tail:
+                data = self.inflate.unconsumed_tail
+            else:
+                data = self.raw.read(4 * MIB)
+                if not data:
+                    raise EOFError("the gzip stream ends before its end (the file is truncated)")
+                if not self.started:
+                    data, self.started = self._header(data), True
+            out = self.inflate.decompress(data, len(buffer))
+            if out:
+                buffer[:len(out)] = out
+                self.position += len(out)
+                self.crc = zlib.crc32(out, self.crc)
+                return len(out)
+
+    def _trailer(self) -> None:
+        trailer = self.inflate.unused_data
+        while len(trailer) < 8:
+            more = self.raw.read(8 - len(trailer))
+            if not more:
+                raise EOFError("the gzip stream ends before its trailer (the file is truncated)")
+            trailer += more
+        crc, size = struct.unpack("<II", trailer[:8])
+        if crc != self.crc or size != self.position & 0xFFFFFFFF:
+            raise zlib.error(f"CRC check failed {crc:#x} != {self.crc:#x}")
+        if trailer[8:] or self.raw.read(1):
+            raise zlib.error("data after the end of the gzip stream")
+
+
+def _hash_rest(handle, digest) -> None:
+    while chunk := handle.read(4 * MIB):
+        digest.update(chunk)
+
+
+def _unused(path: Path, name: str) -> str:
+    return f"{path}: member {name} is a weight the graph has no variable for; tract would read it"
+
+
+def _dims(text: str) -> list:
+    return [int(d) if d.strip().isdigit() else d.strip() for d in text.split(",") if d.strip()]
+
+
+def _variables(graph: str) -> dict[str, list[int]]:
+    return {label: _dims(shape) for _, label, shape in _VARIABLE.findall(graph)}
+
+
+def _check_header(path: Path, name: str, header: bytes, size: int, labels: dict | None) -> None:
+    """A .dat member's header: NNEF's tensor file, a type gdn_export writes, its data length that of its extents and
+    the member's size; its extents those the graph declares (when the graph was read already; else at the end)."""
+    where = f"{path}: weight {name}"
+    if len(header) < DAT_HEADER or header[:2] != NNEF_MAGIC or header[2] != 1:
+        raise ArchiveError(f"{where} is not an NNEF tensor file (its header lacks NNEF's magic and version 1)")
+    length, rank = struct.unpack_from("<II", header, 4)
+    if rank > 8:
+        raise ArchiveError(f"{where} has rank {rank}; NNEF tensors have at most 8 dimensions")
+    extents = list(struct.unpack_from(f"<{rank}I", header, 12))
+    bits, item = struct.unpack_from("<II", header, 44)
+    count = 1
+    for extent in extents:
+        count *= extent
+    if (bits, item) in PLAIN_TYPES:
+        expected = count * bits // 8
+    elif (bits, item) in BLOCK_TYPES:
+        _, block, block_bytes = BLOCK_TYPES[(bits, item)]
+        expected = -(-count // block) * block_bytes
+    else:
+        raise ArchiveError(f"{where} has item type ({bits} bits, code {item:#x}), not one gdn_export writes")
+    if length != expected or size != DAT_HEADER + length:
+        raise ArchiveError(f"{where}: its header says {length} bytes of data, its extents {extents} take {expected}, "
+                           f"the member holds {size - DAT_HEADER}")
+    if labels is not None:
+        declared = labels[name[:-4]]
+        if declared != extents:
+            raise ArchiveError(f"{where} has extents {extents}, the graph declares {declared}")
+
+
+def _check_complete(path: Path, seen: _Seen, recorded: dict | None, metadata: dict) -> None:
+    if seen.graph is None:
+        raise ArchiveError(f"{path} holds no {GRAPH_FILE}: not a .nnef.tgz archive that gdn-export wrote")
+    labels = _variables(seen.graph)
+    for label, (name, header, size) in seen.headers.items():
+        _check_header(path, name, header, size, labels)
+    missing = sorted(f"{label}.dat" for label in labels if label not in seen.headers)
+    if missing:
+        raise ArchiveError(f"{path} is damaged: it lacks {missing[0]}" + (f" (+{len(missing) - 1} more weights)"
+                                                                         if len(missing) > 1 else ""))
+    if recorded is not None:
+        absent = sorted(set(recorded) - seen.names)
+        if absent:
+            raise ArchiveError(f"{path} is damaged: it lacks member {absent[0]}, recorded at conversion")
+    _check_digests(path, seen, recorded)
+    check_states(path, metadata, seen.graph)
+
+
+def _check_digests(path: Path, seen: _Seen, recorded: dict | None) -> None:
+    for name, digest in seen.digests.items():
+        if recorded is not None and name != METADATA_FILE and digest != recorded[name]["sha256"]:
+            raise ArchiveError(f"{path} is damaged: member {name} does not match the digest recorded at conversion "
+                               "(its content changed since); convert it again")
+
+
+def graph_inputs(graph: str) -> dict[str, list]:
+    """The graph's external inputs and their declared shapes (sizes, or symbols such as ``B``)."""
+    return {name: _dims(shape) for name, shape in _EXTERNAL.findall(graph)}
+
+
+def check_states(path: Path, metadata: dict, graph: str) -> None:
+    """``metadata``'s states are the graph's state inputs (those after ``input_ids`` and a serving graph's
+    ``past_len``/``seq_len``), each of the shape the graph declares."""
+    states = metadata.get("states")
+    if states is None:
+        return
+    inputs = graph_inputs(graph)
+    names = [n for n in metadata.get("inputs", list(inputs)) if n not in ("input_ids", "past_len", "seq_len")]
+    if len(names) != len(states):
+        raise ArchiveError(f"{path}: {METADATA_FILE} declares {len(states)} states, the graph takes {len(names)}")
+    for name, state in zip(names, states):
+        if name not in inputs:
+            raise ArchiveError(f"{path}: {METADATA_FILE} names input {name}, which the graph does not take")
+        if [str(d) for d in state["shape"]] != [str(d) for d in inputs[name]]:
+            raise ArchiveError(f"{path}: {METADATA_FILE}'s state {state['name']} has shape {state['shape']}, the "
+                               f"graph's input {name} {inputs[name]}")
+
+
+_naming = threading.local()
+
+
+def damaged_member(path: Path) -> str | None:
+    """Which member of a damaged archive (its gzip stream does not check) differs from the digest recorded at
+    conversion, as the one-line message ``check_archive`` gives; None when the archive records no digests, its
+    metadata cannot be read, or no member's digest differs."""
+    if getattr(_naming, "active", False):  # reading the metadata below failed in turn
+        return None
+    _naming.active = True
+    try:
+        from gdn_export.run.archive import read_metadata
+
+        metadata = read_metadata(path)
+        if not metadata or DIGESTS_FIELD not in metadata:
+            return None
+        _check(path, metadata)
+    except ArchiveError as err:
+        return str(err) if "recorded at conversion" in str(err) else None
+    except Exception:  # noqa: BLE001 (naming the member is a courtesy: the caller reports the damage anyway)
+        return None
+    finally:
+        _naming.active = False
+    return None
