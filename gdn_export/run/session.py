@@ -245,7 +245,7 @@ def check_state_memory(path: Path, specs: list[dict], batch: int, positions: int
         count = 1
         for d in spec["shape"]:
             count *= batch if d == "B" else positions if d == "P" else 1 if d == "S" else d
-        total += count * np.dtype(NUMPY_DTYPES[spec["dtype"]]).itemsize
+        total += count * numpy_dtype(spec["dtype"]).itemsize
     available = available_memory()
     if available is not None and total > available:
         raise GdnExportError(f"{path}: the states of {batch} row(s) take {total / (1 << 30):.1f} GiB, more than the "
