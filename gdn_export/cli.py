@@ -273,17 +273,24 @@ def _generate(args) -> int:
                 raise RequestError("--chat takes the user's message as --prompt TEXT")
             prompt = chat_prompt_ids(archive, [{"role": "user", "content": args.prompt}])
         stop_token_ids = None if not args.ignore_eos else []
+        speculative = _speculative_config(args)
+        if speculative is not None and not executor.session.every_position:
+            raise RequestError(f"{args.model} returns the last position's logits only (converted with --logits "
+                               "last): --speculative needs every position's")
         tokens = generate(executor, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, stop=args.stop or None, stop_token_ids=stop_token_ids)
+                          top_p=args.top_p, seed=args.seed, stop=args.stop or None, stop_token_ids=stop_token_ids,
+                          speculative=speculative)
     except (RequestError, SamplingError, ChatTemplateError) as err:
         raise UsageError(str(err)) from None
     text_out = archive.tokenizer is not None
-    started, count, last = time.perf_counter(), 0, None
+    started, count, last, drafts = time.perf_counter(), 0, None, ""
     try:
         for token in tokens:
             if count == 0:
                 first = time.perf_counter() - started
             count, last = count + 1, token
+            if speculative is not None:
+                drafts = f"; drafted {tokens.generation.drafted}, accepted {tokens.generation.accepted}"
             out = token.text if text_out else f"{'' if count == 1 else ' '}{token.token_id}"
             if out:
                 sys.stdout.write(out)
@@ -303,8 +310,31 @@ def _generate(args) -> int:
     rate = f", {(count - 1) / (elapsed - first):.1f} tokens/s after the first" if count > 1 and elapsed > first else ""
     print(f"[{count} tokens, finish: {last.finish_reason}"
           f"{f' ({last.stop_reason!r})' if last.stop_reason is not None else ''}; first token {first * 1e3:.0f} ms"
-          f"{rate}]", file=sys.stderr)
+          f"{rate}{drafts}]", file=sys.stderr)
     return 0
+
+
+def _speculative_config(args):
+    """The SpeculativeConfig of --speculative, --draft-max, --prompt-lookup-max/-min (None: no drafts)."""
+    from gdn_export.run.generation import SpeculativeConfig
+
+    if args.speculative == "none":
+        return None
+    return SpeculativeConfig(args.speculative, args.draft_max, args.prompt_lookup_max,
+                             min(args.prompt_lookup_min, args.prompt_lookup_max))
+
+
+def _add_speculative(parser, what: str) -> None:
+    parser.add_argument("--speculative", choices=["none", "ngram"], default="none",
+                        help=f"{what}: draft tokens and verify them in one call per step (ngram: prompt lookup over "
+                             "the prompt and the output so far; exact: greedy output is the same; default none; "
+                             "docs/GENERATING.md)")
+    parser.add_argument("--draft-max", type=_count(1), default=4, metavar="K",
+                        help="at most K drafted tokens per step (default 4)")
+    parser.add_argument("--prompt-lookup-max", type=_count(1), default=3, metavar="N",
+                        help="ngram: the longest n-gram looked up (default 3)")
+    parser.add_argument("--prompt-lookup-min", type=_count(1), default=1, metavar="N",
+                        help="ngram: the shortest n-gram looked up (default 1)")
 
 
 def _perplexity(args) -> int:
@@ -496,6 +526,7 @@ def parser() -> argparse.ArgumentParser:
                           "docs/SERVER.md)")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="do not stop at generation_config.json's eos_token_id")
+    _add_speculative(gen, "decoding")
     gen.set_defaults(run=_generate)
     _add_debug(gen)
     ppl = sub.add_parser("perplexity", help="perplexity of an exported model on a text file (llama-perplexity's "
