@@ -318,10 +318,16 @@ def _speculative_config(args):
     """The SpeculativeConfig of --speculative, --draft-max, --prompt-lookup-max/-min (None: no drafts)."""
     from gdn_export.run.generation import SpeculativeConfig
 
+    from gdn_export.run.generation import SpeculativeError
+
     if args.speculative == "none":
         return None
-    return SpeculativeConfig(args.speculative, args.draft_max, args.prompt_lookup_max,
-                             min(args.prompt_lookup_min, args.prompt_lookup_max))
+    try:
+        return SpeculativeConfig(args.speculative, args.draft_max, args.prompt_lookup_max,
+                                 min(args.prompt_lookup_min, args.prompt_lookup_max))
+    except SpeculativeError as err:
+        flag = {"num_speculative_tokens": "--draft-max"}.get(err.param, f"--{err.param.replace('_', '-')}")
+        raise UsageError(f"{flag}: {err}") from None
 
 
 def _add_speculative(parser, what: str) -> None:
@@ -388,6 +394,10 @@ def _serve(args) -> int:
             raise UsageError(f"--prefill-piece must be a multiple of {ALIGN} on a serving archive (the prefix "
                              f"cache's alignment), got {args.prefill_piece}")
 
+    speculative = _speculative_config(args)
+    if speculative is not None and metadata.get("logits") == "last":
+        raise UsageError(f"{args.model} returns the last position's logits only (converted with --logits last): "
+                         "--speculative needs every position's")
     if not batched and args.prefill_rows != 1:
         raise UsageError(f"--prefill-rows batches prompts over a serving graph; {args.model} has none (convert it "
                          "with --serving)")
@@ -407,7 +417,7 @@ def _serve(args) -> int:
               log_level=args.log_level, ready=ready, slots=args.slots, progress=_progress,
               prefill_piece=args.prefill_piece, prefill_rows=args.prefill_rows, api_key=api_key,
               request_timeout=args.request_timeout, max_model_len=args.max_model_len, allow_long=allow_long,
-              shutdown_grace=args.shutdown_grace, prefix_cache_mib=args.prefix_cache_mib)
+              shutdown_grace=args.shutdown_grace, prefix_cache_mib=args.prefix_cache_mib, speculative=speculative)
     except KeyboardInterrupt:  # SIGTERM or Ctrl-C: the requests in flight were answered or ended (docs/SERVER.md)
         pass
     _progress("stopped")
@@ -582,6 +592,7 @@ def parser() -> argparse.ArgumentParser:
                           "error (default 10)")
     srv.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="warning",
                      help="uvicorn's log level (info logs every request)")
+    _add_speculative(srv, "every request's default (a request's speculative_config overrides it)")
     srv.set_defaults(run=_serve)
     _add_debug(srv)
     return top

@@ -200,3 +200,88 @@ def test_sampled_output_is_distributed_as_plain_sampling(converted):
         drafted, accepted = drafted + tokens.generation.drafted, accepted + tokens.generation.accepted
     assert 0.2 * drafted < accepted < 0.9 * drafted  # drafts were both kept and rejected, many times
     assert chi_square_p_value(counts, np.array([exact[o] for o in outcomes])) > ALPHA
+
+
+@pytest.mark.parametrize("name", by_fixture(*FAMILIES))
+def test_engine_speculative_requests_get_what_they_get_alone(name, converted):
+    """Speculative and plain requests batched together in an Engine (each row its own call length, rows going back
+    to their states before the call while others keep theirs): every request's greedy tokens are those of the
+    request alone through a batch-1 Session, and the speculative ones drafted."""
+    import threading
+
+    from helpers import alone
+
+    from gdn_export.run.generation import TokenRequest
+    from gdn_export.run.serving import Engine
+
+    path = converted(name, serving=True)
+    from gdn_export.run.session import Session
+
+    vocab = Session(path).metadata["vocab_size"]
+    prompts = [tuple(repetitive_prompt(vocab, seed)) for seed in range(5)]
+    options = [SpeculativeConfig(num_speculative_tokens=k) if k else None for k in (4, 0, 2, 6, 3)]
+    with Engine(path, slots=3, buckets=(1, 2, 4), prefix_cache_mib=0, prefill_piece=64) as engine:
+        streams = [engine.submit(TokenRequest(p, 24, SamplingParams(temperature=0.0), speculative=o))
+                   for p, o in zip(prompts, options)]
+        events: dict[int, list] = {}
+        readers = [threading.Thread(target=lambda i, s: events.__setitem__(i, list(s)), args=(i, s))
+                   for i, s in enumerate(streams)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(timeout=120)
+        assert engine.stats()["calls"].get("verify x 1", 0) + engine.stats()["calls"].get("verify x 2", 0) + \
+            engine.stats()["calls"].get("verify x 3", 0) > 0
+    for i, prompt in enumerate(prompts):
+        tokens, _ = alone(path, prompt, 24)
+        assert [e.token_id for e in events[i]] == tokens, f"request {i}"
+        if options[i] is None:
+            assert events[i][-1].drafted == 0
+    assert sum(events[i][-1].drafted for i in range(5)) > 0
+
+
+# --- over HTTP: per-request speculative_config (vLLM's keys), usage's accepted and rejected tokens -------------
+
+@pytest.mark.parametrize("batched", [True, False], ids=["engine", "workers"])
+def test_server_speculative_requests(converted, batched):
+    """The openai client against a real server on 127.0.0.1 (the trained fixture: its text repeats, so drafts are
+    kept): a request's ``speculative_config`` gives greedy tokens identical to the same request without, streamed
+    or not, completions and chat, and usage counts the drafted tokens kept and rejected (OpenAI's names for
+    predicted tokens); the server's default (``--speculative``) applies unless a request says ``"method": "none"``;
+    bad options are a 400 naming the field."""
+    import openai
+
+    from helpers import serving
+
+    from gdn_export.run.generation.executor import WorkerPool
+    from gdn_export.run.serving import Engine
+    from gdn_export.run.session import Session
+
+    path = converted(TRAINED, serving=batched)
+    executor = Engine(path, slots=2) if batched else WorkerPool(Session(path), workers=2)
+    text = (FIXTURES / TRAINED / "heldout.txt").read_text()[:600]
+    with serving(executor, "m", speculative=SpeculativeConfig(num_speculative_tokens=3)) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        ask = dict(model="m", prompt=text, max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+        plain = client.completions.create(**{**ask, "extra_body": {"ignore_eos": True,
+                                                                    "speculative_config": {"method": "none"}}})
+        assert plain.usage.completion_tokens_details is None
+        for options in ({"num_speculative_tokens": 5, "prompt_lookup_max": 4}, None):
+            extra = {"ignore_eos": True} | ({"speculative_config": options} if options else {})
+            answer = client.completions.create(**{**ask, "extra_body": extra})
+            assert answer.choices[0].token_ids == plain.choices[0].token_ids
+            details = answer.usage.completion_tokens_details
+            assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens >= 0
+        chunks = list(client.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+        assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 0
+        chat = dict(model="m", messages=[{"role": "user", "content": text}], max_tokens=32, temperature=0)
+        greedy = [client.chat.completions.create(**chat, extra_body={"speculative_config": {"method": m}})
+                  for m in ("none", "ngram")]
+        assert greedy[0].choices[0].message.content == greedy[1].choices[0].message.content
+        for bad, param in (({"method": "mtp"}, "speculative_config.method"),
+                           ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+                           ({"draft": 3}, "speculative_config"), ("ngram", "speculative_config")):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(**{**ask, "extra_body": {"speculative_config": bad}})
+            assert err.value.body["param"] == param, err.value.body
