@@ -321,20 +321,25 @@ def _speculative_config(args):
     from gdn_export.run.generation import SpeculativeError
 
     if args.speculative == "none":
+        if args.draft is not None:
+            raise UsageError("--draft ARCHIVE drafts with --speculative draft")
         return None
     try:
         return SpeculativeConfig(args.speculative, args.draft_max, args.prompt_lookup_max,
-                                 min(args.prompt_lookup_min, args.prompt_lookup_max))
+                                 min(args.prompt_lookup_min, args.prompt_lookup_max), args.draft)
     except SpeculativeError as err:
-        flag = {"num_speculative_tokens": "--draft-max"}.get(err.param, f"--{err.param.replace('_', '-')}")
+        flag = {"num_speculative_tokens": "--draft-max", "model": "--draft"}.get(
+            err.param, f"--{err.param.replace('_', '-')}")
         raise UsageError(f"{flag}: {err}") from None
 
 
 def _add_speculative(parser, what: str) -> None:
-    parser.add_argument("--speculative", choices=["none", "ngram"], default="none",
+    parser.add_argument("--speculative", choices=["none", "ngram", "draft"], default="none",
                         help=f"{what}: draft tokens and verify them in one call per step (ngram: prompt lookup over "
-                             "the prompt and the output so far; exact: greedy output is the same; default none; "
-                             "docs/GENERATING.md)")
+                             "the prompt and the output so far; draft: the --draft archive; exact: greedy output is "
+                             "the same; default none; docs/GENERATING.md)")
+    parser.add_argument("--draft", type=_existing_archive, default=None, metavar="ARCHIVE",
+                        help="--speculative draft: the draft model's archive (the same tokenizer)")
     parser.add_argument("--draft-max", type=_count(1), default=4, metavar="K",
                         help="at most K drafted tokens per step (default 4)")
     parser.add_argument("--prompt-lookup-max", type=_count(1), default=3, metavar="N",

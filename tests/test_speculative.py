@@ -46,7 +46,8 @@ def test_prompt_lookup_takes_the_longest_latest_match():
 @pytest.mark.parametrize("bad, param", [(dict(method="mtp"), "method"), (dict(num_speculative_tokens=0),
                                         "num_speculative_tokens"), (dict(num_speculative_tokens=True),
                                         "num_speculative_tokens"), (dict(prompt_lookup_max=0), "prompt_lookup_max"),
-                                        (dict(prompt_lookup_min=4, prompt_lookup_max=3), "prompt_lookup_min")])
+                                        (dict(prompt_lookup_min=4, prompt_lookup_max=3), "prompt_lookup_min"),
+                                        (dict(method="draft"), "model"), (dict(model="x.nnef.tgz"), "model")])
 def test_bad_options_name_themselves(bad, param):
     with pytest.raises(SpeculativeError) as err:
         SpeculativeConfig(**bad)
@@ -165,11 +166,13 @@ def test_greedy_output_is_token_identical(name, converted):
     assert drafted > 0  # the prompts made drafts: the verify path ran
 
 
-def test_sampled_output_is_distributed_as_plain_sampling(converted):
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_sampled_output_is_distributed_as_plain_sampling(converted, drafter):
     """The first three sampled tokens (top-k 4, temperature 0.7: at most 64 outcomes) of many seeded requests with
     drafts, against their exact distribution computed from plain calls' logits: a draft is verified at the second
     token (kept or replaced by the rule), the third is the replacement's successor or the bonus token. The trained
-    fixture on a prompt that repeats itself: its drafts are often kept, not always."""
+    fixture on a prompt that repeats itself: its drafts are often kept, not always. ``draft``: the same model in
+    float16 drafts (its q close to p, not equal: the rule's min(1, p/q) and residual max(0, p - q) both run)."""
     from gdn_export.run.session import Session
 
     session = Session(converted(TRAINED))
@@ -192,9 +195,11 @@ def test_sampled_output_is_distributed_as_plain_sampling(converted):
     outcomes = sorted(exact)
     counts = np.zeros(len(outcomes))
     drafted = accepted = 0
-    for seed in range(2000):
+    speculative = (SpeculativeConfig(num_speculative_tokens=2) if drafter == "ngram" else
+                   SpeculativeConfig("draft", 2, model=str(converted(TRAINED, "float16"))))
+    for seed in range(1200):
         tokens = generate(session, prompt, 3, temperature=0.7, top_k=4, top_p=1.0, seed=seed, stop_token_ids=[],
-                          speculative=SpeculativeConfig(num_speculative_tokens=2))
+                          speculative=speculative)
         drawn = tuple(t.token_id for t in tokens)
         counts[outcomes.index(drawn)] += 1
         drafted, accepted = drafted + tokens.generation.drafted, accepted + tokens.generation.accepted
@@ -285,3 +290,25 @@ def test_server_speculative_requests(converted, batched):
             with pytest.raises(openai.BadRequestError) as err:
                 client.completions.create(**{**ask, "extra_body": {"speculative_config": bad}})
             assert err.value.body["param"] == param, err.value.body
+
+
+@pytest.mark.parametrize("name", by_fixture("qwen3_5", TRAINED))
+def test_draft_archive_greedy_output_is_token_identical(name, converted):
+    """A draft archive (the same model in float16: the same tokenizer, mostly the same argmax) drafts; greedy output
+    is plain decoding's, through generate and the CLI; a draft archive of another vocabulary is refused."""
+    from gdn_export.cli import main as cli
+    from gdn_export.run.session import Session
+
+    session, draft = Session(converted(name)), str(converted(name, "float16"))
+    vocab = session.metadata["vocab_size"]
+    for seed in range(2):
+        prompt = repetitive_prompt(vocab, seed)
+        plain = [t.token_id for t in generate(session, prompt, 30, temperature=0, stop_token_ids=[])]
+        tokens = generate(session, prompt, 30, temperature=0, stop_token_ids=[],
+                          speculative=SpeculativeConfig("draft", 3, model=draft))
+        assert [t.token_id for t in tokens] == plain
+        assert tokens.generation.accepted > tokens.generation.drafted / 2  # its own float16 copy: mostly kept
+    other = str(converted("qwen3_5" if name == TRAINED else TRAINED))
+    with pytest.raises(GdnExportError, match="vocabulary"):
+        list(generate(session, [1, 2, 3], 4, speculative=SpeculativeConfig("draft", 2, model=other)))
+    assert cli(["generate", str(converted(name)), "--prompt-ids", "1,2,3", "--speculative", "draft"]) == 2

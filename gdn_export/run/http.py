@@ -258,7 +258,8 @@ class App:
         return generation, top
 
     def _speculative(self, body: dict) -> SpeculativeConfig | None:
-        """The request's drafting: its ``speculative_config`` (vLLM's keys: method "ngram" or "none",
+        """The request's drafting: its ``speculative_config`` (vLLM's keys: method "ngram", "draft" (the server's
+        draft archive) or "none",
         num_speculative_tokens, prompt_lookup_max, prompt_lookup_min; unset keys from the server's), else the
         server's (``--speculative``)."""
         given = _field(body, "speculative_config", "object")
@@ -273,6 +274,11 @@ class App:
             return None
         base = self.speculative or SpeculativeConfig()
         options = {name: given.get(name, getattr(base, name)) for name in ("method", *SPECULATIVE_FIELDS)}
+        if options["method"] == "draft":  # the server's draft archive: a request never names a file to load
+            if base.model is None:
+                raise ApiError(400, "this server has no draft model (gdn-export serve --speculative draft --draft "
+                                    "ARCHIVE): use method ngram", f"{param}.method")
+            options["model"] = base.model
         if "prompt_lookup_max" in given and "prompt_lookup_min" not in given:
             options["prompt_lookup_min"] = min(options["prompt_lookup_min"], options["prompt_lookup_max"])
         try:

@@ -200,10 +200,20 @@ class Session:
                                  "\"last\"): verifying drafts needs every position's (convert without --logits last)")
         if self._states is None:
             raise GdnExportError("verify needs a prefill first (the session has no state)")
-        before = (self._states, self.position, self._pending)
+        before = self.checkpoint()
         logits = self.prefill(input_ids)
         self._verified = (before, np.asarray(input_ids))
         return logits
+
+    def checkpoint(self) -> tuple:
+        """The session's states and position now, to ``restore`` later (kept, not copied: tract never writes a tensor
+        it was given, and every call returns new ones)."""
+        return self._states, self.position, self._pending, self._batch
+
+    def restore(self, checkpoint: tuple) -> None:
+        """Go back to a ``checkpoint`` of this session (after any number of calls since)."""
+        self._states, self.position, self._pending, self._batch = checkpoint
+        self._verified = None
 
     def commit(self, count: int, recompute: bool = False) -> None:
         """Keep the first ``count`` tokens of the last ``verify`` call (0 <= count <= k; the same count for every
@@ -214,13 +224,14 @@ class Session:
         states and short-conv windows are then exactly those of the kept prefix."""
         if self._verified is None:
             raise GdnExportError("commit needs a verify call before it")
-        (states, position, pending), ids = self._verified
-        self._verified = None
+        before, ids = self._verified
         if not 0 <= count <= ids.shape[1]:
             raise GdnExportError(f"commit takes 0 to {ids.shape[1]} tokens (the verify call's), got {count}")
+        self._verified = None
         if count == ids.shape[1]:
             return
-        self._states, self.position, self._pending = states, position, pending
+        self.restore(before)
+        pending = self._pending
         if count:
             kept = ids[:, :count].astype(np.int64)
             self._pending = kept if pending is None else np.concatenate([pending, kept], axis=1)

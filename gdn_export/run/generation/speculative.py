@@ -15,7 +15,11 @@ past it the step drafts less.
 
 Drafters: ``ngram`` (prompt lookup, llama.cpp's ``ngram-simple`` and vLLM's ``ngram``): the longest n-gram (from
 ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens) ending the text so far (prompt and output) is looked up
-at its latest earlier occurrence, and the tokens that followed it there are the draft.
+at its latest earlier occurrence, and the tokens that followed it there are the draft. ``draft`` (llama.cpp's
+``--model-draft``, vLLM's draft model): another archive with the same vocabulary (``model``) continues the text one
+token a call, greedy for a greedy request, otherwise sampled with the request's parameters (its distribution q goes
+to the rule); its own Session catches up with the tokens kept at the next step and goes back (``Session.restore``)
+after drafting.
 
 Seeded sampling stays reproducible (the same seed, the same tokens with the same options) but draws other tokens
 than plain decoding with that seed: the rule uses the random generator differently (the distribution is the same).
@@ -23,6 +27,7 @@ than plain decoding with that seed: the rule uses the random generator different
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
@@ -34,7 +39,7 @@ if TYPE_CHECKING:
     from gdn_export.run.generation.executor import TokenEvent, TokenRequest
     from gdn_export.run.session import Session
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 MAX_DRAFT = 64  # drafted tokens per step at most (llama.cpp's --draft-max goes as far)
 
 
@@ -52,11 +57,14 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    model: str | None = None  # method "draft": the draft archive's path
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise SpeculativeError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}",
                                    "method")
+        if (self.method == "draft") != (self.model is not None):
+            raise SpeculativeError("method draft takes the draft archive as model (and only it does)", "model")
         for name, low, high in (("num_speculative_tokens", 1, MAX_DRAFT), ("prompt_lookup_max", 1, 64),
                                 ("prompt_lookup_min", 1, 64)):
             value = getattr(self, name)
@@ -89,14 +97,73 @@ def propose_ngram(history: Sequence[int], count: int, longest: int, shortest: in
     return []
 
 
+_DRAFT_PLANS: dict[str, Session] = {}  # a draft archive's Session, planned once per process (see draft_session)
+_DRAFT_LOCK = threading.Lock()
+
+
+def draft_session(path: str, vocab_size: int | None) -> Session:
+    """A Session of its own over the draft archive ``path``'s one tract plan (planned on first use, then shared by
+    every request of the process, as ``WorkerPool``'s workers share theirs); its vocabulary must be the model's."""
+    from gdn_export.errors import GdnExportError
+    from gdn_export.run.session import Session
+
+    with _DRAFT_LOCK:
+        if path not in _DRAFT_PLANS:
+            _DRAFT_PLANS[path] = Session(path)
+        base = _DRAFT_PLANS[path]
+        draft_vocab = base.metadata.get("vocab_size")
+        if draft_vocab != vocab_size:
+            raise GdnExportError(f"the draft archive {path} has a vocabulary of {draft_vocab} tokens, the model "
+                                 f"{vocab_size}: a draft model needs the model's tokenizer")
+        return Session.sharing_plan(base)
+
+
+class DraftModel:
+    """Drafts from a draft archive's Session: it runs the tokens it has not seen (the prompt, then each step's kept
+    tokens) in one call, drafts one token a call, and goes back to its states before the drafts."""
+
+    def __init__(self, session: Session, sampler: Sampler) -> None:
+        self.session, self.sampler = session, sampler
+        self.seen = 0  # tokens of the history in the draft session's states
+
+    def propose(self, history: list[int], count: int) -> tuple[list[int], list[np.ndarray] | None]:
+        from gdn_export.run.generation.sampling import filtered_probabilities
+
+        if count < 1:
+            return [], None
+        session, params = self.session, self.sampler.params
+        if self.seen == 0:
+            session.reset()
+        new = np.asarray([history[self.seen:]], np.int64)
+        logits = [session.prefill(new[:, begin:begin + 128]) for begin in range(0, new.shape[1], 128)][-1][0, -1]
+        self.seen = len(history)
+        before = session.checkpoint()
+        drafts, probabilities = [], []
+        greedy = params.greedy or params.top_k == 1
+        for i in range(count):
+            if greedy:
+                drafts.append(int(np.argmax(logits)))
+            else:
+                probabilities.append(filtered_probabilities(logits, params))
+                drafts.append(self.sampler._draw(probabilities[-1]))
+            if i + 1 < count:
+                logits = session.prefill(np.asarray([[drafts[-1]]], np.int64))[0, -1]
+        session.restore(before)
+        return drafts, None if greedy else probabilities
+
+
 class Speculation:
     """One request's drafting and judging: the text so far (prompt and emitted tokens) and its counts."""
 
-    def __init__(self, config: SpeculativeConfig, prompt_ids: Sequence[int], sampler: Sampler) -> None:
+    def __init__(self, config: SpeculativeConfig, prompt_ids: Sequence[int], sampler: Sampler,
+                 vocab_size: int | None = None) -> None:
         self.config, self.sampler = config, sampler
         self.history = list(prompt_ids)
         self.drafts: list[int] = []
+        self.probabilities: list[np.ndarray] | None = None  # a draft model's q of each draft (None: certain drafts)
         self.drafted = self.accepted = 0
+        self.model = (DraftModel(draft_session(config.model, vocab_size), sampler) if config.method == "draft"
+                      else None)
 
     def emitted(self, token: int) -> None:
         self.history.append(token)
@@ -106,15 +173,18 @@ class Speculation:
         drafts it keeps), within ``max_call`` with ``pending`` tokens and the sampled one run in the same call."""
         config = self.config
         count = min(config.num_speculative_tokens, remaining - 1, config.max_call - pending - 1)
-        self.drafts = propose_ngram(self.history, count, config.prompt_lookup_max, config.prompt_lookup_min)
+        if self.model is not None:
+            self.drafts, self.probabilities = self.model.propose(self.history, count)
+        else:
+            self.drafts = propose_ngram(self.history, count, config.prompt_lookup_max, config.prompt_lookup_min)
         return self.drafts
 
     def judge(self, rows: np.ndarray) -> list[Choice]:
         """The step's tokens from its logits ``rows`` [1 + drafts, vocab] (the sampled token's position first): the
         kept drafts, then the token that replaces the first rejected one, or one more after all of them."""
         choices = []
-        for row, draft in zip(rows, self.drafts):
-            choice = self.sampler.verify(row, draft)
+        for i, (row, draft) in enumerate(zip(rows, self.drafts)):
+            choice = self.sampler.verify(row, draft, None if self.probabilities is None else self.probabilities[i])
             choices.append(choice)
             if choice.token_id != draft:
                 break
@@ -138,7 +208,7 @@ def speculative_tokens(session: Session, request: TokenRequest, cancelled: Calla
     if logits is None:
         return
     sampler = Sampler(request.sampling)
-    speculation = Speculation(request.speculative, request.prompt_ids, sampler)
+    speculation = Speculation(request.speculative, request.prompt_ids, sampler, session.metadata.get("vocab_size"))
     choices, produced = [sampler(logits)], 0
     while True:
         for choice in choices:

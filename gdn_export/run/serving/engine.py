@@ -272,7 +272,8 @@ class _Worker:
         slot = self.free.pop(0)
         active = _Active(request, stream, slot, Sampler(request.sampling))
         if request.speculative is not None:
-            active.speculation = Speculation(request.speculative, request.prompt_ids, active.sampler)
+            active.speculation = Speculation(request.speculative, request.prompt_ids, active.sampler,
+                                             self.engine.vocab_size)
         snapshot = self.engine.prefix_cache.longest(request.prompt_ids)
         if snapshot is None:
             self.pool.reset(slot)
