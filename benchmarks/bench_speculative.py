@@ -9,7 +9,8 @@
    cost against one token). A call of k tokens is what a step with k - 1 drafts runs.
 2. On the trained fixture (``--trained``: its archive, every position's logits), held-out continuations: ``--prompts``
    prompts of 256 tokens cut from ``heldout.txt`` (the code the model never saw in training) at evenly spaced line
-   starts, ``--new-tokens`` new tokens each, per method (plain decoding; prompt lookup with K = 2, 4, 8 drafts):
+   starts, ``--new-tokens`` new tokens each, per method (plain decoding; prompt lookup with K = 2, 4, 8 drafts, and
+   K = 2, 4 looking up n-grams of 2 or 3 tokens only):
    greedy, sampled (temperature 0.7, the fixture's top-k 20 and top-p 0.8, seeded), and the first 32 greedy tokens
    (before the repetition loops the small model falls into). Per method: tokens per model call after the first
    token (the mean accepted length: 1 for plain decoding), the drafts kept over the drafts made, tokens/s after the
@@ -38,7 +39,9 @@ from gdn_export.run.session import Session  # noqa: E402
 
 METHODS = {"plain": None, "ngram K=2": SpeculativeConfig(num_speculative_tokens=2),
            "ngram K=4": SpeculativeConfig(num_speculative_tokens=4),
-           "ngram K=8": SpeculativeConfig(num_speculative_tokens=8)}
+           "ngram K=8": SpeculativeConfig(num_speculative_tokens=8),
+           "ngram K=2, n >= 2": SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=2),
+           "ngram K=4, n >= 2": SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2)}
 
 
 def log(message: str) -> None:
