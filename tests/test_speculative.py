@@ -210,8 +210,9 @@ def test_sampled_output_is_distributed_as_plain_sampling(converted, drafter):
 @pytest.mark.parametrize("name", by_fixture(*FAMILIES))
 def test_engine_speculative_requests_get_what_they_get_alone(name, converted):
     """Speculative and plain requests batched together in an Engine (each row its own call length, rows going back
-    to their states before the call while others keep theirs): every request's greedy tokens are those of the
-    request alone through a batch-1 Session, and the speculative ones drafted."""
+    to their states before the call while others keep theirs; on qwen3_5 one request drafting with a draft archive):
+    every request's greedy tokens are those of the request alone through a batch-1 Session, and the speculative ones
+    drafted."""
     import threading
 
     from helpers import alone
@@ -225,6 +226,8 @@ def test_engine_speculative_requests_get_what_they_get_alone(name, converted):
     vocab = Session(path).metadata["vocab_size"]
     prompts = [tuple(repetitive_prompt(vocab, seed)) for seed in range(5)]
     options = [SpeculativeConfig(num_speculative_tokens=k) if k else None for k in (4, 0, 2, 6, 3)]
+    if name == "qwen3_5":  # one request drafts with a draft archive (its float16 copy) instead
+        options[3] = SpeculativeConfig("draft", 3, model=str(converted(name, "float16")))
     with Engine(path, slots=3, buckets=(1, 2, 4), prefix_cache_mib=0, prefill_piece=64) as engine:
         streams = [engine.submit(TokenRequest(p, 24, SamplingParams(temperature=0.0), speculative=o))
                    for p, o in zip(prompts, options)]

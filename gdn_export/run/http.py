@@ -681,6 +681,10 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
     if speculative is not None and not session.every_position:
         raise GdnExportError(f"{path} returns the last position's logits only (converted with --logits last): "
                              "--speculative needs every position's")
+    if speculative is not None and speculative.model is not None:  # planned now (and its vocabulary checked)
+        from gdn_export.run.generation.speculative import draft_session
+
+        draft_session(speculative.model, session.metadata.get("vocab_size"))
     if (slots is not None or prefill_rows != 1 or prefix_cache_mib is not None) and not session.serving:
         option = "--slots" if slots is not None else "--prefill-rows" if prefill_rows != 1 else "--prefix-cache-mib"
         raise GdnExportError(f"{option} batches requests over a serving graph; {path} has none (convert it with "

@@ -37,7 +37,7 @@ from gdn_export.errors import GdnExportError
 from gdn_export.run.generation.executor import (ArchiveText, ExecutorFull, QueuedExecutor, TokenEvent, TokenRequest,
                                             TokenStream)
 from gdn_export.run.generation.sampling import Choice, Sampler
-from gdn_export.run.generation.speculative import Speculation
+from gdn_export.run.generation.speculative import Speculation, draft_session
 from gdn_export.run.serving.prefix_cache import ALIGN, PrefixCache
 from gdn_export.run.serving.slots import SCRATCH, SlotPool
 
@@ -194,6 +194,8 @@ class Engine(QueuedExecutor):
         if request.speculative is not None and not self.every_position:
             raise GdnExportError(f"{self.path.name} returns the last position's logits only (converted with --logits "
                                  "last): speculative decoding needs every position's")
+        if request.speculative is not None and request.speculative.model is not None:
+            draft_session(request.speculative.model, self.vocab_size)  # planned (once) and checked here, not in a worker
         with self._lock:
             if self._closed:
                 raise GdnExportError("the engine is closed")
