@@ -344,8 +344,8 @@ def _add_speculative(parser, what: str) -> None:
                         help="at most K drafted tokens per step (default 4)")
     parser.add_argument("--prompt-lookup-max", type=_count(1), default=3, metavar="N",
                         help="ngram: the longest n-gram looked up (default 3)")
-    parser.add_argument("--prompt-lookup-min", type=_count(1), default=1, metavar="N",
-                        help="ngram: the shortest n-gram looked up (default 1)")
+    parser.add_argument("--prompt-lookup-min", type=_count(1), default=2, metavar="N",
+                        help="ngram: the shortest n-gram looked up (default 2)")
 
 
 def _perplexity(args) -> int:

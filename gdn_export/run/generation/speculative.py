@@ -56,7 +56,7 @@ class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 3
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 2  # 1-token matches draft often and are kept rarely: bench_speculative.py
     model: str | None = None  # method "draft": the draft archive's path
 
     def __post_init__(self) -> None:
