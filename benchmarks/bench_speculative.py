@@ -9,8 +9,8 @@
    cost against one token). A call of k tokens is what a step with k - 1 drafts runs.
 2. On the trained fixture (``--trained``: its archive, every position's logits), held-out continuations: ``--prompts``
    prompts of 256 tokens cut from ``heldout.txt`` (the code the model never saw in training) at evenly spaced line
-   starts, ``--new-tokens`` new tokens each, per method (plain decoding; prompt lookup with K = 2, 4, 8 drafts, and
-   K = 2, 4 looking up n-grams of 2 or 3 tokens only):
+   starts, ``--new-tokens`` new tokens each, per method (plain decoding; prompt lookup with K = 2, 4, 8 drafts of n-grams of
+   1-3 tokens, and K = 2, 4 of n-grams of 2-3 tokens, the default):
    greedy, sampled (temperature 0.7, the fixture's top-k 20 and top-p 0.8, seeded), and the first 32 greedy tokens
    (before the repetition loops the small model falls into). Per method: tokens per model call after the first
    token (the mean accepted length: 1 for plain decoding), the drafts kept over the drafts made, tokens/s after the
@@ -18,7 +18,10 @@
    decoding's (they must). The fixture's calls cost little next to Python's per-step work, so its tokens/s say
    little about a large model: the last column projects the 0.8B shape from the curve of step 1 (the first
    ``--curve`` archive): every call the method made on the fixture (its token count: kept tokens recomputed, the
-   sampled one, the drafts) priced at that curve's time for as many tokens, against one one-token call per token.
+   sampled one, the drafts) priced at that curve's time for as many tokens, against one one-token call per token;
+   and priced as if the kept tokens of a step whose drafts were not all kept ran at once in a call of their own
+   (the simplest rollback) instead of with the next call (what ``Session.commit`` does). "recomputed per token":
+   the kept tokens run a second time, per token generated.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ sys.path.insert(0, str(ROOT))
 from gdn_export.run.generation import SpeculativeConfig, generate  # noqa: E402
 from gdn_export.run.session import Session  # noqa: E402
 
-METHODS = {"plain": None, "ngram K=2": SpeculativeConfig(num_speculative_tokens=2),
-           "ngram K=4": SpeculativeConfig(num_speculative_tokens=4),
-           "ngram K=8": SpeculativeConfig(num_speculative_tokens=8),
-           "ngram K=2, n >= 2": SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=2),
-           "ngram K=4, n >= 2": SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2)}
+METHODS = {"plain": None,
+           "ngram K=2, n 1-3": SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1),
+           "ngram K=4, n 1-3": SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1),
+           "ngram K=8, n 1-3": SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_min=1),
+           "ngram K=2, n 2-3": SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=2),
+           "ngram K=4, n 2-3 (default)": SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2)}
 
 
 def log(message: str) -> None:
@@ -69,14 +73,14 @@ def verify_curve(path: Path, reps: int, context: int = 128, longest: int = 16) -
 
 
 class CountingSession(Session):
-    """A Session that records the token count of every call it runs (pending tokens included)."""
+    """A Session that records every call it runs: (tokens, of which pending: kept tokens run again)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.calls: list[int] = []
+        self.calls: list[tuple[int, int]] = []
 
     def prefill(self, input_ids):
-        self.calls.append(np.asarray(input_ids).shape[1] + self.pending)
+        self.calls.append((np.asarray(input_ids).shape[1] + self.pending, self.pending))
         return super().prefill(input_ids)
 
 
@@ -111,11 +115,19 @@ def run_method(session: CountingSession, prompts, spec, new_tokens: int, **sampl
     return out
 
 
-def projected_cost(calls: list[int], curve: dict[int, float]) -> float:
-    """Seconds the calls take at the curve's prices (beyond its longest k: its last step's slope)."""
+def projected_cost(calls: list[tuple[int, int]], curve: dict[int, float], eager: bool = False) -> float:
+    """Seconds the calls take at the curve's prices (beyond its longest k: its last step's slope). ``eager``: as if
+    the kept tokens of a step that went back ran at once in a call of their own (``commit(j, recompute=True)``)
+    instead of with the next call."""
     longest = max(curve)
     slope = curve[longest] - curve[longest - 1]
-    return sum(curve[k] if k in curve else curve[longest] + (k - longest) * slope for k in calls)
+
+    def price(k: int) -> float:
+        return curve[k] if k in curve else curve[longest] + (k - longest) * slope
+
+    if not eager:
+        return sum(price(k) for k, _ in calls)
+    return sum(price(k - pending) + (price(pending) if pending else 0.0) for k, pending in calls)
 
 
 def main() -> int:
@@ -154,9 +166,9 @@ def main() -> int:
              "sampled T=0.7": (args.new_tokens, dict(temperature=0.7, top_k=20, top_p=0.8, seed=0)),
              "greedy, first 32": (32, dict(temperature=0.0))}
     print(f"\n## Held-out continuations of the trained fixture ({args.prompts} prompts of 256 tokens)\n")
-    head = "| mode | method | tokens per call | drafts kept | tokens/s | x plain | same tokens |"
+    head = "| mode | method | tokens per call | drafts kept | recomputed per token | tokens/s | x plain | same tokens |"
     if curve:
-        head += f" 0.8B projection ({next(iter(curves))}) |"
+        head += f" 0.8B projection ({next(iter(curves))}) | the same, kept tokens rerun at once |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for mode, (count, sampling) in modes.items():
@@ -170,11 +182,13 @@ def main() -> int:
             per_call = result["count"] / max(1, len(result["calls"]))
             kept = f"{result['accepted']}/{result['drafted']}" if spec else "-"
             same = ("yes" if result["tokens"] == plain["tokens"] else "NO") if sampling["temperature"] == 0 else "n/a"
-            row = (f"| {mode} | {name} | {per_call:.2f} | {kept} | {rate:.1f} | {rate / plain['rate']:.2f}x | "
-                   f"{same} |")
+            recomputed = sum(pending for _, pending in result["calls"]) / result["count"]
+            row = (f"| {mode} | {name} | {per_call:.2f} | {kept} | {recomputed:.2f} | {rate:.1f} | "
+                   f"{rate / plain['rate']:.2f}x | {same} |")
             if curve:
-                speedup = result["count"] * curve[1] / projected_cost(result["calls"], curve)
-                row += f" {speedup:.2f}x |"
+                plain_cost = result["count"] * curve[1]
+                row += (f" {plain_cost / projected_cost(result['calls'], curve):.2f}x |"
+                        f" {plain_cost / projected_cost(result['calls'], curve, eager=True):.2f}x |")
             print(row, flush=True)
     return 0
 
