@@ -10,7 +10,8 @@
 2. On the trained fixture (``--trained``: its archive, every position's logits), held-out continuations: ``--prompts``
    prompts of 256 tokens cut from ``heldout.txt`` (the code the model never saw in training) at evenly spaced line
    starts, ``--new-tokens`` new tokens each, per method (plain decoding; prompt lookup with K = 2, 4, 8 drafts of
-   n-grams of 1-3 tokens, and K = 2, 4 of n-grams of 2-3 tokens, the default): greedy, sampled (temperature 0.7, the fixture's top-k 20 and top-p 0.8, seeded), and the first 32 greedy tokens
+   n-grams of 1-3 tokens, and K = 2, 4 of n-grams of 2-3 tokens, the default): greedy, sampled (temperature
+   0.7, the fixture's top-k 20 and top-p 0.8, seeded), and the first 32 greedy tokens
    (before the repetition loops the small model falls into). Per method: tokens per model call after the first
    token (the mean accepted length: 1 for plain decoding), the drafts kept over the drafts made, tokens/s after the
    first token and its ratio to plain decoding measured in the same run, and whether the greedy tokens equal plain

@@ -321,8 +321,9 @@ class App:
         prompt, completion = len(generation.prompt_ids), len(generation.token_ids)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         if generation.request.speculative is not None:  # OpenAI's names for predicted tokens kept and rejected
+            rejected = generation.drafted - generation.accepted
             usage["completion_tokens_details"] = {"accepted_prediction_tokens": generation.accepted,
-                                                  "rejected_prediction_tokens": generation.drafted - generation.accepted}
+                                                  "rejected_prediction_tokens": rejected}
         return usage
 
     async def _tokens(self, generation: Generation, stream, flight: _Flight):

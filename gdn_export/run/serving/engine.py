@@ -195,7 +195,8 @@ class Engine(QueuedExecutor):
             raise GdnExportError(f"{self.path.name} returns the last position's logits only (converted with --logits "
                                  "last): speculative decoding needs every position's")
         if request.speculative is not None and request.speculative.model is not None:
-            draft_session(request.speculative.model, self.vocab_size)  # planned (once) and checked here, not in a worker
+            # planned (once) and its vocabulary checked here, in the caller's thread, not in a worker
+            draft_session(request.speculative.model, self.vocab_size)
         with self._lock:
             if self._closed:
                 raise GdnExportError("the engine is closed")
