@@ -151,6 +151,9 @@ def repetitive_prompt(vocab: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("name", by_fixture(*FAMILIES, TRAINED))
 def test_greedy_output_is_token_identical(name, converted):
+    """Prompt lookup on prompts that repeat a stretch (drafts mostly rejected by the random-weight models: steps that
+    go back and rerun their kept tokens), then the archive drafting for itself (drafts kept): the greedy tokens of
+    plain decoding, token for token."""
     from gdn_export.run.session import Session
 
     session = Session(converted(name))
@@ -165,6 +168,11 @@ def test_greedy_output_is_token_identical(name, converted):
         drafted += tokens.generation.drafted
         assert 0 <= tokens.generation.accepted <= tokens.generation.drafted
     assert drafted > 0  # the prompts made drafts: the verify path ran
+    # the archive drafting for itself: its drafts are kept, so steps that keep every draft (and their bonus token) run
+    tokens = generate(session, prompt, 40, temperature=0, stop_token_ids=[],
+                      speculative=SpeculativeConfig("draft", 3, model=str(converted(name))))
+    assert [t.token_id for t in tokens] == plain
+    assert tokens.generation.accepted > tokens.generation.drafted / 2 > 0
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft"])
