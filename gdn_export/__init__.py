@@ -32,7 +32,8 @@ _LAZY = {  # name -> the module that defines it, imported on first use (the expo
     "CheckpointError": "gdn_export.hf.checkpoint",
     "ConvertReport": "gdn_export.pipeline.convert", "check": "gdn_export.pipeline.convert", "convert": "gdn_export.pipeline.convert",
     "run_tract": "gdn_export.run.runtime", "Session": "gdn_export.run.session",
-    "generate": "gdn_export.run.generation", "SamplingParams": "gdn_export.run.generation", "Engine": "gdn_export.run.serving",
+    "generate": "gdn_export.run.generation", "SamplingParams": "gdn_export.run.generation",
+    "SpeculativeConfig": "gdn_export.run.generation", "Engine": "gdn_export.run.serving",
 }
 
 
@@ -61,6 +62,6 @@ if "torch" in sys.modules:  # torch is already paid for: define the t2n_extra op
 
 __all__ = [
     "CheckpointError", "ConvertReport", "Engine", "ExportReport", "GatedDeltaRule", "GdnExportError", "LoweringError",
-    "MissingExtraError", "OperandError", "ParityError", "SamplingParams", "Session", "TractRuntimeError", "check",
+    "MissingExtraError", "OperandError", "ParityError", "SamplingParams", "Session", "SpeculativeConfig", "TractRuntimeError", "check",
     "convert", "export", "gated_delta_recurrence", "gated_delta_rule", "gated_delta_scan", "generate", "l2norm", "run_tract",
 ]

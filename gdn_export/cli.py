@@ -287,17 +287,24 @@ def _generate(args) -> int:
                 raise RequestError("--chat takes the user's message as --prompt TEXT")
             prompt = chat_prompt_ids(archive, [{"role": "user", "content": args.prompt}])
         stop_token_ids = None if not args.ignore_eos else []
+        speculative = _speculative_config(args)
+        if speculative is not None and not executor.session.every_position:
+            raise RequestError(f"{args.model} returns the last position's logits only (converted with --logits "
+                               "last): --speculative needs every position's")
         tokens = generate(executor, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, stop=args.stop or None, stop_token_ids=stop_token_ids)
+                          top_p=args.top_p, seed=args.seed, stop=args.stop or None, stop_token_ids=stop_token_ids,
+                          speculative=speculative)
     except (RequestError, SamplingError, ChatTemplateError) as err:
         raise UsageError(str(err)) from None
     text_out = archive.tokenizer is not None
-    started, count, last = time.perf_counter(), 0, None
+    started, count, last, drafts = time.perf_counter(), 0, None, ""
     try:
         for token in tokens:
             if count == 0:
                 first = time.perf_counter() - started
             count, last = count + 1, token
+            if speculative is not None:
+                drafts = f"; drafted {tokens.generation.drafted}, accepted {tokens.generation.accepted}"
             out = token.text if text_out else f"{'' if count == 1 else ' '}{token.token_id}"
             if out:
                 sys.stdout.write(out)
@@ -317,8 +324,42 @@ def _generate(args) -> int:
     rate = f", {(count - 1) / (elapsed - first):.1f} tokens/s after the first" if count > 1 and elapsed > first else ""
     print(f"[{count} tokens, finish: {last.finish_reason}"
           f"{f' ({last.stop_reason!r})' if last.stop_reason is not None else ''}; first token {first * 1e3:.0f} ms"
-          f"{rate}]", file=sys.stderr)
+          f"{rate}{drafts}]", file=sys.stderr)
     return 0
+
+
+def _speculative_config(args):
+    """The SpeculativeConfig of --speculative, --draft-max, --prompt-lookup-max/-min (None: no drafts)."""
+    from gdn_export.run.generation import SpeculativeConfig
+
+    from gdn_export.run.generation import SpeculativeError
+
+    if args.speculative == "none":
+        if args.draft is not None:
+            raise UsageError("--draft ARCHIVE drafts with --speculative draft")
+        return None
+    try:
+        return SpeculativeConfig(args.speculative, args.draft_max, args.prompt_lookup_max,
+                                 min(args.prompt_lookup_min, args.prompt_lookup_max), args.draft)
+    except SpeculativeError as err:
+        flag = {"num_speculative_tokens": "--draft-max", "model": "--draft"}.get(
+            err.param, f"--{err.param.replace('_', '-')}")
+        raise UsageError(f"{flag}: {err}") from None
+
+
+def _add_speculative(parser, what: str) -> None:
+    parser.add_argument("--speculative", choices=["none", "ngram", "draft"], default="none",
+                        help=f"{what}: draft tokens and verify them in one call per step (ngram: prompt lookup over "
+                             "the prompt and the output so far; draft: the --draft archive; exact: greedy output is "
+                             "the same; default none; docs/GENERATING.md)")
+    parser.add_argument("--draft", type=_existing_archive, default=None, metavar="ARCHIVE",
+                        help="--speculative draft: the draft model's archive (the same tokenizer)")
+    parser.add_argument("--draft-max", type=_count(1), default=4, metavar="K",
+                        help="at most K drafted tokens per step (default 4)")
+    parser.add_argument("--prompt-lookup-max", type=_count(1), default=3, metavar="N",
+                        help="ngram: the longest n-gram looked up (default 3)")
+    parser.add_argument("--prompt-lookup-min", type=_count(1), default=2, metavar="N",
+                        help="ngram: the shortest n-gram looked up (default 2)")
 
 
 def _perplexity(args) -> int:
@@ -372,6 +413,10 @@ def _serve(args) -> int:
             raise UsageError(f"--prefill-piece must be a multiple of {ALIGN} on a serving archive (the prefix "
                              f"cache's alignment), got {args.prefill_piece}")
 
+    speculative = _speculative_config(args)
+    if speculative is not None and metadata.get("logits") == "last":
+        raise UsageError(f"{args.model} returns the last position's logits only (converted with --logits last): "
+                         "--speculative needs every position's")
     if not batched and args.prefill_rows != 1:
         raise UsageError(f"--prefill-rows batches prompts over a serving graph; {args.model} has none (convert it "
                          "with --serving)")
@@ -391,7 +436,7 @@ def _serve(args) -> int:
               log_level=args.log_level, ready=ready, slots=args.slots, progress=_progress,
               prefill_piece=args.prefill_piece, prefill_rows=args.prefill_rows, api_key=api_key,
               request_timeout=args.request_timeout, max_model_len=args.max_model_len, allow_long=allow_long,
-              shutdown_grace=args.shutdown_grace, prefix_cache_mib=args.prefix_cache_mib)
+              shutdown_grace=args.shutdown_grace, prefix_cache_mib=args.prefix_cache_mib, speculative=speculative)
     except KeyboardInterrupt:  # SIGTERM or Ctrl-C: the requests in flight were answered or ended (docs/SERVER.md)
         pass
     _progress("stopped")
@@ -493,6 +538,7 @@ def parser() -> argparse.ArgumentParser:
                           "docs/SERVER.md)")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="do not stop at generation_config.json's eos_token_id")
+    _add_speculative(gen, "decoding")
     gen.set_defaults(run=_generate)
     _add_debug(gen)
     ppl = sub.add_parser("perplexity", help="perplexity of an exported model on a text file (llama-perplexity's "
@@ -548,6 +594,7 @@ def parser() -> argparse.ArgumentParser:
                           "error (default 10)")
     srv.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="warning",
                      help="uvicorn's log level (info logs every request)")
+    _add_speculative(srv, "every request's default (a request's speculative_config overrides it)")
     srv.set_defaults(run=_serve)
     _add_debug(srv)
     return top

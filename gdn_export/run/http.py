@@ -38,7 +38,9 @@ from gdn_export.run.generation.executor import ExecutorFull, context_bound
 from gdn_export.run.generation.generate import (MAX_STOP_TOKEN_IDS, Generation, RequestError, chat_prompt_ids,
                                                 prompt_ids_of, sampling_from)
 from gdn_export.run.generation.sampling import MAX_LOGPROBS, SamplingError
+from gdn_export.run.generation.speculative import SpeculativeConfig, SpeculativeError
 
+SPECULATIVE_FIELDS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (lowered to what the context leaves)
 DEFAULT_CHAT_TOKENS = 512
@@ -174,13 +176,14 @@ class App:
     ``request_timeout``: seconds a request may take from its arrival (None: no deadline)."""
 
     def __init__(self, executor, model_name: str, api_key: str | None = None,
-                 request_timeout: float | None = None) -> None:
+                 request_timeout: float | None = None, speculative: SpeculativeConfig | None = None) -> None:
         if request_timeout is not None and not request_timeout > 0:
             raise GdnExportError(f"request_timeout must be > 0 seconds, got {request_timeout}")
         self.executor, self.model_name = executor, model_name
         self.archive = executor.archive
         self.created = int(time.time())
         self.api_key, self.request_timeout = api_key, request_timeout
+        self.speculative = speculative  # a request's drafting unless it gives its own speculative_config
         self.draining = False
         self.flights: set[_Flight] = set()
 
@@ -254,15 +257,49 @@ class App:
         stop_token_ids = (set() if ignore_eos else set(self.archive.eos_token_ids)) | set(stop_ids or [])
         try:
             sampling = sampling_from(self.archive.generation_config, temperature, top_k, top_p, seed, top)
+            speculative = self._speculative(body)
             generation = Generation(self.archive, prompt, max_tokens, stop=stop, stop_token_ids=stop_token_ids,
                                     sampling=sampling, prompt_param="messages" if chat else "prompt",
-                                    tokens_param=tokens_param,
+                                    tokens_param=tokens_param, speculative=speculative,
                                     default_new_tokens=DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS)
         except SamplingError as err:
             raise ApiError(400, str(err), err.param) from None
         except RequestError as err:
             raise ApiError(400, str(err), err.param, getattr(err, "code", None)) from None
         return generation, top
+
+    def _speculative(self, body: dict) -> SpeculativeConfig | None:
+        """The request's drafting: its ``speculative_config`` (vLLM's keys: method "ngram", "draft" (the server's
+        draft archive) or "none",
+        num_speculative_tokens, prompt_lookup_max, prompt_lookup_min; unset keys from the server's), else the
+        server's (``--speculative``)."""
+        given = _field(body, "speculative_config", "object")
+        if given is None:
+            return self.speculative
+        param = "speculative_config"
+        unknown = sorted(set(given) - {"method", *SPECULATIVE_FIELDS})
+        if unknown:
+            raise ApiError(400, f"speculative_config takes method, {', '.join(SPECULATIVE_FIELDS)}; got "
+                                f"{', '.join(unknown)}", param)
+        if given.get("method") == "none":
+            return None
+        base = self.speculative or SpeculativeConfig()
+        options = {name: given.get(name, getattr(base, name)) for name in ("method", *SPECULATIVE_FIELDS)}
+        if options["method"] == "draft":  # the server's draft archive: a request never names a file to load
+            if base.model is None:
+                raise ApiError(400, "this server has no draft model (gdn-export serve --speculative draft --draft "
+                                    "ARCHIVE): use method ngram", f"{param}.method")
+            options["model"] = base.model
+        if "prompt_lookup_max" in given and "prompt_lookup_min" not in given:
+            options["prompt_lookup_min"] = min(options["prompt_lookup_min"], options["prompt_lookup_max"])
+        try:
+            config = SpeculativeConfig(**options)
+        except SpeculativeError as err:
+            raise ApiError(400, f"speculative_config: {err}", f"{param}.{err.param}") from None
+        if not getattr(self.archive, "every_position", True):
+            raise ApiError(400, f"{self.model_name} returns the last position's logits only (converted with "
+                                "--logits last): speculative decoding needs every position's", param)
+        return config
 
     def _prompt(self, body: dict):
         if "prompt" not in body or body["prompt"] is None:
@@ -293,7 +330,12 @@ class App:
 
     def _usage(self, generation: Generation) -> dict:
         prompt, completion = len(generation.prompt_ids), len(generation.token_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if generation.request.speculative is not None:  # OpenAI's names for predicted tokens kept and rejected
+            rejected = generation.drafted - generation.accepted
+            usage["completion_tokens_details"] = {"accepted_prediction_tokens": generation.accepted,
+                                                  "rejected_prediction_tokens": rejected}
+        return usage
 
     async def _tokens(self, generation: Generation, stream, flight: _Flight):
         """The request's GeneratedTokens as its events come; a stop string cancels the rest; a request ended by its
@@ -498,14 +540,14 @@ def _json(data: dict):
 
 
 def make_app(executor, model_name: str, api_key: str | None = None, request_timeout: float | None = None,
-             state: list | None = None):
+             state: list | None = None, speculative: SpeculativeConfig | None = None):
     """The ASGI application serving ``executor`` under ``model_name`` (``App``'s options); ``state``, when given,
     receives the ``App`` (what ``serve`` drains on shutdown)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.routing import Route
 
-    app = App(executor, model_name, api_key, request_timeout)
+    app = App(executor, model_name, api_key, request_timeout, speculative)
     if state is not None:
         state.append(app)
 
@@ -647,7 +689,8 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
           model_name: str | None = None, log_level: str = "warning", ready=None, slots: int | None = None,
           progress=None, prefill_piece: int | None = None, prefill_rows: int = 1, *, api_key: str | None = None,
           request_timeout: float | None = None, max_model_len: int | None = None, allow_long: bool = False,
-          shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE, prefix_cache_mib: float | None = None) -> None:
+          shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE, prefix_cache_mib: float | None = None,
+          speculative: SpeculativeConfig | None = None) -> None:
     """Serve the archive at ``path`` until interrupted (Ctrl-C, SIGTERM): ``workers`` threads over one tract
     plan, at most ``max_queue`` requests waiting; a serving archive on an ``Engine`` of ``slots`` slots (default 8;
     every batch-size bucket planned before the server answers); ``prefill_piece``: prompt tokens per prefill call (a
@@ -656,8 +699,8 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
     the socket listens (connections made from then on are served once the model is loaded). ``api_key``: asked on
     every /v1 route; ``request_timeout``: each request's deadline in seconds; ``max_model_len``: prompt + new tokens
     at most (default: the model's context; longer only with ``allow_long``); ``shutdown_grace``: seconds in-flight
-    requests get after SIGTERM; ``prefix_cache_mib``: an Engine's prefix cache bound (None: 512 MiB; 0: none)
-    (docs/SERVER.md)."""
+    requests get after SIGTERM; ``prefix_cache_mib``: an Engine's prefix cache bound (None: 512 MiB; 0: none);
+    ``speculative``: requests draft so unless they give their own ``speculative_config`` (docs/SERVER.md)."""
     import uvicorn
 
     from gdn_export.run.session import Session
@@ -667,6 +710,13 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
         raise GdnExportError(f"shutdown_grace must be >= 0 seconds, got {shutdown_grace}")
     session = Session(path)
     context_bound(session.metadata.get("context_length"), max_model_len, allow_long)  # refused before any planning
+    if speculative is not None and not session.every_position:
+        raise GdnExportError(f"{path} returns the last position's logits only (converted with --logits last): "
+                             "--speculative needs every position's")
+    if speculative is not None and speculative.model is not None:  # planned now (and its vocabulary checked)
+        from gdn_export.run.generation.speculative import draft_session
+
+        draft_session(speculative.model, session.metadata.get("vocab_size"))
     if (slots is not None or prefill_rows != 1 or prefix_cache_mib is not None) and not session.serving:
         option = "--slots" if slots is not None else "--prefill-rows" if prefill_rows != 1 else "--prefix-cache-mib"
         raise GdnExportError(f"{option} batches requests over a serving graph; {path} has none (convert it with "
@@ -685,7 +735,7 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
         if executor.archive.chat_template_error:  # serve completions all the same
             say(f"warning: {executor.archive.chat_template_error}: chat requests get a 400")
         state: list = []
-        app = make_app(executor, model_name or model_name_of(path), api_key, request_timeout, state)
+        app = make_app(executor, model_name or model_name_of(path), api_key, request_timeout, state, speculative)
         config = uvicorn.Config(app, log_level=log_level, http="h11", lifespan="off")
         server = graceful_server(config, state, shutdown_grace)
         if ready is not None:

@@ -56,11 +56,14 @@ class Session:
         self._generation: dict | None = None
         self._states: list | None = None  # tract tensors (a serving session's caches: numpy), in graph order
         self._batch = 0  # the batch size of the states, once there are states
-        self.position = 0
+        self.position = 0  # tokens of the sequence so far, pending ones (below) included
+        self._pending: np.ndarray | None = None  # [B, n] tokens kept by commit() not yet run: the next call runs them
+        self._verified: tuple | None = None  # (the states, position and pending before verify(), its input_ids)
 
     @property
     def states(self) -> list[np.ndarray] | None:
-        """The states the last call left (copies, in the graph's state order), or None before the first call."""
+        """The states the last call left (copies, in the graph's state order), or None before the first call; pending
+        tokens (``commit``) are not in them until the next call (``run_pending``)."""
         if self._states is None:
             return None
         return [state.copy() if isinstance(state, np.ndarray) else state.to_numpy() for state in self._states]
@@ -123,6 +126,7 @@ class Session:
     def reset(self) -> None:
         self._states = None
         self.position = 0
+        self._pending = self._verified = None
 
     def _initial_states(self, batch: int) -> list:
         import tract
@@ -151,12 +155,17 @@ class Session:
         if self._states is None:
             self._states = self._initial_states(ids.shape[0])
             self._batch = ids.shape[0]
+        self._verified = None  # a verify call's prefix can be committed only before any other call
+        new_tokens, pending = ids.shape[1], self._pending
+        if pending is not None:  # tokens commit() kept: run first, in this call (their logits are not returned)
+            ids, self._pending = np.concatenate([pending, ids.astype(pending.dtype)], axis=1), None
+        past = self.position - (0 if pending is None else pending.shape[1])  # tokens in the states
         piece = self.prefill_piece or ids.shape[1]
         logits = []
         for begin in range(0, ids.shape[1], piece):
             chunk = ids[:, begin:begin + piece].astype(np.int64)
             # a serving graph's per-row inputs: every row has the same past and all of the chunk's tokens
-            served = {"past_len": self.position + begin, "seq_len": chunk.shape[1]}
+            served = {"past_len": past + begin, "seq_len": chunk.shape[1]}
             served = [np.full(ids.shape[0], served[name], np.int64) for name in self.serving_inputs]
             if self.takes_past_len:
                 outputs = run_tract_tensors(runnable, [chunk] + served + self._padded_caches())
@@ -165,10 +174,80 @@ class Session:
                 outputs = run_tract_tensors(runnable, [chunk] + served + self._states)
                 self._states = outputs[1:]
             logits.append(outputs[0].to_numpy())
-        self.position += ids.shape[1]
+        self.position = past + ids.shape[1]
         if len(logits) == 1 or self.metadata.get("logits") == "last":  # an archive of last-position logits
-            return logits[-1]
-        return np.concatenate(logits, axis=1)
+            logits = logits[-1]
+        else:
+            logits = np.concatenate(logits, axis=1)
+        return logits if logits.shape[1] == 1 else logits[:, logits.shape[1] - new_tokens:]
+
+    # --- speculative decoding: calls whose prefix may be taken back (docs/GENERATING.md) -------------------------
+
+    @property
+    def every_position(self) -> bool:
+        """Whether the graph returns every new position's logits (not an archive converted with ``logits="last"``)."""
+        return self.metadata.get("logits") != "last"
+
+    @property
+    def pending(self) -> int:
+        """Tokens ``commit(..., recompute=False)`` kept that the next call runs first (0: none)."""
+        return 0 if self._pending is None else self._pending.shape[1]
+
+    def verify(self, input_ids) -> np.ndarray:
+        """Run k >= 1 new tokens per sequence (``[B, k]``; typically a sampled token and its drafts) as a call whose
+        prefix may be taken back: returns every one's logits ``[B, k, vocab]``; ``commit(j)`` then keeps the first
+        j of them (j < k: the states are as if only those j had run), before any other call."""
+        if not self.every_position:
+            raise GdnExportError(f"{self.path} returns the last position's logits only (converted with logits="
+                                 "\"last\"): verifying drafts needs every position's (convert without --logits last)")
+        if self._states is None:
+            raise GdnExportError("verify needs a prefill first (the session has no state)")
+        before = self.checkpoint()
+        logits = self.prefill(input_ids)
+        self._verified = (before, np.asarray(input_ids))
+        return logits
+
+    def checkpoint(self) -> tuple:
+        """The session's states and position now, to ``restore`` later (kept, not copied: tract never writes a tensor
+        it was given, and every call returns new ones)."""
+        return self._states, self.position, self._pending, self._batch
+
+    def restore(self, checkpoint: tuple) -> None:
+        """Go back to a ``checkpoint`` of this session (after any number of calls since)."""
+        self._states, self.position, self._pending, self._batch = checkpoint
+        self._verified = None
+
+    def commit(self, count: int, recompute: bool = False) -> None:
+        """Keep the first ``count`` tokens of the last ``verify`` call (0 <= count <= k; the same count for every
+        row). ``count == k`` keeps the states that call left. Otherwise the states go back to those before it (they
+        are kept, not copied: tract never writes a tensor it was given, and a call returns new ones) and the kept
+        tokens are *pending*: the next call runs them first, in the same call as its own tokens (one call instead of
+        two; their logits are not returned again), or at once with ``recompute=True``. Attention caches, recurrent
+        states and short-conv windows are then exactly those of the kept prefix."""
+        if self._verified is None:
+            raise GdnExportError("commit needs a verify call before it")
+        before, ids = self._verified
+        if not 0 <= count <= ids.shape[1]:
+            raise GdnExportError(f"commit takes 0 to {ids.shape[1]} tokens (the verify call's), got {count}")
+        self._verified = None
+        if count == ids.shape[1]:
+            return
+        self.restore(before)
+        pending = self._pending
+        if count:
+            kept = ids[:, :count].astype(np.int64)
+            self._pending = kept if pending is None else np.concatenate([pending, kept], axis=1)
+            self.position += count
+        if recompute and self._pending is not None:
+            self.run_pending()
+
+    def run_pending(self) -> None:
+        """Run the pending tokens now (``states`` then holds them)."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        self.position -= pending.shape[1]
+        self.prefill(pending)
 
     @property
     def serving(self) -> bool:
@@ -233,6 +312,7 @@ class Session:
         new._generation = other._generation_files()  # read-only
         new._states, new._batch = None, 0
         new.position = 0
+        new._pending = new._verified = None
         return new
 
 

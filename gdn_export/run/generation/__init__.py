@@ -8,7 +8,8 @@ from gdn_export.run.generation.executor import (ArchiveText, Executor, ExecutorF
                                             TokenRequest, TokenStream, WorkerPool)
 from gdn_export.run.generation.generate import GeneratedToken, Generation, RequestError, generate, sampling_from
 from gdn_export.run.generation.sampling import Choice, Sampler, SamplingError, SamplingParams
+from gdn_export.run.generation.speculative import SpeculativeConfig, SpeculativeError
 
 __all__ = ["ArchiveText", "Choice", "Executor", "ExecutorFull", "GeneratedToken", "Generation", "InlineExecutor",
-           "RequestError", "Sampler", "SamplingError", "SamplingParams", "TokenEvent", "TokenRequest", "TokenStream",
-           "WorkerPool", "generate", "sampling_from"]
+           "RequestError", "Sampler", "SamplingError", "SamplingParams", "SpeculativeConfig", "SpeculativeError",
+           "TokenEvent", "TokenRequest", "TokenStream", "WorkerPool", "generate", "sampling_from"]

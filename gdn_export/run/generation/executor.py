@@ -32,6 +32,7 @@ import numpy as np
 
 from gdn_export.errors import GdnExportError
 from gdn_export.run.generation.sampling import Choice, Sampler, SamplingParams
+from gdn_export.run.generation.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
     from gdn_export.run.session import Session
@@ -56,6 +57,7 @@ class TokenRequest:
     max_new_tokens: int
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
     stop_token_ids: frozenset[int] = frozenset()
+    speculative: SpeculativeConfig | None = None  # drafts verified in one call each step (None: one token a step)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -72,6 +74,8 @@ class TokenEvent:
     choice: Choice
     finish_reason: str | None = None
     logits: np.ndarray | None = None  # the row the token was sampled from, where the executor keeps it (Engine)
+    drafted: int = 0  # speculative decoding: tokens drafted for the request so far
+    accepted: int = 0  # ... and kept (each one a token that took no call of its own)
 
     @property
     def token_id(self) -> int:
@@ -197,6 +201,7 @@ class ArchiveText:
         files = session._generation_files()
         self.path = session.path
         self.vocab_size: int | None = session.metadata.get("vocab_size")
+        self.every_position = session.every_position  # every new position's logits: what verifying drafts needs
         # the model's context from the checkpoint's config (None: the archive predates it, or the config gave none)
         self.model_context: int | None = session.metadata.get("context_length")
         self.max_model_len: int = context_bound(self.model_context)  # prompt + new tokens, at most
@@ -268,7 +273,13 @@ class Executor(Protocol):
 
 def request_tokens(session: Session, request: TokenRequest, cancelled: Callable[[], bool]) -> Iterator[TokenEvent]:
     """Run one request through a batch-1 ``session`` (reset first): prefill, then sample and decode a token at a
-    time until a stop token, ``max_new_tokens`` or ``cancelled()`` (asked before every decode step)."""
+    time until a stop token, ``max_new_tokens`` or ``cancelled()`` (asked before every decode step); with
+    ``request.speculative``, a step verifies drafts (``speculative.speculative_tokens``)."""
+    if request.speculative is not None:
+        from gdn_export.run.generation.speculative import speculative_tokens
+
+        yield from speculative_tokens(session, request, cancelled)
+        return
     session.reset()
     logits = prefill_pieces(session, request.prompt_ids, cancelled)
     if logits is None:

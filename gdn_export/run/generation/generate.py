@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 from gdn_export.errors import GdnExportError
 from gdn_export.run.generation.executor import ArchiveText, InlineExecutor, TokenEvent, TokenRequest
 from gdn_export.run.generation.sampling import SamplingParams
+from gdn_export.run.generation.speculative import SpeculativeConfig
 from gdn_export.run.generation.text import Detokenizer, StopStrings
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -168,7 +169,7 @@ class Generation:
                  seed: int | None = None, logprobs: int | None = None, stop: str | Sequence[str] | None = None,
                  stop_token_ids: Sequence[int] | None = None, sampling: SamplingParams | None = None,
                  default_new_tokens: int | None = None, prompt_param: str = "prompt",
-                 tokens_param: str = "max_new_tokens") -> None:
+                 tokens_param: str = "max_new_tokens", speculative: SpeculativeConfig | None = None) -> None:
         self.archive = archive
         self.prompt_ids = prompt_ids_of(archive, prompt, prompt_param)
         if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
@@ -185,7 +186,10 @@ class Generation:
             raise RequestError(f"stop strings need a tokenizer and {archive.path} carries none: use stop token ids",
                                "stop")
         stop_ids = archive.eos_token_ids if stop_token_ids is None else frozenset(int(i) for i in stop_token_ids)
-        self.request = TokenRequest(self.prompt_ids, max_new_tokens, sampling, stop_ids)
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise RequestError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}",
+                               "speculative")
+        self.request = TokenRequest(self.prompt_ids, max_new_tokens, sampling, stop_ids, speculative)
         tokenizer = archive.tokenizer
         self._detokenizer = Detokenizer(tokenizer, self.prompt_ids) if tokenizer is not None else None
         self._stops = StopStrings(stops)
@@ -194,6 +198,7 @@ class Generation:
         self._decoded = 0  # length of the detokenized text so far
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.drafted = self.accepted = 0  # speculative decoding's counts (TokenEvent's)
 
     def _bounded(self, max_new_tokens: int | None, default: int | None, prompt_param: str, tokens_param: str) -> int:
         """``max_new_tokens`` checked against the context (``archive.max_model_len``: prompt + new tokens), or, when
@@ -227,6 +232,7 @@ class Generation:
             raise GdnExportError("this generation is finished")
         token = event.token_id
         self.token_ids.append(token)
+        self.drafted, self.accepted = event.drafted, event.accepted
         finish, stop_reason = event.finish_reason, token if event.finish_reason == "stop" else None
         offset = self._decoded
         if self._detokenizer is None:
@@ -267,7 +273,8 @@ def as_executor(model):
 def generate(model, prompt: str | Sequence[int], max_new_tokens: int | None = None, *,
              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, logprobs: int | None = None, stop: str | Sequence[str] | None = None,
-             stop_token_ids: Sequence[int] | None = None) -> Iterator[GeneratedToken]:
+             stop_token_ids: Sequence[int] | None = None,
+             speculative: SpeculativeConfig | None = None) -> Iterator[GeneratedToken]:
     """Continue ``prompt`` (text, through the archive's tokenizer, or token ids) on ``model`` (a ``Session``, whose
     states it resets, or an executor), yielding each token as it is sampled; the last one has a ``finish_reason``.
 
@@ -275,24 +282,43 @@ def generate(model, prompt: str | Sequence[int], max_new_tokens: int | None = No
     ``top_k``, ``top_p``, ``seed`` (reproducible draws); unset ones come from generation_config.json
     (``sampling_from``). ``logprobs`` N: each token's logprob and the N most probable alternatives'.
     ``stop_token_ids`` default to generation_config.json's ``eos_token_id``; ``stop`` strings end the text before
-    them (OpenAI's rule). Bad arguments raise here (``RequestError``, ``SamplingError``); closing the iterator
-    early cancels the request."""
+    them (OpenAI's rule). ``speculative``: drafts verified in one call per step (``SpeculativeConfig``; greedy output
+    token-identical, sampled output distributed as without; docs/GENERATING.md). Bad arguments raise here
+    (``RequestError``, ``SamplingError``); closing the iterator early cancels the request."""
     executor = as_executor(model)
     generation = Generation(executor.archive, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
-                            top_p=top_p, seed=seed, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids)
-    stream = executor.submit(generation.request)
+                            top_p=top_p, seed=seed, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
+                            speculative=speculative)
+    return Tokens(generation, executor.submit(generation.request))
 
-    def tokens() -> Iterator[GeneratedToken]:
-        try:
-            for event in stream:
-                token = generation.step(event)
-                yield token
-                if token.finish_reason is not None:
-                    return
-        finally:
-            stream.cancel()
 
-    return tokens()
+class Tokens:
+    """``generate``'s iterator: the request's ``GeneratedToken``s as they are sampled; ``generation`` is its text
+    side (token ids, text, and speculative decoding's ``drafted`` and ``accepted`` counts); ``close()`` cancels."""
+
+    def __init__(self, generation: Generation, stream) -> None:
+        self.generation = generation
+
+        def tokens() -> Iterator[GeneratedToken]:
+            try:
+                for event in stream:
+                    token = generation.step(event)
+                    yield token
+                    if token.finish_reason is not None:
+                        return
+            finally:
+                stream.cancel()
+
+        self._tokens = tokens()
+
+    def __iter__(self) -> Tokens:
+        return self
+
+    def __next__(self) -> GeneratedToken:
+        return next(self._tokens)
+
+    def close(self) -> None:
+        self._tokens.close()
 
 
 def chat_prompt_ids(archive: ArchiveText, messages) -> tuple[int, ...]:

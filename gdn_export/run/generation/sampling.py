@@ -124,10 +124,39 @@ class Sampler:
         if self.params.greedy or self.params.top_k == 1:
             token = int(np.argmax(row))
         else:
-            probs = filtered_probabilities(row, self.params)
-            cumulative = np.cumsum(probs)
-            # token i owns [cumulative[i-1], cumulative[i]): a removed token's slot is empty, never drawn
-            token = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
+            token = self._draw(filtered_probabilities(row, self.params))
+        return self._choice(row, token)
+
+    def verify(self, logits: np.ndarray, draft: int, draft_probabilities: np.ndarray | None = None) -> Choice:
+        """The token at a drafted position, from that position's logits: ``draft`` itself when accepted, another
+        token otherwise, distributed exactly as ``self(logits)`` would draw it (speculative sampling, Leviathan et
+        al. 2023 and Chen et al. 2023). Greedy: the argmax (the draft is accepted when it is the argmax). Sampled, p
+        the filtered distribution: a draft proposed with certainty (prompt lookup; ``draft_probabilities`` None) is
+        accepted with probability p(draft), else a token is drawn from p without the draft, renormalized; a draft
+        drawn from a distribution q (a draft model) is accepted with probability min(1, p(draft) / q(draft)), else
+        drawn from max(0, p - q), renormalized."""
+        row = np.asarray(logits).reshape(-1)
+        if self.params.greedy or self.params.top_k == 1:
+            return self._choice(row, int(np.argmax(row)))
+        probs = filtered_probabilities(row, self.params)
+        if draft_probabilities is None:
+            q = np.zeros_like(probs)
+            q[draft] = 1.0
+        else:
+            q = np.asarray(draft_probabilities, np.float64)
+        if self.rng.random() * q[draft] < probs[draft]:  # u < p / q, without dividing by a q of 0
+            return self._choice(row, draft)
+        residual = np.maximum(probs - q, 0.0)
+        if residual.sum() <= 0:  # p <= q everywhere means p == q: the draft was accepted with probability 1
+            return self._choice(row, draft)
+        return self._choice(row, self._draw(residual))
+
+    def _draw(self, probs: np.ndarray) -> int:
+        cumulative = np.cumsum(probs)
+        # token i owns [cumulative[i-1], cumulative[i]): a removed token's slot is empty, never drawn
+        return int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
+
+    def _choice(self, row: np.ndarray, token: int) -> Choice:
         if self.params.logprobs is None:
             return Choice(token)
         logp = log_softmax(row)

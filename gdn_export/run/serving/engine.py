@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,7 +36,8 @@ import numpy as np
 from gdn_export.errors import GdnExportError
 from gdn_export.run.generation.executor import (ArchiveText, ExecutorFull, QueuedExecutor, TokenEvent, TokenRequest,
                                             TokenStream)
-from gdn_export.run.generation.sampling import Sampler
+from gdn_export.run.generation.sampling import Choice, Sampler
+from gdn_export.run.generation.speculative import Speculation, draft_session
 from gdn_export.run.serving.prefix_cache import ALIGN, PrefixCache
 from gdn_export.run.serving.slots import SCRATCH, SlotPool
 
@@ -57,7 +58,8 @@ class _Active:
     sampler: Sampler
     fed: int = 0  # prompt tokens run through the model
     produced: int = 0
-    next_token: int | None = None  # sampled, not yet run
+    feed: list[int] = field(default_factory=list)  # to run next: kept drafts not in the states, then the sampled one
+    speculation: Speculation | None = None  # the request's drafting (request.speculative)
 
     @property
     def prefilling(self) -> bool:
@@ -161,6 +163,7 @@ class Engine(QueuedExecutor):
         self.archive = ArchiveText(session)
         self.path = session.path
         self.vocab_size = session.metadata.get("vocab_size")
+        self.every_position = session.every_position
         self.slots, self.buckets, self.prefill_piece, self.max_queue = slots, buckets, prefill_piece, max_queue
         self.prefill_rows = min(prefill_rows, max(per_worker))
         self.keep_logits = keep_logits
@@ -193,6 +196,12 @@ class Engine(QueuedExecutor):
             bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise GdnExportError(f"token id {bad[0]} is outside this model's vocabulary [0, {self.vocab_size})")
+        if request.speculative is not None and not self.every_position:
+            raise GdnExportError(f"{self.path.name} returns the last position's logits only (converted with --logits "
+                                 "last): speculative decoding needs every position's")
+        if request.speculative is not None and request.speculative.model is not None:
+            # planned (once) and its vocabulary checked here, in the caller's thread, not in a worker
+            draft_session(request.speculative.model, self.vocab_size)
         with self._lock:
             if self._closed:
                 raise GdnExportError("the engine is closed")
@@ -254,7 +263,7 @@ class _Worker:
             prefilling = [a for a in self.active if a.prefilling]
             if prefilling:
                 self._step(prefilling[:engine.prefill_rows], self._prefill_piece)
-            decoding = [a for a in self.active if a.next_token is not None]
+            decoding = [a for a in self.active if a.feed]
             largest = engine.buckets[-1]
             for begin in range(0, len(decoding), largest):
                 self._step(decoding[begin:begin + largest], self._decode_step)
@@ -270,6 +279,9 @@ class _Worker:
     def _admit(self, request: TokenRequest, stream: TokenStream) -> _Active:
         slot = self.free.pop(0)
         active = _Active(request, stream, slot, Sampler(request.sampling))
+        if request.speculative is not None:
+            active.speculation = Speculation(request.speculative, request.prompt_ids, active.sampler,
+                                             self.engine.vocab_size)
         snapshot = self.engine.prefix_cache.longest(request.prompt_ids)
         if snapshot is None:
             self.pool.reset(slot)
@@ -306,19 +318,25 @@ class _Worker:
                 if active in self.active:
                     self._finish(active, None, err)
 
-    def _run(self, kind: str, slots: list[int], ids: np.ndarray, seq_len: np.ndarray) -> tuple[np.ndarray, list]:
+    def _run(self, kind: str, slots: list[int], ids: np.ndarray, seq_len: np.ndarray,
+             inputs_to: list | None = None) -> tuple[np.ndarray, list]:
         """One call of the plan for ``len(slots)`` rows of ``ids.shape[1]`` tokens (one token: a plan with S = 1), row
         b's first ``seq_len[b]`` real: (each row's last real position's logits ``[B, vocab]``, state outputs as
-        tract tensors)."""
+        tract tensors). With ``inputs_to`` (a verify call): every position's logits ``[B, S, vocab]``, and the state
+        inputs are appended to that list."""
         from gdn_export.run.runtime import run_tract_tensors
 
         past_len, states = self.pool.gather(slots)
+        if inputs_to is not None:
+            inputs_to.extend(states)
         served = {"past_len": past_len, "seq_len": seq_len}
         inputs = [ids.astype(np.int64), *(served[name] for name in self.engine.serving_inputs), *states]
         with self.engine._lock:
             self.engine.calls[kind, len(slots)] += 1
         outputs = run_tract_tensors(self.engine.plans.get(len(slots), 1 if ids.shape[1] == 1 else None), inputs)
         logits = outputs[0].to_numpy()
+        if inputs_to is not None:
+            return logits, outputs[1:]
         if logits.shape[1] > 1:  # every position's logits (an archive without --logits last)
             return logits[np.arange(len(slots)), seq_len - 1], outputs[1:]
         return logits[:, -1], outputs[1:]  # the graph picked each row's last real position
@@ -346,28 +364,79 @@ class _Worker:
             self._sample(active, logits[b])
 
     def _decode_step(self, rows: list[_Active]) -> None:
+        for active in rows:
+            if active.speculation is not None:
+                active.speculation.propose(active.request.max_new_tokens - active.produced, len(active.feed) - 1)
+        if any(len(a.feed) > 1 or a.speculation is not None and a.speculation.drafts for a in rows):
+            self._verify_step(rows)
+            return
         plans = self.engine.plans
         bucket = len(rows) if plans.one_plan else next((b for b in self.engine.buckets if b >= len(rows)), len(rows))
         slots = [a.slot for a in rows] + [SCRATCH] * (bucket - len(rows))
-        ids = np.asarray([[a.next_token] for a in rows] + [[0]] * (bucket - len(rows)))
+        ids = np.asarray([a.feed for a in rows] + [[0]] * (bucket - len(rows)))
         logits, outputs = self._run("decode", slots, ids, np.ones(bucket, np.int64))
         self.pool.scatter(slots, outputs, 1, resident=True)
         for b, active in enumerate(rows):
-            active.next_token = None
-            self._sample(active, logits[b])
+            active.feed = []
+            if active.stream.cancelled:
+                self._release(active)
+                continue
+            choices = ([active.sampler(logits[b])] if active.speculation is None else
+                       active.speculation.judge(logits[b][None]))  # no drafts this step: one token
+            self._emit(active, choices, [logits[b]])
+
+    def _verify_step(self, rows: list[_Active]) -> None:
+        """One call of every row's tokens (kept drafts not yet in its states, its sampled token, its drafts; each row
+        its own length), every position's logits judged; a row whose drafts were not all kept goes back to its
+        states before the call (attention caches by length, the fixed states as they were) and runs the kept tokens
+        with its next call (``Session.commit``'s rule)."""
+        runs = [a.feed + (a.speculation.drafts if a.speculation is not None else []) for a in rows]
+        seq_len = np.array([len(run) for run in runs], np.int64)
+        ids = np.zeros((len(rows), int(seq_len.max())), np.int64)  # padding tokens: identity steps in the graph
+        for b, run in enumerate(runs):
+            ids[b, :len(run)] = run
+        slots, before = [a.slot for a in rows], []
+        self.pool.flush()  # the resident batch's states into the pool: a row going back is restored from there
+        lengths = [int(self.pool.lengths[slot]) for slot in slots]
+        logits, outputs = self._run("verify", slots, ids, seq_len, inputs_to=before)
+        self.pool.scatter(slots, outputs, seq_len)
+        for b, active in enumerate(rows):
+            run, feed = runs[b], active.feed
+            if active.stream.cancelled:
+                self._release(active)
+                continue
+            positions = logits[b, len(feed) - 1:len(run)]  # from the sampled token's position on
+            if active.speculation is not None:
+                choices = active.speculation.judge(positions)
+            else:
+                choices = [active.sampler(positions[0])]
+            kept = len(feed) + len(choices) - 1  # the call's tokens that stay: the feed and the kept drafts
+            active.feed = [] if kept == len(run) else run[:kept]
+            if kept < len(run):
+                self.pool.rewind(active.slot, lengths[b], [state[b] for state in before])
+            self._emit(active, choices, positions[:len(choices)])
 
     def _sample(self, active: _Active, logits: np.ndarray) -> None:
         if active.stream.cancelled:
             self._release(active)
             return
-        choice = active.sampler(logits)
-        active.produced += 1
-        request = active.request
-        finish = ("stop" if choice.token_id in request.stop_token_ids
-                  else "length" if active.produced == request.max_new_tokens else None)
-        event = TokenEvent(choice, finish, logits.copy() if self.engine.keep_logits else None)
-        if finish is not None:
-            self._finish(active, event)
-            return
-        active.stream.put(event)
-        active.next_token = choice.token_id
+        self._emit(active, [active.sampler(logits)], [logits])
+
+    def _emit(self, active: _Active, choices: list[Choice], rows: list[np.ndarray]) -> None:
+        """Hand the request its new tokens in order (``rows``: the logits each was drawn from); the request ends at
+        a stop token or at ``max_new_tokens``; the last token is the next call's."""
+        request, speculation = active.request, active.speculation
+        counts = {} if speculation is None else {"drafted": speculation.drafted, "accepted": speculation.accepted}
+        for choice, row in zip(choices, rows):
+            active.produced += 1
+            if speculation is not None:
+                speculation.emitted(choice.token_id)
+            finish = ("stop" if choice.token_id in request.stop_token_ids
+                      else "length" if active.produced == request.max_new_tokens else None)
+            event = TokenEvent(choice, finish, np.array(row, copy=True) if self.engine.keep_logits else None,
+                               **counts)
+            if finish is not None:
+                self._finish(active, event)
+                return
+            active.stream.put(event)
+        active.feed = active.feed + [choices[-1].token_id]

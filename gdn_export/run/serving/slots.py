@@ -176,6 +176,17 @@ class SlotPool:
                     target[(slice(None),) * axis + (slice(length, length + added),)] = _cut(output[b], axis, added)
             self.lengths[row] = length + added
 
+    def rewind(self, slot: int, length: int, states: list) -> None:
+        """Take back the tokens a call added to ``slot`` past its first ``length``: the caches keep their first
+        ``length`` positions (the rest is masked, then overwritten by the next call), the fixed states become the
+        call's inputs, ``states`` (graph order, numpy, the slot's row of each; the caches' entries are not read).
+        A verify call whose drafts were not all kept (speculative decoding)."""
+        self.flush(slot)
+        self._dropped.discard(slot)
+        for index, pool in self._fixed.items():
+            pool[slot] = _numpy(states[index])
+        self.lengths[slot] = length
+
     def _reserve(self, index: int, slot: int, length: int) -> None:
         array, axis = self._caches[index][slot], self._cache_axis[index]
         capacity = array.shape[axis]

@@ -1,0 +1,229 @@
+"""Speculative decoding: tokens drafted cheaply, checked by one call of the model over all of them, exact.
+
+Each step runs the last sampled token and up to K drafted tokens in one call (``Session.verify``: every position's
+logits). The draft at position i is judged against the logits that precede it (``Sampler.verify``): greedy keeps it
+when it is the argmax; sampling keeps it with the standard speculative-sampling rule, so every emitted token is
+distributed exactly as plain decoding draws it. The first rejected draft is replaced by the token the rule draws;
+when every draft is kept, the last position's logits give one more token. A step thus yields 1 to K + 1 tokens.
+
+Recurrent states cannot be cut back the way an attention cache is cut by length, so a step whose drafts were not
+all kept goes back to the states before its call and keeps the accepted tokens *pending* (``Session.commit``): the
+next step's call runs them first, with its own tokens, so nothing runs in a call of its own. Exact: the states then
+hold exactly the accepted tokens. What it costs is the recomputed tokens in the next call (a verify call of k tokens
+costs far less than k one-token calls: benchmarks/bench_speculative.py). A call is bounded to ``2 K + 1`` tokens:
+past it the step drafts less.
+
+Drafters: ``ngram`` (prompt lookup, llama.cpp's ``ngram-simple`` and vLLM's ``ngram``): the longest n-gram (from
+``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens) ending the text so far (prompt and output) is looked up
+at its latest earlier occurrence, and the tokens that followed it there are the draft. ``draft`` (llama.cpp's
+``--model-draft``, vLLM's draft model): another archive with the same vocabulary (``model``) continues the text one
+token a call, greedy for a greedy request, otherwise sampled with the request's parameters (its distribution q goes
+to the rule); its own Session catches up with the tokens kept at the next step and goes back (``Session.restore``)
+after drafting.
+
+Seeded sampling stays reproducible (the same seed, the same tokens with the same options) but draws other tokens
+than plain decoding with that seed: the rule uses the random generator differently (the distribution is the same).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
+import numpy as np
+
+from gdn_export.run.generation.sampling import Choice, Sampler, SamplingError
+
+if TYPE_CHECKING:
+    from gdn_export.run.generation.executor import TokenEvent, TokenRequest
+    from gdn_export.run.session import Session
+
+METHODS = ("ngram", "draft")
+MAX_DRAFT = 64  # drafted tokens per step at most (llama.cpp's --draft-max goes as far)
+
+
+class SpeculativeError(SamplingError):
+    """A speculative-decoding option out of its range (the message names it; ``param`` the field)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How one request drafts: ``method`` (``"ngram"``: prompt lookup), ``num_speculative_tokens`` K (at most K
+    drafts per step; ``--draft-max``), and the n-gram sizes looked up, longest first (vLLM's
+    ``prompt_lookup_max``/``prompt_lookup_min``). The names are vLLM's ``speculative_config``'s."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 2  # 1-token matches draft often and are kept rarely: bench_speculative.py
+    model: str | None = None  # method "draft": the draft archive's path
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise SpeculativeError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}",
+                                   "method")
+        if (self.method == "draft") != (self.model is not None):
+            raise SpeculativeError("method draft takes the draft archive as model (and only it does)", "model")
+        for name, low, high in (("num_speculative_tokens", 1, MAX_DRAFT), ("prompt_lookup_max", 1, 64),
+                                ("prompt_lookup_min", 1, 64)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise SpeculativeError(f"{name} must be an integer in [{low}, {high}], got {value!r}", name)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise SpeculativeError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                                   f"({self.prompt_lookup_max})", "prompt_lookup_min")
+
+    @property
+    def max_call(self) -> int:
+        """Tokens one verify call runs at most (pending tokens, the sampled one and drafts)."""
+        return 2 * self.num_speculative_tokens + 1
+
+
+def propose_ngram(history: Sequence[int], count: int, longest: int, shortest: int = 1) -> list[int]:
+    """Up to ``count`` tokens that followed the latest earlier occurrence of the longest n-gram (``longest`` down to
+    ``shortest`` tokens) that ends ``history``; [] when none occurs earlier."""
+    if count < 1 or len(history) < shortest + 1:
+        return []
+    tokens = np.asarray(history, np.int64)
+    end = len(tokens)
+    for n in range(min(longest, end - 1), shortest - 1, -1):
+        # windows starting at 0 .. end - n - 1: every earlier occurrence (the suffix itself excluded)
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:end - 1], n)
+        hits = np.flatnonzero((windows == tokens[end - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return [int(t) for t in tokens[start:start + count]]
+    return []
+
+
+_DRAFT_PLANS: dict[str, Session] = {}  # a draft archive's Session, planned once per process (see draft_session)
+_DRAFT_LOCK = threading.Lock()
+
+
+def draft_session(path: str, vocab_size: int | None) -> Session:
+    """A Session of its own over the draft archive ``path``'s one tract plan (planned on first use, then shared by
+    every request of the process, as ``WorkerPool``'s workers share theirs); its vocabulary must be the model's."""
+    from gdn_export.errors import GdnExportError
+    from gdn_export.run.session import Session
+
+    with _DRAFT_LOCK:
+        if path not in _DRAFT_PLANS:
+            _DRAFT_PLANS[path] = Session(path)
+        base = _DRAFT_PLANS[path]
+        draft_vocab = base.metadata.get("vocab_size")
+        if draft_vocab != vocab_size:
+            raise GdnExportError(f"the draft archive {path} has a vocabulary of {draft_vocab} tokens, the model "
+                                 f"{vocab_size}: a draft model needs the model's tokenizer")
+        return Session.sharing_plan(base)
+
+
+class DraftModel:
+    """Drafts from a draft archive's Session: it runs the tokens it has not seen (the prompt, then each step's kept
+    tokens) in one call, drafts one token a call, and goes back to its states before the drafts."""
+
+    def __init__(self, session: Session, sampler: Sampler) -> None:
+        self.session, self.sampler = session, sampler
+        self.seen = 0  # tokens of the history in the draft session's states
+
+    def propose(self, history: list[int], count: int) -> tuple[list[int], list[np.ndarray] | None]:
+        from gdn_export.run.generation.sampling import filtered_probabilities
+
+        if count < 1:
+            return [], None
+        session, params = self.session, self.sampler.params
+        if self.seen == 0:
+            session.reset()
+        new = np.asarray([history[self.seen:]], np.int64)
+        logits = [session.prefill(new[:, begin:begin + 128]) for begin in range(0, new.shape[1], 128)][-1][0, -1]
+        self.seen = len(history)
+        before = session.checkpoint()
+        drafts, probabilities = [], []
+        greedy = params.greedy or params.top_k == 1
+        for i in range(count):
+            if greedy:
+                drafts.append(int(np.argmax(logits)))
+            else:
+                probabilities.append(filtered_probabilities(logits, params))
+                drafts.append(self.sampler._draw(probabilities[-1]))
+            if i + 1 < count:
+                logits = session.prefill(np.asarray([[drafts[-1]]], np.int64))[0, -1]
+        session.restore(before)
+        return drafts, None if greedy else probabilities
+
+
+class Speculation:
+    """One request's drafting and judging: the text so far (prompt and emitted tokens) and its counts."""
+
+    def __init__(self, config: SpeculativeConfig, prompt_ids: Sequence[int], sampler: Sampler,
+                 vocab_size: int | None = None) -> None:
+        self.config, self.sampler = config, sampler
+        self.history = list(prompt_ids)
+        self.drafts: list[int] = []
+        self.probabilities: list[np.ndarray] | None = None  # a draft model's q of each draft (None: certain drafts)
+        self.drafted = self.accepted = 0
+        self.model = (DraftModel(draft_session(config.model, vocab_size), sampler) if config.method == "draft"
+                      else None)
+
+    def emitted(self, token: int) -> None:
+        self.history.append(token)
+
+    def propose(self, remaining: int, pending: int) -> list[int]:
+        """The drafts of the next step: at most K, at most ``remaining - 1`` (the step emits one token more than the
+        drafts it keeps), within ``max_call`` with ``pending`` tokens and the sampled one run in the same call."""
+        config = self.config
+        count = min(config.num_speculative_tokens, remaining - 1, config.max_call - pending - 1)
+        if self.model is not None:
+            self.drafts, self.probabilities = self.model.propose(self.history, count)
+        else:
+            self.drafts = propose_ngram(self.history, count, config.prompt_lookup_max, config.prompt_lookup_min)
+        return self.drafts
+
+    def judge(self, rows: np.ndarray) -> list[Choice]:
+        """The step's tokens from its logits ``rows`` [1 + drafts, vocab] (the sampled token's position first): the
+        kept drafts, then the token that replaces the first rejected one, or one more after all of them."""
+        choices = []
+        for i, (row, draft) in enumerate(zip(rows, self.drafts)):
+            choice = self.sampler.verify(row, draft, None if self.probabilities is None else self.probabilities[i])
+            choices.append(choice)
+            if choice.token_id != draft:
+                break
+        else:
+            choices.append(self.sampler(rows[len(self.drafts)]))
+        self.drafted += len(self.drafts)
+        self.accepted += len(choices) - 1
+        return choices
+
+
+def speculative_tokens(session: Session, request: TokenRequest, cancelled: Callable[[], bool]) -> Iterator[TokenEvent]:
+    """``executor.request_tokens`` with drafts: the same events, through ``Session.verify`` and ``commit``."""
+    from gdn_export.errors import GdnExportError
+    from gdn_export.run.generation.executor import TokenEvent, prefill_pieces
+
+    if not session.every_position:
+        raise GdnExportError(f"{session.path.name} returns the last position's logits only (converted with --logits "
+                             "last): speculative decoding needs every position's")
+    session.reset()
+    logits = prefill_pieces(session, request.prompt_ids, cancelled)
+    if logits is None:
+        return
+    sampler = Sampler(request.sampling)
+    speculation = Speculation(request.speculative, request.prompt_ids, sampler, session.metadata.get("vocab_size"))
+    choices, produced = [sampler(logits)], 0
+    while True:
+        for choice in choices:
+            if cancelled():
+                return
+            produced += 1
+            speculation.emitted(choice.token_id)
+            finish = ("stop" if choice.token_id in request.stop_token_ids
+                      else "length" if produced == request.max_new_tokens else None)
+            yield TokenEvent(choice, finish, drafted=speculation.drafted, accepted=speculation.accepted)
+            if finish is not None:
+                return
+        if cancelled():
+            return
+        drafts = speculation.propose(request.max_new_tokens - produced, session.pending)
+        rows = session.verify(np.asarray([[choices[-1].token_id, *drafts]], np.int64))[0]
+        choices = speculation.judge(rows)
+        session.commit(len(choices))  # the sampled token and the kept drafts; the last choice is run next step
