@@ -141,7 +141,7 @@ def measure(archives: list[tuple[str, Path]], runs: int, cpu: int | None) -> dic
 
 def convert(checkpoint: Path, fmt: str, out: Path) -> dict:
     """Convert ``checkpoint`` to ``out`` in ``fmt`` in a process of its own: wall seconds and the report's split."""
-    command = [sys.executable, "-m", "gdn_export.cli", "convert", str(checkpoint), str(out), "--force", "--no-check",
+    command = [sys.executable, "-m", "gdn_export.cli", "convert", str(checkpoint), "-o", str(out), "--force", "--no-check",
                "--logits", "last", *FORMATS[fmt]]
     start = time.perf_counter()
     done = subprocess.run(["/usr/bin/time", "-f", "PEAK_RSS_KB %M", *command], capture_output=True, text=True)
