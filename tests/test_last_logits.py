@@ -42,10 +42,10 @@ def test_unknown_logits_choice_is_refused(tmp_path):
 
 
 def test_last_position_is_sliced_with_a_length_tract_knows(tmp_path):
-    """The decoder's last position is written as ``[S - 1, S)`` (``gdn_export_last_step``), not torch-to-nnef's
-    ``dyn_slice_begin`` whose begin ``min(max(0, S - 1), S)`` tract carries as a symbolic length (seconds of every
-    load: benchmarks/RESULTS.md); its logits are the every-position archive's last row at S = 1 (where the old clamp
-    chose 0), at a whole chunk and one past it."""
+    """The decoder's last position is a gather at ``S - 1`` (``gdn_export_last_step``), not torch-to-nnef's clamped
+    ``dyn_slice_begin``, which tract's optimizer pushes up through the model (seconds of every load:
+    benchmarks/RESULTS.md); its logits are the every-position archive's last row at S = 1 (where the old clamp chose
+    0), at a whole chunk and one past it."""
     last, every = tmp_path / "last.nnef.tgz", tmp_path / "all.nnef.tgz"
     convert(FIXTURES / "qwen3_5", last, logits="last", check=False)
     convert(FIXTURES / "qwen3_5", every, check=False)

@@ -1,12 +1,11 @@
-"""The last entry of a symbolic axis (``x[:, -1:]``) written so that tract knows its length is 1.
+"""The last entry of the new tokens' axis (``x[:, -1:]``, ``--logits last``) written so that tract loads it fast.
 
-torch-to-nnef writes ``x[:, -1:]`` over a dynamic axis as ``dyn_slice_begin(x, begin = -1)``, whose begin is clamped
-by ``within_bound_index``: ``min(max(0, S - 1), S)``. tract 0.23.9 carries that bound as a symbolic expression of
-``min`` and ``max`` into the slice's length and every shape after it, and its optimizer then spends seconds proving
-things about it: the 0.8B Qwen3.5-shape int8 archive converted with ``--logits last`` (where the last position is
-taken before the head) loaded in 16.3 s against 8.3 s for the same model with every position's logits
-(benchmarks/RESULTS.md, "Load time"). Sliced as ``[len - 1, len)`` from the axis's own length, the bounds are plain
-``S - 1`` and ``S``, and the length simplifies to 1 (the form the chunked lowering's final state already uses).
+torch-to-nnef writes ``x[:, -1:]`` over a dynamic axis as ``dyn_slice_begin(x, begin = -1)``, a slice whose begin
+``within_bound_index`` clamps to ``min(max(0, S - 1), S)``. tract 0.23.9's optimizer then pushes that slice up
+through every position-wise op of the model (its ``PushSliceUp`` pass, which computes the axes mapping of each scan
+body it meets): the 0.8B Qwen3.5-shape int8 archive converted with ``--logits last`` loaded in 16.3 s against 8.3 s
+with every position's logits; sliced as ``[S - 1, S)`` instead it still took 15.3 s (benchmarks/RESULTS.md, "Load
+time"). A gather at index ``S - 1`` (one row of the hidden state, copied once per call) is no slice: 8.45 s.
 
 Exact wherever the axis is not empty: the pass rewrites only the decoder's slice of the new tokens' axis (at least
 one token a call), recognised as the one such slice of an axis with the sequence's traced length.
@@ -20,9 +19,10 @@ LAST_STEP = Fragment(name="gdn_export_last_step", extensions=("tract_registry tr
                      definition="""fragment gdn_export_last_step(
     input: tensor<scalar>, axis: integer
 ) -> ( output: tensor<scalar> ) {
-    # the last entry of input's axis, sliced as [len - 1, len) so that its length simplifies to 1
+    # the last entry of input's axis, gathered at index len - 1: its length is 1, and no slice is left for tract's
+    # optimizer to push up through the model
     length = squeeze(slice(tract_core_shape_of(input), axes = [0], begin = [axis], end = [axis + 1]), axes = [0]);
-    output = slice(input, axes = [axis], begin = [length - 1], end = [length]);
+    output = tract_core_gather(input, unsqueeze(tract_core_cast(length - 1, to = 'i64'), axes = [0]), axis = axis);
 }
 
 """)
