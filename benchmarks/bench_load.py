@@ -217,15 +217,12 @@ def print_table(archives: list[tuple[str, Path]], results: dict[str, list[dict]]
             made = conversions.get(label)
             row += [f"{made['seconds']:.1f}" if made else "-", made["split"] if made else "-"]
         rows.append(row)
+    table = [head, *rows]
     if markdown:
-        print("| " + " | ".join(head) + " |")
-        print("|" + "---|" * len(head))
-        for row in rows:
-            print("| " + " | ".join(row) + " |")
+        print("\n".join("| " + " | ".join(cells) + " |" for cells in [head, ["---"] * len(head), *rows]))
     else:
-        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-        for row in [head, *rows]:
-            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+        widths = [max(len(cells[i]) for cells in table) for i in range(len(head))]
+        print("\n".join("  ".join(cell.ljust(w) for cell, w in zip(cells, widths)) for cells in table))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -383,12 +383,7 @@ def test_gdn_export_serve(converted, session, tmp_path, served):
         assert "".join(c.choices[0].text for c in chunks) == text
         assert [i for c in chunks for i in c.choices[0].token_ids] == ids
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        _stop(process)
     assert process.returncode == 0 and "stopped" in log.read_text(), log.read_text()
 
 
@@ -435,10 +430,15 @@ def test_gdn_export_serve_listens_while_it_loads(converted, session, tmp_path):
         assert status == 200 and body["choices"][0]["text"] == expected(session, max_tokens=8, temperature=0)[0]
         assert "loaded and planned in" in log.read_text()
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        _stop(process)
     assert process.returncode == 0, log.read_text()
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 15 s."""
+    process.terminate()
+    try:
+        process.wait(15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
