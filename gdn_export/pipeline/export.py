@@ -180,8 +180,8 @@ def export(
             passes.append(lambda graph: int8.lower_gathers(graph, weights.int8_tables))
         if weights.f16_tables:  # gathers of an f16 table (stored negated): cast and negated back
             passes.append(lambda graph: f16.lower_gathers(graph, weights.f16_tables))
-    extent = sequence_extent(dynamic_axes, input_names, args)
-    if extent is not None:  # --logits last: the last position sliced so that tract knows its length (last_step.py)
+    extent = sequence_extent(dynamic_axes, input_names, args) if getattr(module, "last_logits_only", False) else None
+    if extent is not None:  # --logits last: the decoder's last position gathered, not sliced (last_step.py)
         passes.append(lambda graph: rewrite_last_step(graph, extent)
                       and target.pass_fragments.update({LAST_STEP.name: LAST_STEP.definition}))
     target = nnef_target(version, lowering=lowering, dynamic_axes=dynamic_axes, runtime=runtime,
