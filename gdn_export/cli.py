@@ -95,7 +95,9 @@ def _info(args) -> int:
     from gdn_export.run.runtime import load_tract_model
 
     metadata = read_metadata(args.model) or {}
+    start = time.perf_counter()
     runnable = load_tract_model(args.model)
+    load_seconds = time.perf_counter() - start
     print(f"{args.model}")
     if metadata:
         weights = f", {metadata['quantized']} weights in {metadata['quantize'].upper()}" \
@@ -109,7 +111,8 @@ def _info(args) -> int:
         if metadata.get("serving"):
             print("  serving graph: each row its own past length (past_len) and count of new tokens (seq_len); cache "
                   "outputs are the new positions only; `gdn-export serve` batches requests over it (docs/SERVING.md)")
-    print(f"  tract: target {_property(args.model, 'tract_target_version')}, runtime {_tract_version()}")
+    print(f"  tract: target {_property(args.model, 'tract_target_version')}, runtime {_tract_version()}; loaded and "
+          f"planned in {load_seconds:.1f} s")
     print("  inputs:")
     for i in range(runnable.input_count()):
         print(f"    {_name(metadata, 'inputs', i)}: {runnable.input_fact(i)}")
@@ -272,7 +275,7 @@ def _generate(args) -> int:
 
     from gdn_export.run.generation.executor import ALLOW_LONG_ENV
 
-    executor = InlineExecutor(Session(args.model))
+    executor = InlineExecutor(Session(args.model, progress=_progress))  # says what the wait is while tract loads
     archive = executor.archive
     try:
         archive.limit_context(args.max_model_len, os.environ.get(ALLOW_LONG_ENV) == "1")
@@ -381,7 +384,8 @@ def _perplexity(args) -> int:
 
     result = measure(args.model, args.text, ctx=args.ctx, reference=reference, reference_dir=args.reference,
                      tokenizer_path=args.tokenizer, chunks=args.chunks,
-                     progress=progress_bar(sys.stderr) if not args.quiet else None)
+                     progress=progress_bar(sys.stderr) if not args.quiet else None,
+                     loading=_progress if not args.quiet else None)
     for line in result.lines():
         print(line)
     if args.json:
@@ -430,13 +434,18 @@ def _serve(args) -> int:
         _progress(f"serving {args.model} as '{name}' on http://{where}:{port} ({slots}{args.workers} worker"
                   f"{'s' if args.workers > 1 else ''}, queue {args.max_queue}); Ctrl-C stops")
 
+    def listening(host: str, port: int) -> None:
+        where = f"[{host}]" if ":" in host else host
+        _progress(f"listening at http://{where}:{port} while {args.model} loads (/health: 503 loading, then 200)")
+
     _progress(f"loading {args.model}")
     try:
         serve(args.model, args.host, args.port, workers=args.workers, max_queue=args.max_queue, model_name=name,
               log_level=args.log_level, ready=ready, slots=args.slots, progress=_progress,
               prefill_piece=args.prefill_piece, prefill_rows=args.prefill_rows, api_key=api_key,
               request_timeout=args.request_timeout, max_model_len=args.max_model_len, allow_long=allow_long,
-              shutdown_grace=args.shutdown_grace, prefix_cache_mib=args.prefix_cache_mib, speculative=speculative)
+              shutdown_grace=args.shutdown_grace, prefix_cache_mib=args.prefix_cache_mib, speculative=speculative,
+              listening=listening)
     except KeyboardInterrupt:  # SIGTERM or Ctrl-C: the requests in flight were answered or ended (docs/SERVER.md)
         pass
     _progress("stopped")

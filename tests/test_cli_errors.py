@@ -1,6 +1,7 @@
 """Bad inputs to `gdn-export`: each gets its own one-line reason, exit status 1, and no output is left."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -133,6 +134,7 @@ def test_info_and_check_commands(tmp_path, capsys, converted):
     assert cli(["info", str(out)]) == 0
     text = capsys.readouterr().out
     assert "in_state_0: B,4,16,8,f32" in text and "out_key_1: B,2,S+P,16,f32" in text and "lowerings:" in text
+    assert re.search(r"loaded and planned in \d+\.\d s", text), text
     assert cli(["check", str(out), str(FIXTURES / "qwen3_5"), "--prompt-len", "5", "--decode-steps", "2"]) == 0
     assert "top-1 agreement" in capsys.readouterr().out
     assert cli(["info", str(tmp_path / "missing.nnef.tgz")]) == 1

@@ -381,6 +381,8 @@ def test_cli_generate_streams_text(converted, session, capsys):
     status, out, err = run_cli(["generate", path, "--prompt", PROMPT, "--max-new-tokens", "12",
                                 "--temperature", "0"], capsys)
     assert status == 0 and out == expected + "\n" and "12 tokens, finish: length" in err
+    loading, loaded = err.index("into tract and planning it"), err.index("loaded and planned in")  # while it waits
+    assert loading < loaded < err.index("12 tokens, finish: length"), err
     for bad, says in [(["--prompt-ids", "1,2,999"], "outside this model's vocabulary"),
                       (["--prompt-ids", "1,x"], "comma-separated"), (["--prompt", "x", "--top-p", "0"], "--top-p"),
                       (["--prompt", "x", "--temperature", "-1"], "--temperature"),

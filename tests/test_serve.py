@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -381,10 +383,62 @@ def test_gdn_export_serve(converted, session, tmp_path, served):
         assert "".join(c.choices[0].text for c in chunks) == text
         assert [i for c in chunks for i in c.choices[0].token_ids] == ids
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        _stop(process)
     assert process.returncode == 0 and "stopped" in log.read_text(), log.read_text()
+
+
+def _answer(base: str, method: str, path: str, body: dict | None = None) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of one request over a real connection."""
+    host, port = base.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.request(method, path, body=None if body is None else json.dumps(body),
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read().decode()), {k.lower(): v for k, v in response.getheaders()}
+    finally:
+        connection.close()
+
+
+def test_gdn_export_serve_listens_while_it_loads(converted, session, tmp_path):
+    """The command listens before tract has loaded and planned the model: a request made as soon as it says so gets
+    503 with Retry-After (``/v1`` and ``/health``: "loading"); once loaded, ``/health`` says ok with the load's
+    seconds and the same request is answered as ``generate`` answers it."""
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as err:
+        process = subprocess.Popen([sys.executable, "-m", "gdn_export.cli", "serve", str(converted(NAME)), "--host",
+                                    "127.0.0.1", "--port", "0", "--served-model-name", NAME],
+                                   stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
+                                   env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        def listening():
+            assert process.poll() is None, log.read_text()
+            lines = [line for line in log.read_text().splitlines() if "listening at http://127.0.0.1:" in line]
+            return lines and f"http://127.0.0.1:{int(lines[0].split('http://127.0.0.1:')[1].split()[0])}"
+
+        base = wait_for(listening, 60, "gdn-export serve to listen")
+        ask = {"model": NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        status, body, headers = _answer(base, "POST", "/v1/completions", ask)
+        assert status == 503 and body["error"]["code"] == "model_loading", (status, body, log.read_text())
+        assert int(headers["retry-after"]) >= 1
+        status, body, headers = _answer(base, "GET", "/health")
+        assert (status, body["status"]) == (503, "loading") and int(headers["retry-after"]) >= 1, (status, body)
+        wait_for(lambda: _answer(base, "GET", "/health")[0] == 200, 90, "the model to load")
+        health = _answer(base, "GET", "/health")[1]
+        assert health["status"] == "ok" and health["load_seconds"] > 0, health
+        status, body, _ = _answer(base, "POST", "/v1/completions", ask)
+        assert status == 200 and body["choices"][0]["text"] == expected(session, max_tokens=8, temperature=0)[0]
+        assert "loaded and planned in" in log.read_text()
+    finally:
+        _stop(process)
+    assert process.returncode == 0, log.read_text()
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 15 s."""
+    process.terminate()
+    try:
+        process.wait(15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -58,6 +58,9 @@ class Context:
     past: torch.Tensor | None = None  # the first key cache input (its axis 2 is the padded past P)
     rows: RowLengths | None = None  # serving graphs: each row's own count of real new tokens
     masks: dict = field(default_factory=dict)  # (dtype, sliding_window) -> the mask built by the first layer asking
+    # last_logits_only: the layer after whose mixer only the last position goes on (None: none); set True once taken
+    last_position_at: int | None = None
+    last_position_taken: bool = False
 
     def mask(self, keys: torch.Tensor, dtype: torch.dtype, sliding_window: int | None = None) -> torch.Tensor:
         """The additive attention mask over ``keys`` (an extended key cache): ``blocks.causal_mask``, built once per
@@ -103,14 +106,15 @@ class Decoder:
         positions = None if first_key is None else blocks.positions(input_ids, first_key, past_len)
         rows = None if seq_len is None else RowLengths.of(seq_len, input_ids)
         context = Context(positions, None if positions is None else self.rotary_tables(x, positions),
-                          past_len, first_key, rows)
+                          past_len, first_key, rows,
+                          last_position_at=len(layers) - 1 if self.last_logits_only and rows is None else None)
         new_states = []
         for i, layer in enumerate(layers):
             x, *layer_states = self.run_layer(layer, self.layer_step, i, layer, x, per_layer[i], context)
             new_states += layer_states
         if past_len is not None:  # a cache's output: the S new positions, after the padded past
             new_states = [new_positions(new, old, spec) for spec, old, new in zip(specs, states, new_states)]
-        if self.last_logits_only:
+        if self.last_logits_only and not context.last_position_taken:
             x = x[:, -1:] if rows is None else rows.last(x)
         return self.head(x), new_states
 
@@ -128,6 +132,8 @@ class Decoder:
         """One layer: ``(new x, *its new states)``."""
         x, *new_states = self.residual(index, layer, "mixer", x,
                                        lambda h: self.mixer(index, layer, h, states, context))
+        if index == context.last_position_at:  # --logits last: the last feed-forward and the head on one position
+            x, context.last_position_taken = x[:, -1:], True  # (the feed-forward is per position: the same values)
         x, *_ = self.residual(index, layer, "feed_forward", x, lambda h: (self.feed_forward(index, layer, h),))
         return (x, *new_states)
 

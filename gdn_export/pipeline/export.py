@@ -155,6 +155,7 @@ def export(
     import gdn_export.ops.nnef_handlers  # noqa: F401  (every op registers its handlers with the NNEF back-end)
     from torch_to_nnef import export_model_to_nnef
 
+    from gdn_export.backends.nnef.last_step import LAST_STEP, rewrite_last_step
     from gdn_export.backends.nnef.registry import CUSTOM_OPS
 
     validate_options(lowering, runtime, core_dtype, chunk_size)
@@ -174,6 +175,10 @@ def export(
         if weights.compressed:
             passes.append(lambda graph: annotate_compressed_gathers(graph, weights.compressed))
         passes.extend(weights.graph_passes)  # what the weight formats' encodings need of the graph
+    extent = sequence_extent(dynamic_axes, input_names, args) if getattr(module, "last_logits_only", False) else None
+    if extent is not None:  # --logits last: the decoder's last position gathered, not sliced (last_step.py)
+        passes.append(lambda graph: rewrite_last_step(graph, extent)
+                      and target.pass_fragments.update({LAST_STEP.name: LAST_STEP.definition}))
     target = nnef_target(version, lowering=lowering, dynamic_axes=dynamic_axes, runtime=runtime,
                          core_dtype=core_dtype, chunk_size=chunk_size, graph_passes=passes)
 
@@ -223,6 +228,15 @@ def export(
             report.parity.raise_if_failed()
         os.replace(staged, path)
     return report
+
+
+def sequence_extent(dynamic_axes: dict | None, input_names: Sequence[str], args: Sequence) -> int | None:
+    """The traced length of the new tokens' axis (the first input's axis named ``S``), or None without one."""
+    axes = (dynamic_axes or {}).get(input_names[0], {}) if input_names else {}
+    axis = next((axis for axis, name in axes.items() if name == "S"), None)
+    if axis is None or not hasattr(args[0], "shape"):
+        return None
+    return int(args[0].shape[axis])
 
 
 def nnef_target(version: str, *, lowering: str = "auto", dynamic_axes: dict | None = None, runtime: str = "any",

@@ -5,7 +5,9 @@
     POST /v1/chat/completions   messages through the archive's chat template (400 where it has none)
     GET  /v1/models             the one model served (its served name)
     GET  /v1/models/{id}        that model (404 for any other name)
-    GET  /health                200 and the executor's load (workers, busy, queued); 503 once shutting down
+    GET  /health                200 and the executor's load (workers, busy, queued) and the seconds the model took
+                                to load and plan; while it loads 503 ``{"status": "loading"}`` with Retry-After (every
+                                ``/v1`` route then answers 503 + Retry-After too); 503 once shutting down
 
 Every choice carries ``token_ids`` (the generated ids, as vLLM's ``return_token_ids``; an archive without a
 tokenizer is served in token ids) and ``prompt_token_ids``. Bad requests get a 4xx with OpenAI's error body
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 import uuid
 from typing import Any
@@ -46,6 +49,7 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 DEFAULT_CHAT_TOKENS = 512
 API_KEY_ENV = "GDN_EXPORT_API_KEY"  # vLLM's VLLM_API_KEY
 DEFAULT_SHUTDOWN_GRACE = 10.0  # seconds in-flight requests get to finish after SIGTERM
+LOADING_RETRY_AFTER = "2"  # seconds a client is asked to wait while the model loads (seconds to tens of seconds)
 
 
 class ApiError(Exception):
@@ -61,10 +65,10 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _error_response(err: ApiError):
+def _error_response(err: ApiError, retry_after: str = "1"):
     from starlette.responses import JSONResponse
 
-    headers = {"Retry-After": "1"} if err.status == 503 else None
+    headers = {"Retry-After": retry_after} if err.status == 503 else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
@@ -172,6 +176,8 @@ class _Flight:
 class App:
     """The HTTP side: requests parsed and checked, run on ``executor``, answered in OpenAI's formats.
 
+    ``executor`` None: the model is still loading (``serve`` listens at once): every ``/v1`` route answers 503 with
+    Retry-After and ``/health`` says "loading" until ``ready(executor)``.
     ``api_key``: the key every ``/v1`` route asks for (``Authorization: Bearer KEY``; None: none asked);
     ``request_timeout``: seconds a request may take from its arrival (None: no deadline)."""
 
@@ -179,13 +185,21 @@ class App:
                  request_timeout: float | None = None, speculative: SpeculativeConfig | None = None) -> None:
         if request_timeout is not None and not request_timeout > 0:
             raise GdnExportError(f"request_timeout must be > 0 seconds, got {request_timeout}")
-        self.executor, self.model_name = executor, model_name
-        self.archive = executor.archive
+        self.model_name = model_name
+        self.executor, self.archive, self.load_seconds = None, None, None
+        self.loading_since = time.monotonic()
+        if executor is not None:
+            self.ready(executor)
         self.created = int(time.time())
         self.api_key, self.request_timeout = api_key, request_timeout
         self.speculative = speculative  # a request's drafting unless it gives its own speculative_config
         self.draining = False
         self.flights: set[_Flight] = set()
+
+    def ready(self, executor, load_seconds: float | None = None) -> None:
+        """The model is loaded and planned: serve it (callable from any thread; ``executor`` is set last)."""
+        self.archive, self.load_seconds = executor.archive, load_seconds
+        self.executor = executor
 
     # --- shutdown ---
     def drain(self, grace: float) -> None:
@@ -518,11 +532,16 @@ class App:
         return _json(self._model_card())
 
     async def health(self, request):
-        if self.draining:
-            from starlette.responses import JSONResponse
+        from starlette.responses import JSONResponse
 
+        if self.executor is None:  # a load balancer's probe: not ready yet, come back
+            status = "shutting down" if self.draining else "loading"
+            return JSONResponse({"status": status, "loading_seconds": round(time.monotonic() - self.loading_since, 1)},
+                                status_code=503, headers={"Retry-After": LOADING_RETRY_AFTER})
+        if self.draining:
             return JSONResponse(dict(status="shutting down", **self.executor.stats()), status_code=503)
-        return _json(dict(status="ok", **self.executor.stats()))
+        loaded = {} if self.load_seconds is None else {"load_seconds": round(self.load_seconds, 2)}
+        return _json(dict(status="ok", **loaded, **self.executor.stats()))
 
     def authorized(self, scope) -> bool:
         """Whether a request may use a ``/v1`` route: no key is set, or its ``Authorization: Bearer`` gives it."""
@@ -541,8 +560,9 @@ def _json(data: dict):
 
 def make_app(executor, model_name: str, api_key: str | None = None, request_timeout: float | None = None,
              state: list | None = None, speculative: SpeculativeConfig | None = None):
-    """The ASGI application serving ``executor`` under ``model_name`` (``App``'s options); ``state``, when given,
-    receives the ``App`` (what ``serve`` drains on shutdown)."""
+    """The ASGI application serving ``executor`` (None: still loading, until ``App.ready``) under ``model_name``
+    (``App``'s options); ``state``, when given, receives the ``App`` (what ``serve`` drains on shutdown and makes
+    ready once loaded)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.routing import Route
@@ -582,6 +602,11 @@ def make_app(executor, model_name: str, api_key: str | None = None, request_time
                                   "server's --api-key)", None, "invalid_api_key")
             response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
+            return
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and app.executor is None:
+            error = ApiError(503, "the model is still loading; GET /health says when it is ready", None,
+                             "model_loading", "server_error")
+            await _error_response(error, LOADING_RETRY_AFTER)(scope, receive, send)
             return
         await routed(scope, receive, send)
 
@@ -690,13 +715,16 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
           progress=None, prefill_piece: int | None = None, prefill_rows: int = 1, *, api_key: str | None = None,
           request_timeout: float | None = None, max_model_len: int | None = None, allow_long: bool = False,
           shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE, prefix_cache_mib: float | None = None,
-          speculative: SpeculativeConfig | None = None) -> None:
+          speculative: SpeculativeConfig | None = None, listening=None) -> None:
     """Serve the archive at ``path`` until interrupted (Ctrl-C, SIGTERM): ``workers`` threads over one tract
     plan, at most ``max_queue`` requests waiting; a serving archive on an ``Engine`` of ``slots`` slots (default 8;
     every batch-size bucket planned before the server answers); ``prefill_piece``: prompt tokens per prefill call (a
     smaller piece holds up the other requests' next tokens for less time, at some prefill speed; on an Engine a
-    multiple of 64); ``prefill_rows``: an Engine's prompts prefilled in one call. ``ready(host, port)`` is called once
-    the socket listens (connections made from then on are served once the model is loaded). ``api_key``: asked on
+    multiple of 64); ``prefill_rows``: an Engine's prompts prefilled in one call. The socket listens at once, while
+    the model loads and is planned in a thread (seconds to tens of seconds): meanwhile ``/health`` answers 503
+    "loading" and every ``/v1`` route 503 with Retry-After; ``listening(host, port)`` is called once the socket
+    listens, ``ready(host, port)`` once the model is served (a failed load stops the server and raises its error
+    here). ``api_key``: asked on
     every /v1 route; ``request_timeout``: each request's deadline in seconds; ``max_model_len``: prompt + new tokens
     at most (default: the model's context; longer only with ``allow_long``); ``shutdown_grace``: seconds in-flight
     requests get after SIGTERM; ``prefix_cache_mib``: an Engine's prefix cache bound (None: 512 MiB; 0: none);
@@ -725,24 +753,42 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
         say(f"warning: listening on {host} without an API key: anyone who reaches this port can use the model "
             f"(--api-key KEY or {API_KEY_ENV})")
     sock = listen(host, port)
-    executor = None
-    try:
-        executor = executor_for(session, workers, max_queue, slots, progress, prefill_piece,  # plans: seconds
-                                prefill_rows, prefix_cache_mib)
-        executor.archive.limit_context(max_model_len, allow_long)
+    bound = sock.getsockname()[:2]
+    state: list = []
+    app = make_app(None, model_name or model_name_of(path), api_key, request_timeout, state, speculative)
+    config = uvicorn.Config(app, log_level=log_level, http="h11", lifespan="off")
+    server = graceful_server(config, state, shutdown_grace)
+    loaded: dict = {}
+
+    def load() -> None:  # off the event loop: the server answers (503 "loading") meanwhile
+        start = time.perf_counter()
+        try:
+            executor = loaded["executor"] = executor_for(session, workers, max_queue, slots, progress, prefill_piece,
+                                                         prefill_rows, prefix_cache_mib)  # tract loads, plans
+            executor.archive.limit_context(max_model_len, allow_long)
+        except BaseException as err:  # the server stops; serve raises it
+            loaded["error"] = err
+            server.should_exit = True
+            return
         if max_model_len is None and executor.archive.context_note:
             say(f"warning: {executor.archive.context_note}")
         if executor.archive.chat_template_error:  # serve completions all the same
             say(f"warning: {executor.archive.chat_template_error}: chat requests get a 400")
-        state: list = []
-        app = make_app(executor, model_name or model_name_of(path), api_key, request_timeout, state, speculative)
-        config = uvicorn.Config(app, log_level=log_level, http="h11", lifespan="off")
-        server = graceful_server(config, state, shutdown_grace)
+        seconds = time.perf_counter() - start
+        say(f"loaded and planned in {seconds:.1f} s")
+        state[0].ready(executor, seconds)
         if ready is not None:
-            bound = sock.getsockname()
-            ready(bound[0], bound[1])
+            ready(*bound)
+
+    loader = threading.Thread(target=load, name="gdn_export-load", daemon=True)
+    try:
+        loader.start()
+        if listening is not None:
+            listening(*bound)
         server.run(sockets=[sock])
     finally:
         sock.close()
-        if executor is not None:
-            executor.close()
+        if not loader.is_alive() and "executor" in loaded:  # (a load still running when stopped dies with the process)
+            loaded["executor"].close()
+    if "error" in loaded:
+        raise loaded["error"]

@@ -123,9 +123,10 @@ def perplexity(logits_of: Logits, windows: np.ndarray, reference: Logits | None 
 
 # --- the export and its tokenizer ----------------------------------------------------------------------------------
 
-def open_export(path: str | os.PathLike, onnx_runtime: str = "onnxruntime"):
+def open_export(path: str | os.PathLike, onnx_runtime: str = "onnxruntime",
+                loading: Callable[[str], None] | None = None):
     """A session over an ``.nnef.tgz`` (tract) or an ``.onnx`` (onnxruntime, or tract's ONNX loader) archive that
-    computes every position's logits."""
+    computes every position's logits; ``loading(message)``: told when tract loads and plans an ``.nnef.tgz``."""
     path = Path(path)
     if not path.is_file():
         raise PerplexityError(f"no file at {path} (expected a .nnef.tgz or .onnx written by gdn-export convert)")
@@ -135,7 +136,7 @@ def open_export(path: str | os.PathLike, onnx_runtime: str = "onnxruntime"):
         return OnnxSession(path, runtime=onnx_runtime)
     from gdn_export.run.session import Session
 
-    session = Session(path)
+    session = Session(path, progress=loading)
     if session.metadata.get("logits") == "last":
         raise PerplexityError(f"{path.name} computes the last position's logits only (converted with --logits last); "
                               f"perplexity needs every position's: convert it again without --logits last")
@@ -191,12 +192,14 @@ def read_text(path: str | os.PathLike) -> str:
 
 def measure(archive, text_file, ctx: int = 256, reference: Callable[[], Logits] | None = None, reference_dir=None,
             tokenizer_path=None, chunks: int | None = None, onnx_runtime: str = "onnxruntime",
-            progress: Callable[[int, int, float], None] | None = None) -> Perplexity:
+            progress: Callable[[int, int, float], None] | None = None,
+            loading: Callable[[str], None] | None = None) -> Perplexity:
     """``gdn-export perplexity``: the figures for ``archive`` on ``text_file``. ``reference()`` makes the reference's
-    window logits (``gdn_export.checkpoints.reference.eager_window_logits``: the convert side, which the run side does not
-    import), called once the inputs are checked; ``reference_dir`` is its checkpoint (a tokenizer for an .onnx)."""
+    window logits (``gdn_export.checkpoints.reference.eager_window_logits``: the convert side, which the run side
+    does not import), called once the inputs are checked; ``reference_dir`` is its checkpoint (a tokenizer for an
+    .onnx); ``loading(message)``: told when tract loads and plans the model (before the first window)."""
     text = read_text(text_file)
-    session = open_export(archive, onnx_runtime)
+    session = open_export(archive, onnx_runtime, loading)
     context = session.metadata.get("context_length")
     if context is not None and ctx > context:  # positions past it were never trained: a figure of nothing
         raise PerplexityError(f"--ctx {ctx} is longer than the model's context of {context} tokens "

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -23,7 +25,8 @@ class Session:
     converted with ``logits="last"``) and ``decode(input_ids [B, 1]) -> logits [B, 1, vocab]``
     both continue from the states the previous call left (conv and recurrent states of GDN layers, key and
     value caches of attention layers); ``reset()`` starts over. The batch size is fixed by the first call
-    after a reset.
+    after a reset. ``progress(message)``, when given, is told when tract starts loading and planning the model (the
+    user waits meanwhile: seconds at the 0.8B shape) and how long it took (also ``load_seconds``).
 
     Speed choices, each exact (the states carry between calls):
     - the model is planned for the batch size of the first call after a reset (tract's symbol ``B`` fixed):
@@ -40,7 +43,8 @@ class Session:
       every state per call measured 5-10% of a Q4_0 decode step of the 580M shape.
     """
 
-    def __init__(self, path: str | os.PathLike, steady_allocator: bool = True, prefill_piece: int | None = 128) -> None:
+    def __init__(self, path: str | os.PathLike, steady_allocator: bool = True, prefill_piece: int | None = 128,
+                 progress: Callable[[str], None] | None = None) -> None:
         if steady_allocator:
             keep_buffers_mapped()
         if prefill_piece is not None and prefill_piece < 1:
@@ -52,6 +56,8 @@ class Session:
         self.metadata = metadata
         self.state_specs = metadata["states"]
         self.prefill_piece = prefill_piece
+        self.progress = progress  # told when tract loads and plans (seconds: the user waits meanwhile)
+        self.load_seconds: float | None = None  # tract's load and planning of the last plan made, once made
         self._planned: tuple[int, object] | None = None  # (batch size, runnable planned for it), at first call
         self._generation: dict | None = None
         self._states: list | None = None  # tract tensors (a serving session's caches: numpy), in graph order
@@ -120,7 +126,13 @@ class Session:
         if self._planned is None or self._planned[0] != batch:
             self._planned = None  # release the previous plan before loading the next
             batch_is_symbolic = any("B" in spec["shape"] for spec in self.state_specs)
+            if self.progress is not None:
+                self.progress(f"loading {self.path.name} into tract and planning it for batches of {batch}")
+            start = time.perf_counter()
             self._planned = (batch, load_tract_model(self.path, {"B": batch} if batch_is_symbolic else None))
+            self.load_seconds = time.perf_counter() - start
+            if self.progress is not None:
+                self.progress(f"loaded and planned in {self.load_seconds:.1f} s")
         return self._planned[1]
 
     def reset(self) -> None:
@@ -308,6 +320,7 @@ class Session:
         new = cls.__new__(cls)
         new.path, new.metadata, new.state_specs = other.path, other.metadata, other.state_specs
         new.prefill_piece = other.prefill_piece
+        new.progress, new.load_seconds = None, other.load_seconds
         new._planned = other._planned
         new._generation = other._generation_files()  # read-only
         new._states, new._batch = None, 0

@@ -62,6 +62,7 @@ class OfflineTractTarget(TractNNEF):
                 native_gated_delta_op=False,
             )
         self.graph_passes = tuple(graph_passes)
+        self.pass_fragments: dict[str, str] = {}  # fragments the graph passes' rewrites use (name -> definition)
         if options is not None:
             self.gdn_options = options
             self.gdn_decisions: list = []
@@ -71,6 +72,10 @@ class OfflineTractTarget(TractNNEF):
         super().post_trace(nnef_graph, active_custom_extensions)
         for graph_pass in self.graph_passes:
             graph_pass(nnef_graph)
+
+    def specific_fragments(self, model) -> dict[str, str]:
+        """torch-to-nnef's fragments of this target, and those the graph passes wrote (``pass_fragments``)."""
+        return {**super().specific_fragments(model), **self.pass_fragments}
 
     def with_dynamic_axes(self, dynamic_axes):
         """torch-to-nnef's copy with other dynamic axes; whether traced extents may be symbolic follows them."""
