@@ -64,6 +64,42 @@ def test_models_and_health(server, client):
     assert status == 200 and body == {"status": "ok", "workers": 2, "busy": 0, "queued": 0, "max_queue": 2}
 
 
+def _metrics(base: str) -> dict[str, float]:
+    """/metrics parsed as Prometheus' text format: sample name with its labels -> value."""
+    status, text = raw(base, "GET", "/metrics")
+    assert status == 200 and isinstance(text, str), (status, text)
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def test_metrics_count_what_the_requests_did(server, client, session):
+    """/metrics (vLLM's names, Prometheus' text format): the tokens counted are the prompt's (the tokenizer's count,
+    not the server's usage) and the tokens generated; one time to first token and one latency per request; the
+    finished request under its finish reason; nothing running after."""
+    before = _metrics(server[0])
+    prompt_tokens = len(session.tokenizer.encode(PROMPT).ids)
+    answer = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    after = _metrics(server[0])
+    label = f'{{model_name="{NAME}"}}'
+    delta = {key: after[key] - before.get(key, 0.0) for key in after}
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 5
+    assert delta[f"vllm:prompt_tokens_total{label}"] == prompt_tokens
+    assert delta[f"vllm:generation_tokens_total{label}"] == 5
+    assert delta[f'vllm:request_success_total{{model_name="{NAME}",finished_reason="length"}}'] == 1
+    assert delta[f"vllm:time_to_first_token_seconds_count{label}"] == 1
+    assert delta[f"vllm:e2e_request_latency_seconds_count{label}"] == 1
+    assert after[f"vllm:num_requests_running{label}"] == 0 and after[f"vllm:num_requests_waiting{label}"] == 0
+    ttft = delta[f"vllm:time_to_first_token_seconds_sum{label}"]
+    assert 0 < ttft <= delta[f"vllm:e2e_request_latency_seconds_sum{label}"]
+    buckets = [v for k, v in after.items() if k.startswith("vllm:time_to_first_token_seconds_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] == after[f"vllm:time_to_first_token_seconds_count{label}"]
+
+
 def test_completion_equals_generate(client, session):
     text, ids, finish = expected(session, temperature=0, stop_token_ids=[])
     answer = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=16, temperature=0,

@@ -42,6 +42,7 @@ from gdn_export.run.generation.generate import (MAX_STOP_TOKEN_IDS, Generation, 
                                                 prompt_ids_of, sampling_from)
 from gdn_export.run.generation.sampling import MAX_LOGPROBS, SamplingError
 from gdn_export.run.generation.speculative import SpeculativeConfig, SpeculativeError
+from gdn_export.run.metrics import CONTENT_TYPE, ServerMetrics
 
 SPECULATIVE_FIELDS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -156,6 +157,7 @@ class _Flight:
     def __init__(self, deadline: float | None) -> None:
         self.deadline, self.stream, self.ended = deadline, None, None
         self.timer = None
+        self.arrived = time.monotonic()  # the request's latency and time to first token count from here
 
     def end(self, why: str) -> None:
         if self.ended is None:
@@ -195,6 +197,7 @@ class App:
         self.speculative = speculative  # a request's drafting unless it gives its own speculative_config
         self.draining = False
         self.flights: set[_Flight] = set()
+        self.metrics = ServerMetrics(model_name)
 
     def ready(self, executor, load_seconds: float | None = None) -> None:
         """The model is loaded and planned: serve it (callable from any thread; ``executor`` is set last)."""
@@ -354,9 +357,16 @@ class App:
     async def _tokens(self, generation: Generation, stream, flight: _Flight):
         """The request's GeneratedTokens as its events come; a stop string cancels the rest; a request ended by its
         deadline or by shutdown raises its ApiError once its stream stopped."""
+        first = True
         try:
             async for event in stream:
                 token = generation.step(event)
+                if first:
+                    self.metrics.first_token(time.monotonic() - flight.arrived)
+                    first = False
+                if token.finish_reason is not None:  # counted before the last token leaves (a client may go)
+                    self.metrics.request_finished(len(generation.prompt_ids), len(generation.token_ids),
+                                                  token.finish_reason, time.monotonic() - flight.arrived)
                 yield token
                 if token.finish_reason is not None:
                     return
@@ -543,6 +553,14 @@ class App:
         loaded = {} if self.load_seconds is None else {"load_seconds": round(self.load_seconds, 2)}
         return _json(dict(status="ok", **loaded, **self.executor.stats()))
 
+    async def prometheus(self, request):
+        """``/metrics``: vLLM's metrics in Prometheus' text format (run/metrics.py), while loading too (zeros)."""
+        from starlette.responses import Response
+
+        stats = self.executor.stats() if self.executor is not None else {}
+        text = self.metrics.render(stats.get("busy", 0), stats.get("queued", 0))
+        return Response(text, media_type=CONTENT_TYPE)
+
     def authorized(self, scope) -> bool:
         """Whether a request may use a ``/v1`` route: no key is set, or its ``Authorization: Bearer`` gives it."""
         if self.api_key is None:
@@ -590,7 +608,8 @@ def make_app(executor, model_name: str, api_key: str | None = None, request_time
               Route("/v1/chat/completions", guarded(app.chat_completions), methods=["POST"]),
               Route("/v1/models", guarded(app.models), methods=["GET"]),
               Route("/v1/models/{name:path}", guarded(app.model), methods=["GET"]),
-              Route("/health", guarded(app.health), methods=["GET"])]
+              Route("/health", guarded(app.health), methods=["GET"]),
+              Route("/metrics", guarded(app.prometheus), methods=["GET"])]
     routed = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: unexpected})
 
     async def keyed(scope, receive, send):
