@@ -345,3 +345,25 @@ def test_qwen4_exp_reshapes_are_symbolic(onnx_converted):
     baked = [(n.name, constants[n.input[1]].tolist()) for n in model.graph.node if n.op_type == "Reshape"
              and n.input[1] in constants and constants[n.input[1]].tolist()[:2] == [1, 3]]
     assert not baked, baked
+
+
+@pytest.mark.slow
+def test_both_runners_implement_one_protocol(onnx_converted, converted):
+    """Session (.nnef.tgz) and OnnxSession (.onnx) are both ``Runner``s, opened by suffix (``open_runner``), and the
+    check takes either: the same tokens give the same logits in both within the float32 rule."""
+    from gdn_export.parity import max_abs_error
+    from gdn_export.run.onnx_session import OnnxSession
+    from gdn_export.run.runner import Runner, open_runner
+    from gdn_export.run.session import Session
+
+    onnx_file, archive = onnx_converted("qwen3_5"), converted("qwen3_5")
+    runners = [open_runner(onnx_file), open_runner(archive)]
+    assert [type(r) for r in runners] == [OnnxSession, Session]
+    assert all(isinstance(r, Runner) for r in runners)
+    ids = np.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    logits = []
+    for runner in runners:
+        runner.reset()
+        logits.append(np.concatenate([runner.prefill(ids[:, :6]), runner.decode(ids[:, 6:7]),
+                                      runner.decode(ids[:, 7:8])], axis=1))
+    assert max_abs_error(logits[0], logits[1]) <= 1e-4 * max(1.0, float(np.abs(logits[1]).max()))

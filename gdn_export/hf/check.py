@@ -241,24 +241,19 @@ def transformers_references(hf_model, prompt_len: int, half_model=None):
 
 def check_archive(path, vocab_size: int, prompt_len: int, decode_steps: int, batch: int, seed: int,
                   reference, half_reference, quality_reference=None, rounding_baseline=None) -> LogitCheck:
-    """The check of ``path`` (a .nnef.tgz or an open Session) on random tokens against ``reference(tokens)`` (float32
+    """The check of ``path`` (a .nnef.tgz, an .onnx, or an open ``Runner``) on random tokens against ``reference(tokens)`` (float32
     logits [B, S, vocab]) and, for a reduced-precision archive, ``half_reference(dtype, tokens)`` (the reference
     framework's own model in that dtype). ``quality_reference(tokens)``: another float32 model (a quantized export's
     unquantized one), compared with the same tract logits into the result's ``quality``, reported, not judged.
     ``rounding_baseline(tokens)``: for an int8 archive (whose graph rounds activations), the reference with its
     rounding inputs perturbed by a few float32 roundings (``gdn_export.weights.int8``); the archive is then judged
     by the float16 rule against it, with the float32 rule's allowance in place of one float16 rounding."""
-    from gdn_export.run.session import Session
+    from gdn_export.run.runner import Runner, open_runner
 
     validate_check(prompt_len, decode_steps, batch)
-    if hasattr(path, "prefill"):  # an open Session (or gdn_export.backends.onnx's OnnxSession)
-        session = path
-    elif str(path).endswith(".onnx"):  # an ONNX export: run in onnxruntime
-        from gdn_export.run.onnx_session import OnnxSession
 
-        session = OnnxSession(path)
-    else:
-        session = Session(path)
+    # an open runner (a Session, an OnnxSession), or a file opened by its suffix (.onnx: onnxruntime)
+    session = path if isinstance(path, Runner) else open_runner(path)
     # the precision judged: the archive's dtype, or a float32 archive's reduced core (--core-dtype float16)
     dtype = session.metadata["dtype"]
     if dtype == "float32" and session.metadata.get("core_dtype") in HALF_DTYPES:

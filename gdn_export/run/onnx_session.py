@@ -9,10 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from gdn_export.errors import GdnExportError
-from gdn_export.targets import ONNX_RUNNERS
+from gdn_export.targets import ONNX_RUNNERS, numpy_dtype
 
 RUNTIMES = ONNX_RUNNERS
-_NP = {"float32": np.float32, "float16": np.float16}
 
 
 def read_onnx_metadata(path) -> dict | None:
@@ -81,7 +80,8 @@ def run_model(path, inputs: list[np.ndarray], runtime: str = "onnxruntime") -> t
 
 
 class OnnxSession:
-    """``prefill(ids) -> logits``, ``decode(ids) -> logits``, ``reset()`` over an exported ``.onnx`` file."""
+    """``prefill(ids) -> logits``, ``decode(ids) -> logits``, ``reset()`` over an exported ``.onnx`` file (a
+    ``gdn_export.run.runner.Runner``)."""
 
     def __init__(self, path, runtime: str = "onnxruntime", threads: int | None = None) -> None:
         self.path = Path(path)
@@ -100,7 +100,7 @@ class OnnxSession:
         states = {}
         for spec in self.metadata["states"]:
             shape = [batch if d == "B" else 0 if d == "P" else int(d) for d in spec["shape"]]
-            states[f"in_{spec['name']}"] = np.zeros(shape, dtype=_NP[spec["dtype"]])
+            states[f"in_{spec['name']}"] = np.zeros(shape, dtype=numpy_dtype(spec["dtype"]))
         return states
 
     def prefill(self, input_ids: np.ndarray) -> np.ndarray:
