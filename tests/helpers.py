@@ -83,6 +83,14 @@ def wait_for(condition, timeout: float = 30.0, what: str = "the condition"):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def shared_pool(session, workers: int, max_queue: int):
+    """A ``WorkerPool`` of ``workers`` threads over ``session``'s tract plan (planned once), ``max_queue`` waiting."""
+    from gdn_export.run.generation.executor import WorkerPool
+    from gdn_export.run.session import Session
+
+    return WorkerPool(Session.sharing_plan(session), workers=workers, max_queue=max_queue)
+
+
 @contextlib.contextmanager
 def serving(pool, name: str, **options):
     """``pool`` served under ``name`` by uvicorn in a thread of this process, on a free port of 127.0.0.1

@@ -16,7 +16,7 @@ import tarfile
 import time
 
 import pytest
-from helpers import raw, serving
+from helpers import raw, serving, shared_pool
 
 NAME = "qwen3_5"
 CASES = int(os.environ.get("GDN_EXPORT_FUZZ_CASES", "300"))
@@ -136,10 +136,7 @@ def request_cases(seed: int):
 
 @pytest.fixture(scope="module")
 def server(shared_session):
-    from gdn_export.run.generation.executor import WorkerPool
-    from gdn_export.run.session import Session
-
-    pool = WorkerPool(Session.sharing_plan(shared_session(NAME)), workers=1, max_queue=4)
+    pool = shared_pool(shared_session(NAME), workers=1, max_queue=4)
     with serving(pool, NAME, request_timeout=10.0) as base:
         yield base
 

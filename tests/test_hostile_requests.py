@@ -17,7 +17,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from helpers import FIXTURES, raw, rewritten, serve_process, serving, wait_for
+from helpers import FIXTURES, raw, rewritten, serve_process, serving, shared_pool, wait_for
 
 NAME = "qwen3_5"
 GIB = 1 << 30
@@ -31,10 +31,7 @@ def archive(converted):
 
 @pytest.fixture(scope="session")
 def server(shared_session):
-    from gdn_export.run.generation.executor import WorkerPool
-    from gdn_export.run.session import Session
-
-    pool = WorkerPool(Session.sharing_plan(shared_session(NAME)), workers=1, max_queue=4)
+    pool = shared_pool(shared_session(NAME), workers=1, max_queue=4)
     with serving(pool, NAME, request_timeout=5.0) as base:
         yield base
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from helpers import FIXTURES, add_member, raw, rewritten, serve_process, serving, wait_for  # the same helpers as the server's other tests
+from helpers import (FIXTURES, add_member, raw, rewritten, serve_process, serving,  # the same helpers as the server's other tests
+                     shared_pool, wait_for)
 
 NAME = "qwen3_5"
 FIXTURE = FIXTURES / NAME
@@ -42,10 +43,7 @@ def archive(converted):
 @pytest.fixture(scope="session")
 def keyed_server(shared_session):
     """2 workers over the fixture's plan, its own context (256 tokens), asking for KEY: (base url, pool)."""
-    from gdn_export.run.generation.executor import WorkerPool
-    from gdn_export.run.session import Session
-
-    pool = WorkerPool(Session.sharing_plan(shared_session(NAME)), workers=2, max_queue=2)
+    pool = shared_pool(shared_session(NAME), workers=2, max_queue=2)
     with serving(pool, NAME, api_key=KEY) as base:
         yield base, pool
 
@@ -54,10 +52,7 @@ def keyed_server(shared_session):
 def long_server(shared_session):
     """1 worker, the context raised past the model's to take 100,000-token prompts (as
     GDN_EXPORT_ALLOW_LONG_MAX_MODEL_LEN allows), a 3 s deadline: (base url, pool)."""
-    from gdn_export.run.generation.executor import WorkerPool
-    from gdn_export.run.session import Session
-
-    pool = WorkerPool(Session.sharing_plan(shared_session(NAME)), workers=1, max_queue=1)
+    pool = shared_pool(shared_session(NAME), workers=1, max_queue=1)
     pool.archive.limit_context(3 * LONG_PROMPT, allow_longer=True)
     with serving(pool, NAME, request_timeout=3.0) as base:
         yield base, pool

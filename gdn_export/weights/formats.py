@@ -48,10 +48,10 @@ class WeightFormat:
     its tensor code, imported on use (``codec_module()``)."""
 
     name: str | None
-    label: str
     help: str
     reference: str
-    codec: str = ""
+    label: str = ""  # default: the name in capitals (Q4_0)
+    codec: str = ""  # default: the folder's codec.py, gdn_export.weights.<name>.codec
     onnx_refusal: str = ""
     options: tuple[OwnedOption, ...] = ()
     needs: tuple[str, str] = ("", "")
@@ -60,6 +60,11 @@ class WeightFormat:
     metadata: Callable[[Any], dict] = lambda plan: {}
     options_from_metadata: Callable[[dict], dict] = lambda metadata: {}
     calibration_options: Callable[[Any], dict] = lambda plan: {}  # calibrate()'s keywords (a calibrated format's)
+
+    def __post_init__(self) -> None:
+        if self.name is not None:  # what a format of gdn_export's own folder derives from its name
+            object.__setattr__(self, "label", self.label or self.name.upper())
+            object.__setattr__(self, "codec", self.codec or f"gdn_export.weights.{self.name}.codec")
 
     def codec_module(self):
         return importlib.import_module(self.codec)

@@ -11,6 +11,6 @@ def _validate(dtype: str, runtime: str, quantize_embeddings: bool) -> None:
 
 
 FORMAT = WeightFormat(
-    name="bf16r", label="BF16R", codec="toy_weight_format.codec",
+    name="bf16r", codec="toy_weight_format.codec",
     help="every linear layer's weight rounded to bfloat16, stored in float32 (a test's format)",
     reference="bfloat16-rounded weights", onnx_refusal="a test's format", validate=_validate)

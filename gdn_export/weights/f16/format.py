@@ -27,7 +27,7 @@ def _validate(dtype: str, runtime: str, quantize_embeddings: bool) -> None:
 
 
 FORMAT = register(WeightFormat(
-    name="f16", label="F16", codec="gdn_export.weights.f16.codec",
+    name="f16",
     help="every linear layer's weight and the embedding table in float16, computed in float32 (half the bytes; on a "
          "CPU faster than --dtype float16, docs/QUANTIZATION.md)",
     reference="float16 (rounded to nearest even)",

@@ -2,4 +2,4 @@
 
 from gdn_export.weights.formats import WeightFormat
 
-FORMAT = WeightFormat(name=None, label="", help="every weight in --dtype (the default)", reference="")
+FORMAT = WeightFormat(name=None, help="every weight in --dtype (the default)", reference="")

@@ -23,7 +23,7 @@ def check_passes(passes) -> None:
 
 
 FORMAT = register(WeightFormat(
-    name="int8", label="INT8", codec="gdn_export.weights.int8.codec",
+    name="int8",
     help="every linear layer's weight in int8 (a scale per output channel) on tract's integer matmuls, its input "
          "rounded per row in the graph (--dtype float32)",
     reference="int8 (inputs rounded per row as in the graph)",

@@ -40,7 +40,7 @@ def _resolve(options: dict, calibration) -> None:
 
 
 FORMAT = register(WeightFormat(
-    name="q4_0", label="Q4_0", codec="gdn_export.weights.q4_0.codec",
+    name="q4_0",
     help="every linear layer's weight (inner size a multiple of 32) in tract's Q4_0",
     reference="Q4_0",
     onnx_refusal="tract's Q4_0 format; an ONNX export keeps float weights",
