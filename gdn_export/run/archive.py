@@ -134,15 +134,16 @@ class _opened:
             raise ArchiveError(damage(self.path, err)) from None
 
 
-def damage(path: Path, err: BaseException) -> str:
+def damage(path: Path, err: BaseException, name_member: bool = True) -> str:
     """What is wrong with the archive at ``path``, which failed to read with ``err``: a damaged gzip stream named as
-    such, else "not a .nnef.tgz archive"."""
+    such (``name_member``: by the member whose recorded digest differs, which reads the archive once more; False
+    for a caller that compared the digests already), else "not a .nnef.tgz archive"."""
     reason = str(err).strip().splitlines()[0].rstrip(":") if str(err).strip() else type(err).__name__
     corrupt = gzip_damage(path)
     if corrupt is not None:
         from gdn_export.run.integrity import damaged_member
 
-        return damaged_member(path) or damaged_message(path, corrupt)
+        return (damaged_member(path) if name_member else None) or damaged_message(path, corrupt)
     return f"{path} is not a .nnef.tgz archive that gdn-export wrote ({reason})"
 
 

@@ -295,9 +295,11 @@ class App:
             return self.speculative
         param = "speculative_config"
         unknown = sorted(set(given) - {"method", *SPECULATIVE_FIELDS})
-        if unknown:
-            raise ApiError(400, f"speculative_config takes method, {', '.join(SPECULATIVE_FIELDS)}; got "
-                                f"{', '.join(unknown)}", param)
+        if unknown:  # named, a few and each cut short: the answer stays small whatever the body held
+            named = ", ".join(key[:40] for key in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5
+                                                                 else "")
+            raise ApiError(400, f"speculative_config takes method, {', '.join(SPECULATIVE_FIELDS)}; got {named}",
+                           param)
         if given.get("method") == "none":
             return None
         base = self.speculative or SpeculativeConfig()

@@ -134,7 +134,7 @@ def _check(path: Path, metadata: dict) -> None:
         from gdn_export.run.archive import damage
 
         _check_digests(path, seen, recorded)  # a member whose digest differs is named rather than the stream
-        raise ArchiveError(damage(path, err)) from None
+        raise ArchiveError(damage(path, err, name_member=False)) from None
     _check_complete(path, seen, recorded, metadata)
 
 

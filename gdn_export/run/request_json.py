@@ -37,16 +37,25 @@ def parse_body(data: bytes | str, max_depth: int = MAX_DEPTH):
         raise RequestJsonError(f"the request body is nested too deeply (at most {max_depth} levels)") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise RequestJsonError(f"the request body is not valid JSON: {err}") from None
-    escaped = _SURROGATE_ESCAPE if isinstance(data, bytes) else _SURROGATE_ESCAPE_TEXT
-    if _deeper_than(value, max_depth) or escaped.search(data) or isinstance(data, str) and _SURROGATE.search(data):
-        check_value(value, max_depth)  # the slower walk that names the place (a surrogate pair passes it)
+    # bytes json.loads took are UTF-8, which cannot hold a surrogate: only a \u escape can make one
+    escapes = not isinstance(data, bytes) or b"\\u" in data
+    if _deeper_than(value, max_depth) or escapes and _has_lone_surrogate(value):
+        check_value(value, max_depth)  # the slower walk that names the place
     return value
+
+
+def _has_lone_surrogate(value) -> bool:
+    """Whether a string or key of the parsed ``value`` holds a lone surrogate: the whole value encoded to UTF-8 at C
+    speed (a surrogate pair, as ``json.dumps`` escapes an emoji, was decoded to one character and encodes)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 # a lone surrogate in parsed JSON comes only from a \uD800-\uDFFF escape (UTF-8 cannot encode one): a body without
 # such an escape needs no walk over its strings (600,000 stop strings: 1.35 s of walking, holding the GIL)
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_SURROGATE_ESCAPE_TEXT = re.compile(r"\\u[dD][89a-fA-F]")
 _CONTAINERS = (dict, list)
 
 

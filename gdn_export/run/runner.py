@@ -1,7 +1,7 @@
 """The one protocol every runner of an exported file implements, whatever its back-end, and the table that picks a
 runner by the file's suffix: ``Session`` (a ``.nnef.tgz`` in tract) and ``OnnxSession`` (a ``.onnx`` in onnxruntime
-or tract's ONNX loader). The check, ``perplexity`` and any caller that only feeds tokens and reads logits take a
-``Runner`` and open files through ``open_runner``."""
+or tract's ONNX loader). The conversion check takes any ``Runner`` and opens files through ``open_runner``;
+``perplexity`` still chooses by suffix itself (it passes each runner options of its own)."""
 
 from __future__ import annotations
 

@@ -127,6 +127,7 @@ class DraftModel:
         self.seen = 0  # tokens of the history in the draft session's states
 
     def propose(self, history: list[int], count: int) -> tuple[list[int], list[np.ndarray] | None]:
+        from gdn_export.run.generation.executor import prefill_pieces
         from gdn_export.run.generation.sampling import filtered_probabilities
 
         if count < 1:
@@ -134,8 +135,8 @@ class DraftModel:
         session, params = self.session, self.sampler.params
         if self.seen == 0:
             session.reset()
-        new = np.asarray([history[self.seen:]], np.int64)
-        logits = [session.prefill(new[:, begin:begin + 128]) for begin in range(0, new.shape[1], 128)][-1][0, -1]
+        # the history the draft has not seen, a piece at a time, only the last piece's logits kept
+        logits = prefill_pieces(session, history[self.seen:], lambda: False)
         self.seen = len(history)
         before = session.checkpoint()
         drafts, probabilities = [], []
