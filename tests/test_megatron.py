@@ -92,6 +92,18 @@ def test_bridge_run_config_with_python_tags_refused(tmp_path, capsys):
     refused(capsys, folder, tmp_path / "m.nnef.tgz", "is not a readable run_config.yaml")
 
 
+@pytest.mark.parametrize("text, message", [
+    ("model: " + "[" * 20_000 + "]" * 20_000 + "\n", "run_config.yaml"),  # libyaml: its depth limit; PyYAML: recursion
+    ("model:\n" + "".join(f"  key{i}: {i}\n" for i in range(30_000)), "a Megatron-Bridge run_config.yaml is at most"),
+], ids=["nested", "oversized"])
+def test_bridge_run_config_too_deep_or_too_large_refused(tmp_path, capsys, text, message):
+    """A run_config.yaml nested past the parser's recursion or larger than any Bridge writes: one line, read in
+    bounded time (the size checked before parsing)."""
+    folder = _copy(tmp_path, "bridge_qwen3_5")
+    (folder / "iter_0000000" / "run_config.yaml").write_text(text)
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", message)
+
+
 def test_report_names_megatron_layers():
     _, _, _, weights = open_megatron(FIXTURES / "megatron_gdp")
     assert "GatedDeltaProductMixer (n=2)" in weights.summary() and "torch_dist" in weights.summary()
@@ -274,6 +286,18 @@ def test_attention_and_expert_settings_gdn_export_does_not_compute_are_refused(t
                                                                                message):
     """Settings that would change the attention's scale or rotary, or the experts' activation: refused in one line
     rather than converted to another model."""
+    refused(capsys, _with_args(tmp_path, mixer, **change), tmp_path / "m.nnef.tgz", message)
+
+
+@pytest.mark.parametrize("mixer, change, message", [
+    ("gdn", {"hybrid_layer_pattern": "G-" * 10_000}, "at most 4096 layers are read"),
+    ("gpt", {"num_layers": 10 ** 9}, "num_layers 1000000000 in the args"),
+    ("moe", {"num_experts": 10 ** 8}, "num_experts 100000000 in the args"),
+    ("gdn", {"hidden_size": "abc"}, "the checkpoint's args do not describe a model"),
+], ids=["long-pattern", "num-layers", "num-experts", "not-a-number"])
+def test_args_asking_for_too_much_or_nonsense_are_one_line(tmp_path, capsys, mixer, change, message):
+    """What the (untrusted) args ask to build is bounded before anything is built, and a number that is not one
+    is the args' fault in one line: no traceback, no allocation sized by the args."""
     refused(capsys, _with_args(tmp_path, mixer, **change), tmp_path / "m.nnef.tgz", message)
 
 

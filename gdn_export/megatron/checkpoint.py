@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import os
 import pickle
 import re
@@ -38,7 +39,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
 TORCH_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 BRIDGE_CONFIG = "run_config.yaml"
-BRIDGE_CONFIG_LIMIT = 4 << 20
+# a Bridge run_config.yaml is ~20 KB; PyYAML takes ~15 s a MiB of mappings in pure Python, so this bounds the read
+BRIDGE_CONFIG_LIMIT = 256 << 10
 LEGACY_RANK = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
 
 
@@ -182,11 +184,14 @@ def bridge_args(path: Path) -> dict:
     if size > BRIDGE_CONFIG_LIMIT:
         raise MegatronCheckpointError(f"{path} is {size} bytes: a Megatron-Bridge run_config.yaml is at most "
                                       f"{BRIDGE_CONFIG_LIMIT} bytes")
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's when installed: the same rules, in C
     try:
-        config = yaml.safe_load(path.read_text(errors="replace"))
+        config = yaml.load(path.read_text(errors="replace"), Loader=loader)  # noqa: S506 (a safe loader)
     except yaml.YAMLError as err:
         raise MegatronCheckpointError(f"{path} is not a readable run_config.yaml: {str(err).splitlines()[0][:160]}") \
             from None
+    except RecursionError:
+        raise MegatronCheckpointError(f"{path} is nested too deeply to be a run_config.yaml") from None
     model = config.get("model") if isinstance(config, dict) else None
     if not isinstance(model, dict):
         raise MegatronCheckpointError(f"{path} has no 'model' section (Megatron-Bridge's model provider)")
@@ -325,6 +330,9 @@ class MegatronCheckpoint:
         if int(self.args.get("expert_model_parallel_size", 1) or 1) != 1:
             raise MegatronCheckpointError("legacy checkpoints saved with expert_model_parallel_size > 1 are not "
                                           "supported (save torch_dist)")
+        if tp < 1 or pp < 1 or tp * pp > len(grid) + 1:  # sizes from the args, bounded by the folders there are
+            raise MegatronCheckpointError(f"{iteration} holds {len(grid)} mp_rank folders; its args say tensor-parallel "
+                                          f"size {tp} x pipeline-parallel size {pp}")
         expected = {(t, s): f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") for t in range(tp) for s in range(pp)}
         for key, folder in expected.items():
             if key not in grid or grid[key][0] != folder:
@@ -435,7 +443,7 @@ def _stage_offsets(args: dict, stages: int) -> list[tuple[int, int]]:
             raise MegatronCheckpointError(f"cannot tell which of the {layers} layers each of the {stages} pipeline "
                                           "stages holds (no '|' in the layer pattern and no even split)")
         counts = [layers // stages] * stages
-    starts = [sum(counts[:i]) for i in range(stages)]
+    starts = [0, *itertools.accumulate(counts[:-1])]
     return list(zip(starts, counts))
 
 

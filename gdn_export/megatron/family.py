@@ -22,6 +22,12 @@ SUPPORTED_SYMBOLS = {"G": "GatedDeltaNet / GatedDeltaNet2", "M": "GatedDeltaProd
                      "-": "MLP", "E": "MoE"}
 
 
+# bounds on what the args ask to build, before anything is built (the largest published models have ~100 layers and
+# 512 experts): a checkpoint's args are untrusted
+MAX_LAYERS = 4096
+MAX_EXPERTS = 4096
+
+
 def _arg(args: dict, *names, default=None):
     for name in names:
         if args.get(name) is not None:
@@ -48,6 +54,9 @@ def _layers(args: dict) -> list[tuple[str, int]]:
     Megatron's ``get_transformer_layer_with_experimental_attention_variant_spec`` builds them."""
     pattern = _arg(args, "hybrid_layer_pattern", "hybrid_override_pattern")
     if isinstance(pattern, str) and pattern:
+        if len(pattern) > 4 * MAX_LAYERS:
+            raise MegatronCheckpointError(f"the layer pattern has {len(pattern)} characters: at most {MAX_LAYERS} "
+                                          "layers are read")
         return [(symbol, i) for i, symbol in enumerate(pattern.split("/")[0].replace("|", ""))]
     variant = _arg(args, "experimental_attention_variant")
     if variant not in ("gated_delta_net", "gdn", "gdn2"):
@@ -55,6 +64,8 @@ def _layers(args: dict) -> list[tuple[str, int]]:
                                       "experimental_attention_variant: only Megatron hybrid models (HybridModel / "
                                       "MambaModel with a layer pattern) and GPTModels with GDN layers are supported")
     layers = int(_arg(args, "num_layers", default=0))
+    if not 0 < layers <= MAX_LAYERS:
+        raise MegatronCheckpointError(f"num_layers {layers} in the args: 1 to {MAX_LAYERS} layers are read")
     linear = _per_layer(args, "linear_attention_freq", layers, lambda i, n: (i + 1) % n != 0)
     moe = _per_layer(args, "moe_layer_freq", layers, lambda i, n: i % n == 0) if _arg(args, "num_experts") \
         else [0] * layers
@@ -188,6 +199,8 @@ def _moe_config(args: dict, hidden: int) -> dict:
     experts = _arg(args, "num_experts", default=None)
     if not experts:
         raise MegatronCheckpointError("the layer pattern has MoE ('E') layers but the args give no num_experts")
+    if not 0 < int(experts) <= MAX_EXPERTS:
+        raise MegatronCheckpointError(f"num_experts {experts} in the args: 1 to {MAX_EXPERTS} experts are read")
     shared = int(_arg(args, "moe_shared_expert_intermediate_size", default=0) or 0)
     return dict(num_experts=int(experts), moe_router_topk=top_k,
                 moe_ffn_hidden_size=int(_arg(args, "moe_ffn_hidden_size", "ffn_hidden_size", default=4 * hidden)),
@@ -523,7 +536,11 @@ def open_megatron(folder: str | os.PathLike):
     from gdn_export.hf.checkpoint import parameters_on_meta
 
     checkpoint = MegatronCheckpoint(Path(folder))
-    config = read_config(checkpoint)
+    try:
+        config = read_config(checkpoint)
+    except (ValueError, TypeError) as err:  # a number the args hold as something else: the args are at fault
+        raise MegatronCheckpointError(f"{folder}: the checkpoint's args do not describe a model: "
+                                      f"{str(err).splitlines()[0][:200]}") from None
     refuse_unverified(config, checkpoint)
     checkpoint.blocks = fused_blocks(config)
     with parameters_on_meta():

@@ -177,8 +177,11 @@ def export(
         passes.extend(weights.graph_passes)  # what the weight formats' encodings need of the graph
     extent = sequence_extent(dynamic_axes, input_names, args) if getattr(module, "last_logits_only", False) else None
     if extent is not None:  # --logits last: the decoder's last position gathered, not sliced (last_step.py)
-        passes.append(lambda graph: rewrite_last_step(graph, extent)
-                      and target.pass_fragments.update({LAST_STEP.name: LAST_STEP.definition}))
+        def last_step(graph) -> None:  # run by the target below, once the graph is traced: its fragment then
+            if rewrite_last_step(graph, extent):
+                target.pass_fragments[LAST_STEP.name] = LAST_STEP.definition
+
+        passes.append(last_step)
     target = nnef_target(version, lowering=lowering, dynamic_axes=dynamic_axes, runtime=runtime,
                          core_dtype=core_dtype, chunk_size=chunk_size, graph_passes=passes)
 

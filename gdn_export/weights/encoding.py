@@ -10,8 +10,10 @@ The codec protocol (what ``plan_writes`` reads of ``weight_format(name).codec_mo
   a weight its check cannot emulate), ``expert_stacks_kept(shapes, fused) -> reason | None`` (whether the MoE expert
   stacks of a ``moe_ffn`` node take the format: ``shapes`` is each stack's shape and its checkpoint source's, ``fused``
   whether tract's fused op runs it; default: kept), ``weights_encoding(labels, report) -> Encoding`` (default:
-  ``Encoding(codec, labels)``), ``tables_encoding(labels, dtype) -> Encoding | None`` (the embedding tables only a
-  gather reads, stored beside the weights; default: none) and ``describe(report) -> str`` (the report's words).
+  ``Encoding(codec, labels)``), ``tables_encoding(dtype, pick) -> Encoding | None`` (the embedding tables only a
+  gather reads, stored beside the weights: ``pick(table_codec)`` gives the labels of those ``table_codec`` can store;
+  default: none), ``describe(report) -> str`` (the report's words) and ``ROUNDS_INPUTS`` (the check's reference
+  rounds the inputs of the stored layers as the graph does: int8).
 """
 
 from __future__ import annotations

@@ -108,11 +108,6 @@ def all_formats() -> list[WeightFormat]:
     return [weight_format(None), *_load().values()]
 
 
-def owned_defaults() -> dict[str, Any]:
-    """Every format-owned option of ``convert`` with its default."""
-    return {option.name: option.default for fmt in all_formats() for option in fmt.options}
-
-
 def check_owned_options(name: str | None, options: dict, calibration: Any) -> None:
     """An option a format owns given (not its default) without that format: its one-line error. Then the chosen
     format checks and completes its own options (``resolve``)."""
@@ -153,4 +148,4 @@ def quantize_help() -> str:
 
 
 __all__ = ["FLOAT", "FORMATS", "OwnedOption", "WeightFormat", "all_formats", "check_owned_options",
-           "codec_attributes", "names", "owned_defaults", "quantize_help", "register", "unregister", "weight_format"]
+           "codec_attributes", "names", "quantize_help", "register", "unregister", "weight_format"]
