@@ -7,7 +7,7 @@ shapes, and the gated delta rule and its short conv are single ``t2n_extra`` nod
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,8 @@ from gdn_export.ops.moe_ffn.naive import (dense_experts, grouped_sigmoid_routing
 from gdn_export.ops.moe_ffn.op import moe_ffn
 
 if TYPE_CHECKING:
+    from torch.nn import Module
+
     from gdn_export.models.row_lengths import RowLengths
 
 
@@ -200,3 +202,58 @@ def routed_moe(x: torch.Tensor, routing: torch.Tensor, router_weight: torch.Tens
     does ``"grouped_sigmoid"`` (``grouped_sigmoid_routing`` with a positive scaling: the routing itself chooses the
     experts; its stacks come widened); any other name keeps the dense form."""
     return moe_ffn(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate)
+
+
+def gated_attention(module: Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_rotary,
+                    past_key: torch.Tensor, past_value: torch.Tensor, mask) -> tuple:
+    """Qwen3.5's ``*Attention`` with its output gate: per-head q/k norms, rotary, cache, sigmoid-gated ``o_proj``.
+
+    ``module``: any module with transformers' attribute names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``,
+    ``q_norm``, ``k_norm``, ``head_dim``, ``scaling``): a transformers ``*Attention`` or ``models.mtp``'s.
+
+    ``q_proj`` yields ``[q | gate]`` per head; ``mask(key, dtype)`` gives the additive mask over the extended key
+    cache (``Context.mask``). Returns (output ``[B, S, D]``, key cache, value cache).
+    """
+    batch, seq = x.shape[:2]
+    hidden_shape = (batch, seq, -1, module.head_dim)
+    query, gate = torch.chunk(module.q_proj(x).view(batch, seq, -1, module.head_dim * 2), 2, dim=-1)
+    gate = gate.reshape(batch, seq, -1)
+    query = module.q_norm(query.reshape(hidden_shape)).transpose(1, 2)
+    key = module.k_norm(module.k_proj(x).view(hidden_shape)).transpose(1, 2)
+    value = module.v_proj(x).view(hidden_shape).transpose(1, 2)
+    query, key = apply_rotary(query, key, cos, sin)
+    key, value = extend_cache(past_key, key), extend_cache(past_value, value)
+    out = attend(query, key, value, mask(key, query.dtype), module.scaling).reshape(batch, seq, -1)
+    return module.o_proj(out * torch.sigmoid(gate)), key, value
+
+
+def routed_experts(experts: Module, stacks: Any, flat: torch.Tensor, weights: torch.Tensor,
+                   router_weight: torch.Tensor, top_k: int) -> torch.Tensor:
+    """A transformers ``*Experts`` module (or one with its attribute names) on ``flat`` ``[N, D]``, mixed by the routing ``weights`` ``[N, E]``: one
+    ``t2n_extra::moe_ffn`` node over its ``stacks``, which the export makes sparse where tract's ``tract_moe_ffn``
+    computes the stacks' gate exactly (``gdn_export/ops/moe_ffn/op.py``). ``stacks``: ``gate_proj``, ``up_proj``,
+    ``down_proj`` in ``moe_ffn``'s layout and its ``gate`` (``hf.blocks.ExpertStacks``, ``models.mtp.Experts``).
+
+    Experts with another activation than SiLU (no ``stacks``) stay plain dense torch code (no MoE decision is
+    reported for them).
+    """
+    if stacks is None:
+        gate, up = experts.gate_up_proj.chunk(2, dim=1)
+        return dense_experts(flat, weights, gate, up, experts.down_proj, experts.act_fn)
+    return routed_moe(flat, weights, router_weight, stacks.gate_proj, stacks.up_proj, stacks.down_proj, top_k,
+                      stacks.gate)
+
+
+def sparse_moe(block: Module, stacks: Any, x: torch.Tensor, normalize_topk: bool) -> torch.Tensor:
+    """transformers' Qwen ``*SparseMoeBlock`` (or a module with its attribute names): top-k softmax experts plus a shared expert scaled by a sigmoid gate.
+
+    Reads only the block's weights: its own forward loops over the experts a batch happens to hit, which a
+    trace would freeze. The routed experts are one ``moe_ffn`` node (sparse in tract where exact); the shared expert
+    and its gate stay ordinary graph ops.
+    """
+    router = block.gate
+    flat = x.reshape(-1, router.hidden_dim)
+    weights = top_k_routing(F.linear(flat, router.weight), router.top_k, normalize_topk)
+    routed = routed_experts(block.experts, stacks, flat, weights, router.weight, router.top_k)
+    shared = torch.sigmoid(block.shared_expert_gate(flat)) * block.shared_expert(flat)
+    return (routed + shared).view_as(x)
