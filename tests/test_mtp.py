@@ -289,11 +289,9 @@ def test_engine_mtp_requests_get_what_they_get_alone(name, converted, monkeypatc
     """MTP, prompt-lookup and plain requests batched in an Engine (serving archive): every request's greedy tokens
     are those of the request alone through a batch-1 Session, and the MTP ones drafted what ``generate`` drafts for
     the same request (the same hidden states reach the head at the same positions)."""
-    import threading
+    from helpers import alone, engine_greedy_events
 
-    from helpers import alone
-
-    from gdn_export.run.generation import SamplingParams, SpeculativeConfig, TokenRequest, generate
+    from gdn_export.run.generation import SpeculativeConfig, generate
     from gdn_export.run.generation.speculative import MTPDrafter
     from gdn_export.run.serving import Engine
     from gdn_export.run.session import Session
@@ -314,15 +312,7 @@ def test_engine_mtp_requests_get_what_they_get_alone(name, converted, monkeypatc
     options = [SpeculativeConfig("mtp", 3), None, SpeculativeConfig("qwen3_next_mtp", 1),
                SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1)]
     with Engine(path, slots=3, buckets=(1, 2, 4), prefix_cache_mib=0, prefill_piece=64) as engine:
-        streams = [engine.submit(TokenRequest(p, 20, SamplingParams(temperature=0.0), speculative=o))
-                   for p, o in zip(prompts, options)]
-        events: dict[int, list] = {}
-        readers = [threading.Thread(target=lambda i, s: events.__setitem__(i, list(s)), args=(i, s))
-                   for i, s in enumerate(streams)]
-        for reader in readers:
-            reader.start()
-        for reader in readers:
-            reader.join(timeout=120)
+        events = engine_greedy_events(engine, prompts, options, 20)
     for i, prompt in enumerate(prompts):
         tokens, _ = alone(path, prompt, 20)
         assert [e.token_id for e in events[i]] == tokens, f"request {i}"

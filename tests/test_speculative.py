@@ -233,11 +233,8 @@ def test_engine_speculative_requests_get_what_they_get_alone(name, converted):
     to their states before the call while others keep theirs; on qwen3_5 one request drafting with a draft archive):
     every request's greedy tokens are those of the request alone through a batch-1 Session, and the speculative ones
     drafted."""
-    import threading
+    from helpers import alone, engine_greedy_events
 
-    from helpers import alone
-
-    from gdn_export.run.generation import TokenRequest
     from gdn_export.run.serving import Engine
 
     path = converted(name, serving=True)
@@ -249,15 +246,7 @@ def test_engine_speculative_requests_get_what_they_get_alone(name, converted):
     if name == "qwen3_5":  # one request drafts with a draft archive (its float16 copy) instead
         options[3] = SpeculativeConfig("draft", 3, model=str(converted(name, "float16")))
     with Engine(path, slots=3, buckets=(1, 2, 4), prefix_cache_mib=0, prefill_piece=64) as engine:
-        streams = [engine.submit(TokenRequest(p, 24, SamplingParams(temperature=0.0), speculative=o))
-                   for p, o in zip(prompts, options)]
-        events: dict[int, list] = {}
-        readers = [threading.Thread(target=lambda i, s: events.__setitem__(i, list(s)), args=(i, s))
-                   for i, s in enumerate(streams)]
-        for reader in readers:
-            reader.start()
-        for reader in readers:
-            reader.join(timeout=120)
+        events = engine_greedy_events(engine, prompts, options, 24)
         assert engine.stats()["calls"].get("verify x 1", 0) + engine.stats()["calls"].get("verify x 2", 0) + \
             engine.stats()["calls"].get("verify x 3", 0) > 0
     for i, prompt in enumerate(prompts):
