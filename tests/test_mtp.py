@@ -349,3 +349,21 @@ def test_server_mtp_requests(converted):
                 assert answer.choices[0].token_ids == plain.choices[0].token_ids
                 details = answer.usage.completion_tokens_details
                 assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
+
+
+@pytest.mark.slow
+def test_mtp_head_left_out_is_reported(tmp_path):
+    """Where the archive cannot carry the head (``--logits last`` here), the report says so and the archive is the
+    one it was before MTP heads were carried: no member, no ``hidden`` output, no ``mtp`` metadata."""
+    import tarfile
+
+    import gdn_export
+    from gdn_export.run.archive import read_metadata
+
+    path = tmp_path / "last.nnef.tgz"
+    report = gdn_export.convert(FIXTURES / "qwen3_5", path, logits="last", check=False)
+    assert report.mtp.startswith("MTP head left out: --logits last") and report.mtp in str(report)
+    metadata = read_metadata(path)
+    assert "mtp" not in metadata and "hidden" not in metadata["outputs"]
+    with tarfile.open(path) as tar:
+        assert "mtp.nnef.tgz" not in tar.getnames()
