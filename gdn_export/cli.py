@@ -37,7 +37,7 @@ import warnings
 from typing import Sequence
 
 from gdn_export.errors import GdnExportError, missing_extra
-from gdn_export.ops.gated_delta_rule.registry import LOWERINGS  # light: --help imports no torch (nor numpy)
+from gdn_export.ops.gated_delta_rule.nnef.registry import LOWERINGS  # light: --help imports no torch (nor numpy)
 from gdn_export.targets import ALL_RUNTIMES
 from gdn_export.weights import formats
 
@@ -188,7 +188,7 @@ def _chunk_size(text: str) -> int:
 
 
 def _version(text: str) -> str:
-    from gdn_export.ops.gated_delta_rule.capabilities import check_target_version, parse_version  # numpy: when given
+    from gdn_export.ops.gated_delta_rule.nnef.capabilities import check_target_version, parse_version  # numpy: when given
 
     try:
         check_target_version(parse_version(text), _installed_tract())
@@ -198,7 +198,7 @@ def _version(text: str) -> str:
 
 
 def _installed_tract() -> tuple[int, int, int] | None:
-    from gdn_export.ops.gated_delta_rule.capabilities import parse_version
+    from gdn_export.ops.gated_delta_rule.nnef.capabilities import parse_version
 
     try:
         return parse_version(_tract_version())

@@ -357,7 +357,7 @@ FUSED_GDN_NEEDS_K_EQ_V = Quirk(
     does="tract_transformers_gdn_recurrent refuses K != V ('GDN value must be [b, S, G*hk, w] with "
          "query/key [b, S, hk, w]'), a TractError",
     workaround="the fused lowering refuses every node with K != V (fused.refusal)",
-    applied_in=("gdn_export/ops/gated_delta_rule/nnef/fused.py", "gdn_export/ops/gated_delta_rule/capabilities.py"),
+    applied_in=("gdn_export/ops/gated_delta_rule/nnef/fused.py", "gdn_export/ops/gated_delta_rule/nnef/capabilities.py"),
     when_fixed="fused.refusal's K != V rule can become version-dependent",
     canary="test_fused_gdn_needs_k_eq_v",
 )
@@ -377,7 +377,7 @@ FUSED_GDN_SEMANTICS = Quirk(
          "too (eps 1e-6 added), value head h reading key head h // (H/Hk), any S (symbolic), f32 operands",
     workaround="fused.refusal accepts only nodes that normalize inside the node with scale 1/sqrt(K) "
                "(capabilities.FUSED_TABLE's 0.23.7 row)",
-    applied_in=("gdn_export/ops/gated_delta_rule/nnef/fused.py", "gdn_export/ops/gated_delta_rule/capabilities.py"),
+    applied_in=("gdn_export/ops/gated_delta_rule/nnef/fused.py", "gdn_export/ops/gated_delta_rule/nnef/capabilities.py"),
     when_fixed="if tract changes the op's function, the emitter must stop choosing it",
     canary="test_fused_gdn_semantics",
     kind="reliance",
@@ -416,7 +416,7 @@ CUDA_EMPTY_TENSORS = Quirk(
          "tensor fail with CUDA_ERROR_INVALID_VALUE (add, mul and matmul are fine); the chunked graph has "
          "empty pieces whenever S < C (no whole chunk) or C divides S (no remainder)",
     workaround="the cuda policy never offers the chunked lowering",
-    applied_in=("gdn_export/ops/gated_delta_rule/policy.py",),
+    applied_in=("gdn_export/ops/gated_delta_rule/nnef/policy.py",),
     when_fixed="policy.candidates('cuda') may offer 'chunked' (it ran at CPU speed where it ran, so measure)",
     canary="test_cuda_empty_tensors",
     no_canary="needs a CUDA device: the canary skips without one (checked on an H200 for this entry)",
@@ -440,7 +440,7 @@ FUSED_GDN_SLOW_ON_CPU = Quirk(
          "(S=2048: 860-1560 ms against 82 ms for the chunked graph); on CUDA with f16 operands it has a "
          "GPU kernel (29 ms), with f32 operands none",
     workaround="the cpu policy tries chunked first; the cuda policy the fused op",
-    applied_in=("gdn_export/ops/gated_delta_rule/policy.py",),
+    applied_in=("gdn_export/ops/gated_delta_rule/nnef/policy.py",),
     when_fixed="re-measure the policy (benchmarks/bench_lowerings.py, bench_tract_runtimes.py)",
     no_canary="a speed effect (benchmarks/RESULTS.md)",
     kind="measured",

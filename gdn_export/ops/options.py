@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gdn_export.errors import LoweringError
-from gdn_export.ops.gated_delta_rule.capabilities import parse_version
-from gdn_export.ops.gated_delta_rule.chunking import chunk_size_error
-from gdn_export.ops.gated_delta_rule.policy import RUNTIMES
-from gdn_export.ops.gated_delta_rule.registry import LOWERINGS
+from gdn_export.ops.gated_delta_rule.nnef.capabilities import parse_version
+from gdn_export.ops.gated_delta_rule.nnef.chunking import chunk_size_error
+from gdn_export.ops.gated_delta_rule.nnef.policy import RUNTIMES
+from gdn_export.ops.gated_delta_rule.nnef.registry import LOWERINGS
 
 CORE_DTYPES = (None, "float16")
 

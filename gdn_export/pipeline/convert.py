@@ -16,7 +16,7 @@ import torch
 from gdn_export.errors import GdnExportError, LoweringError, ParityError, worded
 from gdn_export.targets import FLOAT_DTYPES
 from gdn_export.run.archive import GENERATION_FILES, nnef_tgz_path, read_metadata
-from gdn_export.ops.gated_delta_rule.capabilities import parse_version
+from gdn_export.ops.gated_delta_rule.nnef.capabilities import parse_version
 from gdn_export.hf.check import LogitCheck, check_archive, transformers_references, validate_check
 from gdn_export.checkpoints import family_for, open_checkpoint, read_config
 from gdn_export.hf.checkpoint import CheckpointError, cast_buffers, empty_model, materialize, model_in_memory
@@ -379,7 +379,7 @@ class NnefSteps:
 
     @staticmethod
     def validate(options: dict, runtime: str) -> None:
-        from gdn_export.ops.gated_delta_rule.policy import RUNTIMES
+        from gdn_export.ops.gated_delta_rule.nnef.policy import RUNTIMES
 
         if runtime not in RUNTIMES:
             raise worded(LoweringError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}"),

@@ -19,7 +19,7 @@ import torch
 from gdn_export.run.archive import METADATA_FILE, nnef_tgz_path, pack
 from gdn_export.errors import GdnExportError
 from gdn_export.ops.protocol import Decision
-from gdn_export.ops.gated_delta_rule.capabilities import parse_version
+from gdn_export.ops.gated_delta_rule.nnef.capabilities import parse_version
 from gdn_export.ops.options import LoweringOptions, validate_options
 from gdn_export.backends.nnef.output_names import declared_outputs, keep_output_names
 from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
@@ -128,7 +128,7 @@ def export(
     """Export ``module(*args)`` to ``path`` (a ``.nnef.tgz``) for tract.
 
     ``tract_version`` defaults to the installed tract; ``lowering`` is "auto" (the fastest exact lowering
-    for ``runtime``: see gdn_export/ops/gated_delta_rule/policy.py), "native" (the fused op, LoweringError where it
+    for ``runtime``: see gdn_export/ops/gated_delta_rule/nnef/policy.py), "native" (the fused op, LoweringError where it
     cannot be exact), or one portable lowering forced ("scan", "recurrent", "chunked"). ``runtime`` is
     where tract will run: "any" (fused op where exact, else the scan), "cpu" or "cuda".
     ``core_dtype="float16"`` lets the fused op take f16 q/k/v/beta in an f32 model (tract's CUDA kernel exists
