@@ -1,9 +1,18 @@
-"""The one table of where an exported file runs and in which float types: every runtime and dtype name the package
-accepts, for every back-end. The bottom layer (no import of gdn_export, no numpy, no torch): the CLI's ``--help``
-reads it, the run side and the converters validate against it. A torch type is ``getattr(torch, name)`` (the convert
-side; this module imports no torch)."""
+"""The one table of the back-ends (``BACKENDS``: each output format, its suffix, where its files run, what writes and
+runs them) and of the float types: every format, runtime and dtype name the package accepts. The bottom layer (no
+import of gdn_export but its errors, no numpy, no torch): the CLI's ``--help`` reads it, the run side and the
+converters choose and validate against it. A torch type is ``getattr(torch, name)`` (the convert side; this module
+imports no torch)."""
 
 from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gdn_export.errors import GdnExportError
 
 # --runtime of an NNEF export: where tract will run the archive (the gated delta rule's policy keys its lowering
 # order by these; "any": no runtime-specific lowering)
@@ -29,3 +38,55 @@ def numpy_dtype(name: str):
         raise KeyError(f"float type {name!r} is not one of {', '.join(FLOAT_DTYPES)}")
     return np.dtype(name)
 
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One output format, as one unit: the pieces that write, convert and run its files, named ``"module:attribute"``
+    and imported on first use (``load``), so that reading the table imports nothing (the CLI's ``--help``, the run
+    side).
+
+    ``name``: ``format=`` / ``--format``; ``suffix``: its files' (what ``backend_for`` chooses by); ``runtimes``:
+    ``--runtime``'s choices for it; ``help``: the CLI's words; ``export``: ``gdn_export.export(format=name)`` (the
+    ops' registrations and plan, then the back-end's export loop, ``backends/<name>/``); ``steps``: ``convert``'s
+    steps (``pipeline.convert.run_plan``); ``runner``: the ``run.runner.Runner`` that runs its files; ``metadata``:
+    reads a file's gdn_export metadata (None where it has none) without running it."""
+
+    name: str
+    suffix: str
+    runtimes: tuple[str, ...]
+    help: str
+    export: str
+    steps: str
+    runner: str
+    metadata: str
+
+
+BACKENDS: tuple[Backend, ...] = (  # the first is the default: a file of no known suffix is an NNEF archive (tar.gz)
+    Backend("nnef", ".nnef.tgz", NNEF_RUNTIMES, "nnef (.nnef.tgz for tract)", "gdn_export.pipeline.export:to_nnef",
+            "gdn_export.pipeline.convert:NNEF", "gdn_export.run.session:Session", "gdn_export.run.archive:read_metadata"),
+    Backend("onnx", ".onnx", ONNX_RUNTIMES, "onnx (.onnx)", "gdn_export.pipeline.export:to_onnx",
+            "gdn_export.pipeline.onnx_convert:ONNX", "gdn_export.run.onnx_session:OnnxSession",
+            "gdn_export.run.onnx_session:read_onnx_metadata"),
+)
+
+
+def backend_named(name: str) -> Backend:
+    """The back-end of ``format=name``; GdnExportError naming the formats there are."""
+    for backend in BACKENDS:
+        if backend.name == name:
+            return backend
+    raise GdnExportError(f"format {name!r} is not one of {', '.join(b.name for b in BACKENDS)}")
+
+
+def backend_for(path: str | os.PathLike) -> Backend:
+    """The back-end whose suffix ``path``'s name ends with (none: the first, an NNEF archive: tract reads any
+    tar.gz)."""
+    name = Path(path).name
+    return next((backend for backend in BACKENDS if name.endswith(backend.suffix)), BACKENDS[0])
+
+
+def load(reference: str) -> Any:
+    """The attribute a ``"module:attribute"`` reference of the table names (its module imported)."""
+    module, _, attribute = reference.partition(":")
+    return getattr(importlib.import_module(module), attribute)

@@ -45,7 +45,7 @@ OUTPUT_NAMED_AFTER_PRODUCER = Quirk(
          "'y = add(x, x)' reports 'y_1'.",
     workaround="after writing the graph, every output tract would rename is re-declared as "
                "'NAME = select(NAME__c, NAME__raw, NAME__raw)' (one copy of that output per call)",
-    applied_in=("gdn_export/backends/nnef/output_names.py", "gdn_export/pipeline/export.py"),
+    applied_in=("gdn_export/backends/nnef/output_names.py", "gdn_export/backends/nnef/exporter.py"),
     when_fixed="output_names.keep_output_names and the select wrappers can go",
     canary="test_output_named_after_producer",
 )
@@ -545,7 +545,7 @@ T2N_COMPILES_AT_IMPORT = Quirk(
     workaround="gdn_export imports torch-to-nnef with a meta-path finder, for that import only, that runs that one "
                "module with torch.compile as the identity (its quantized tensors, which gdn_export never uses, "
                "dequantize eagerly)",
-    applied_in=("gdn_export/backends/compat/torch_to_nnef.py", "gdn_export/backends/nnef/__init__.py", "gdn_export/pipeline/export.py"),
+    applied_in=("gdn_export/backends/compat/torch_to_nnef.py", "gdn_export/backends/nnef/__init__.py"),
     when_fixed="the finder can go",
     canary="test_compat.py::test_t2n_compiles_at_import",
     seen_on=TORCH_TO_NNEF_SEEN_ON,
@@ -574,7 +574,7 @@ CAST_WEIGHT_NOT_FOLDED = Quirk(
          "slower than a packed f32 or f16 matmul (measured by the issue that asked for this test)",
     workaround="weights the graph only casts are stored in the cast's type (weights/casts.py); "
                "tests/test_quantized.py fails when a float16 archive still casts a weight matrix",
-    applied_in=("gdn_export/weights/casts.py", "gdn_export/pipeline/export.py"),
+    applied_in=("gdn_export/weights/casts.py", "gdn_export/backends/nnef/exporter.py"),
     when_fixed="the stored-as-cast rewrite can go",
     no_canary="a speed effect; the test checks the graphs instead",
     kind="measured",
@@ -588,7 +588,7 @@ T2N_POST_TRACE_BEFORE_WRITE = Quirk(
     workaround="OfflineTractTarget.post_trace runs the export's graph passes on that graph (the weights only cast "
                "before use, weights/casts.py; the datum_type of gathers over a Q4_0 table, weights/streamed.py), "
                "so graph.nnef is written right the first time instead of patched as text afterwards",
-    applied_in=("gdn_export/backends/nnef/target.py", "gdn_export/pipeline/export.py", "gdn_export/weights/casts.py",
+    applied_in=("gdn_export/backends/nnef/target.py", "gdn_export/backends/nnef/exporter.py", "gdn_export/weights/casts.py",
                 "gdn_export/weights/streamed.py"),
     when_fixed="reliance: if the hook moves, the passes move with it (the canary fails first)",
     canary="test_compat.py::test_t2n_post_trace_runs_before_writing",

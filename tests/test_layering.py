@@ -101,6 +101,10 @@ def _under(name: str, prefixes) -> bool:
 G = ROOT + "."
 CONVERT_SIDE = ("torch", "torch_to_nnef", "transformers", "nnef_tools", "onnx", "safetensors")
 # (modules, what their closure must not contain, why)
+# the one NNEF writer (the ops' lowerings and the weight formats' graph passes write with it), and the rest of the NNEF
+# back-end: what the weights, below the back-ends, may not import
+NNEF_WRITER = G + "backends.nnef.builder"
+NNEF_PACKAGE = tuple(m for m in MODULES if m.startswith(G + "backends.nnef.") and m != NNEF_WRITER)
 UPPER = ("ops", "backends.nnef", "backends.onnx", "pipeline", "checkpoints", "megatron", "hf", "models", "layers",
          "weights", "run", "cli")
 RULES = [
@@ -114,16 +118,18 @@ RULES = [
     ([G + "ops"], [G + m for m in ("pipeline", "checkpoints", "megatron", "hf", "models", "layers", "cli",
                                    "run.serving", "run.generation", "run.http")],
      "an op is below the models that use it and the pipelines that export it"),
-    ([G + "backends.nnef", G + "backends.onnx"], [G + m for m in ("ops", "pipeline", "checkpoints", "megatron", "hf",
-                                                                  "models", "layers", "cli",
-                                                                  "run.serving", "run.generation", "run.http")],
+    ([G + "backends"], [G + m for m in ("ops", "pipeline", "checkpoints", "megatron", "hf", "models", "layers", "cli",
+                                        "run.serving", "run.generation", "run.http")],
      "a back-end names no op: ops register into it"),
+    ([NNEF_WRITER], [G + m for m in ("weights", "ops", "backends.onnx", "run")] + list(NNEF_PACKAGE),
+     "the NNEF writer is a leaf: the weight formats' graph passes write with it too"),
     ([G + "models", G + "layers"], [G + m for m in ("pipeline", "checkpoints", "megatron", "hf", "backends", "cli")]
      + ["transformers"],
      "models are plain torch over the ops; they know no checkpoint format and no back-end"),
-    ([G + "weights"], [G + m for m in ("ops", "backends.nnef", "backends.onnx", "pipeline", "checkpoints", "megatron",
-                                       "hf", "models", "layers", "cli")],
-     "weight formats are leaves (compat may wrap third-party writers for them)"),
+    ([G + "weights"], [G + m for m in ("ops", "backends.onnx", "pipeline", "checkpoints", "megatron", "hf", "models",
+                                       "layers", "cli")] + list(NNEF_PACKAGE),
+     "weight formats are leaves (compat may wrap third-party writers for them; their NNEF graph passes write with "
+     "the NNEF writer, backends/nnef/builder.py)"),
     ([G + "hf"], [G + m for m in ("pipeline", "cli", "backends.nnef", "backends.onnx", "checkpoints", "megatron")],
      "Hugging Face reading and the families are below every other checkpoint source and the pipelines"),
     ([G + "megatron"], [G + m for m in ("pipeline", "cli", "backends.nnef", "backends.onnx", "checkpoints")],

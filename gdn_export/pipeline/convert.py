@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError, LoweringError, ParityError, worded
-from gdn_export.targets import FLOAT_DTYPES
-from gdn_export.run.archive import GENERATION_FILES, nnef_tgz_path, read_metadata
+from gdn_export.targets import FLOAT_DTYPES, backend_for, backend_named, load
+from gdn_export.run.archive import GENERATION_FILES, nnef_tgz_path
 from gdn_export.ops.gated_delta_rule.nnef.capabilities import parse_version
 from gdn_export.hf.check import LogitCheck, check_archive, transformers_references, validate_check
 from gdn_export.checkpoints import family_for, open_checkpoint, read_config
@@ -28,7 +28,7 @@ from gdn_export.weights.formats import check_owned_options, weight_format
 from gdn_export.run.runtime import lean_allocator
 from gdn_export.models.decoder import serving_inputs
 from gdn_export.ops.moe_ffn.op import moe_report
-from gdn_export.pipeline.staging import staging_folder
+from gdn_export.backends.staging import staging_folder
 
 DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}
 LOGITS = ("all", "last")  # the logits a call returns: of every new position, or of the last one only
@@ -306,13 +306,7 @@ def plan_conversion(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
 
 def format_steps(format: str):
     """The format-specific steps of a conversion (validate, output path, read, export, check targets)."""
-    if format == "nnef":
-        return NNEF
-    if format == "onnx":
-        from gdn_export.pipeline.onnx_convert import ONNX
-
-        return ONNX
-    raise GdnExportError(f"format {format!r} is not one of nnef, onnx")
+    return load(backend_named(format).steps)
 
 
 def common_metadata(plan: ConvertPlan, traced: Traced, inputs: list[str], outputs: list[str]) -> dict:
@@ -607,12 +601,7 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
     validate_check(prompt_len, decode_steps, batch)
     if kind not in CHECKS:
         raise GdnExportError(f"check kind {kind!r} is not one of {', '.join(CHECKS)}")
-    if str(path).endswith(".onnx"):  # an ONNX export (gdn_export/backends/onnx): its metadata, checked in onnxruntime
-        from gdn_export.run.onnx_session import read_onnx_metadata
-
-        metadata = read_onnx_metadata(path)
-    else:
-        metadata = read_metadata(path)
+    metadata = load(backend_for(path).metadata)(path)  # the file's back-end by its suffix (.onnx: onnxruntime's)
     if not metadata or "states" not in metadata:
         raise GdnExportError(f"{path} was not written by gdn-export convert (no gdn_export.json with states)")
     config = read_config(checkpoint_dir)
