@@ -188,7 +188,8 @@ def _chunk_size(text: str) -> int:
 
 
 def _version(text: str) -> str:
-    from gdn_export.ops.gated_delta_rule.nnef.capabilities import check_target_version, parse_version  # numpy: when given
+    from gdn_export.ops.gated_delta_rule.nnef.capabilities import check_target_version  # numpy: when given
+    from gdn_export.targets import parse_version
 
     try:
         check_target_version(parse_version(text), _installed_tract())
@@ -198,7 +199,7 @@ def _version(text: str) -> str:
 
 
 def _installed_tract() -> tuple[int, int, int] | None:
-    from gdn_export.ops.gated_delta_rule.nnef.capabilities import parse_version
+    from gdn_export.targets import parse_version
 
     try:
         return parse_version(_tract_version())

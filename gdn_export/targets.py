@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gdn_export.errors import GdnExportError
+from gdn_export.errors import GdnExportError, worded
 
 # --runtime of an NNEF export: where tract will run the archive (the gated delta rule's policy keys its lowering
 # order by these; "any": no runtime-specific lowering)
@@ -30,6 +30,18 @@ FLOAT_DTYPES = ("float32", "float16")
 NNEF_DATUM = {"float16": "f16", "float32": "f32", "float64": "f64"}
 
 
+def parse_version(version: str) -> tuple[int, int, int]:
+    """A tract version: '0.23.9' -> (0, 23, 9); raises ValueError naming the bad string."""
+    parts = str(version).strip().lstrip("v").split(".")
+    try:
+        numbers = tuple(int(p) for p in parts[:3])
+    except ValueError:
+        raise ValueError(f"tract version {version!r} is not of the form MAJOR.MINOR.PATCH") from None
+    if len(numbers) != 3:
+        raise ValueError(f"tract version {version!r} is not of the form MAJOR.MINOR.PATCH")
+    return numbers  # type: ignore[return-value]
+
+
 def numpy_dtype(name: str):
     """The numpy type of a float type name (``FLOAT_DTYPES``)."""
     import numpy as np
@@ -38,6 +50,24 @@ def numpy_dtype(name: str):
         raise KeyError(f"float type {name!r} is not one of {', '.join(FLOAT_DTYPES)}")
     return np.dtype(name)
 
+
+
+@dataclass(frozen=True)
+class BackendOption:
+    """An option of ``convert`` (its ``flag``) or of ``export`` (``export``) that only one back-end takes: any other
+    refuses it when given (``refuse_others``), rather than ignoring it. ``why``: the command line's reason; ``shown``:
+    convert's error shows the value given; ``truthy``: given when true (a switch), else when not None."""
+
+    name: str
+    flag: str | None
+    why: str = ""
+    shown: bool = True
+    export: bool = False
+    truthy: bool = False
+
+    def given(self, options: dict) -> bool:
+        value = options.get(self.name)
+        return bool(value) if self.truthy else value is not None
 
 
 @dataclass(frozen=True)
@@ -50,7 +80,8 @@ class Backend:
     ``--runtime``'s choices for it; ``help``: the CLI's words; ``export``: ``gdn_export.export(format=name)`` (the
     ops' registrations and plan, then the back-end's export loop, ``backends/<name>/``); ``steps``: ``convert``'s
     steps (``pipeline.convert.run_plan``); ``runner``: the ``run.runner.Runner`` that runs its files; ``metadata``:
-    reads a file's gdn_export metadata (None where it has none) without running it."""
+    reads a file's gdn_export metadata (None where it has none) without running it; ``owns``: the options only it
+    takes (every other back-end refuses them, ``refuse_others``)."""
 
     name: str
     suffix: str
@@ -60,11 +91,24 @@ class Backend:
     steps: str
     runner: str
     metadata: str
+    owns: tuple[BackendOption, ...] = ()
 
 
+Q4_0 = "tract's Q4_0 format"
 BACKENDS: tuple[Backend, ...] = (  # the first is the default: a file of no known suffix is an NNEF archive (tar.gz)
     Backend("nnef", ".nnef.tgz", NNEF_RUNTIMES, "nnef (.nnef.tgz for tract)", "gdn_export.pipeline.export:to_nnef",
-            "gdn_export.pipeline.convert:NNEF", "gdn_export.run.session:Session", "gdn_export.run.archive:read_metadata"),
+            "gdn_export.pipeline.convert:NNEF", "gdn_export.run.session:Session", "gdn_export.run.archive:read_metadata",
+            owns=(  # in the order the command line lists them (the first given is the one refused)
+                BackendOption("quantize_embeddings", "--quantize-embeddings", Q4_0, shown=False, truthy=True),
+                BackendOption("q4_rule", "--q4-rule", Q4_0),
+                BackendOption("calibration", "--calibration", Q4_0, shown=False),
+                BackendOption("core_dtype", "--core-dtype", "tract's fused op only", export=True),
+                BackendOption("chunk_size", "--chunk-size", "tract's chunked lowering only", export=True),
+                BackendOption("tract_version", "--tract-version", "an ONNX file is not for one tract version",
+                              export=True),
+                BackendOption("weights", None, export=True),  # streamed weights: NNEF's writers
+                BackendOption("extra_files", None, export=True),  # files beside the graph in the archive
+            )),
     Backend("onnx", ".onnx", ONNX_RUNTIMES, "onnx (.onnx)", "gdn_export.pipeline.export:to_onnx",
             "gdn_export.pipeline.onnx_convert:ONNX", "gdn_export.run.onnx_session:OnnxSession",
             "gdn_export.run.onnx_session:read_onnx_metadata"),
@@ -90,3 +134,16 @@ def load(reference: str) -> Any:
     """The attribute a ``"module:attribute"`` reference of the table names (its module imported)."""
     module, _, attribute = reference.partition(":")
     return getattr(importlib.import_module(module), attribute)
+
+
+def refuse_others(name: str, options: dict, *, export: bool = False) -> None:
+    """Refuse the first option of ``options`` given that another back-end owns and back-end ``name`` does not take:
+    GdnExportError in the API's words (``export``: ``gdn_export.export``'s keywords, else ``convert``'s), worded for
+    the command line too."""
+    for other in BACKENDS:
+        for option in () if other.name == name else other.owns:
+            if (option.export if export else option.flag is not None) and option.given(options):
+                shown = f"={options[option.name]!r}" if option.shown and not export else ""
+                raise worded(GdnExportError(f"{option.name}{shown} is an {other.name.upper()} option: not available "
+                                            f"with format={name!r}"),
+                             f"{option.flag} is not available with --format {name} ({option.why})")

@@ -63,3 +63,33 @@ def test_the_cli_offers_every_backend():
     commands = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
     fmt = next(a for a in commands.choices["convert"]._actions if "--format" in a.option_strings)
     assert list(fmt.choices) == [b.name for b in BACKENDS]
+
+
+# a value each owned option may be given with (what only its back-end takes); the test fails for an option added to
+# a back-end's owns without one here
+GIVEN = {"quantize_embeddings": True, "q4_rule": "search", "calibration": "calibration.txt", "core_dtype": "float16",
+         "chunk_size": 64, "tract_version": "0.23.9", "weights": object(), "extra_files": {"a.txt": "a.txt"}}
+
+
+@pytest.mark.parametrize("owner, option", [(b, o) for b in BACKENDS for o in b.owns],
+                         ids=lambda x: getattr(x, "name", ""))
+def test_every_other_backend_refuses_what_one_owns(owner, option, tmp_path):
+    """An option only ``owner`` takes, given to another back-end's convert (and export), is refused in one line that
+    names it and, for the command line, its flag; nothing is traced or read first."""
+    import torch
+
+    import gdn_export
+    from gdn_export.pipeline.convert import plan_conversion
+
+    for other in (b for b in BACKENDS if b is not owner):
+        if option.flag is not None:
+            with pytest.raises(GdnExportError, match=rf"^{option.name}\b.* not available with format='{other.name}'") \
+                    as err:
+                plan_conversion(tmp_path, tmp_path / f"out{other.suffix}", format=other.name,
+                                **({"calibration": GIVEN[option.name]} if option.name == "calibration" else
+                                   {option.name: GIVEN[option.name]}))
+            assert err.value.flags.startswith(f"{option.flag} is not available with --format {other.name}")
+        if option.export:
+            with pytest.raises(GdnExportError, match=rf"^{option.name} is an {owner.name.upper()} option"):
+                gdn_export.export(torch.nn.Identity(), (torch.zeros(1),), tmp_path / f"out{other.suffix}",
+                                  format=other.name, **{option.name: GIVEN[option.name]})

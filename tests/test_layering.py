@@ -277,3 +277,57 @@ def test_a_back_end_names_no_op_by_string_either():
                     any(f"::{p}" in text for p in placeholders):
                 found.append(f"{path.relative_to(PACKAGE)}: {text!r}")
     assert not found, "a back-end names an op: " + ", ".join(found)
+
+
+def _unit(module: str) -> str:
+    """What a cycle is counted between: a top-level package of gdn_export, or one level deeper in the packages made
+    of units (an op, a back-end, a weight format, a part of the run side)."""
+    parts = module.split(".")
+    return ".".join(parts[:3 if len(parts) > 2 and parts[1] in ("backends", "ops", "run", "weights") else 2])
+
+
+# import cycles between units still to be broken (the list only shrinks, as KNOWN): the shared NNEF plan names the
+# gated delta rule's option rules and its handlers read the plan; the archive reader and its integrity checks
+KNOWN_CYCLES = {frozenset({G + "ops.options", G + "ops.gated_delta_rule"}),
+                frozenset({G + "run.archive", G + "run.integrity"})}
+
+
+def test_no_import_cycle_between_packages():
+    """No two units import each other, directly or through others (lazy imports included): Tarjan's strongly
+    connected components of the graph of units."""
+    edges: dict[str, set[str]] = {}
+    for module in MODULES:
+        for dep in direct_imports(module):
+            if dep in MODULES and _unit(dep) != _unit(module):
+                edges.setdefault(_unit(module), set()).add(_unit(dep))
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(unit: str) -> None:
+        index[unit] = low[unit] = len(index)
+        stack.append(unit)
+        for dep in sorted(edges.get(unit, ())):
+            if dep not in index:
+                visit(dep)
+                low[unit] = min(low[unit], low[dep])
+            elif dep in stack:
+                low[unit] = min(low[unit], index[dep])
+        if low[unit] == index[unit]:
+            component = set()
+            while True:
+                member = stack.pop()
+                component.add(member)
+                if member == unit:
+                    break
+            if len(component) > 1:
+                cycles.append(frozenset(component))
+
+    for unit in sorted(edges):
+        if unit not in index:
+            visit(unit)
+    assert set(cycles) <= KNOWN_CYCLES, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles
+                                                                      if c not in KNOWN_CYCLES)
+    gone = KNOWN_CYCLES - set(cycles)
+    assert not gone, "no longer a cycle, strike from KNOWN_CYCLES: " + "; ".join(" <-> ".join(sorted(c)) for c in gone)

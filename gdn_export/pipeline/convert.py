@@ -16,7 +16,7 @@ import torch
 from gdn_export.errors import GdnExportError, LoweringError, ParityError, worded
 from gdn_export.targets import FLOAT_DTYPES, backend_for, backend_named, load
 from gdn_export.run.archive import GENERATION_FILES, nnef_tgz_path
-from gdn_export.ops.gated_delta_rule.nnef.capabilities import parse_version
+from gdn_export.targets import parse_version
 from gdn_export.hf.check import LogitCheck, check_archive, transformers_references, validate_check
 from gdn_export.checkpoints import family_for, open_checkpoint, read_config
 from gdn_export.hf.checkpoint import CheckpointError, cast_buffers, empty_model, materialize, model_in_memory
@@ -373,8 +373,7 @@ class NnefSteps:
 
     @staticmethod
     def validate(options: dict, runtime: str) -> None:
-        from gdn_export.ops.gated_delta_rule.nnef.policy import RUNTIMES
-
+        RUNTIMES = backend_named("nnef").runtimes  # noqa: N806
         if runtime not in RUNTIMES:
             raise worded(LoweringError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}"),
                          f"--runtime {runtime} is for --format onnx; an NNEF archive runs in tract: "

@@ -16,11 +16,10 @@ import torch
 from gdn_export.backends.dynamic_axes import traced_outputs, validate_dynamic_axes
 from gdn_export.backends.nnef.exporter import ExportReport, export_nnef
 from gdn_export.backends.nnef.target import OfflineTractTarget
-from gdn_export.errors import GdnExportError
-from gdn_export.ops.gated_delta_rule.nnef.capabilities import parse_version
+from gdn_export.targets import parse_version
 from gdn_export.ops.options import LoweringOptions, validate_options
 from gdn_export.run.runtime import tract_version as installed_tract_version
-from gdn_export.targets import backend_named, load
+from gdn_export.targets import backend_named, load, refuse_others
 from gdn_export.weights.streamed import StreamedWeights
 
 __all__ = ["ExportReport", "export", "nnef_target", "traced_outputs", "validate_dynamic_axes"]
@@ -106,11 +105,8 @@ def to_onnx(module, args, path, *, lowering, input_names, output_names, dynamic_
             core_dtype, chunk_size, tract_version, weights, extra_files):
     """``format="onnx"``: ``gdn_export.backends.onnx.export_onnx`` (runtime "onnxruntime", "tract-onnx" or "any"); the NNEF
     options it has no use for are refused rather than ignored."""
-    unused = {"core_dtype": core_dtype, "chunk_size": chunk_size, "tract_version": tract_version, "weights": weights,
-              "extra_files": extra_files}
-    for name, value in unused.items():
-        if value is not None:
-            raise GdnExportError(f"{name} is an NNEF option: not available with format='onnx'")
+    refuse_others("onnx", {"core_dtype": core_dtype, "chunk_size": chunk_size, "tract_version": tract_version,
+                           "weights": weights, "extra_files": extra_files}, export=True)
     import gdn_export.ops.onnx_handlers  # noqa: F401  (every op registers its ONNX lowering)
     from gdn_export.backends.onnx import export_onnx
 

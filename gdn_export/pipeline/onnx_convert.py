@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from gdn_export.errors import GdnExportError, LoweringError, worded
+from gdn_export.targets import refuse_others
 from gdn_export.pipeline.convert import ConvertReport, Staged, Traced
 import gdn_export.ops.onnx_handlers  # noqa: F401  (every op registers its ONNX lowering)
 from gdn_export.backends.onnx.registry import LOWERINGS, RUNTIMES, validate
@@ -88,30 +89,20 @@ class OnnxSteps:
 
     @staticmethod
     def validate(options: dict, runtime: str) -> None:
-        """The runtime, then every NNEF-only option refused (rather than ignored), then the lowering; each error
-        worded for the command line too."""
+        """The runtime, then every option only another back-end takes refused (rather than ignored: the weight
+        format, then ``refuse_others``), then what ONNX cannot do, then the lowering; each error worded for the
+        command line too."""
         if runtime not in RUNTIMES:
             raise worded(LoweringError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)} for an ONNX export"),
                          f"--runtime {runtime} is tract's (NNEF); an ONNX file runs in: {', '.join(RUNTIMES)}")
         quantize = options.get("quantize")
         refusal = weight_format(quantize).onnx_refusal
+        if quantize is not None:  # a weight format's own reason
+            raise worded(GdnExportError(f"quantize={quantize!r} is an NNEF option: not available with format='onnx'"
+                                        f" ({refusal})"), f"--quantize is not available with --format onnx ({refusal})")
+        refuse_others("onnx", options)  # what only another back-end takes (targets.BACKENDS: its owns)
         logits, lowering = options.get("logits", "all"), options.get("lowering", "auto")
-        q4 = "tract's Q4_0 format"
         refused = [  # (API message, flag, why), in the command line's order
-            (f"quantize={quantize!r} is an NNEF option: not available with format='onnx'"
-             f" ({refusal})", quantize is not None, "--quantize", refusal),
-            ("quantize_embeddings is an NNEF option: not available with format='onnx'",
-             bool(options.get("quantize_embeddings")), "--quantize-embeddings", q4),
-            (f"q4_rule={options.get('q4_rule')!r} is an NNEF option: not available with format='onnx'",
-             options.get("q4_rule") is not None, "--q4-rule", q4),
-            ("calibration is an NNEF option: not available with format='onnx'",
-             options.get("calibration") is not None, "--calibration", q4),
-            (f"core_dtype={options.get('core_dtype')!r} is an NNEF option: not available with format='onnx'",
-             options.get("core_dtype") is not None, "--core-dtype", "tract's fused op only"),
-            (f"chunk_size={options.get('chunk_size')!r} is an NNEF option: not available with format='onnx'",
-             options.get("chunk_size") is not None, "--chunk-size", "tract's chunked lowering only"),
-            (f"tract_version={options.get('tract_version')!r} is an NNEF option: not available with format='onnx'",
-             options.get("tract_version") is not None, "--tract-version", "an ONNX file is not for one tract version"),
             (f"logits={logits!r} is not available with format='onnx' (its graph returns the logits of every new "
              "position)", logits != "all", "--logits last", "the ONNX graph returns every new position's logits"),
             ("serving=True (--serving) builds the NNEF graph gdn_export.Engine runs; it is not available with "
