@@ -108,8 +108,10 @@ NNEF_PACKAGE = tuple(m for m in MODULES if m.startswith(G + "backends.nnef.") an
 UPPER = ("ops", "backends.nnef", "backends.onnx", "pipeline", "checkpoints", "megatron", "hf", "models", "layers",
          "weights", "run", "cli")
 RULES = [
-    ([G + "errors", G + "parity", G + "targets"], [G + m for m in UPPER + ("backends.compat",)] + list(CONVERT_SIDE),
-     "the bottom: errors, the parity rule and the table of runtimes and float types depend on nothing"),
+    ([G + "errors", G + "parity", G + "targets", G + "tract_quirks"],
+     [G + m for m in UPPER + ("backends.compat",)] + list(CONVERT_SIDE),
+     "the bottom: errors, the parity rule, the tables of back-ends, runtimes and float types and the records of tract's "
+     "quirks depend on nothing"),
     ([G + "backends.compat"], [G + m for m in UPPER],
      "compat patches third-party internals for any layer: it imports nothing of gdn_export but errors"),
     ([G + "run"], [G + m for m in ("ops", "backends", "pipeline", "checkpoints", "megatron", "hf", "models", "layers",
@@ -331,3 +333,13 @@ def test_no_import_cycle_between_packages():
                                                                       if c not in KNOWN_CYCLES)
     gone = KNOWN_CYCLES - set(cycles)
     assert not gone, "no longer a cycle, strike from KNOWN_CYCLES: " + "; ".join(" <-> ".join(sorted(c)) for c in gone)
+
+
+def test_every_package_has_a_rule():
+    """Every top-level package and module of gdn_export (and every back-end) is one a rule names: a new one gets its
+    place in the layers before it can import anything (the CLI and the facade are the top: nothing is above them)."""
+    named = {m for rule in RULES for m in rule[0]}
+    top = {".".join(m.split(".")[:2]) for m in MODULES if m != ROOT} | {
+        ".".join(m.split(".")[:3]) for m in MODULES if m.startswith(G + "backends.") and m.count(".") >= 2}
+    unruled = sorted(m for m in top - {G + "cli"} if not _under(m, named))
+    assert not unruled, "no layering rule names: " + ", ".join(unruled)

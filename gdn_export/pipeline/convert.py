@@ -6,6 +6,7 @@ import os
 import tempfile
 import time
 from functools import partial
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -148,32 +149,61 @@ CHECK_KINDS = {"full": "whole model in memory", "layerwise": "layer by layer (on
 
 
 @dataclass(frozen=True)
-class ConvertPlan:
-    """``convert``'s options, validated once (``plan_conversion``), and the format that carries them out. The
-    orchestration (``run_plan``) and the format's steps read only this."""
+class BackendChoice:
+    """The back-end's options (``targets.BACKENDS``): which one writes the file, where it will run, for which tract
+    (NNEF only: the back-end's ``owns``)."""
 
-    checkpoint_dir: str | os.PathLike  # as given (the progress lines and calibration name it so)
-    out_path: Path
     format: str  # "nnef" or "onnx"
-    dtype: str
-    lowering: str
     runtime: str  # for ONNX "onnxruntime", "tract-onnx" or "any" ("cpu", NNEF's default, means onnxruntime)
-    check: str | None  # "auto", "full", "layerwise"; None: no check
-    prompt_len: int
-    decode_steps: int
     tract_version: str | None
+
+
+@dataclass(frozen=True)
+class GatedDeltaRuleChoice:
+    """The gated delta rule's options (validated by ``ops/gated_delta_rule/nnef/options.py``; ONNX takes the
+    lowering only, from its own list)."""
+
+    lowering: str
     core_dtype: str | None
     chunk_size: int | None
-    streamed: bool
+
+
+@dataclass(frozen=True)
+class WeightChoice:
+    """The weight format's options (``weights/formats.py``: ``quantize`` names the format, the others are those a
+    format owns, checked and completed by it)."""
+
     quantize: str | None
     quantize_embeddings: bool
-    logits: str
-    serving: bool
     q4_rule: str
     calibration: str | os.PathLike | None
     calibration_tokens: int
     fold_scales: bool
     int8_passes: int = 1
+
+
+# ConvertPlan's groups, each by what it configures: plan_conversion fills each from the options by its fields' names
+GROUPS = {"backend": BackendChoice, "gated_delta_rule": GatedDeltaRuleChoice, "weights": WeightChoice}
+
+
+@dataclass(frozen=True)
+class ConvertPlan:
+    """``convert``'s options, validated once (``plan_conversion``), and the format that carries them out. The
+    orchestration (``run_plan``) and the format's steps read only this. Grouped by what they configure: the
+    conversion's own here, then the back-end's, the gated delta rule's and the weight format's."""
+
+    checkpoint_dir: str | os.PathLike  # as given (the progress lines and calibration name it so)
+    out_path: Path
+    dtype: str
+    check: str | None  # "auto", "full", "layerwise"; None: no check
+    prompt_len: int
+    decode_steps: int
+    streamed: bool
+    logits: str
+    serving: bool
+    backend: BackendChoice
+    gated_delta_rule: GatedDeltaRuleChoice
+    weights: WeightChoice
     batch: int = 1
 
     @property
@@ -300,8 +330,10 @@ def plan_conversion(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
     if check_mode:
         validate_check(options.get("prompt_len", 16), options.get("decode_steps", 8), batch)
     out = target.output_path(out_path, force)
-    return ConvertPlan(checkpoint_dir=checkpoint_dir, out_path=out, format=format, runtime=runtime,
-                       check=check_mode, batch=batch, calibration=calibration, **{**defaults, **options})
+    values = {**defaults, **options, "format": format, "runtime": runtime, "calibration": calibration}
+    groups = {name: group(**{f.name: values.pop(f.name) for f in dataclasses.fields(group)})
+              for name, group in GROUPS.items()}
+    return ConvertPlan(checkpoint_dir=checkpoint_dir, out_path=out, check=check_mode, batch=batch, **values, **groups)
 
 
 def format_steps(format: str):
@@ -314,7 +346,8 @@ def common_metadata(plan: ConvertPlan, traced: Traced, inputs: list[str], output
     layout = traced.layout
     return {
         "format": FORMAT_VERSION, "family": traced.family.name, "model_type": layout.checkpoint_model_type,
-        "text_model_type": layout.model_type, "dtype": plan.dtype, "core_dtype": plan.core_dtype,
+        "text_model_type": layout.model_type, "dtype": plan.dtype,
+        "core_dtype": plan.gated_delta_rule.core_dtype,
         "vocab_size": layout.config["vocab_size"],
         "context_length": layout.config.get("max_position_embeddings"),  # prompt + new tokens (docs/SERVER.md)
         "inputs": inputs, "outputs": outputs,
@@ -330,7 +363,7 @@ def run_plan(plan: ConvertPlan, progress: Callable[[str], None] | None = None) -
     """The one conversion: read the checkpoint, export into a staging folder beside ``plan.out_path``, check
     every target the format names against the checkpoint's reference, then publish (rename); on any error nothing
     is left."""
-    target = format_steps(plan.format)
+    target = format_steps(plan.backend.format)
     say = progress or (lambda message: None)
     seconds: dict[str, float] = {}
     traced = target.read(plan, say, seconds)
@@ -411,32 +444,32 @@ class NnefSteps:
         cast_buffers(model, plan.export_dtype)
         seconds["read"] = time.perf_counter() - start
         measured, folding, exported = None, None, weights  # exported: the weights written (folds applied)
-        if plan.calibration is not None:
+        if plan.weights.calibration is not None:
             from gdn_export.hf.calibration import calibrate
 
             start = time.perf_counter()
-            say(f"calibrating on {plan.calibration} (at most {plan.calibration_tokens} tokens)")
-            measured = calibrate(plan.checkpoint_dir, plan.calibration, family, layout, weights,
-                                 max_tokens=plan.calibration_tokens,
-                                 **weight_format(plan.quantize).calibration_options(plan))
-            if plan.fold_scales:
+            say(f"calibrating on {plan.weights.calibration} (at most {plan.weights.calibration_tokens} tokens)")
+            measured = calibrate(plan.checkpoint_dir, plan.weights.calibration, family, layout, weights,
+                                 max_tokens=plan.weights.calibration_tokens,
+                                 **weight_format(plan.weights.quantize).calibration_options(plan.weights))
+            if plan.weights.fold_scales:
                 from gdn_export.hf.folding import fold
 
                 say("choosing the scales folded into norms")
                 folding, exported, measured = fold(measured, family, layout, weights, measured.sample)
             seconds["calibrate"] = time.perf_counter() - start
-        separated = separate_tied_head(model, plan.quantize, plan.quantize_embeddings)
+        separated = separate_tied_head(model, plan.weights.quantize, plan.weights.quantize_embeddings)
         lm = family.exportable(model, plan.export_dtype)
         lm.last_logits_only = plan.logits == "last"
         if plan.serving and lm.serving_refusal:
             raise GdnExportError(f"{family.name} has no serving graph (--serving): {lm.serving_refusal}")
         lm.serving = plan.serving
-        writers, quantization = plan_writes(lm, model, exported, plan.export_dtype, plan.quantize,
-                                            plan.quantize_embeddings,
-                                            fused_moe=_fused_moe(plan.runtime, plan.tract_version),
-                                            q4_rule=plan.q4_rule, calibration=measured,
-                                            int8_passes=plan.int8_passes)
-        if not plan.streamed and plan.quantize is None:
+        writers, quantization = plan_writes(lm, model, exported, plan.export_dtype, plan.weights.quantize,
+                                            plan.weights.quantize_embeddings,
+                                            fused_moe=_fused_moe(plan.backend.runtime, plan.backend.tract_version),
+                                            q4_rule=plan.weights.q4_rule, calibration=measured,
+                                            int8_passes=plan.weights.int8_passes)
+        if not plan.streamed and plan.weights.quantize is None:
             writers = None  # the in-memory model's own values are written
         return Traced(family, layout, model, weights, lm, dict(measured=measured, folding=folding, exported=exported,
                                                                separated=separated, writers=writers,
@@ -450,29 +483,32 @@ class NnefSteps:
         lm, extras, checkpoint_dir = traced.lm, traced.extras, Path(plan.checkpoint_dir)
         measured, folding, quantization = extras["measured"], extras["folding"], extras["quantization"]
         carried = {name: checkpoint_dir / name for name in GENERATION_FILES if (checkpoint_dir / name).is_file()}
-        recorded = weight_format(plan.quantize).metadata(plan)  # what the weight format records of itself
+        # what the weight format records of itself
+        recorded = weight_format(plan.weights.quantize).metadata(plan.weights)
         metadata = {
             **common_metadata(plan, traced, inputs, outputs),
-            "generation_files": sorted(carried), "quantize": plan.quantize, "logits": plan.logits,
+            "generation_files": sorted(carried), "quantize": plan.weights.quantize, "logits": plan.logits,
             "serving": plan.serving,
             "quantized": len(quantization.quantized),
             "q4_rule": recorded.pop("q4_rule", None),  # in the place it had before formats were units
             "calibration": measured.metadata() if measured is not None else None,
             "folded_norms": len(folding.folds) if folding is not None else None,
             "states": state_metadata(lm),
-            "runtime": plan.runtime,
+            "runtime": plan.backend.runtime,
         }
         metadata.update(recorded)
-        if plan.quantize_embeddings:  # what `check` re-quantizes (absent: False, as every archive before it)
+        if plan.weights.quantize_embeddings:  # what `check` re-quantizes (absent: False, as every archive before it)
             metadata["quantize_embeddings"] = True
         path = staging / plan.out_path.name
         say(f"exporting {traced.family.name} ({len(lm.layer_types) if hasattr(lm, 'layer_types') else '?'} layers, "
             f"{plan.dtype}{', weights streamed from the checkpoint' if plan.streamed else ''}) to {plan.out_path}")
         report = export(lm, example_inputs(lm, metadata["vocab_size"], plan.export_dtype), path,
-                        tract_version=plan.tract_version, lowering=plan.lowering, input_names=inputs,
+                        tract_version=plan.backend.tract_version, lowering=plan.gated_delta_rule.lowering,
+                        input_names=inputs,
                         output_names=outputs, dynamic_axes=dynamic, metadata=metadata,
-                        check=bool(plan.check) and extras["writers"] is None, runtime=plan.runtime,
-                        core_dtype=plan.core_dtype, chunk_size=plan.chunk_size, weights=extras["writers"],
+                        check=bool(plan.check) and extras["writers"] is None, runtime=plan.backend.runtime,
+                        core_dtype=plan.gated_delta_rule.core_dtype, chunk_size=plan.gated_delta_rule.chunk_size,
+                        weights=extras["writers"],
                         extra_files=carried)
         seconds.update(report.seconds)
         result = ConvertReport(plan.out_path, traced.family.name, metadata["model_type"], plan.dtype,
@@ -480,7 +516,8 @@ class NnefSteps:
                                reference=traced.family.reference, weights=traced.weights.summary(),
                                generation_files=sorted(carried),
                                quantization=str(quantization) + (f"; {folding}" if folding is not None else ""),
-                               moe=moe_report(report.decisions), quantized_as=weight_format(plan.quantize).reference)
+                               moe=moe_report(report.decisions),
+                               quantized_as=weight_format(plan.weights.quantize).reference)
         return Staged(path, result, lambda: os.replace(path, plan.out_path))
 
     @staticmethod
@@ -658,8 +695,8 @@ def _check_quantized(path, checkpoint_dir, metadata: dict, prompt_len: int, deco
     # the plan is only read, never written: its output path is a name in the temporary folder
     plan = plan_conversion(checkpoint_dir, Path(tempfile.gettempdir()) / "gdn_export_check.nnef.tgz", force=True,
                            check=False, calibration=calibration, **options)
-    say(f"quantizing {checkpoint_dir} again as {path} records it ({plan.quantize}"
-        f"{', rule ' + plan.q4_rule if plan.q4_rule else ''})")
+    say(f"quantizing {checkpoint_dir} again as {path} records it ({plan.weights.quantize}"
+        f"{', rule ' + plan.weights.q4_rule if plan.weights.q4_rule else ''})")
     traced = NNEF.read(plan, say, {})
     measured = traced.extras["measured"]
     if measured is not None and measured.sha256 != recorded["sha256"]:

@@ -156,17 +156,18 @@ class OnnxSteps:
         from gdn_export.pipeline.convert import common_metadata, example_inputs, layer_reports, state_metadata
 
         common = common_metadata(plan, traced, inputs, outputs)
-        metadata = {"format": common.pop("format"), "container": "onnx", **common, "runtime": plan.runtime,
+        metadata = {"format": common.pop("format"), "container": "onnx", **common, "runtime": plan.backend.runtime,
                     "states": state_metadata(traced.lm)}
         vocab_size, out_path = metadata["vocab_size"], plan.out_path
         say(f"exporting {traced.family.name} ({plan.dtype}"
             f"{', weights streamed from the checkpoint' if traced.extras['sources'] else ''}) to {out_path} (ONNX, "
-            f"runtime {plan.runtime})")
+            f"runtime {plan.backend.runtime})")
 
         def export(lm, sources):
             return write_onnx(lm, example_inputs(lm, vocab_size, plan.export_dtype), staging, out_path.name,
-                              input_names=inputs, output_names=outputs, dynamic_axes=dynamic, runtime=plan.runtime,
-                              lowering=plan.lowering, metadata=metadata,
+                              input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
+                              runtime=plan.backend.runtime,
+                              lowering=plan.gated_delta_rule.lowering, metadata=metadata,
                               output_dims=onnx_output_dims(lm, vocab_size), sources=sources)
 
         in_memory = None
@@ -187,7 +188,7 @@ class OnnxSteps:
                                    layers=layer_reports(traced.lm, decisions), seconds=seconds,
                                    reference=traced.family.reference, weights=traced.weights.summary(),
                                    moe=moe_report(decisions))
-        result.onnx = _OnnxExtras(plan.runtime, _conv_report(decisions),
+        result.onnx = _OnnxExtras(plan.backend.runtime, _conv_report(decisions),
                                   out_path.with_name(data.name) if data else None,
                                   weights=in_memory or (f"{len(sources)} weights streamed from the checkpoint"
                                                         if sources else ""))
@@ -202,7 +203,7 @@ class OnnxSteps:
         from gdn_export.run.onnx_session import OnnxSession
 
         return [(where, OnnxSession(staged, where), f" in {where}")
-                for where in ["onnxruntime"] + (["tract-onnx"] if plan.runtime == "tract-onnx" else [])]
+                for where in ["onnxruntime"] + (["tract-onnx"] if plan.backend.runtime == "tract-onnx" else [])]
 
     @staticmethod
     def checked(result, where: str) -> None:
