@@ -18,8 +18,8 @@ position t (the position of ``h_t``), so the first call after a prompt of n toke
 
 Which ``h_t``: the main model's hidden state AFTER its final norm ``model.norm``. vLLM (``vllm/model_executor/
 models/qwen3_next_mtp.py``, ``qwen3_5_mtp.py``; the drafter gets the target model's ``forward`` output, and
-``Qwen3NextModel.forward`` ends in ``hidden_states, _ = self.norm(hidden_states, residual)``) and SGLang pass that
-state; a chained draft passes the MTP's own output after ``mtp.norm`` (``Qwen3NextMultiTokenPredictor.forward``
+``Qwen3NextModel.forward`` ends in ``hidden_states, _ = self.norm(hidden_states, residual)``) passes that state
+(read at vLLM's main branch, file qwen3_next_mtp.py and qwen3_next.py; SGLang's was not read here); a chained draft passes the MTP's own output after ``mtp.norm`` (``Qwen3NextMultiTokenPredictor.forward``
 returns ``self.norm(hidden_states, residual)``). Megatron-LM's ``MultiTokenPredictionBlock`` reads the decoder's
 output before the final layer norm; a Megatron head mapped onto this module (``eh_proj`` = ``fc``, ``enorm`` /
 ``hnorm`` = the two pre-fc norms) is fed whichever state its training read (``MTPHead.reads``).
@@ -253,7 +253,7 @@ class MTPHead(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(config)])
         self.norm = ZeroCentredRMSNorm(hidden, config.rms_norm_eps)
 
-    reads = "final_norm"  # which main-model state it reads: after model.norm (vLLM, SGLang; see the module doc)
+    reads = "final_norm"  # which main-model state it reads: after model.norm (vLLM; see the module doc)
 
     def empty_cache(self, batch: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (batch, self.config.num_key_value_heads, 0, self.config.head_dim)

@@ -3,7 +3,7 @@
 A Qwen3.5, Qwen3.5-MoE or Qwen3-Next checkpoint with ``mtp.*`` tensors converts into an archive that carries
 
 - a last output ``hidden`` ``[B, S, H]`` of the main graph: every new position's state after the final norm (the
-  state vLLM's and SGLang's MTP heads read: ``gdn_export/models/mtp.py``); archives without an MTP head are
+  state vLLM's MTP heads read: ``gdn_export/models/mtp.py``); archives without an MTP head are
   unchanged, byte for byte;
 - the head itself as the member ``mtp.nnef.tgz``: ``models.mtp.MTPHead`` exported by ``gdn_export.export`` (its own
   graph, its own KV cache as inputs and outputs, the model's embedding table and LM head copied in: tract shares no
