@@ -14,6 +14,7 @@ from gdn_export.hf.families.fla import FlaLM
 from gdn_export.hf.layout import Layout
 from gdn_export.megatron.checkpoint import MegatronCheckpoint, MegatronCheckpointError, MegatronSource
 from gdn_export.layers.common import RMSNorm
+from gdn_export.megatron.mtp import mtp_sources
 from gdn_export.megatron.model import (MIXER_NAMES, GatedDeltaNet2Mixer, GatedDeltaNetMixer, GatedDeltaProductMixer,
                                        MegatronConfig, MegatronHybridLM, MegatronMoE)
 
@@ -343,8 +344,8 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
     for name in checkpoint.names():
         if name in used:
             continue
-        if name.startswith("mtp.") or ".mtp." in name:
-            skipped["multi-token prediction layers"] += 1
+        if name.startswith("mtp."):  # mapped onto the published mtp.* head by megatron.mtp (checked there)
+            skipped["multi-token prediction head (read as mtp.*)"] += 1
         elif name.endswith("rotary_pos_emb.inv_freq") or name.endswith("_extra_state"):
             skipped["buffers"] += 1
         elif name == "output_layer.weight" and config.tie_word_embeddings:
@@ -398,19 +399,25 @@ def _moe_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, sh
                 checkpoint, shapes[prefix + "shared_expert_gate.weight"], where + "shared_experts.gate_weight"))
 
 
-def _attention_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, shapes, put) -> None:
-    """``linear_qkv`` rows are per query group ``[q (heads/groups · d) | k (d) | v (d)]``: gathered into q, k, v."""
+def qkv_rows(config: MegatronConfig) -> dict[str, list[int]]:
+    """The rows of ``linear_qkv`` that make q, gate (with ``attention_output_gate``), k and v, each in head order:
+    per query group ``[q (heads/groups · d) | gate (heads/groups · d) | k (d) | v (d)]``."""
     d, groups = config.kv_channels, config.num_query_groups
     per_group = config.num_attention_heads // groups
-    # per query group: [q (per_group heads) | gate (per_group heads, attention_output_gate) | k | v]
     sizes = [("q", per_group * d)] + ([("gate", per_group * d)] if config.attention_output_gate else []) + \
         [("k", d), ("v", d)]
-    rows = {part: [] for part, _ in sizes}
+    rows: dict[str, list[int]] = {part: [] for part, _ in sizes}
     base = 0
     for g in range(groups):
         for part, size in sizes:
             rows[part] += range(base, base + size)
             base += size
+    return rows
+
+
+def _attention_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, shapes, put) -> None:
+    """``linear_qkv`` rows (``qkv_rows``) gathered into q, k, v and the output gate."""
+    rows, d = qkv_rows(config), config.kv_channels
     if config.attention_output_gate:
         put(prefix + "gate_proj.weight", MegatronSource(checkpoint, [(where + "linear_qkv.weight", rows["gate"])],
                                                         shapes[prefix + "gate_proj.weight"]))
@@ -461,9 +468,11 @@ def refuse_unverified(config: MegatronConfig, checkpoint: MegatronCheckpoint) ->
 
 
 class MegatronWeights(CheckpointWeights):
-    """``CheckpointWeights`` whose summary names the checkpoint's format and Megatron layer types."""
+    """``CheckpointWeights`` whose summary names the checkpoint's format and Megatron layer types; ``mtp``: the
+    MTP head's ``(MTPConfig, {published mtp.* name: MegatronSource})`` (``megatron.mtp``), or None."""
 
     description: str = ""
+    mtp: tuple | None = None
 
     def summary(self) -> str:
         return f"{self.description}; {super().summary()}"
@@ -546,10 +555,14 @@ def open_megatron(folder: str | os.PathLike):
     with parameters_on_meta():
         model = MegatronHybridLM(config).eval()
     sources, skipped = parameter_sources(model, checkpoint)
+    mtp = mtp_sources(checkpoint, config)  # every mtp.* tensor mapped and its shape checked, nothing read
     layout = Layout(model_type=MODEL_TYPE, config={"model_type": MODEL_TYPE, "vocab_size": config.vocab_size,
                                                    "megatron": config})
     weights = MegatronWeights(sources, skipped, None)
-    weights.description = describe(config, checkpoint)
+    weights.description = describe(config, checkpoint) + (
+        f", an MTP head of 1 depth ({'MoE' if mtp[0].num_experts else 'dense MLP'}; mapped to the published "
+        "mtp.* names)" if mtp else "")
+    weights.mtp = mtp
     return FAMILY, layout, model, weights
 
 
