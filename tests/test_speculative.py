@@ -47,7 +47,7 @@ def test_prompt_lookup_takes_the_longest_latest_match():
     assert propose_ngram([4, 1, 4], 2, longest=3, shortest=2) == []  # only 1-grams repeat
 
 
-@pytest.mark.parametrize("bad, param", [(dict(method="mtp"), "method"), (dict(num_speculative_tokens=0),
+@pytest.mark.parametrize("bad, param", [(dict(method="medusa"), "method"), (dict(num_speculative_tokens=0),
                                         "num_speculative_tokens"), (dict(num_speculative_tokens=True),
                                         "num_speculative_tokens"), (dict(prompt_lookup_max=0), "prompt_lookup_max"),
                                         (dict(prompt_lookup_min=4, prompt_lookup_max=3), "prompt_lookup_min"),

@@ -168,6 +168,7 @@ class Engine(QueuedExecutor):
         self.prefill_rows = min(prefill_rows, max(per_worker))
         self.keep_logits = keep_logits
         self.serving_inputs = session.serving_inputs
+        self.state_specs = session.state_specs
         self.plans = Plans(session.path, one_plan)
         self.calls: collections.Counter[tuple[str, int]] = collections.Counter()  # (kind, rows) -> tract calls
         self.prefix_cache = PrefixCache(int(prefix_cache_mib * MIB))
@@ -335,6 +336,7 @@ class _Worker:
             self.engine.calls[kind, len(slots)] += 1
         outputs = run_tract_tensors(self.engine.plans.get(len(slots), 1 if ids.shape[1] == 1 else None), inputs)
         logits = outputs[0].to_numpy()
+        outputs = outputs[:1 + len(self.engine.state_specs)]  # an MTP archive's last output, hidden, is not a state
         if inputs_to is not None:
             return logits, outputs[1:]
         if logits.shape[1] > 1:  # every position's logits (an archive without --logits last)
