@@ -21,7 +21,7 @@ from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
-MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "gpt", "ep2", "bridge_qwen3_next",
+MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "gpt", "ep2", "bridge_qwen3_next",
           "bridge_qwen3_5")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5")
 PROMPT = 16
@@ -47,6 +47,90 @@ def test_eager_model_matches_megatron(mixer):
     tokens, expected = golden(mixer)
     with torch.no_grad():
         judge(mixer, model(torch.from_numpy(tokens)).logits.numpy(), expected)
+
+
+def _eager_final_hidden(mixer: str) -> torch.Tensor:
+    """The eager model's hidden state after its final norm (``model.norm``) over the golden tokens."""
+    family, layout, _, weights = open_megatron(FIXTURES / f"megatron_{mixer}")
+    model = model_in_memory(family, layout, weights)
+    seen = {}
+    model.model.norm.register_forward_hook(lambda module, args, out: seen.update(hidden=out))
+    with torch.no_grad():
+        model(torch.from_numpy(golden(mixer)[0]))
+    return seen["hidden"]
+
+
+def test_mtp_head_matches_megatrons_multi_token_prediction():
+    """The Megatron MTP block mapped onto the published mtp.* head (``models.mtp.MTPHead``), fed what Megatron's
+    ``MultiTokenPredictionBlock`` reads (the decoder's output after its final norm, the next token at each
+    position: the ids rolled left, 0 last), against the MTP logits of Megatron's own forward (``output_layer`` of
+    depth 1's output): over the whole sequence, and as a drafter runs it (16 positions, then one at a time on its
+    KV cache); fed the eager model's hidden state and Megatron's own."""
+    from gdn_export.megatron.mtp import read_megatron_mtp_head
+
+    data = np.load(FIXTURES / "megatron_moe_mtp" / "golden.npz")
+    tokens, expected = data["input_ids"], data["mtp_logits"]
+    next_ids = torch.from_numpy(data["mtp_next_ids"])
+    assert torch.equal(next_ids[:, :-1], torch.from_numpy(tokens[:, 1:])) and not next_ids[:, -1].any()
+    head = read_megatron_mtp_head(FIXTURES / "megatron_moe_mtp")
+    for hidden in (_eager_final_hidden("moe_mtp"), torch.from_numpy(data["mtp_input_hidden"])):
+        with torch.no_grad():
+            whole = head(hidden, next_ids, *head.empty_cache(2))[0]
+            key, value = head.empty_cache(2)
+            steps = []
+            for start, stop in [(0, PROMPT)] + [(t, t + 1) for t in range(PROMPT, tokens.shape[1])]:
+                logits, _, key, value = head(hidden[:, start:stop], next_ids[:, start:stop], key, value)
+                steps.append(logits)
+        judge("moe_mtp (MTP head)", whole.numpy(), expected)
+        judge("moe_mtp (MTP head, cached steps)", torch.cat(steps, dim=1).numpy(), expected)
+
+
+@pytest.mark.slow
+def test_converted_mtp_head_in_tract_matches_megatron(shared_session):
+    """``gdn-export convert fixtures/megatron_moe_mtp``: the archive carries the Megatron MTP block as its MTP head
+    (``mtp.nnef.tgz``); the main graph's ``hidden`` (prefill 16, then one token at a time, batch 2) fed to the head
+    in tract (``MTPRunner``: 16 positions, then one at a time on its cache, per row) against the MTP logits of
+    Megatron's own forward."""
+    from gdn_export.run.mtp import MTPRunner
+
+    data = np.load(FIXTURES / "megatron_moe_mtp" / "golden.npz")
+    tokens, expected, next_ids = data["input_ids"], data["mtp_logits"], data["mtp_next_ids"]
+    session = shared_session("megatron_moe_mtp", "float32", tokens.shape[0])
+    session.reset()
+    hidden = {}
+    session.on_hidden = lambda first, states: hidden.__setitem__(first, states)
+    logits = [session.prefill(tokens[:, :PROMPT])] + [session.decode(tokens[:, t:t + 1])
+                                                      for t in range(PROMPT, tokens.shape[1])]
+    session.reset()
+    judge("moe_mtp", np.concatenate(logits, axis=1), data["logits"])
+    states = np.concatenate([hidden[first] for first in sorted(hidden)], axis=1)
+    assert states.shape == (*tokens.shape, 64)
+    runner = MTPRunner(session.path, session.metadata)
+    rows = []
+    for row in range(tokens.shape[0]):
+        runner.reset()
+        steps = [runner.run(states[row, :PROMPT], next_ids[row, :PROMPT])[0]]
+        steps += [runner.run(states[row, t:t + 1], next_ids[row, t:t + 1])[0] for t in range(PROMPT, tokens.shape[1])]
+        rows.append(np.concatenate(steps))
+    judge("moe_mtp (MTP head in tract)", np.stack(rows), expected)
+
+
+def test_mtp_block_is_read_and_reported():
+    _, _, _, weights = open_megatron(FIXTURES / "megatron_moe_mtp")
+    assert "an MTP head of 1 depth (MoE" in weights.summary(), weights.summary()
+    config, sources = weights.mtp
+    assert config.num_experts == 4 and sources["mtp.fc.weight"].pieces == [("mtp.layers.0.eh_proj.weight", None)]
+    assert open_megatron(FIXTURES / "megatron_moe")[3].mtp is None
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hybrid_layer_pattern": "GE*EGE/*E/*E"}, "one MTP depth of one attention layer"),
+    ({"hybrid_layer_pattern": "GE*EGE/G-"}, "multi-token prediction pattern '/G-'"),
+    ({"apply_layernorm_1p": False, "layernorm_zero_centered_gamma": False}, "norms that are not zero-centred"),
+    ({"moe_router_score_function": "sigmoid"}, "sigmoid routing scores"),
+], ids=["two-depths", "gdn-layer", "plain-norms", "sigmoid"])
+def test_mtp_blocks_the_head_does_not_compute_are_refused(tmp_path, capsys, change, message):
+    refused(capsys, _with_args(tmp_path, "moe_mtp", **change), tmp_path / "m.nnef.tgz", message)
 
 
 def test_perplexity_reference_reads_a_megatron_folder():
