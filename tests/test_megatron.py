@@ -21,7 +21,7 @@ from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
-MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "gpt", "ep2", "bridge_qwen3_next",
+MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "gpt", "gpt_interleaved", "ep2", "bridge_qwen3_next",
           "bridge_qwen3_5")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5")
 PROMPT = 16
@@ -414,6 +414,16 @@ def test_gpt_model_layers_are_read_per_transformer_layer():
     _, _, model, weights = open_megatron(FIXTURES / "megatron_gpt")
     assert "GPTModel layers GE*EG-*E" in weights.summary(), weights.summary()
     assert model.config.layer_types == ["linear_attention", "full_attention"] * 2
+
+
+def test_interleaved_rotary_is_read_in_a_gpt_model_and_refused_in_a_hybrid_model(tmp_path, capsys):
+    """A GPTModel's interleaved rotary (fixture gpt_interleaved, matched against Megatron's logits above) is read as
+    NeoX halves over reordered q/k channels; a HybridModel's is refused: it rotates adjacent pairs by a table built in
+    halves (not a rotation)."""
+    _, _, model, weights = open_megatron(FIXTURES / "megatron_gpt_interleaved")
+    assert model.config.rotary_interleaved and "interleaved rotary" in weights.summary()
+    refused(capsys, _with_args(tmp_path, "moe", rotary_interleaved=True), tmp_path / "m.nnef.tgz",
+            "rotary_interleaved in a HybridModel")
 
 
 def test_gpt_model_without_linear_attention_freq_refused(tmp_path, capsys):

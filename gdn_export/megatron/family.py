@@ -91,7 +91,13 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
     refuse_if(_arg(args, "normalization", default="LayerNorm") != "RMSNorm",
               f"normalization {_arg(args, 'normalization', default='LayerNorm')!r} (only RMSNorm)")
     refuse_if(bool(_arg(args, "add_bias_linear", default=False)), "add_bias_linear (linear layers with biases)")
-    refuse_if(bool(_arg(args, "rotary_interleaved", default=False)), "rotary_interleaved")
+    interleaved = bool(_arg(args, "rotary_interleaved", default=False))
+    # HybridModel builds its RotaryEmbedding without rotary_interleaved (its table in halves: cos(f[j mod r/2]))
+    # while its attention rotates adjacent pairs: the two channels of a pair turn by different angles, which is not
+    # a rotation (Megatron-LM main, megatron-core 0.19); a GPTModel builds the table to match
+    refuse_if(interleaved and "*" in str(_arg(args, "hybrid_layer_pattern", "hybrid_override_pattern", default="")),
+              "rotary_interleaved in a HybridModel (its rotary table is built in halves while pairs of adjacent "
+              "channels are rotated: not a rotation; GPTModels with rotary_interleaved are read)")
     if "*" in pattern:
         refuse_if(_arg(args, "position_embedding_type", default="rope") != "rope",
                   f"position_embedding_type {_arg(args, 'position_embedding_type')!r} (only rope)")
@@ -167,7 +173,7 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
         mamba_num_heads=int(_arg(args, "mamba_num_heads", default=0) or 0),
         gdp_num_householder=int(_arg(args, "gdp_num_householder", default=3)), gdp_conv_kernel_dim=gdp_conv,
         attention_output_gate=bool(_arg(args, "attention_output_gate", default=False)),
-        rotary_dim=rotary_dim if rotary_dim != kv_channels else 0,
+        rotary_dim=rotary_dim if rotary_dim != kv_channels else 0, rotary_interleaved=interleaved,
         **(_moe_config(args, hidden) if "E" in pattern else {}),
         moe_layers=[i for s, i in layers if s == "E"])
 
@@ -412,7 +418,32 @@ def qkv_rows(config: MegatronConfig) -> dict[str, list[int]]:
         for part, size in sizes:
             rows[part] += range(base, base + size)
             base += size
+    order = head_channel_order(config)
+    for part in ("q", "k"):  # interleaved rotary: each head's channels in the order NeoX halves rotate them
+        rows[part] = [rows[part][head * d + c] for head in range(len(rows[part]) // d) for c in order]
     return rows
+
+
+def head_channel_order(config: MegatronConfig) -> list[int]:
+    """The order a q / k head's channels are read in: as stored, or with ``rotary_interleaved`` the rotated ones
+    even first, then odd (``[0, 2, .., r-2, 1, 3, .., r-1]``, the rest after): Megatron turns the pair (2i, 2i+1)
+    by frequency i, which is NeoX's turn of channels (i, i + r/2) after this reordering; q and k reordered alike
+    keep every attention score."""
+    d = config.kv_channels
+    r = config.rotary_dim or d
+    if not config.rotary_interleaved:
+        return list(range(d))
+    return list(range(0, r, 2)) + list(range(1, r, 2)) + list(range(r, d))
+
+
+def head_norm_source(checkpoint, config: MegatronConfig, name: str) -> MegatronSource:
+    """A q / k norm weight (one per head channel) in ``head_channel_order``."""
+    if not checkpoint.has(name):
+        raise MegatronCheckpointError(f"weights missing from the checkpoint: {name}")
+    if tuple(checkpoint.info(name).shape) != (config.kv_channels,):
+        raise MegatronCheckpointError(f"{name} is {list(checkpoint.info(name).shape)} in the checkpoint; the model's "
+                                      f"arguments give [{config.kv_channels}]")
+    return MegatronSource(checkpoint, [(name, head_channel_order(config))], (config.kv_channels,))
 
 
 def _attention_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, shapes, put) -> None:
@@ -429,8 +460,8 @@ def _attention_sources(checkpoint, config: MegatronConfig, where: str, prefix: s
                                                             shapes[f"{prefix}{part}_proj.bias"]))
     put(prefix + "o_proj.weight", _whole(checkpoint, shapes[prefix + "o_proj.weight"], where + "linear_proj.weight"))
     if config.qk_layernorm:
-        put(prefix + "q_norm.weight", _whole(checkpoint, (d,), where + "q_layernorm.weight"))
-        put(prefix + "k_norm.weight", _whole(checkpoint, (d,), where + "k_layernorm.weight"))
+        put(prefix + "q_norm.weight", head_norm_source(checkpoint, config, where + "q_layernorm.weight"))
+        put(prefix + "k_norm.weight", head_norm_source(checkpoint, config, where + "k_layernorm.weight"))
 
 
 def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
@@ -527,6 +558,8 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
         used.append("gated attention output")
     if config.rotary_dim:
         used.append(f"rotary on {config.rotary_dim} of {config.kv_channels} channels")
+    if config.rotary_interleaved:
+        used.append("interleaved rotary (read as halves over reordered q/k channels)")
     if zero_centred(checkpoint.args):
         used.append("zero-centred (1 + w) norms")
     sizes = {what: int(checkpoint.args.get(f"{key}_model_parallel_size", 1) or 1)

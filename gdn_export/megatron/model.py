@@ -65,6 +65,9 @@ class MegatronConfig(LMConfig):
     gdp_conv_kernel_dim: int = 4
     attention_output_gate: bool = False
     rotary_dim: int = 0  # channels of a head that rotary turns (Megatron's int(kv_channels * rotary_percent))
+    # Megatron's rotary_interleaved (a GPTModel's): pairs of adjacent channels turn; read as NeoX halves over q/k rows
+    # reordered per head (megatron.family.head_channel_order), which leaves every q·k product as it was
+    rotary_interleaved: bool = False
     moe_layers: list = field(default_factory=list)  # Megatron indices of the 'E' layers (among the blocks' MLPs)
     num_experts: int = 0
     moe_ffn_hidden_size: int = 0

@@ -105,7 +105,7 @@ def mtp_config(config: MegatronConfig, checkpoint: MegatronCheckpoint, mlp: str)
 def mtp_sources(checkpoint: MegatronCheckpoint, config: MegatronConfig) -> tuple[MTPConfig, dict] | None:
     """``(MTPConfig, {published name: MegatronSource})`` of the checkpoint's MTP block, or None without one. Every
     ``mtp.*`` tensor of the checkpoint must make a published tensor (one that does not is an error naming it)."""
-    from gdn_export.megatron.family import _expert_pieces, _whole, qkv_rows
+    from gdn_export.megatron.family import _expert_pieces, _whole, head_norm_source, qkv_rows
 
     layout = mtp_layout(checkpoint)
     if layout is None:
@@ -136,8 +136,9 @@ def mtp_sources(checkpoint: MegatronCheckpoint, config: MegatronConfig) -> tuple
         sources[f"{layer}self_attn.{part}_proj.weight"] = MegatronSource(
             checkpoint, [(qkv, rows[part])], (config.num_query_groups * d, hidden))
     whole(layer + "self_attn.o_proj.weight", (hidden, heads * d), attention + "self_attention.linear_proj.weight")
-    whole(layer + "self_attn.q_norm.weight", (d,), attention + "self_attention.q_layernorm.weight")
-    whole(layer + "self_attn.k_norm.weight", (d,), attention + "self_attention.k_layernorm.weight")
+    for which in ("q", "k"):
+        sources[f"{layer}self_attn.{which}_norm.weight"] = head_norm_source(
+            checkpoint, config, f"{attention}self_attention.{which}_layernorm.weight")
     whole(layer + "post_attention_layernorm.weight", (hidden,), mlp + "pre_mlp_layernorm.weight",
           mlp + "mlp.linear_fc1.layer_norm_weight")
     if head.num_experts:
