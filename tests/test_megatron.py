@@ -271,6 +271,33 @@ def test_missing_pipeline_stage(tmp_path, capsys):
     refused(capsys, folder, tmp_path / "m.nnef.tgz", "lacks mp_rank_00_001")
 
 
+def _edit_chunks(folder: Path, name: str, edit) -> None:
+    """``.metadata`` rewritten (by the test's own trusted pickler) with ``edit(size, chunks) -> (size, chunks)``
+    applied to tensor ``name``'s global shape and chunks (lists of (offsets, sizes))."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+
+    path = folder / "iter_0000001" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    meta = metadata.state_dict_metadata[name]
+    size, chunks = edit(list(meta.size), [(list(c.offsets), list(c.sizes)) for c in meta.chunks])
+    metadata.state_dict_metadata[name] = TensorStorageMetadata(
+        meta.properties, torch.Size(size), [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in chunks])
+    path.write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda size, chunks: (size, [chunks[0], ([60, 0], chunks[1][1])]), "the chunks at [0, 0] and [60, 0] overlap"),
+    (lambda size, chunks: ([size[0] + 8, size[1]], chunks), "cover 8192 of the 8704 elements"),
+    (lambda size, chunks: (size, [chunks[0], ([72, 0], chunks[1][1])]), "the chunk at [72, 0] of shape [64, 64] exceeds"),
+], ids=["overlap", "gap", "outside"])
+def test_torch_dist_chunks_that_do_not_tile_the_tensor_are_refused(tmp_path, capsys, edit, message):
+    """A torch_dist tensor's chunks (the TP = 2 embedding's two halves) moved to overlap, leaving a gap, or reaching
+    past the global shape: one line when the checkpoint is opened, nothing written."""
+    folder = _copy(tmp_path, "tp2")
+    _edit_chunks(folder, "embedding.word_embeddings.weight", edit)
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", message)
+
+
 def test_missing_torch_dist_rank_file(tmp_path, capsys):
     folder = _copy(tmp_path, "tp2")
     (folder / "iter_0000001" / "__1_0.distcp").unlink()

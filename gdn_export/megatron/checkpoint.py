@@ -207,6 +207,35 @@ def bridge_args(path: Path) -> dict:
     return args
 
 
+def check_chunks(name: str, meta) -> None:
+    """A torch_dist tensor's chunks (``TensorStorageMetadata.chunks``: offsets and sizes in the global tensor) tile
+    its global shape exactly: each lies inside it, no two overlap, and together they cover it (disjoint boxes whose
+    volumes sum to the whole). Otherwise a one-line error naming the chunk, before anything is read or written."""
+    size = [int(n) for n in meta.size]
+    if any(n < 0 for n in size):
+        raise MegatronCheckpointError(f"{name}: global shape {size} in the metadata")
+    starts, stops = [], []
+    for chunk in meta.chunks:
+        offsets, sizes = [int(o) for o in chunk.offsets], [int(n) for n in chunk.sizes]
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(o < 0 for o in offsets) or \
+                any(n <= 0 for n in sizes) or any(o + n > g for o, n, g in zip(offsets, sizes, size)):
+            raise MegatronCheckpointError(f"{name}: the chunk at {offsets} of shape {sizes} exceeds the global shape "
+                                          f"{size}")
+        starts.append(offsets)
+        stops.append([o + n for o, n in zip(offsets, sizes)])
+    starts_, stops_ = np.array(starts, np.int64).reshape(-1, len(size)), np.array(stops, np.int64).reshape(-1, len(size))
+    for i in range(len(starts) - 1):  # boxes overlap when their intervals overlap on every axis
+        overlap = ((starts_[i + 1:] < stops_[i]) & (stops_[i + 1:] > starts_[i])).all(axis=1)
+        if overlap.any():
+            j = i + 1 + int(np.argmax(overlap))
+            raise MegatronCheckpointError(f"{name}: the chunks at {starts[i]} and {starts[j]} overlap")
+    covered = int(np.prod(stops_ - starts_, axis=1, dtype=np.int64).sum()) if starts else 0
+    total = int(np.prod(size, dtype=np.int64))
+    if covered != total:
+        raise MegatronCheckpointError(f"{name}: its chunks cover {covered} of the {total} elements of its global "
+                                      f"shape {size} (a gap)")
+
+
 class MegatronCheckpoint:
     """A Megatron checkpoint's ``args`` and tensors (by name), read lazily one tensor at a time."""
 
@@ -246,6 +275,7 @@ class MegatronCheckpoint:
         self._objects: dict[str, BytesStorageMetadata] = {}
         for name, item in metadata.state_dict_metadata.items():
             if isinstance(item, TensorStorageMetadata):
+                check_chunks(name, item)
                 self._tensors[name] = item
             else:
                 self._objects[name] = item
