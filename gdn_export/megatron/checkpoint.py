@@ -122,12 +122,13 @@ def _stand_ins(data) -> list[type]:
     return classes
 
 
-def safe_torch_load(data, what: str):
+def safe_torch_load(data, what: str, mmap: bool = False):
     """``torch.load(weights_only=True)``, with Megatron-LM's ``argparse.Namespace`` and inert stand-ins for
-    Megatron's own classes allowed."""
+    Megatron's own classes allowed; ``mmap`` (a file path): the tensors mapped from the file, their bytes read when
+    used, not when loaded."""
     try:
         with torch.serialization.safe_globals([argparse.Namespace, *_stand_ins(data)]):
-            return torch.load(data, map_location="cpu", weights_only=True)
+            return torch.load(data, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:
         message = str(err).strip().splitlines()
         detail = next((line for line in message if "GLOBAL" in line or "Unsupported" in line), message[0] if message
@@ -395,7 +396,14 @@ class MegatronCheckpoint:
     def _legacy_state(path: Path):
         if not path.is_file():
             raise MegatronCheckpointError(f"{path} is missing")
-        state = safe_torch_load(str(path), str(path))
+        # mapped, not loaded: a rank's file is read tensor by tensor as the conversion reads them (the page cache
+        # holds what was read), so a checkpoint of several ranks is not held in memory at once
+        try:
+            state = safe_torch_load(str(path), str(path), mmap=True)
+        except MegatronCheckpointError as err:  # a file of torch's pre-1.6 format cannot be mapped: loaded whole
+            if "mmap" not in str(err):
+                raise
+            state = safe_torch_load(str(path), str(path))
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
             raise MegatronCheckpointError(f"{path} holds no 'model' state dict (virtual pipeline models, model0 / "
                                           "model1..., are not supported)")
