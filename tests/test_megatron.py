@@ -21,7 +21,7 @@ from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
-MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "gpt", "gpt_interleaved", "ep2", "bridge_qwen3_next",
+MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "ep2", "bridge_qwen3_next",
           "bridge_qwen3_5")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5")
 PROMPT = 16
@@ -375,11 +375,24 @@ def test_unknown_layer_symbol(tmp_path, capsys):
             "layer symbol(s) 'X'")
 
 
+def test_sqrtsoftplus_scores_hold_float32_over_the_whole_range():
+    """The softplus of sqrtsoftplus routing (``ops.moe_ffn.naive.softplus``, spelled in ops that export as they
+    compute) against float64 over every float32 logit whose softplus is a normal number: within 4 ulp, finite where
+    NNEF's own ``log(exp(x) + 1)`` overflows (x > 88) or rounds to 0 (x < -17)."""
+    from gdn_export.ops.moe_ffn.naive import softplus
+
+    x = torch.cat([torch.linspace(-87.0, 120.0, 100_001), torch.tensor([-17.0, 0.0, 1e-8, -1e-8, 88.8, 1e4])])
+    exact = torch.nn.functional.softplus(x.double())
+    got = softplus(x).double()
+    assert torch.isfinite(got).all()
+    assert ((got - exact).abs() / exact).max() <= 4 * torch.finfo(torch.float32).eps
+
+
 @pytest.mark.parametrize("mixer, change, message", [
-    ("moe", {"moe_router_score_function": "sqrtsoftplus"}, "moe_router_score_function 'sqrtsoftplus'"),
-    ("moe", {"moe_router_topk_scaling_factor": 2.5}, "moe_router_topk_scaling_factor 2.5"),
-    ("moe", {"moe_router_enable_expert_bias": True}, "moe_router_enable_expert_bias"),
-    ("moe", {"moe_router_num_groups": 2}, "moe_router_num_groups 2"),
+    ("moe", {"moe_router_score_function": "entmax"}, "moe_router_score_function 'entmax'"),
+    ("moe", {"moe_router_topk_scaling_factor": -1.0}, "moe_router_topk_scaling_factor -1.0"),
+    ("moe", {"moe_router_enable_expert_bias": True}, "moe_router_enable_expert_bias and softmax scores"),
+    ("moe", {"moe_router_num_groups": 3}, "moe_router_num_groups 3"),
     ("moe_sigmoid", {"moe_router_group_topk": 2}, "moe_router_group_topk 2 and moe_router_topk 2"),
 ])
 def test_moe_routing_gdn_export_does_not_compute_is_refused(tmp_path, capsys, mixer, change, message):

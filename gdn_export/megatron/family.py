@@ -184,9 +184,9 @@ def _moe_config(args: dict, hidden: int) -> dict:
     bias, scaling, groups scored by their top-2 sum)."""
     def refuse_if(condition: bool, what: str) -> None:
         if condition:
-            raise MegatronCheckpointError(f"MoE layers with {what} are not supported (softmax top-k routing without "
-                                          "scaling, expert bias or groups; or sigmoid routing with groups scored by "
-                                          "their top-2 sum)")
+            raise MegatronCheckpointError(f"MoE layers with {what} are not supported (softmax, sigmoid or sqrtsoftplus "
+                                          "top-k routing with a positive scaling, groups scored by their top-2 sum; "
+                                          "expert bias with sigmoid or sqrtsoftplus scores)")
 
     score = _arg(args, "moe_router_score_function", default="softmax")
     scaling = float(_arg(args, "moe_router_topk_scaling_factor", default=None) or 1.0)
@@ -194,15 +194,16 @@ def _moe_config(args: dict, hidden: int) -> dict:
     groups = int(_arg(args, "moe_router_num_groups", default=None) or 1)
     group_topk = int(_arg(args, "moe_router_group_topk", default=None) or 1)
     top_k = int(_arg(args, "moe_router_topk", default=2))
-    refuse_if(score not in ("softmax", "sigmoid"), f"moe_router_score_function {score!r}")
+    refuse_if(score not in ("softmax", "sigmoid", "sqrtsoftplus"), f"moe_router_score_function {score!r}")
     if score == "softmax":
-        refuse_if(scaling != 1.0, f"moe_router_topk_scaling_factor {_arg(args, 'moe_router_topk_scaling_factor')}")
-        refuse_if(bias, "moe_router_enable_expert_bias")
-        refuse_if(groups != 1, f"moe_router_num_groups {groups}")
-    else:
-        refuse_if(groups > 1 and top_k // group_topk != 2,
-                  f"moe_router_num_groups {groups}, moe_router_group_topk {group_topk} and moe_router_topk {top_k} "
-                  f"(a group scored by its top-{top_k // group_topk} sum)")
+        # Megatron's TransformerConfig itself refuses an expert bias with softmax scores (aux-loss-free routing
+        # is for sigmoid and sqrtsoftplus); no Megatron release routes with it
+        refuse_if(bias, "moe_router_enable_expert_bias and softmax scores (Megatron refuses that pair too)")
+        refuse_if(scaling <= 0, f"moe_router_topk_scaling_factor {scaling} (softmax weights times a non-positive "
+                                "factor: the top k of the weights would not be the chosen experts)")
+    refuse_if(groups > 1 and (top_k // group_topk != 2 or int(_arg(args, "num_experts", default=0) or 0) % groups),
+              f"moe_router_num_groups {groups}, moe_router_group_topk {group_topk} and moe_router_topk {top_k} "
+              f"(a group scored by its top-{top_k // group_topk} sum)")
     experts = _arg(args, "num_experts", default=None)
     if not experts:
         raise MegatronCheckpointError("the layer pattern has MoE ('E') layers but the args give no num_experts")
@@ -545,12 +546,12 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
     names = {**MIXER_NAMES, "gdp": f"{MIXER_NAMES['gdp']} (n={config.gdp_num_householder})"}
     used = sorted({names[kind] for kind, _, _ in config.blocks}) + (["MLP"] if "-" in config.pattern else [])
     if config.moe_layers:
-        sigmoid = (f"sigmoid" + (", expert bias" if config.moe_router_expert_bias else "")
+        routing = (config.moe_router_score_function + (", expert bias" if config.moe_router_expert_bias else "")
                    + (f", {config.moe_router_group_topk} of {config.moe_router_num_groups} groups"
                       if config.moe_router_num_groups > 1 else "")
                    + (f", scaled by {config.moe_router_scaling:g}" if config.moe_router_scaling != 1 else ""))
         used.append(f"MoE ({config.num_experts} experts, top-{config.moe_router_topk} "
-                    + (sigmoid if config.moe_router_score_function == "sigmoid" else "softmax")
+                    + routing
                     + (" before top-k" if config.moe_router_pre_softmax else "")
                     + (", gated shared expert" if config.moe_shared_expert_gate else
                        ", shared expert" if config.moe_shared_expert_size else "") + ")")

@@ -89,6 +89,8 @@ def mtp_config(config: MegatronConfig, checkpoint: MegatronCheckpoint, mlp: str)
     if moe:
         refuse_if(config.moe_router_score_function != "softmax",
                   f"{config.moe_router_score_function} routing scores")
+        refuse_if(config.moe_router_num_groups > 1 or config.moe_router_scaling != 1,
+                  "grouped or scaled routing")
         refuse_if(not config.moe_shared_expert_gate, "no gated shared expert")
     return MTPConfig(
         hidden_size=config.hidden_size, vocab_size=config.vocab_size, num_attention_heads=config.num_attention_heads,
