@@ -21,7 +21,7 @@ from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
-MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "ep2", "bridge_qwen3_next",
+MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "ep2", "ep2_legacy", "bridge_qwen3_next",
           "bridge_qwen3_5")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5")
 PROMPT = 16
@@ -195,7 +195,8 @@ def test_report_names_megatron_layers():
     assert "GatedDeltaNet2" in weights.summary()
     assert model.config.layer_types == ["linear_attention", "full_attention", "linear_attention"]
     for name, what in (("tp2", "tensor-parallel size 2"), ("pp2_legacy", "pipeline-parallel size 2"),
-                       ("ep2", "expert-parallel size 2")):
+                       ("ep2", "expert-parallel size 2"), ("ep2_legacy", "legacy checkpoint saved with tensor-parallel "
+                                                                        "size 1, pipeline-parallel size 1, expert-parallel size 2")):
         _, _, _, weights = open_megatron(FIXTURES / f"megatron_{name}")
         assert what in weights.summary(), weights.summary()
 
@@ -296,6 +297,26 @@ def test_torch_dist_chunks_that_do_not_tile_the_tensor_are_refused(tmp_path, cap
     folder = _copy(tmp_path, "tp2")
     _edit_chunks(folder, "embedding.word_embeddings.weight", edit)
     refused(capsys, folder, tmp_path / "m.nnef.tgz", message)
+
+
+def test_missing_expert_parallel_rank(tmp_path, capsys):
+    folder = _copy(tmp_path, "ep2_legacy")
+    shutil.rmtree(folder / "iter_0000001" / "mp_rank_00_001")
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "lacks mp_rank_00_001")
+
+
+def test_expert_parallel_replicas_that_differ_are_refused(tmp_path, capsys):
+    """Every expert-parallel rank of a legacy save holds the whole non-expert model: copies that differ are one
+    line, as are local expert indices outside a rank's share."""
+    folder = _copy(tmp_path, "ep2_legacy")
+    name = "decoder.layers.1.mlp.router.weight"
+    _edit_rank(folder, "mp_rank_00_001", lambda model: model.__setitem__(name, model[name] + 1))
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "differs between the pipeline stages or expert-parallel ranks")
+    folder = _copy(tmp_path / "second", "ep2_legacy")
+    expert = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"
+    _edit_rank(folder, "mp_rank_00_001", lambda model: model.__setitem__(expert.replace(".1.linear", ".2.linear"),
+                                                                            model[expert]))
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "outside the 2 experts of an expert-parallel rank")
 
 
 def test_missing_torch_dist_rank_file(tmp_path, capsys):
