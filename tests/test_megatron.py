@@ -21,7 +21,7 @@ from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
-MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "ep2", "ep2_legacy", "bridge_qwen3_next",
+MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "gpt_mtp", "ep2", "ep2_legacy", "bridge_qwen3_next",
           "bridge_qwen3_5")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5")
 PROMPT = 16
@@ -60,7 +60,11 @@ def _eager_final_hidden(mixer: str) -> torch.Tensor:
     return seen["hidden"]
 
 
-def test_mtp_head_matches_megatrons_multi_token_prediction():
+MTP = ("moe_mtp", "gpt_mtp")  # a HybridModel's MTP pattern '/*E'; a GPTModel's MTP layer (its last: attention + MoE)
+
+
+@pytest.mark.parametrize("mixer", MTP)
+def test_mtp_head_matches_megatrons_multi_token_prediction(mixer):
     """The Megatron MTP block mapped onto the published mtp.* head (``models.mtp.MTPHead``), fed what Megatron's
     ``MultiTokenPredictionBlock`` reads (the decoder's output after its final norm, the next token at each
     position: the ids rolled left, 0 last), against the MTP logits of Megatron's own forward (``output_layer`` of
@@ -68,12 +72,12 @@ def test_mtp_head_matches_megatrons_multi_token_prediction():
     KV cache); fed the eager model's hidden state and Megatron's own."""
     from gdn_export.megatron.mtp import read_megatron_mtp_head
 
-    data = np.load(FIXTURES / "megatron_moe_mtp" / "golden.npz")
+    data = np.load(FIXTURES / f"megatron_{mixer}" / "golden.npz")
     tokens, expected = data["input_ids"], data["mtp_logits"]
     next_ids = torch.from_numpy(data["mtp_next_ids"])
     assert torch.equal(next_ids[:, :-1], torch.from_numpy(tokens[:, 1:])) and not next_ids[:, -1].any()
-    head = read_megatron_mtp_head(FIXTURES / "megatron_moe_mtp")
-    for hidden in (_eager_final_hidden("moe_mtp"), torch.from_numpy(data["mtp_input_hidden"])):
+    head = read_megatron_mtp_head(FIXTURES / f"megatron_{mixer}")
+    for hidden in (_eager_final_hidden(mixer), torch.from_numpy(data["mtp_input_hidden"])):
         with torch.no_grad():
             whole = head(hidden, next_ids, *head.empty_cache(2))[0]
             key, value = head.empty_cache(2)
@@ -81,28 +85,29 @@ def test_mtp_head_matches_megatrons_multi_token_prediction():
             for start, stop in [(0, PROMPT)] + [(t, t + 1) for t in range(PROMPT, tokens.shape[1])]:
                 logits, _, key, value = head(hidden[:, start:stop], next_ids[:, start:stop], key, value)
                 steps.append(logits)
-        judge("moe_mtp (MTP head)", whole.numpy(), expected)
-        judge("moe_mtp (MTP head, cached steps)", torch.cat(steps, dim=1).numpy(), expected)
+        judge(f"{mixer} (MTP head)", whole.numpy(), expected)
+        judge(f"{mixer} (MTP head, cached steps)", torch.cat(steps, dim=1).numpy(), expected)
 
 
 @pytest.mark.slow
-def test_converted_mtp_head_in_tract_matches_megatron(shared_session):
+@pytest.mark.parametrize("name", by_fixture(*(f"megatron_{m}" for m in MTP)))
+def test_converted_mtp_head_in_tract_matches_megatron(name, shared_session):
     """``gdn-export convert fixtures/megatron_moe_mtp``: the archive carries the Megatron MTP block as its MTP head
     (``mtp.nnef.tgz``); the main graph's ``hidden`` (prefill 16, then one token at a time, batch 2) fed to the head
     in tract (``MTPRunner``: 16 positions, then one at a time on its cache, per row) against the MTP logits of
     Megatron's own forward."""
     from gdn_export.run.mtp import MTPRunner
 
-    data = np.load(FIXTURES / "megatron_moe_mtp" / "golden.npz")
+    data = np.load(FIXTURES / name / "golden.npz")
     tokens, expected, next_ids = data["input_ids"], data["mtp_logits"], data["mtp_next_ids"]
-    session = shared_session("megatron_moe_mtp", "float32", tokens.shape[0])
+    session = shared_session(name, "float32", tokens.shape[0])
     session.reset()
     hidden = {}
     session.on_hidden = lambda first, states: hidden.__setitem__(first, states)
     logits = [session.prefill(tokens[:, :PROMPT])] + [session.decode(tokens[:, t:t + 1])
                                                       for t in range(PROMPT, tokens.shape[1])]
     session.reset()
-    judge("moe_mtp", np.concatenate(logits, axis=1), data["logits"])
+    judge(name, np.concatenate(logits, axis=1), data["logits"])
     states = np.concatenate([hidden[first] for first in sorted(hidden)], axis=1)
     assert states.shape == (*tokens.shape, 64)
     runner = MTPRunner(session.path, session.metadata)
@@ -112,7 +117,7 @@ def test_converted_mtp_head_in_tract_matches_megatron(shared_session):
         steps = [runner.run(states[row, :PROMPT], next_ids[row, :PROMPT])[0]]
         steps += [runner.run(states[row, t:t + 1], next_ids[row, t:t + 1])[0] for t in range(PROMPT, tokens.shape[1])]
         rows.append(np.concatenate(steps))
-    judge("moe_mtp (MTP head in tract)", np.stack(rows), expected)
+    judge(f"{name} (MTP head in tract)", np.stack(rows), expected)
 
 
 def test_mtp_block_is_read_and_reported():

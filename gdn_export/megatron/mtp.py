@@ -28,7 +28,7 @@ model's (0..S-1): position t embeds token t+1. That is what ``MTPHead`` computes
 | ``mtp.layers.0.final_layernorm.weight`` | ``mtp.norm.weight`` |
 
 The inner layer lives under ``mtp.layers.0.mtp_model_layer.layers.<i>.`` (HybridModel: ``<i>`` the MTP pattern's
-layers) or ``mtp.layers.0.transformer_layer.`` (GPTModel). ``MTPHead`` computes one depth of Qwen3-Next's head:
+layers) or ``mtp.layers.0.transformer_layer.`` (GPTModel, torch_dist; ``mtp_model_layer.`` in a legacy save). ``MTPHead`` computes one depth of Qwen3-Next's head:
 zero-centred norms, a gated attention with q/k norms, softmax top-k routing with a gated shared expert (or a dense
 SwiGLU MLP); a Megatron MTP block that computes anything else is refused in one line, never approximated.
 """
@@ -67,7 +67,14 @@ def mtp_layout(checkpoint: MegatronCheckpoint) -> tuple[str, str] | None:
     if depths != 1 or any(name.startswith("mtp.layers.1.") for name in checkpoint.names()):
         raise MegatronCheckpointError(f"mtp_num_layers {depths or 'unset'} with mtp.* tensors: one MTP depth is "
                                       "supported")
-    return PREFIX + "transformer_layer.", PREFIX + "transformer_layer."
+    # torch_dist keeps the older module name (MultiTokenPredictionLayer.sharded_state_dict maps mtp_model_layer. to
+    # transformer_layer.); a legacy save (state_dict) has the module's own
+    inner = PREFIX + ("transformer_layer." if any(name.startswith(PREFIX + "transformer_layer.")
+                                                  for name in checkpoint.names()) else "mtp_model_layer.")
+    if not checkpoint.has(inner + "self_attention.linear_qkv.weight"):
+        raise MegatronCheckpointError(f"the MTP layer ({inner}) has no self_attention.linear_qkv: GPTModel builds it "
+                                      "from the decoder's last layer, and gdn_export's MTP head is an attention layer")
+    return inner, inner
 
 
 def mtp_config(config: MegatronConfig, checkpoint: MegatronCheckpoint, mlp: str) -> MTPConfig:
