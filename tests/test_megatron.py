@@ -128,14 +128,25 @@ def test_mtp_block_is_read_and_reported():
     assert open_megatron(FIXTURES / "megatron_moe")[3].mtp is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change, message", [
     ({"hybrid_layer_pattern": "GE*EGE/*E/*E"}, "one MTP depth of one attention layer"),
     ({"hybrid_layer_pattern": "GE*EGE/G-"}, "multi-token prediction pattern '/G-'"),
     ({"apply_layernorm_1p": False, "layernorm_zero_centered_gamma": False}, "norms that are not zero-centred"),
     ({"moe_router_score_function": "sigmoid"}, "sigmoid routing scores"),
 ], ids=["two-depths", "gdn-layer", "plain-norms", "sigmoid"])
-def test_mtp_blocks_the_head_does_not_compute_are_refused(tmp_path, capsys, change, message):
-    refused(capsys, _with_args(tmp_path, "moe_mtp", **change), tmp_path / "m.nnef.tgz", message)
+def test_mtp_blocks_the_head_does_not_compute_are_left_out_with_the_reason(tmp_path, capsys, change, message):
+    """An MTP block the head does not compute: the model converts as before, without an MTP head, and the report
+    (its weights line and its MTP line) says why, as for a Hugging Face checkpoint's unreadable mtp.* layout."""
+    from gdn_export.run.archive import read_metadata
+
+    out = tmp_path / "m.nnef.tgz"
+    assert cli(["convert", str(_with_args(tmp_path, "moe_mtp", **change)), "-o", str(out), "--no-check"]) == 0
+    report = capsys.readouterr().out
+    assert "its MTP block left out: " in report and message in report, report
+    assert "MTP head left out: " in report, report
+    metadata = read_metadata(out)
+    assert "mtp" not in metadata and "hidden" not in metadata["outputs"]
 
 
 def test_perplexity_reference_reads_a_megatron_folder():

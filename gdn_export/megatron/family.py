@@ -589,13 +589,16 @@ def open_megatron(folder: str | os.PathLike):
     with parameters_on_meta():
         model = MegatronHybridLM(config).eval()
     sources, skipped = parameter_sources(model, checkpoint)
-    mtp = mtp_sources(checkpoint, config)  # every mtp.* tensor mapped and its shape checked, nothing read
+    try:  # every mtp.* tensor mapped and its shape checked, nothing read
+        mtp, mtp_left_out = mtp_sources(checkpoint, config), ""
+    except MegatronCheckpointError as err:  # the model converts; its MTP block stays out, and the report says why
+        mtp, mtp_left_out = None, str(err)
     layout = Layout(model_type=MODEL_TYPE, config={"model_type": MODEL_TYPE, "vocab_size": config.vocab_size,
                                                    "megatron": config})
     weights = MegatronWeights(sources, skipped, None)
     weights.description = describe(config, checkpoint) + (
         f", an MTP head of 1 depth ({'MoE' if mtp[0].num_experts else 'dense MLP'}; mapped to the published "
-        "mtp.* names)" if mtp else "")
+        "mtp.* names)" if mtp else f", its MTP block left out: {mtp_left_out}" if mtp_left_out else "")
     weights.mtp = mtp
     return FAMILY, layout, model, weights
 

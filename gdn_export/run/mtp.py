@@ -50,6 +50,9 @@ def mtp_plan(path: Path, metadata: dict):
         member = (metadata.get("mtp") or {}).get("member")
         if member != MEMBER:
             raise GdnExportError(no_mtp_message(Path(path)))
+        from gdn_export.run.integrity import check_archive
+
+        check_archive(path, metadata)  # the member's size and digest as recorded, before a byte of it is copied out
         with tempfile.TemporaryDirectory(prefix="gdn_mtp_") as folder:
             copy = Path(folder) / MEMBER
             with tarfile.open(path, "r:gz") as tar:

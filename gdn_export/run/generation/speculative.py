@@ -165,12 +165,11 @@ class MTPDrafter:
     chains: the MTP's own ``mtp_hidden`` and the draft make the next draft. The chained entries are cut off after
     drafting (they are rebuilt from the main model's states once those tokens are verified)."""
 
-    def __init__(self, session: Session, sampler: Sampler) -> None:
+    def __init__(self, path, metadata: dict, sampler: Sampler) -> None:
         from gdn_export.run.mtp import MTPRunner
 
-        self.runner, self.sampler = MTPRunner(session.path, session.metadata), sampler
+        self.runner, self.sampler = MTPRunner(path, metadata), sampler
         self.rows: dict[int, np.ndarray] = {}  # position -> the main model's hidden there, not yet in the cache
-        session.on_hidden = self.record
 
     def record(self, start: int, hidden: np.ndarray) -> None:
         """The main model's states after its final norm at positions ``start ...`` (batch 1); later calls at the same
@@ -220,6 +219,11 @@ class Speculation:
     def emitted(self, token: int) -> None:
         self.history.append(token)
 
+    def record_hidden(self, start: int, hidden: np.ndarray) -> None:
+        """The main model's ``hidden`` output ``[1, n, H]`` at positions ``start ...``, for an MTP drafter."""
+        if isinstance(self.model, MTPDrafter):
+            self.model.record(start, hidden)
+
     def propose(self, remaining: int, pending: int) -> list[int]:
         """The drafts of the next step: at most K, at most ``remaining - 1`` (the step emits one token more than the
         drafts it keeps), within ``max_call`` with ``pending`` tokens and the sampled one run in the same call."""
@@ -261,7 +265,10 @@ def speculative_tokens(session: Session, request: TokenRequest, cancelled: Calla
         raise GdnExportError(no_mtp_message(session.path))
     session.reset()
     sampler = Sampler(request.sampling)
-    drafter = MTPDrafter(session, sampler) if request.speculative.method == "mtp" else None  # before the prompt runs
+    drafter = None
+    if request.speculative.method == "mtp":  # listening before the prompt runs: its states are the first drafts'
+        drafter = MTPDrafter(session.path, session.metadata, sampler)
+        session.on_hidden = drafter.record
     logits = prefill_pieces(session, request.prompt_ids, cancelled)
     if logits is None:
         return
