@@ -78,15 +78,14 @@ def grouped_softmax_routing(router_logits: torch.Tensor, *, top_k: int, groups: 
 
 def _group_limited_top_k(choice: torch.Tensor, top_k: int, groups: int, top_groups: int) -> torch.Tensor:
     """The indices ``[N, top_k]`` of the top k of ``choice`` within the ``top_groups`` of ``groups`` equal groups of
-    best top-2 sum (every group when ``groups`` is 1)."""
+    best top-2 sum (one group: every expert; the same ops then, so that a model's graph does not depend on it)."""
     experts = choice.shape[-1]
-    if groups > 1:
-        group_scores = choice.reshape(-1, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)  # [N, G]
-        group_index = torch.topk(group_scores, k=top_groups, dim=-1)[1]
-        # one-hot rows summed, not a scatter: tract panics on torch_to_nnef's scatter of a scalar source
-        group_mask = (group_index[:, :, None] == torch.arange(groups)).sum(1)  # [N, G], 1 for a chosen group
-        expert_mask = group_mask[:, :, None].expand(-1, groups, experts // groups).reshape(-1, experts)
-        choice = torch.where(expert_mask > 0, choice, float("-inf"))
+    group_scores = choice.reshape(-1, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)  # [N, G]
+    group_index = torch.topk(group_scores, k=top_groups, dim=-1)[1]
+    # one-hot rows summed, not a scatter: tract panics on torch_to_nnef's scatter of a scalar source
+    group_mask = (group_index[:, :, None] == torch.arange(groups)).sum(1)  # [N, G], 1 for a chosen group
+    expert_mask = group_mask[:, :, None].expand(-1, groups, experts // groups).reshape(-1, experts)
+    choice = torch.where(expert_mask > 0, choice, float("-inf"))
     return torch.topk(choice, k=top_k, dim=-1)[1]
 
 
