@@ -21,9 +21,9 @@ from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
-MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "gpt", "ep2", "bridge_qwen3_next",
+MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "gpt_mtp", "ep2", "ep2_legacy", "bridge_qwen3_next", "bridge_qwen3_next_tp2",
           "bridge_qwen3_5")
-BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5")
+BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5", "bridge_qwen3_next_tp2")
 PROMPT = 16
 
 
@@ -47,6 +47,106 @@ def test_eager_model_matches_megatron(mixer):
     tokens, expected = golden(mixer)
     with torch.no_grad():
         judge(mixer, model(torch.from_numpy(tokens)).logits.numpy(), expected)
+
+
+def _eager_final_hidden(mixer: str) -> torch.Tensor:
+    """The eager model's hidden state after its final norm (``model.norm``) over the golden tokens."""
+    family, layout, _, weights = open_megatron(FIXTURES / f"megatron_{mixer}")
+    model = model_in_memory(family, layout, weights)
+    seen = {}
+    model.model.norm.register_forward_hook(lambda module, args, out: seen.update(hidden=out))
+    with torch.no_grad():
+        model(torch.from_numpy(golden(mixer)[0]))
+    return seen["hidden"]
+
+
+MTP = ("moe_mtp", "gpt_mtp")  # a HybridModel's MTP pattern '/*E'; a GPTModel's MTP layer (its last: attention + MoE)
+
+
+@pytest.mark.parametrize("mixer", MTP)
+def test_mtp_head_matches_megatrons_multi_token_prediction(mixer):
+    """The Megatron MTP block mapped onto the published mtp.* head (``models.mtp.MTPHead``), fed what Megatron's
+    ``MultiTokenPredictionBlock`` reads (the decoder's output after its final norm, the next token at each
+    position: the ids rolled left, 0 last), against the MTP logits of Megatron's own forward (``output_layer`` of
+    depth 1's output): over the whole sequence, and as a drafter runs it (16 positions, then one at a time on its
+    KV cache); fed the eager model's hidden state and Megatron's own."""
+    from gdn_export.megatron.mtp import read_megatron_mtp_head
+
+    data = np.load(FIXTURES / f"megatron_{mixer}" / "golden.npz")
+    tokens, expected = data["input_ids"], data["mtp_logits"]
+    next_ids = torch.from_numpy(data["mtp_next_ids"])
+    assert torch.equal(next_ids[:, :-1], torch.from_numpy(tokens[:, 1:])) and not next_ids[:, -1].any()
+    head = read_megatron_mtp_head(FIXTURES / f"megatron_{mixer}")
+    for hidden in (_eager_final_hidden(mixer), torch.from_numpy(data["mtp_input_hidden"])):
+        with torch.no_grad():
+            whole = head(hidden, next_ids, *head.empty_cache(2))[0]
+            key, value = head.empty_cache(2)
+            steps = []
+            for start, stop in [(0, PROMPT)] + [(t, t + 1) for t in range(PROMPT, tokens.shape[1])]:
+                logits, _, key, value = head(hidden[:, start:stop], next_ids[:, start:stop], key, value)
+                steps.append(logits)
+        judge(f"{mixer} (MTP head)", whole.numpy(), expected)
+        judge(f"{mixer} (MTP head, cached steps)", torch.cat(steps, dim=1).numpy(), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", by_fixture(*(f"megatron_{m}" for m in MTP)))
+def test_converted_mtp_head_in_tract_matches_megatron(name, shared_session):
+    """``gdn-export convert fixtures/megatron_moe_mtp``: the archive carries the Megatron MTP block as its MTP head
+    (``mtp.nnef.tgz``); the main graph's ``hidden`` (prefill 16, then one token at a time, batch 2) fed to the head
+    in tract (``MTPRunner``: 16 positions, then one at a time on its cache, per row) against the MTP logits of
+    Megatron's own forward."""
+    from gdn_export.run.mtp import MTPRunner
+
+    data = np.load(FIXTURES / name / "golden.npz")
+    tokens, expected, next_ids = data["input_ids"], data["mtp_logits"], data["mtp_next_ids"]
+    session = shared_session(name, "float32", tokens.shape[0])
+    session.reset()
+    hidden = {}
+    session.on_hidden = lambda first, states: hidden.__setitem__(first, states)
+    logits = [session.prefill(tokens[:, :PROMPT])] + [session.decode(tokens[:, t:t + 1])
+                                                      for t in range(PROMPT, tokens.shape[1])]
+    session.reset()
+    judge(name, np.concatenate(logits, axis=1), data["logits"])
+    states = np.concatenate([hidden[first] for first in sorted(hidden)], axis=1)
+    assert states.shape == (*tokens.shape, 64)
+    runner = MTPRunner(session.path, session.metadata)
+    rows = []
+    for row in range(tokens.shape[0]):
+        runner.reset()
+        steps = [runner.run(states[row, :PROMPT], next_ids[row, :PROMPT])[0]]
+        steps += [runner.run(states[row, t:t + 1], next_ids[row, t:t + 1])[0] for t in range(PROMPT, tokens.shape[1])]
+        rows.append(np.concatenate(steps))
+    judge(f"{name} (MTP head in tract)", np.stack(rows), expected)
+
+
+def test_mtp_block_is_read_and_reported():
+    _, _, _, weights = open_megatron(FIXTURES / "megatron_moe_mtp")
+    assert "an MTP head of 1 depth (MoE" in weights.summary(), weights.summary()
+    config, sources = weights.mtp
+    assert config.num_experts == 4 and sources["mtp.fc.weight"].pieces == [("mtp.layers.0.eh_proj.weight", None)]
+    assert open_megatron(FIXTURES / "megatron_moe")[3].mtp is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change, message", [
+    ({"hybrid_layer_pattern": "GE*EGE/*E/*E"}, "one MTP depth of one attention layer"),
+    ({"hybrid_layer_pattern": "GE*EGE/G-"}, "multi-token prediction pattern '/G-'"),
+    ({"apply_layernorm_1p": False, "layernorm_zero_centered_gamma": False}, "norms that are not zero-centred"),
+    ({"moe_router_score_function": "sigmoid"}, "sigmoid routing scores"),
+], ids=["two-depths", "gdn-layer", "plain-norms", "sigmoid"])
+def test_mtp_blocks_the_head_does_not_compute_are_left_out_with_the_reason(tmp_path, capsys, change, message):
+    """An MTP block the head does not compute: the model converts as before, without an MTP head, and the report
+    (its weights line and its MTP line) says why, as for a Hugging Face checkpoint's unreadable mtp.* layout."""
+    from gdn_export.run.archive import read_metadata
+
+    out = tmp_path / "m.nnef.tgz"
+    assert cli(["convert", str(_with_args(tmp_path, "moe_mtp", **change)), "-o", str(out), "--no-check"]) == 0
+    report = capsys.readouterr().out
+    assert "its MTP block left out: " in report and message in report, report
+    assert "MTP head left out: " in report, report
+    metadata = read_metadata(out)
+    assert "mtp" not in metadata and "hidden" not in metadata["outputs"]
 
 
 def test_perplexity_reference_reads_a_megatron_folder():
@@ -111,7 +211,8 @@ def test_report_names_megatron_layers():
     assert "GatedDeltaNet2" in weights.summary()
     assert model.config.layer_types == ["linear_attention", "full_attention", "linear_attention"]
     for name, what in (("tp2", "tensor-parallel size 2"), ("pp2_legacy", "pipeline-parallel size 2"),
-                       ("ep2", "expert-parallel size 2")):
+                       ("ep2", "expert-parallel size 2"), ("ep2_legacy", "legacy checkpoint saved with tensor-parallel "
+                                                                        "size 1, pipeline-parallel size 1, expert-parallel size 2")):
         _, _, _, weights = open_megatron(FIXTURES / f"megatron_{name}")
         assert what in weights.summary(), weights.summary()
 
@@ -185,6 +286,53 @@ def test_missing_pipeline_stage(tmp_path, capsys):
     folder = _copy(tmp_path, "pp2_legacy")
     shutil.rmtree(folder / "iter_0000001" / "mp_rank_00_001")
     refused(capsys, folder, tmp_path / "m.nnef.tgz", "lacks mp_rank_00_001")
+
+
+def _edit_chunks(folder: Path, name: str, edit) -> None:
+    """``.metadata`` rewritten (by the test's own trusted pickler) with ``edit(size, chunks) -> (size, chunks)``
+    applied to tensor ``name``'s global shape and chunks (lists of (offsets, sizes))."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+
+    path = folder / "iter_0000001" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    meta = metadata.state_dict_metadata[name]
+    size, chunks = edit(list(meta.size), [(list(c.offsets), list(c.sizes)) for c in meta.chunks])
+    metadata.state_dict_metadata[name] = TensorStorageMetadata(
+        meta.properties, torch.Size(size), [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in chunks])
+    path.write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda size, chunks: (size, [chunks[0], ([60, 0], chunks[1][1])]), "the chunks at [0, 0] and [60, 0] overlap"),
+    (lambda size, chunks: ([size[0] + 8, size[1]], chunks), "cover 8192 of the 8704 elements"),
+    (lambda size, chunks: (size, [chunks[0], ([72, 0], chunks[1][1])]), "the chunk at [72, 0] of shape [64, 64] exceeds"),
+], ids=["overlap", "gap", "outside"])
+def test_torch_dist_chunks_that_do_not_tile_the_tensor_are_refused(tmp_path, capsys, edit, message):
+    """A torch_dist tensor's chunks (the TP = 2 embedding's two halves) moved to overlap, leaving a gap, or reaching
+    past the global shape: one line when the checkpoint is opened, nothing written."""
+    folder = _copy(tmp_path, "tp2")
+    _edit_chunks(folder, "embedding.word_embeddings.weight", edit)
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", message)
+
+
+def test_missing_expert_parallel_rank(tmp_path, capsys):
+    folder = _copy(tmp_path, "ep2_legacy")
+    shutil.rmtree(folder / "iter_0000001" / "mp_rank_00_001")
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "lacks mp_rank_00_001")
+
+
+def test_expert_parallel_replicas_that_differ_are_refused(tmp_path, capsys):
+    """Every expert-parallel rank of a legacy save holds the whole non-expert model: copies that differ are one
+    line, as are local expert indices outside a rank's share."""
+    folder = _copy(tmp_path, "ep2_legacy")
+    name = "decoder.layers.1.mlp.router.weight"
+    _edit_rank(folder, "mp_rank_00_001", lambda model: model.__setitem__(name, model[name] + 1))
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "differs between the pipeline stages or expert-parallel ranks")
+    folder = _copy(tmp_path / "second", "ep2_legacy")
+    expert = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"
+    _edit_rank(folder, "mp_rank_00_001", lambda model: model.__setitem__(expert.replace(".1.linear", ".2.linear"),
+                                                                            model[expert]))
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "outside the 2 experts of an expert-parallel rank")
 
 
 def test_missing_torch_dist_rank_file(tmp_path, capsys):
@@ -264,11 +412,24 @@ def test_unknown_layer_symbol(tmp_path, capsys):
             "layer symbol(s) 'X'")
 
 
+def test_sqrtsoftplus_scores_hold_float32_over_the_whole_range():
+    """The softplus of sqrtsoftplus routing (``ops.moe_ffn.naive.softplus``, spelled in ops that export as they
+    compute) against float64 over every float32 logit whose softplus is a normal number: within 4 ulp, finite where
+    NNEF's own ``log(exp(x) + 1)`` overflows (x > 88) or rounds to 0 (x < -17)."""
+    from gdn_export.ops.moe_ffn.naive import softplus
+
+    x = torch.cat([torch.linspace(-87.0, 120.0, 100_001), torch.tensor([-17.0, 0.0, 1e-8, -1e-8, 88.8, 1e4])])
+    exact = torch.nn.functional.softplus(x.double())
+    got = softplus(x).double()
+    assert torch.isfinite(got).all()
+    assert ((got - exact).abs() / exact).max() <= 4 * torch.finfo(torch.float32).eps
+
+
 @pytest.mark.parametrize("mixer, change, message", [
-    ("moe", {"moe_router_score_function": "sqrtsoftplus"}, "moe_router_score_function 'sqrtsoftplus'"),
-    ("moe", {"moe_router_topk_scaling_factor": 2.5}, "moe_router_topk_scaling_factor 2.5"),
-    ("moe", {"moe_router_enable_expert_bias": True}, "moe_router_enable_expert_bias"),
-    ("moe", {"moe_router_num_groups": 2}, "moe_router_num_groups 2"),
+    ("moe", {"moe_router_score_function": "entmax"}, "moe_router_score_function 'entmax'"),
+    ("moe", {"moe_router_topk_scaling_factor": -1.0}, "moe_router_topk_scaling_factor -1.0"),
+    ("moe", {"moe_router_enable_expert_bias": True}, "moe_router_enable_expert_bias and softmax scores"),
+    ("moe", {"moe_router_num_groups": 3}, "moe_router_num_groups 3"),
     ("moe_sigmoid", {"moe_router_group_topk": 2}, "moe_router_group_topk 2 and moe_router_topk 2"),
 ])
 def test_moe_routing_gdn_export_does_not_compute_is_refused(tmp_path, capsys, mixer, change, message):
@@ -330,6 +491,16 @@ def test_gpt_model_layers_are_read_per_transformer_layer():
     _, _, model, weights = open_megatron(FIXTURES / "megatron_gpt")
     assert "GPTModel layers GE*EG-*E" in weights.summary(), weights.summary()
     assert model.config.layer_types == ["linear_attention", "full_attention"] * 2
+
+
+def test_interleaved_rotary_is_read_in_a_gpt_model_and_refused_in_a_hybrid_model(tmp_path, capsys):
+    """A GPTModel's interleaved rotary (fixture gpt_interleaved, matched against Megatron's logits above) is read as
+    NeoX halves over reordered q/k channels; a HybridModel's is refused: it rotates adjacent pairs by a table built in
+    halves (not a rotation)."""
+    _, _, model, weights = open_megatron(FIXTURES / "megatron_gpt_interleaved")
+    assert model.config.rotary_interleaved and "interleaved rotary" in weights.summary()
+    refused(capsys, _with_args(tmp_path, "moe", rotary_interleaved=True), tmp_path / "m.nnef.tgz",
+            "rotary_interleaved in a HybridModel")
 
 
 def test_gpt_model_without_linear_attention_freq_refused(tmp_path, capsys):

@@ -127,15 +127,21 @@ class FlaForCausalLM(Decoder, nn.Module):
     def norms(self, index, layer, part):
         return (layer.attn_norm if part == "mixer" else layer.mlp_norm), None
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
+    # True (an archive that carries the checkpoint's MTP head, pipeline/mtp.py): ``head`` also returns the normed
+    # state the logits come from, the main graph's last output ``hidden``, which the MTP head reads
+    emits_hidden: bool = False
+
+    def head(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # tied: two slices of the embedding table, so that tract packs the head once (see vocab_projection); a
         # quantized export may have given the head a weight of its own (hf/weight_writers.py separate_tied_head)
         tied = self.lm_head.weight is self.model.embeddings.weight
-        return vocab_projection(self.model.norm(x), self.lm_head, tied)
+        normed = self.model.norm(x)
+        logits = vocab_projection(normed, self.lm_head, tied)
+        return (logits, normed) if self.emits_hidden else logits
 
     def forward(self, input_ids: torch.Tensor, past_key_values: StateCache | None = None,
                 cache: StateCache | None = None, use_cache: bool = True, **unused) -> LMOutput:
         past = cache if cache is not None else past_key_values
         states = past.states if past is not None else self.initial_states(input_ids.shape[0])
         logits, states = self.step(input_ids, states)
-        return LMOutput(logits, StateCache(states))
+        return LMOutput(logits[0] if self.emits_hidden else logits, StateCache(states))

@@ -41,7 +41,10 @@ TORCH_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F1
 BRIDGE_CONFIG = "run_config.yaml"
 # a Bridge run_config.yaml is ~20 KB; PyYAML takes ~15 s a MiB of mappings in pure Python, so this bounds the read
 BRIDGE_CONFIG_LIMIT = 256 << 10
-LEGACY_RANK = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
+LEGACY_RANK = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
+# a legacy expert's name: SequentialMLP's local_experts.<i>. or TEGroupedMLP's linear_fc<n>.weight<i>, i local to
+# the expert-parallel rank
+LEGACY_EXPERT = re.compile(r"(.*\.mlp\.experts\.)(?:local_experts\.(\d+)(\..*)|(linear_fc[12]\.weight)(\d+))")
 
 
 class MegatronCheckpointError(CheckpointError):
@@ -122,12 +125,13 @@ def _stand_ins(data) -> list[type]:
     return classes
 
 
-def safe_torch_load(data, what: str):
+def safe_torch_load(data, what: str, mmap: bool = False):
     """``torch.load(weights_only=True)``, with Megatron-LM's ``argparse.Namespace`` and inert stand-ins for
-    Megatron's own classes allowed."""
+    Megatron's own classes allowed; ``mmap`` (a file path): the tensors mapped from the file, their bytes read when
+    used, not when loaded."""
     try:
         with torch.serialization.safe_globals([argparse.Namespace, *_stand_ins(data)]):
-            return torch.load(data, map_location="cpu", weights_only=True)
+            return torch.load(data, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:
         message = str(err).strip().splitlines()
         detail = next((line for line in message if "GLOBAL" in line or "Unsupported" in line), message[0] if message
@@ -207,6 +211,35 @@ def bridge_args(path: Path) -> dict:
     return args
 
 
+def check_chunks(name: str, meta) -> None:
+    """A torch_dist tensor's chunks (``TensorStorageMetadata.chunks``: offsets and sizes in the global tensor) tile
+    its global shape exactly: each lies inside it, no two overlap, and together they cover it (disjoint boxes whose
+    volumes sum to the whole). Otherwise a one-line error naming the chunk, before anything is read or written."""
+    size = [int(n) for n in meta.size]
+    if any(n < 0 for n in size):
+        raise MegatronCheckpointError(f"{name}: global shape {size} in the metadata")
+    starts, stops = [], []
+    for chunk in meta.chunks:
+        offsets, sizes = [int(o) for o in chunk.offsets], [int(n) for n in chunk.sizes]
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(o < 0 for o in offsets) or \
+                any(n <= 0 for n in sizes) or any(o + n > g for o, n, g in zip(offsets, sizes, size)):
+            raise MegatronCheckpointError(f"{name}: the chunk at {offsets} of shape {sizes} exceeds the global shape "
+                                          f"{size}")
+        starts.append(offsets)
+        stops.append([o + n for o, n in zip(offsets, sizes)])
+    starts_, stops_ = np.array(starts, np.int64).reshape(-1, len(size)), np.array(stops, np.int64).reshape(-1, len(size))
+    for i in range(len(starts) - 1):  # boxes overlap when their intervals overlap on every axis
+        overlap = ((starts_[i + 1:] < stops_[i]) & (stops_[i + 1:] > starts_[i])).all(axis=1)
+        if overlap.any():
+            j = i + 1 + int(np.argmax(overlap))
+            raise MegatronCheckpointError(f"{name}: the chunks at {starts[i]} and {starts[j]} overlap")
+    covered = int(np.prod(stops_ - starts_, axis=1, dtype=np.int64).sum()) if starts else 0
+    total = int(np.prod(size, dtype=np.int64))
+    if covered != total:
+        raise MegatronCheckpointError(f"{name}: its chunks cover {covered} of the {total} elements of its global "
+                                      f"shape {size} (a gap)")
+
+
 class MegatronCheckpoint:
     """A Megatron checkpoint's ``args`` and tensors (by name), read lazily one tensor at a time."""
 
@@ -246,6 +279,7 @@ class MegatronCheckpoint:
         self._objects: dict[str, BytesStorageMetadata] = {}
         for name, item in metadata.state_dict_metadata.items():
             if isinstance(item, TensorStorageMetadata):
+                check_chunks(name, item)
                 self._tensors[name] = item
             else:
                 self._objects[name] = item
@@ -310,50 +344,57 @@ class MegatronCheckpoint:
     # --- legacy ------------------------------------------------------------------------------------------------
 
     def _open_legacy(self, iteration: Path, ranks: list[str]) -> None:
-        """Every ``mp_rank_<tp>[_<pp>]`` folder of the TP x PP grid the args name (one missing or extra is an
-        error): each stage's layers renumbered from their stage-local index to the global one, each tensor kept as
-        its TP shards, merged when read (``read``)."""
-        grid = {}
+        """Every ``mp_rank_<tp>[_<pp>][_<ep>]`` folder of the TP x PP x EP grid the args name (one missing or extra
+        is an error): each stage's layers renumbered from their stage-local index to the global one, each
+        expert-parallel rank's local experts to their global index (the non-expert tensors, which every
+        expert-parallel rank holds, must agree), each tensor kept as its TP shards, merged when read (``read``)."""
         for name in ranks:
-            match = LEGACY_RANK.fullmatch(name)
-            if match is None:
-                raise MegatronCheckpointError(f"{iteration / name}: not a mp_rank_<tp:02d>[_<pp:03d>] folder (expert-"
-                                              "parallel legacy checkpoints are not supported; use torch_dist)")
-            grid[(int(match[1]), int(match[2] or 0))] = (name, match[2] is not None)
-        first = grid.get((0, 0))
-        if first is None:
+            if LEGACY_RANK.fullmatch(name) is None:
+                raise MegatronCheckpointError(f"{iteration / name}: not a mp_rank_<tp:02d>[_<pp:03d>][_<ep:03d>] folder")
+        first = sorted(ranks)[0] if ranks else None
+        if first is None or not first.startswith("mp_rank_00"):
             raise MegatronCheckpointError(f"{iteration} lacks mp_rank_00 (or mp_rank_00_000), the first rank")
-        states = {(0, 0): self._legacy_state(iteration / first[0] / LEGACY_FILE)}
-        self.args = self._args_of(states[(0, 0)])
+        states = {first: self._legacy_state(iteration / first / LEGACY_FILE)}
+        self.args = self._args_of(states[first])
         tp = int(self.args.get("tensor_model_parallel_size", 1) or 1)
         pp = int(self.args.get("pipeline_model_parallel_size", 1) or 1)
-        if int(self.args.get("expert_model_parallel_size", 1) or 1) != 1:
-            raise MegatronCheckpointError("legacy checkpoints saved with expert_model_parallel_size > 1 are not "
-                                          "supported (save torch_dist)")
-        if tp < 1 or pp < 1 or tp * pp > len(grid) + 1:  # sizes from the args, bounded by the folders there are
-            raise MegatronCheckpointError(f"{iteration} holds {len(grid)} mp_rank folders; its args say tensor-parallel "
-                                          f"size {tp} x pipeline-parallel size {pp}")
-        expected = {(t, s): f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") for t in range(tp) for s in range(pp)}
-        for key, folder in expected.items():
-            if key not in grid or grid[key][0] != folder:
+        ep = int(self.args.get("expert_model_parallel_size", 1) or 1)
+        # the args' sizes, bounded by the folders there are (one missing is named below)
+        if tp < 1 or pp < 1 or ep < 1 or tp * pp * ep > len(ranks) + 1:
+            raise MegatronCheckpointError(f"{iteration} holds {len(ranks)} mp_rank folders; its args say tensor-parallel "
+                                          f"size {tp} x pipeline-parallel size {pp} x expert-parallel size {ep}")
+        expected = {(t, s, e): f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+                    for t in range(tp) for s in range(pp) for e in range(ep)}
+        present = set(ranks)
+        for folder in expected.values():
+            if folder not in present:
+                grid = f"mp_rank_00..{tp - 1:02d}" + (f" x _000..{pp - 1:03d}" if pp > 1 else "") + \
+                    (f" x _000..{ep - 1:03d}" if ep > 1 else "")
                 raise MegatronCheckpointError(f"{iteration} lacks {folder}: the args say tensor-parallel size {tp} x "
-                                              f"pipeline-parallel size {pp}, so mp_rank_00..{tp - 1:02d}"
-                                              + (f" x _000..{pp - 1:03d}" if pp > 1 else "") + " must all be there")
-        extra = sorted(grid[key][0] for key in grid if key not in expected)
+                                              f"pipeline-parallel size {pp}" + (f" x expert-parallel size {ep}"
+                                                                                if ep > 1 else "")
+                                              + f", so {grid} must all be there")
+        extra = sorted(present - set(expected.values()))
         if extra:
             raise MegatronCheckpointError(f"{iteration} holds {extra[0]}, outside the tensor-parallel size {tp} x "
-                                          f"pipeline-parallel size {pp} grid of its args")
+                                          f"pipeline-parallel size {pp}" + (f" x expert-parallel size {ep}" if ep > 1
+                                                                            else "") + " grid of its args")
         offsets = _stage_offsets(self.args, pp)
+        local_experts = int(self.args.get("num_experts") or 0) // ep
         self._shards: dict[str, list[torch.Tensor]] = {}
         for t in range(tp):
             merged: dict[str, torch.Tensor] = {}
             for s in range(pp):
-                path = iteration / expected[(t, s)] / LEGACY_FILE
-                state = states.pop((t, s), None) or self._legacy_state(path)
-                for name, value in self._stage_model(state, path, s, offsets).items():
-                    if name in merged and not torch.equal(merged[name], value):
-                        raise MegatronCheckpointError(f"{name} differs between pipeline stages of {expected[(t, 0)]}")
-                    merged[name] = value
+                for e in range(ep):
+                    folder = expected[(t, s, e)]
+                    path = iteration / folder / LEGACY_FILE
+                    state = states.pop(folder, None) or self._legacy_state(path)
+                    for name, value in self._stage_model(state, path, s, offsets).items():
+                        name = _global_expert(name, e, local_experts, path) if ep > 1 else name
+                        if name in merged and not torch.equal(merged[name], value):
+                            raise MegatronCheckpointError(f"{name} differs between the pipeline stages or "
+                                                          f"expert-parallel ranks of tensor-parallel rank {t}")
+                        merged[name] = value
             if t and set(merged) != set(self._shards):
                 odd = sorted(set(merged) ^ set(self._shards))[0]
                 raise MegatronCheckpointError(f"tensor-parallel rank {t} and rank 0 hold different tensors ({odd})")
@@ -365,7 +406,14 @@ class MegatronCheckpoint:
     def _legacy_state(path: Path):
         if not path.is_file():
             raise MegatronCheckpointError(f"{path} is missing")
-        state = safe_torch_load(str(path), str(path))
+        # mapped, not loaded: a rank's file is read tensor by tensor as the conversion reads them (the page cache
+        # holds what was read), so a checkpoint of several ranks is not held in memory at once
+        try:
+            state = safe_torch_load(str(path), str(path), mmap=True)
+        except MegatronCheckpointError as err:  # a file of torch's pre-1.6 format cannot be mapped: loaded whole
+            if "mmap" not in str(err):
+                raise
+            state = safe_torch_load(str(path), str(path))
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
             raise MegatronCheckpointError(f"{path} holds no 'model' state dict (virtual pipeline models, model0 / "
                                           "model1..., are not supported)")
@@ -422,6 +470,20 @@ class MegatronCheckpoint:
             return self._read_dist(name)
         shards = self._shards[name]
         return shards[0] if len(shards) == 1 else merge_tensor_parallel(name, shards, self.blocks.get(name))
+
+
+def _global_expert(name: str, rank: int, local: int, path: Path) -> str:
+    """A legacy expert tensor's name with its expert-parallel rank's local index made global (``rank · local + i``);
+    other names unchanged. A local index outside the rank's ``local`` experts is an error."""
+    match = LEGACY_EXPERT.fullmatch(name)
+    if match is None:
+        return name
+    index = int(match[2] if match[2] is not None else match[5])
+    if index >= local:
+        raise MegatronCheckpointError(f"{path}: {name} is outside the {local} experts of an expert-parallel rank")
+    if match[2] is not None:
+        return f"{match[1]}local_experts.{rank * local + index}{match[3]}"
+    return f"{match[1]}{match[4]}{rank * local + index}"
 
 
 def _stage_offsets(args: dict, stages: int) -> list[tuple[int, int]]:

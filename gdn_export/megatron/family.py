@@ -14,6 +14,7 @@ from gdn_export.hf.families.fla import FlaLM
 from gdn_export.hf.layout import Layout
 from gdn_export.megatron.checkpoint import MegatronCheckpoint, MegatronCheckpointError, MegatronSource
 from gdn_export.layers.common import RMSNorm
+from gdn_export.megatron.mtp import mtp_sources
 from gdn_export.megatron.model import (MIXER_NAMES, GatedDeltaNet2Mixer, GatedDeltaNetMixer, GatedDeltaProductMixer,
                                        MegatronConfig, MegatronHybridLM, MegatronMoE)
 
@@ -90,7 +91,13 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
     refuse_if(_arg(args, "normalization", default="LayerNorm") != "RMSNorm",
               f"normalization {_arg(args, 'normalization', default='LayerNorm')!r} (only RMSNorm)")
     refuse_if(bool(_arg(args, "add_bias_linear", default=False)), "add_bias_linear (linear layers with biases)")
-    refuse_if(bool(_arg(args, "rotary_interleaved", default=False)), "rotary_interleaved")
+    interleaved = bool(_arg(args, "rotary_interleaved", default=False))
+    # HybridModel builds its RotaryEmbedding without rotary_interleaved (its table in halves: cos(f[j mod r/2]))
+    # while its attention rotates adjacent pairs: the two channels of a pair turn by different angles, which is not
+    # a rotation (Megatron-LM main, megatron-core 0.19); a GPTModel builds the table to match
+    refuse_if(interleaved and "*" in str(_arg(args, "hybrid_layer_pattern", "hybrid_override_pattern", default="")),
+              "rotary_interleaved in a HybridModel (its rotary table is built in halves while pairs of adjacent "
+              "channels are rotated: not a rotation; GPTModels with rotary_interleaved are read)")
     if "*" in pattern:
         refuse_if(_arg(args, "position_embedding_type", default="rope") != "rope",
                   f"position_embedding_type {_arg(args, 'position_embedding_type')!r} (only rope)")
@@ -166,7 +173,7 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
         mamba_num_heads=int(_arg(args, "mamba_num_heads", default=0) or 0),
         gdp_num_householder=int(_arg(args, "gdp_num_householder", default=3)), gdp_conv_kernel_dim=gdp_conv,
         attention_output_gate=bool(_arg(args, "attention_output_gate", default=False)),
-        rotary_dim=rotary_dim if rotary_dim != kv_channels else 0,
+        rotary_dim=rotary_dim if rotary_dim != kv_channels else 0, rotary_interleaved=interleaved,
         **(_moe_config(args, hidden) if "E" in pattern else {}),
         moe_layers=[i for s, i in layers if s == "E"])
 
@@ -177,9 +184,9 @@ def _moe_config(args: dict, hidden: int) -> dict:
     bias, scaling, groups scored by their top-2 sum)."""
     def refuse_if(condition: bool, what: str) -> None:
         if condition:
-            raise MegatronCheckpointError(f"MoE layers with {what} are not supported (softmax top-k routing without "
-                                          "scaling, expert bias or groups; or sigmoid routing with groups scored by "
-                                          "their top-2 sum)")
+            raise MegatronCheckpointError(f"MoE layers with {what} are not supported (softmax, sigmoid or sqrtsoftplus "
+                                          "top-k routing with a positive scaling, groups scored by their top-2 sum; "
+                                          "expert bias with sigmoid or sqrtsoftplus scores)")
 
     score = _arg(args, "moe_router_score_function", default="softmax")
     scaling = float(_arg(args, "moe_router_topk_scaling_factor", default=None) or 1.0)
@@ -187,15 +194,16 @@ def _moe_config(args: dict, hidden: int) -> dict:
     groups = int(_arg(args, "moe_router_num_groups", default=None) or 1)
     group_topk = int(_arg(args, "moe_router_group_topk", default=None) or 1)
     top_k = int(_arg(args, "moe_router_topk", default=2))
-    refuse_if(score not in ("softmax", "sigmoid"), f"moe_router_score_function {score!r}")
+    refuse_if(score not in ("softmax", "sigmoid", "sqrtsoftplus"), f"moe_router_score_function {score!r}")
     if score == "softmax":
-        refuse_if(scaling != 1.0, f"moe_router_topk_scaling_factor {_arg(args, 'moe_router_topk_scaling_factor')}")
-        refuse_if(bias, "moe_router_enable_expert_bias")
-        refuse_if(groups != 1, f"moe_router_num_groups {groups}")
-    else:
-        refuse_if(groups > 1 and top_k // group_topk != 2,
-                  f"moe_router_num_groups {groups}, moe_router_group_topk {group_topk} and moe_router_topk {top_k} "
-                  f"(a group scored by its top-{top_k // group_topk} sum)")
+        # Megatron's TransformerConfig itself refuses an expert bias with softmax scores (aux-loss-free routing
+        # is for sigmoid and sqrtsoftplus); no Megatron release routes with it
+        refuse_if(bias, "moe_router_enable_expert_bias and softmax scores (Megatron refuses that pair too)")
+        refuse_if(scaling <= 0, f"moe_router_topk_scaling_factor {scaling} (softmax weights times a non-positive "
+                                "factor: the top k of the weights would not be the chosen experts)")
+    refuse_if(groups > 1 and (top_k // group_topk != 2 or int(_arg(args, "num_experts", default=0) or 0) % groups),
+              f"moe_router_num_groups {groups}, moe_router_group_topk {group_topk} and moe_router_topk {top_k} "
+              f"(a group scored by its top-{top_k // group_topk} sum)")
     experts = _arg(args, "num_experts", default=None)
     if not experts:
         raise MegatronCheckpointError("the layer pattern has MoE ('E') layers but the args give no num_experts")
@@ -343,8 +351,8 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
     for name in checkpoint.names():
         if name in used:
             continue
-        if name.startswith("mtp.") or ".mtp." in name:
-            skipped["multi-token prediction layers"] += 1
+        if name.startswith("mtp."):  # mapped onto the published mtp.* head by megatron.mtp (checked there)
+            skipped["multi-token prediction head (read as mtp.*)"] += 1
         elif name.endswith("rotary_pos_emb.inv_freq") or name.endswith("_extra_state"):
             skipped["buffers"] += 1
         elif name == "output_layer.weight" and config.tie_word_embeddings:
@@ -398,19 +406,50 @@ def _moe_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, sh
                 checkpoint, shapes[prefix + "shared_expert_gate.weight"], where + "shared_experts.gate_weight"))
 
 
-def _attention_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, shapes, put) -> None:
-    """``linear_qkv`` rows are per query group ``[q (heads/groups · d) | k (d) | v (d)]``: gathered into q, k, v."""
+def qkv_rows(config: MegatronConfig) -> dict[str, list[int]]:
+    """The rows of ``linear_qkv`` that make q, gate (with ``attention_output_gate``), k and v, each in head order:
+    per query group ``[q (heads/groups · d) | gate (heads/groups · d) | k (d) | v (d)]``."""
     d, groups = config.kv_channels, config.num_query_groups
     per_group = config.num_attention_heads // groups
-    # per query group: [q (per_group heads) | gate (per_group heads, attention_output_gate) | k | v]
     sizes = [("q", per_group * d)] + ([("gate", per_group * d)] if config.attention_output_gate else []) + \
         [("k", d), ("v", d)]
-    rows = {part: [] for part, _ in sizes}
+    rows: dict[str, list[int]] = {part: [] for part, _ in sizes}
     base = 0
     for g in range(groups):
         for part, size in sizes:
             rows[part] += range(base, base + size)
             base += size
+    order = head_channel_order(config)
+    for part in ("q", "k"):  # interleaved rotary: each head's channels in the order NeoX halves rotate them
+        rows[part] = [rows[part][head * d + c] for head in range(len(rows[part]) // d) for c in order]
+    return rows
+
+
+def head_channel_order(config: MegatronConfig) -> list[int]:
+    """The order a q / k head's channels are read in: as stored, or with ``rotary_interleaved`` the rotated ones
+    even first, then odd (``[0, 2, .., r-2, 1, 3, .., r-1]``, the rest after): Megatron turns the pair (2i, 2i+1)
+    by frequency i, which is NeoX's turn of channels (i, i + r/2) after this reordering; q and k reordered alike
+    keep every attention score."""
+    d = config.kv_channels
+    r = config.rotary_dim or d
+    if not config.rotary_interleaved:
+        return list(range(d))
+    return list(range(0, r, 2)) + list(range(1, r, 2)) + list(range(r, d))
+
+
+def head_norm_source(checkpoint, config: MegatronConfig, name: str) -> MegatronSource:
+    """A q / k norm weight (one per head channel) in ``head_channel_order``."""
+    if not checkpoint.has(name):
+        raise MegatronCheckpointError(f"weights missing from the checkpoint: {name}")
+    if tuple(checkpoint.info(name).shape) != (config.kv_channels,):
+        raise MegatronCheckpointError(f"{name} is {list(checkpoint.info(name).shape)} in the checkpoint; the model's "
+                                      f"arguments give [{config.kv_channels}]")
+    return MegatronSource(checkpoint, [(name, head_channel_order(config))], (config.kv_channels,))
+
+
+def _attention_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, shapes, put) -> None:
+    """``linear_qkv`` rows (``qkv_rows``) gathered into q, k, v and the output gate."""
+    rows, d = qkv_rows(config), config.kv_channels
     if config.attention_output_gate:
         put(prefix + "gate_proj.weight", MegatronSource(checkpoint, [(where + "linear_qkv.weight", rows["gate"])],
                                                         shapes[prefix + "gate_proj.weight"]))
@@ -422,8 +461,8 @@ def _attention_sources(checkpoint, config: MegatronConfig, where: str, prefix: s
                                                             shapes[f"{prefix}{part}_proj.bias"]))
     put(prefix + "o_proj.weight", _whole(checkpoint, shapes[prefix + "o_proj.weight"], where + "linear_proj.weight"))
     if config.qk_layernorm:
-        put(prefix + "q_norm.weight", _whole(checkpoint, (d,), where + "q_layernorm.weight"))
-        put(prefix + "k_norm.weight", _whole(checkpoint, (d,), where + "k_layernorm.weight"))
+        put(prefix + "q_norm.weight", head_norm_source(checkpoint, config, where + "q_layernorm.weight"))
+        put(prefix + "k_norm.weight", head_norm_source(checkpoint, config, where + "k_layernorm.weight"))
 
 
 def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
@@ -461,9 +500,11 @@ def refuse_unverified(config: MegatronConfig, checkpoint: MegatronCheckpoint) ->
 
 
 class MegatronWeights(CheckpointWeights):
-    """``CheckpointWeights`` whose summary names the checkpoint's format and Megatron layer types."""
+    """``CheckpointWeights`` whose summary names the checkpoint's format and Megatron layer types; ``mtp``: the
+    MTP head's ``(MTPConfig, {published mtp.* name: MegatronSource})`` (``megatron.mtp``), or None."""
 
     description: str = ""
+    mtp: tuple | None = None
 
     def summary(self) -> str:
         return f"{self.description}; {super().summary()}"
@@ -505,12 +546,12 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
     names = {**MIXER_NAMES, "gdp": f"{MIXER_NAMES['gdp']} (n={config.gdp_num_householder})"}
     used = sorted({names[kind] for kind, _, _ in config.blocks}) + (["MLP"] if "-" in config.pattern else [])
     if config.moe_layers:
-        sigmoid = (f"sigmoid" + (", expert bias" if config.moe_router_expert_bias else "")
+        routing = (config.moe_router_score_function + (", expert bias" if config.moe_router_expert_bias else "")
                    + (f", {config.moe_router_group_topk} of {config.moe_router_num_groups} groups"
                       if config.moe_router_num_groups > 1 else "")
                    + (f", scaled by {config.moe_router_scaling:g}" if config.moe_router_scaling != 1 else ""))
         used.append(f"MoE ({config.num_experts} experts, top-{config.moe_router_topk} "
-                    + (sigmoid if config.moe_router_score_function == "sigmoid" else "softmax")
+                    + routing
                     + (" before top-k" if config.moe_router_pre_softmax else "")
                     + (", gated shared expert" if config.moe_shared_expert_gate else
                        ", shared expert" if config.moe_shared_expert_size else "") + ")")
@@ -518,6 +559,8 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
         used.append("gated attention output")
     if config.rotary_dim:
         used.append(f"rotary on {config.rotary_dim} of {config.kv_channels} channels")
+    if config.rotary_interleaved:
+        used.append("interleaved rotary (read as halves over reordered q/k channels)")
     if zero_centred(checkpoint.args):
         used.append("zero-centred (1 + w) norms")
     sizes = {what: int(checkpoint.args.get(f"{key}_model_parallel_size", 1) or 1)
@@ -546,10 +589,17 @@ def open_megatron(folder: str | os.PathLike):
     with parameters_on_meta():
         model = MegatronHybridLM(config).eval()
     sources, skipped = parameter_sources(model, checkpoint)
+    try:  # every mtp.* tensor mapped and its shape checked, nothing read
+        mtp, mtp_left_out = mtp_sources(checkpoint, config), ""
+    except MegatronCheckpointError as err:  # the model converts; its MTP block stays out, and the report says why
+        mtp, mtp_left_out = None, str(err)
     layout = Layout(model_type=MODEL_TYPE, config={"model_type": MODEL_TYPE, "vocab_size": config.vocab_size,
                                                    "megatron": config})
     weights = MegatronWeights(sources, skipped, None)
-    weights.description = describe(config, checkpoint)
+    weights.description = describe(config, checkpoint) + (
+        f", an MTP head of 1 depth ({'MoE' if mtp[0].num_experts else 'dense MLP'}; mapped to the published "
+        "mtp.* names)" if mtp else f", its MTP block left out: {mtp_left_out}" if mtp_left_out else "")
+    weights.mtp = mtp
     return FAMILY, layout, model, weights
 
 

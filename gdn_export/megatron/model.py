@@ -29,6 +29,7 @@ from gdn_export.layers.common import RMSNorm, ShortConvolution, decay_parameters
 from gdn_export.layers.lm import FlaForCausalLM, LMConfig
 from gdn_export.models import blocks
 from gdn_export.models.blocks import (dense_experts, gated_delta_mixer, gdn_decay, grouped_sigmoid_routing,
+                                      grouped_softmax_routing,
                                       identity_steps, per_head_decay, routed_moe, short_conv, softmax_gate,
                                       top_k_routing)
 from gdn_export.models.state import StateSpec, conv_state, delta_states, recurrent_state
@@ -65,12 +66,15 @@ class MegatronConfig(LMConfig):
     gdp_conv_kernel_dim: int = 4
     attention_output_gate: bool = False
     rotary_dim: int = 0  # channels of a head that rotary turns (Megatron's int(kv_channels * rotary_percent))
+    # Megatron's rotary_interleaved (a GPTModel's): pairs of adjacent channels turn; read as NeoX halves over q/k rows
+    # reordered per head (megatron.family.head_channel_order), which leaves every q·k product as it was
+    rotary_interleaved: bool = False
     moe_layers: list = field(default_factory=list)  # Megatron indices of the 'E' layers (among the blocks' MLPs)
     num_experts: int = 0
     moe_ffn_hidden_size: int = 0
     moe_router_topk: int = 1
     moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (no renormalization)
-    moe_router_score_function: str = "softmax"  # or "sigmoid" (DeepSeek-V3's routing, below)
+    moe_router_score_function: str = "softmax"  # or "sigmoid" (DeepSeek-V3's routing, below) or "sqrtsoftplus"
     moe_router_expert_bias: bool = False  # sigmoid: a bias added to the scores for the choice only
     moe_router_scaling: float = 1.0  # sigmoid: the chosen (renormalized) scores times this
     moe_router_num_groups: int = 1  # sigmoid: experts in groups, the top group_topk groups chosen first
@@ -272,14 +276,20 @@ class MegatronMoE(nn.Module):
     otherwise the softmax over the top-k logits (the top-k probabilities renormalized). Sigmoid scores: the experts
     chosen by score + ``expert_bias`` (within the ``group_topk`` best of ``num_groups`` groups, a group scored by its
     top-``topk / group_topk`` sum), weighted by their unbiased scores, renormalized when top-k > 1, times
-    ``moe_router_topk_scaling_factor``: DeepSeek-V3's routing (``models.blocks.grouped_sigmoid_routing``)."""
+    ``moe_router_topk_scaling_factor``: DeepSeek-V3's routing (``models.blocks.grouped_sigmoid_routing``); sqrtsoftplus
+    scores (``sqrt(softplus(logits))``) the same way. Softmax scores with groups or a scaling: the same choice over
+    the logits (or, ``moe_router_pre_softmax``, the softmax over every expert), the softmax weights times the
+    scaling (``grouped_softmax_routing``). Every routing but plain softmax is computed in the graph and handed to
+    tract's sparse ``tract_moe_ffn`` as a given routing (``ops/moe_ffn/op.py``)."""
 
     def __init__(self, config: MegatronConfig) -> None:
         super().__init__()
         c = config
         self.top_k, self.normalize = c.moe_router_topk, not c.moe_router_pre_softmax
-        self.sigmoid, self.scaling = c.moe_router_score_function == "sigmoid", c.moe_router_scaling
+        self.score, self.scaling = c.moe_router_score_function, c.moe_router_scaling
+        self.sigmoid = self.score in ("sigmoid", "sqrtsoftplus")
         self.groups, self.top_groups = c.moe_router_num_groups, c.moe_router_group_topk
+        self.plain_softmax = not self.sigmoid and self.groups == 1 and self.scaling == 1.0
         self.router = _linear(c.hidden_size, c.num_experts)
         if c.moe_router_expert_bias:
             self.expert_bias = nn.Parameter(torch.zeros(c.num_experts))
@@ -293,17 +303,21 @@ class MegatronMoE(nn.Module):
     @property
     def gate(self) -> str:
         if self.sigmoid:  # the weights choose the experts exactly when the scaling is positive (kimi_linear's rule)
-            return "grouped_sigmoid" if self.scaling > 0 else "grouped_sigmoid_signed"
-        return softmax_gate(self.normalize)
+            return f"grouped_{self.score}" if self.scaling > 0 else "grouped_sigmoid_signed"
+        # the read refuses a non-positive scaling of softmax weights (family._moe_config)
+        return softmax_gate(self.normalize) if self.plain_softmax else "grouped_softmax"
 
     def routing(self, flat: torch.Tensor) -> torch.Tensor:
         logits = self.router(flat)
-        if not self.sigmoid:
+        if self.plain_softmax:
             return top_k_routing(logits, self.top_k, self.normalize)
+        if not self.sigmoid:
+            return grouped_softmax_routing(logits, top_k=self.top_k, groups=self.groups, top_groups=self.top_groups,
+                                           pre_softmax=not self.normalize, scaling=self.scaling).to(logits.dtype)
         bias = self.expert_bias if hasattr(self, "expert_bias") else torch.zeros(logits.shape[-1])
         return grouped_sigmoid_routing(logits.float(), bias, top_k=self.top_k, groups=self.groups,
                                        top_groups=self.top_groups, normalize=self.top_k > 1,
-                                       scaling=self.scaling).to(logits.dtype)
+                                       scaling=self.scaling, score=self.score).to(logits.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])

@@ -27,3 +27,17 @@ def families() -> list:
     from gdn_export.megatron.family import FAMILY
 
     return [FAMILY]
+
+
+def has_mtp(folder: Path) -> bool:
+    """Whether the checkpoint holds a multi-token-prediction block (``mtp.*``)."""
+    from gdn_export.megatron.checkpoint import MegatronCheckpoint
+
+    return any(name.startswith("mtp.") for name in MegatronCheckpoint(folder).names())
+
+
+def read_mtp_head(folder: Path, dtype):
+    """The checkpoint's MTP block as the published MTP head (``megatron.mtp``), or None."""
+    from gdn_export.megatron.mtp import read_megatron_mtp_head
+
+    return read_megatron_mtp_head(folder, dtype)

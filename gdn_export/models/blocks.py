@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from gdn_export.ops.causal_conv1d.op import causal_conv1d_update
 from gdn_export.ops.gated_delta_rule.op import gated_delta_rule
 from gdn_export.ops.moe_ffn.naive import (dense_experts, grouped_sigmoid_routing,  # noqa: F401  (the families'
-                                          softmax_gate, top_k_routing)               # names for them)
+                                          grouped_softmax_routing, softmax_gate,     # names for them)
+                                          top_k_routing)
 from gdn_export.ops.moe_ffn.op import moe_ffn
 
 if TYPE_CHECKING:

@@ -19,10 +19,12 @@ position t (the position of ``h_t``), so the first call after a prompt of n toke
 Which ``h_t``: the main model's hidden state AFTER its final norm ``model.norm``. vLLM (``vllm/model_executor/
 models/qwen3_next_mtp.py``, ``qwen3_5_mtp.py``; the drafter gets the target model's ``forward`` output, and
 ``Qwen3NextModel.forward`` ends in ``hidden_states, _ = self.norm(hidden_states, residual)``) passes that state
-(read at vLLM's main branch, file qwen3_next_mtp.py and qwen3_next.py; SGLang's was not read here); a chained draft passes the MTP's own output after ``mtp.norm`` (``Qwen3NextMultiTokenPredictor.forward``
-returns ``self.norm(hidden_states, residual)``). Megatron-LM's ``MultiTokenPredictionBlock`` reads the decoder's
-output before the final layer norm; a Megatron head mapped onto this module (``eh_proj`` = ``fc``, ``enorm`` /
-``hnorm`` = the two pre-fc norms) is fed whichever state its training read (``MTPHead.reads``).
+(read at vLLM's main branch, files qwen3_next_mtp.py and qwen3_next.py; SGLang's was not read here); a chained draft
+passes the MTP's own output after ``mtp.norm`` (``Qwen3NextMultiTokenPredictor.forward`` returns
+``self.norm(hidden_states, residual)``). Megatron-LM's ``MultiTokenPredictionBlock`` reads the same state:
+``HybridModel.forward`` / ``GPTModel.forward`` hand it the decoder's output, which ends in the decoder's final norm
+(checked by the fixtures ``megatron_moe_mtp`` / ``megatron_gpt_mtp``), so a Megatron head is mapped onto this module
+(``megatron/mtp.py``: ``eh_proj`` = ``fc``, ``enorm`` / ``hnorm`` = the two pre-fc norms) and reads it too.
 
 API (stable: the trained fixture's head and Megatron's MTP block build on it)::
 

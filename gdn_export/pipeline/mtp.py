@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from gdn_export.checkpoints import source_for
 from gdn_export.hf.mtp import MTP_FAMILIES, has_mtp, read_mtp_head
 from gdn_export.hf.tensors import CheckpointError, TensorIndex
 from gdn_export.models.mtp import MTPHead
@@ -36,16 +37,24 @@ def mtp_decision(checkpoint_dir: str | Path, model_type: str, config: dict, *, l
                  dtype: torch.dtype) -> tuple[MTPHead | None, str | None]:
     """(the checkpoint's MTP head in ``dtype``, None) when the archive carries it; (None, why not) when the checkpoint
     has one that is left out; (None, None) when it has none."""
-    index = TensorIndex(checkpoint_dir)
-    if model_type not in MTP_FAMILIES or not has_mtp(index):
-        return None, None
-    if "mtp_num_hidden_layers" not in config:  # published heads say how many layers they have
-        return None, "MTP head left out: mtp.* tensors but no mtp_num_hidden_layers in config.json"
+    source = source_for(checkpoint_dir).load()
+    own = getattr(source, "read_mtp_head", None)  # a source with an MTP layout of its own (Megatron's MTP block)
+    if own is not None:
+        if not source.has_mtp(Path(checkpoint_dir)):
+            return None, None
+    else:
+        index = TensorIndex(checkpoint_dir)
+        if model_type not in MTP_FAMILIES or not has_mtp(index):
+            return None, None
+        if "mtp_num_hidden_layers" not in config:  # published heads say how many layers they have
+            return None, "MTP head left out: mtp.* tensors but no mtp_num_hidden_layers in config.json"
     if logits == "last":
         return None, "MTP head left out: --logits last (drafts are verified on every position's logits)"
     if quantize is not None:
         return None, f"MTP head left out: --quantize {quantize} (a quantized MTP head is not written yet)"
     try:
+        if own is not None:
+            return own(Path(checkpoint_dir), torch.float32).to(dtype), None
         return read_mtp_head(checkpoint_dir, torch.float32, index).to(dtype), None
     except CheckpointError as err:  # the model converts as before; the report says why its head does not come along
         return None, f"MTP head left out: {str(err).removeprefix(f'{checkpoint_dir}: ')}"

@@ -150,8 +150,20 @@ class FlaLM(ExportableLM):
 
     def forward(self, input_ids: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         past_len, seq_len, states = self.hf.split_inputs(inputs, self.states)
-        logits, new_states = self.hf.step(input_ids, states, past_len, seq_len)
-        return (logits, *new_states)
+        out, new_states = self.hf.step(input_ids, states, past_len, seq_len)
+        if self.hf.emits_hidden:  # the last output: the state after the final norm, which the MTP head reads
+            logits, hidden = out
+            return (logits, *new_states, hidden)
+        return (out, *new_states)
+
+    @property
+    def emits_hidden(self) -> bool:
+        """The model's (``FlaForCausalLM.emits_hidden``): an archive carrying an MTP head (pipeline/mtp.py)."""
+        return self.hf.emits_hidden
+
+    @emits_hidden.setter
+    def emits_hidden(self, value: bool) -> None:
+        self.hf.emits_hidden = value
 
     @property
     def serving(self) -> bool:

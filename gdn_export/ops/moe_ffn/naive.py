@@ -1,6 +1,6 @@
 """The reference of ``t2n_extra::moe_ffn`` and of the routings its callers compute: plain torch, what the op runs
 in torch (``dense_experts``) and what the families' routers compute (``top_k_routing``,
-``grouped_sigmoid_routing``)."""
+``grouped_sigmoid_routing``, ``grouped_softmax_routing``)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def top_k_routing(router_logits: torch.Tensor, top_k: int, normalize: bool) -> t
 
 
 def grouped_sigmoid_routing(router_logits: torch.Tensor, score_bias: torch.Tensor, *, top_k: int, groups: int,
-                            top_groups: int, normalize: bool, scaling: float) -> torch.Tensor:
+                            top_groups: int, normalize: bool, scaling: float, score: str = "sigmoid") -> torch.Tensor:
     """DeepSeek-V3 routing (transformers' ``KimiLinearTopkRouter``) as dense weights ``[N, E]``, zero for unselected
     experts.
 
@@ -31,24 +31,62 @@ def grouped_sigmoid_routing(router_logits: torch.Tensor, score_bias: torch.Tenso
     (renormalized if asked) times ``scaling``. Selection is topk, one-hot masks and where, so nothing data-dependent
     reaches Python. The topks are sorted (transformers' are not: torch_to_nnef exports only sorted topk; the
     chosen set, hence the scattered weights, is the same). The scatter names axis 1: tract 0.23 panics on
-    torch_to_nnef's unnormalized axis -1.
+    torch_to_nnef's unnormalized axis -1. ``score="sqrtsoftplus"``: the scores are ``sqrt(softplus(logits))``
+    instead (Megatron's ``moe_router_score_function``), the rest the same.
     """
-    experts = router_logits.shape[-1]
-    # spelled with exp: tract's sigmoid bottoms out at ~4.5e-7 below x ~ -14.6, and renormalizing top-k scores
-    # of that size would turn the floor into O(1) weight errors
-    scores = 1.0 / (1.0 + torch.exp(-router_logits))
-    choice = scores + score_bias.float()
+    if score == "sqrtsoftplus":
+        scores = torch.sqrt(softplus(router_logits))
+    else:
+        # spelled with exp: tract's sigmoid bottoms out at ~4.5e-7 below x ~ -14.6, and renormalizing top-k scores
+        # of that size would turn the floor into O(1) weight errors
+        scores = 1.0 / (1.0 + torch.exp(-router_logits))
+    top_index = _group_limited_top_k(scores + score_bias.float(), top_k, groups, top_groups)
+    top_weights = scores.gather(1, top_index)
+    if normalize:
+        top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return torch.zeros_like(scores).scatter(1, top_index, top_weights * scaling)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 + exp(x))`` within a few ulp of float32 over every x, in ops that export as they compute: NNEF's
+    ``softplus`` (what torch_to_nnef emits for ``F.softplus``) is ``log(exp(x) + 1)``, infinite above x ~ 88 and 0
+    below x ~ -17 where the value is ~exp(x); and ``log(1 + u)`` of a small u loses u's digits to the rounding of
+    ``1 + u``. Here ``max(x, 0) + log1p(exp(-|x|))``, log1p spelled ``log(w) · u / (w - 1)`` with ``w = 1 + u``
+    (exact to a few ulp; u itself where w rounds to 1)."""
+    u = torch.exp(-torch.abs(x))
+    w = 1.0 + u
+    log1p = torch.where(w == 1.0, u, torch.log(w) * u / torch.where(w == 1.0, torch.ones_like(w), w - 1.0))
+    return torch.clamp(x, min=0.0) + log1p
+
+
+def grouped_softmax_routing(router_logits: torch.Tensor, *, top_k: int, groups: int, top_groups: int,
+                            pre_softmax: bool, scaling: float) -> torch.Tensor:
+    """Megatron's softmax routing (``topk_routing_with_score_function``, score function ``softmax``) with expert
+    groups and a scaling, as dense weights ``[N, E]``: the top k experts within the ``top_groups`` groups of best
+    top-2 sum, chosen by the logits and weighted by the softmax over the chosen logits, or (``pre_softmax``) chosen
+    by and weighted by the softmax over every expert; times ``scaling``."""
+    logits = router_logits.float()
+    if pre_softmax:
+        scores = F.softmax(logits, dim=-1)
+        top_index = _group_limited_top_k(scores, top_k, groups, top_groups)
+        top_weights = scores.gather(1, top_index)
+    else:
+        top_index = _group_limited_top_k(logits, top_k, groups, top_groups)
+        top_weights = F.softmax(logits.gather(1, top_index), dim=-1)
+    return torch.zeros_like(logits).scatter(1, top_index, top_weights * scaling)
+
+
+def _group_limited_top_k(choice: torch.Tensor, top_k: int, groups: int, top_groups: int) -> torch.Tensor:
+    """The indices ``[N, top_k]`` of the top k of ``choice`` within the ``top_groups`` of ``groups`` equal groups of
+    best top-2 sum (one group: every expert; the same ops then, so that a model's graph does not depend on it)."""
+    experts = choice.shape[-1]
     group_scores = choice.reshape(-1, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)  # [N, G]
     group_index = torch.topk(group_scores, k=top_groups, dim=-1)[1]
     # one-hot rows summed, not a scatter: tract panics on torch_to_nnef's scatter of a scalar source
     group_mask = (group_index[:, :, None] == torch.arange(groups)).sum(1)  # [N, G], 1 for a chosen group
     expert_mask = group_mask[:, :, None].expand(-1, groups, experts // groups).reshape(-1, experts)
     choice = torch.where(expert_mask > 0, choice, float("-inf"))
-    top_index = torch.topk(choice, k=top_k, dim=-1)[1]
-    top_weights = scores.gather(1, top_index)
-    if normalize:
-        top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return torch.zeros_like(scores).scatter(1, top_index, top_weights * scaling)
+    return torch.topk(choice, k=top_k, dim=-1)[1]
 
 
 def dense_experts(x: torch.Tensor, weights: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor,

@@ -74,6 +74,9 @@ TRACT_GATES = {"softmax_topk": "softmax_topk", "softmax_all": "softmax_all"}
 # they are; tract_moe_ffn runs them with gate = 'raw' over [x | routing] (module docstring)
 GIVEN_ROUTING_GATES = {
     "grouped_sigmoid": "DeepSeek-V3 routing (sigmoid scores, biased choice in the top groups, a positive scaling)",
+    "grouped_sqrtsoftplus": "Megatron's sqrtsoftplus routing (sqrt(softplus) scores, biased choice in the top "
+                            "groups, a positive scaling)",
+    "grouped_softmax": "Megatron's softmax routing with expert groups or a positive scaling",
 }
 # routings the export cannot make sparse, and why
 UNSUPPORTED_GATES = {
