@@ -530,7 +530,7 @@ class NnefSteps:
         computed = untied_view(extras["exported"], layout, separated)[0] if separated else extras["exported"]
         return reference_layout, dequantized_view(computed, quantization), dict(
             quality_weights=published if quantization.quantized else None,
-            rounded_inputs=int8_reference_linears(quantization), int8_passes=quantization.int8_passes)
+            rounded_inputs=int8_reference_linears(quantization), int8_passes=quantization.own.get("int8_passes", 1))
 
     @staticmethod
     def check_targets(plan: ConvertPlan, staged: Path):
