@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gdn_export.run.archive import read_metadata  # noqa: E402
+from gdn_export.run.reading import read_metadata  # noqa: E402
 from gdn_export.run.runtime import load_tract_model, run_tract_tensors  # noqa: E402
 from gdn_export.targets import numpy_dtype  # noqa: E402
 

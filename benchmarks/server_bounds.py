@@ -445,8 +445,9 @@ def check_cost(large: Path) -> None:
     """The archive check's seconds against tract's load and plan of ``large`` (medians of 3, side by side)."""
     import statistics
 
-    from gdn_export.run.archive import DIGESTS_FIELD, read_metadata
-    from gdn_export.run.integrity import _check
+    from gdn_export.run.archive import DIGESTS_FIELD
+    from gdn_export.run.integrity import check_members
+    from gdn_export.run.reading import read_metadata
     from gdn_export.run.runtime import load_tract_model
 
     metadata = read_metadata(large) or {}
@@ -460,7 +461,7 @@ def check_cost(large: Path) -> None:
         checks, loads = [], []
         for _ in range(3):
             start = time.perf_counter()
-            _check(large, metadata)
+            check_members(large, metadata)
             checks.append(time.perf_counter() - start)
             start = time.perf_counter()
             plan = load_tract_model(large, {"B": 1})  # its own check is remembered: tract's load alone

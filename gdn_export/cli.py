@@ -91,7 +91,7 @@ def _check(args) -> int:
 
 
 def _info(args) -> int:
-    from gdn_export.run.archive import read_metadata
+    from gdn_export.run.reading import read_metadata
     from gdn_export.run.runtime import load_tract_model
 
     metadata = read_metadata(args.model) or {}
@@ -408,7 +408,7 @@ def _serve(args) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     allow_long = os.environ.get(ALLOW_LONG_ENV) == "1"
 
-    from gdn_export.run.archive import read_metadata
+    from gdn_export.run.reading import read_metadata
 
     metadata = read_metadata(args.model) or {}
     batched = bool(metadata.get("serving"))

@@ -98,7 +98,7 @@ Q4_0 = "tract's Q4_0 format"
 BACKENDS: tuple[Backend, ...] = (  # the first is the default: a file of no known suffix is an NNEF archive (tar.gz)
     Backend("nnef", ".nnef.tgz", NNEF_RUNTIMES, "nnef (.nnef.tgz for tract)", "gdn_export.pipeline.export:to_nnef",
             "gdn_export.pipeline.convert:NNEF", "gdn_export.run.session:Session",
-            "gdn_export.run.archive:read_metadata",
+            "gdn_export.run.reading:read_metadata",
             owns=(  # in the order the command line lists them (the first given is the one refused)
                 BackendOption("quantize_embeddings", "--quantize-embeddings", Q4_0, shown=False, truthy=True),
                 BackendOption("q4_rule", "--q4-rule", Q4_0),

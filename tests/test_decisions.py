@@ -180,7 +180,7 @@ def test_every_op_decides_through_the_one_signature():
 def test_short_conv_decision(runtime, dtype, version, expected):
     from gdn_export.ops.causal_conv1d.nnef import decide
     from gdn_export.ops.causal_conv1d.op import ConvNode
-    from gdn_export.ops.options import LoweringOptions
+    from gdn_export.ops.options import NnefOptions
 
-    decision = decide(ConvNode("y", dtype=dtype), LoweringOptions(tract_version=version, runtime=runtime))
+    decision = decide(ConvNode("y", dtype=dtype), NnefOptions(tract_version=version, runtime=runtime))
     assert decision.lowering == expected, decision

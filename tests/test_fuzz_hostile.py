@@ -65,7 +65,7 @@ def mutations(data: bytes, seed: int):
 
 def test_mutated_archives_are_refused_in_one_line_or_are_the_original(archive, tmp_path):
     from gdn_export.errors import GdnExportError
-    from gdn_export.run.archive import read_metadata
+    from gdn_export.run.reading import read_metadata
     from gdn_export.run.integrity import check_archive
 
     data = archive.read_bytes()

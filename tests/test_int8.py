@@ -190,7 +190,7 @@ def test_the_int8_rule_fails_a_graph_that_does_not_round_its_inputs(fixture):
         pytest.skip(f"no fixtures/{fixture}")
     family, layout, model, weights = open_checkpoint(FIXTURES / fixture)
     names = [n for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
-    report = QuantizationReport(scheme="int8", quantized=names, rounds_inputs=True)
+    report = QuantizationReport(scheme="int8", quantized=names)
     view = dequantized_view(weights, report)
     tokens = sample_tokens(layout.config["vocab_size"], 1, 24)
     rounded = int8_reference_linears(report)

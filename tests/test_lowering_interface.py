@@ -7,7 +7,8 @@ import pytest
 
 import gdn_export
 from gdn_export.ops.gated_delta_rule.nnef import policy, registry
-from gdn_export.ops.options import LoweringOptions, validate_options
+from gdn_export.ops.gated_delta_rule.nnef.options import GatedDeltaRuleOptions, validate_options
+from gdn_export.ops.options import NnefOptions
 
 
 
@@ -47,10 +48,11 @@ def test_every_runtime_orders_registered_lowerings_and_ends_with_one_that_always
 
 
 def test_options_are_frozen_with_defaults():
-    options = LoweringOptions(tract_version=(0, 23, 9))
+    options = GatedDeltaRuleOptions(tract_version=(0, 23, 9))
     assert (options.lowering, options.runtime, options.core_dtype, options.chunk_size, options.seq_may_vary) == (
         "auto", "any", None, None, False)
-    assert not options.core_f16 and LoweringOptions(tract_version=(0, 23, 9), core_dtype="float16").core_f16
+    assert not options.core_f16 and GatedDeltaRuleOptions(tract_version=(0, 23, 9), core_dtype="float16").core_f16
+    assert GatedDeltaRuleOptions.of(NnefOptions(tract_version=(0, 23, 9))) == options  # a plan naming none of its own
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.lowering = "scan"
 
@@ -71,7 +73,7 @@ def test_option_values_are_validated_where_the_options_are_made(values, message)
     with pytest.raises(gdn_export.LoweringError, match=re.escape(message)):
         validate_options(*positional)  # as export.py and hf/convert.py call it
     with pytest.raises(gdn_export.LoweringError) as raised:
-        LoweringOptions(tract_version=(0, 23, 9), **values)
+        GatedDeltaRuleOptions(tract_version=(0, 23, 9), **values)
     assert str(raised.value) == message
 
 
@@ -80,8 +82,11 @@ def test_the_offline_target_carries_the_options():
 
     target = nnef_target("0.23.7", lowering="chunked", dynamic_axes={"q": {1: "S"}}, runtime="cpu",
                          core_dtype="float16", chunk_size=32)
-    assert target.gdn_options == LoweringOptions(tract_version=(0, 23, 7), lowering="chunked", runtime="cpu",
-                                                 core_dtype="float16", chunk_size=32, seq_may_vary=True)
+    assert target.gdn_options == NnefOptions(tract_version=(0, 23, 7), runtime="cpu", seq_may_vary=True, ops={
+        "gated_delta_rule": {"lowering": "chunked", "core_dtype": "float16", "chunk_size": 32}})
+    assert GatedDeltaRuleOptions.of(target.gdn_options) == GatedDeltaRuleOptions(
+        tract_version=(0, 23, 7), lowering="chunked", runtime="cpu", core_dtype="float16", chunk_size=32,
+        seq_may_vary=True)
     assert target.gdn_decisions == []
     assert not target.with_dynamic_axes({}).gdn_options.seq_may_vary
     with pytest.raises(gdn_export.LoweringError, match="runtime 'tpu'"):
@@ -99,7 +104,7 @@ def test_a_plain_torch_to_nnef_target_gets_the_defaults():
     with patched(no_download(_NoBinary)):
         plain = TractNNEF("0.23.9", check_io=False, dynamic_axes={"q": {1: "S"}})
     assert policy_of(plain) is plain
-    assert plain.gdn_options == LoweringOptions(tract_version=(0, 23, 9), seq_may_vary=True)
+    assert plain.gdn_options == NnefOptions(tract_version=(0, 23, 9), seq_may_vary=True)
     decisions = plain.gdn_decisions
     assert policy_of(plain).gdn_decisions is decisions  # given once
 

@@ -32,7 +32,7 @@ from helpers import FIXTURES, archive_members, by_fixture, resealed
 from gdn_export import tract_quirks as tq
 from gdn_export.pipeline.convert import convert
 from gdn_export.hf.tensors import write_nnef_array
-from gdn_export.ops.options import LoweringOptions
+from gdn_export.ops.options import NnefOptions
 from gdn_export.models import blocks
 from gdn_export.ops.moe_ffn.nnef import decide
 from gdn_export.ops.moe_ffn import op as moe_ffn
@@ -259,7 +259,7 @@ def test_refused_exports_are_dense_with_a_reason(tmp_path, runtime, gate, why):
 
 
 def test_older_tract_is_dense():
-    decision = decide(moe_ffn.MoeNode("y", "softmax_topk"), LoweringOptions(tract_version=(0, 23, 8), runtime="cpu"))
+    decision = decide(moe_ffn.MoeNode("y", "softmax_topk"), NnefOptions(tract_version=(0, 23, 8), runtime="cpu"))
     assert decision.lowering == "dense" and "0.23.9" in decision.reason
 
 

@@ -35,6 +35,26 @@ def test_every_format_is_complete(fmt):
         assert str(err.value) == fmt.needs[0]
 
 
+def test_the_quantization_report_names_no_format():
+    """The report holds a format's own values in ``own``, as its codec's ``report_fields`` makes them, and renders
+    with them: no field named for one format's option, and a format's words come from its own values."""
+    import dataclasses
+
+    from gdn_export.hf.weight_writers import QuantizationReport
+
+    fields = {f.name for f in dataclasses.fields(QuantizationReport)}
+    owned = {option.name for fmt in formats.all_formats() for option in fmt.options}
+    assert owned and not fields & owned, fields & owned
+    for fmt in formats.all_formats():
+        if fmt.name is None:
+            continue
+        codec = fmt.codec_module()
+        own = codec.report_fields() if hasattr(codec, "report_fields") else {}
+        report = QuantizationReport(scheme=fmt.name, own=own, describe=getattr(codec, "describe", lambda r: ""),
+                                    quantized=["w"], bytes_before=2048, bytes_after=512)
+        assert str(report).startswith(f"1 weights in {fmt.label} (2.0 KiB -> 0.5 KiB"), str(report)
+
+
 def test_every_format_folder_is_registered():
     """The folders on disk (weights/<name>/format.py), not the registry's own list: a folder left out of FORMATS fails;
     and --quantize offers exactly the registered formats, each with its words in the help."""

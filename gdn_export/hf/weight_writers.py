@@ -31,7 +31,6 @@ from gdn_export.hf.blocks import ExpertStacks
 from gdn_export.hf.tensors import TORCH_TO_NUMPY, write_nnef_rows
 from gdn_export.models.derived import PLACEHOLDER, RECIPE, Recipe, rows_of
 from gdn_export.targets import NNEF_DATUM
-from gdn_export.weights import q4_0
 from gdn_export.weights.encoding import Encoding
 from gdn_export.weights.formats import weight_format
 from gdn_export.weights.streamed import StreamedWeights
@@ -41,10 +40,7 @@ class QuantizationReport:
     """What a quantized export stored in its weight format, and what it left in the export dtype."""
 
     scheme: str | None = None
-    rule: str = q4_0.RULES[0]  # how each block's scale was chosen (gdn_export.weights.q4_0.RULES)
-    calibration: str = ""  # the calibration that weighted the search, in words ("" for none)
-    importance: dict[str, np.ndarray] = field(default_factory=dict)  # checkpoint name -> weight of each input channel
-    grams: dict[str, np.ndarray] = field(default_factory=dict)  # checkpoint name -> E[a a^T] (rule "gptq")
+    own: dict = field(default_factory=dict)  # the weight format's own values (its codec's report_fields), its codec's
     quantized: list[str] = field(default_factory=list)  # checkpoint parameter names
     kept: Counter = field(default_factory=Counter)  # reason -> count of 2-D weights left unquantized
     bytes_before: int = 0  # of the quantized tensors, in the export dtype
@@ -52,8 +48,6 @@ class QuantizationReport:
     tables: list[str] = field(default_factory=list)  # checkpoint names of embedding tables stored beside the weights
     table_words: str = ""  # how they are stored, in the report's words (the tables' encoding's)
     table_bytes: tuple[int, int] = (0, 0)  # their bytes in the export dtype, and stored
-    int8_passes: int = 1  # int8: each linear layer's input rounded in 1 or 2 passes (int8.round_activations)
-    rounds_inputs: bool = False  # the reference rounds the inputs of the quantized layers as the graph does (int8)
     round_trips: dict = field(default_factory=dict)  # checkpoint name -> its reading once stored (the reference's)
     describe: Callable = lambda report: ""  # the weight format's own words (its codec's describe)
 
@@ -72,13 +66,6 @@ class QuantizationReport:
         if warning := getattr(weight_format(self.scheme).codec_module(), "slow_here_warning", lambda: "")():
             text += f"; WARNING: {warning}"
         return text
-
-    def q4_0_rule(self, name: str) -> tuple[str, np.ndarray | None, np.ndarray | None]:
-        """(rule, importance, second moments) the weight of checkpoint name ``name`` was stored with: GPTQ needs
-        its input's second moments, a weight without them is searched."""
-        if name in self.grams:
-            return "gptq", self.importance.get(name), self.grams[name]
-        return ("search" if self.rule == "gptq" else self.rule), self.importance.get(name), None
 
 
 def _size(n: int) -> str:
@@ -151,12 +138,9 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
     params = {id(param): param for param in lm.parameters()}
     tables = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Embedding)}
     linear = {id(m.weight) for m in lm.modules() if isinstance(m, nn.Linear)}
-    q4_rule = q4_rule or q4_0.RULES[0]
-    if q4_rule not in q4_0.RULES:
-        raise GdnExportError(f"Q4_0 rule {q4_rule!r} is not one of {', '.join(q4_0.RULES)}")
-    report = QuantizationReport(scheme=quantize, rule=q4_rule, calibration=str(calibration or ""),
-                                int8_passes=int8_passes, rounds_inputs=getattr(codec, "ROUNDS_INPUTS", False),
-                                describe=getattr(codec, "describe", lambda report: ""))
+    report = QuantizationReport(scheme=quantize, describe=getattr(codec, "describe", lambda report: ""))
+    if hasattr(codec, "report_fields"):  # the format's own values, given its options
+        report.own.update(codec.report_fields(q4_rule=q4_rule, calibration=calibration, int8_passes=int8_passes))
     chosen: set[int] = set()
     table_keys: set[int] = set()
     tables_encoding = None
@@ -208,13 +192,10 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
         param = params[key]
         encoding = weights_encoding if key in chosen else tables_encoding if key in table_keys else None
         source = _source_name(param, names) if encoding is not None else None
-        if key in chosen:
+        if key in chosen and calibration is not None and hasattr(codec, "note_calibrated"):
             recipe = getattr(param, RECIPE, None)
-            if calibration is not None and source in calibration.importance and (
-                    recipe is None or (recipe.part is None and recipe.pad is None)):
-                report.importance[source] = calibration.importance[source]
-                if q4_rule == "gptq" and source in calibration.grams and param.dim() == 2:
-                    report.grams[source] = calibration.grams[source]
+            codec.note_calibrated(report.own, source, calibration, matrix=param.dim() == 2,
+                                  columns_kept=recipe is None or (recipe.part is None and recipe.pad is None))
         writer = _writer(group[0], param, names, weights, dtype, encoding, tuple(group), source)
         if key in chosen:
             report.quantized.append(source)
@@ -363,7 +344,7 @@ def dequantized_view(weights, report: QuantizationReport):
 
 def int8_reference_linears(report: QuantizationReport) -> frozenset:
     """The names of transformers' ``nn.Linear`` modules whose input the reference rounds (a format whose graph
-    rounds the inputs of its layers: int8)."""
-    if not report.rounds_inputs:
+    rounds the inputs of its layers: int8, its codec's ``ROUNDS_INPUTS``)."""
+    if report.scheme is None or not getattr(weight_format(report.scheme).codec_module(), "ROUNDS_INPUTS", False):
         return frozenset()
     return frozenset(name.rpartition(".")[0] for name in report.quantized)

@@ -8,7 +8,8 @@ in the op's back-end module (``ops/<op>/nnef.py``, ``ops/<op>/onnx.py``; the gat
 ``emitter.py``, over the lowerings its registry names). ``node`` is the op's own record of what one node is
 (``Node``: its name and entry point, and the facts its rule reads: ``GdnNode``, ``ConvNode``, ``MoeNode``, the
 ONNX ``RuleFacts``); ``plan`` is the export's one frozen, validated plan for that back-end
-(``ops.options.LoweringOptions`` for NNEF, ``backends.onnx.registry.OnnxOptions`` for ONNX). ``decide`` raises
+(``ops.options.NnefOptions`` for NNEF, from which an op with options of its own makes its own object,
+``GatedDeltaRuleOptions.of``; ``backends.onnx.registry.OnnxOptions`` for ONNX). ``decide`` raises
 LoweringError where a requested lowering cannot be exact, and writes nothing: the handler that writes the node
 calls it, records the ``Decision`` (``record``), and lowers what it says. The export report and the archive's
 ``gdn_export.json`` list the Decisions; a pipeline that must know a decision before tracing (which MoE stacks a

@@ -418,7 +418,7 @@ class NnefSteps:
 
     @staticmethod
     def validate_after_check(options: dict, runtime: str) -> None:
-        from gdn_export.ops.options import validate_options
+        from gdn_export.ops.gated_delta_rule.nnef.options import validate_options
 
         validate_options(options.get("lowering", "auto"), runtime, options.get("core_dtype"),
                          options.get("chunk_size"))
@@ -552,7 +552,7 @@ class NnefSteps:
         computed = untied_view(extras["exported"], layout, separated)[0] if separated else extras["exported"]
         return reference_layout, dequantized_view(computed, quantization), dict(
             quality_weights=published if quantization.quantized else None,
-            rounded_inputs=int8_reference_linears(quantization), int8_passes=quantization.int8_passes)
+            rounded_inputs=int8_reference_linears(quantization), int8_passes=quantization.own.get("int8_passes", 1))
 
     @staticmethod
     def check_targets(plan: ConvertPlan, staged: Path):
@@ -570,10 +570,10 @@ def _fused_moe(runtime: str, tract_version: str | None):
     """Whether a ``moe_ffn`` node of a gate will run as tract's fused op in this export (the extractor's own rule)."""
     from gdn_export.ops.moe_ffn.nnef import decide
     from gdn_export.ops.moe_ffn.op import OP_NAME, MoeNode
-    from gdn_export.ops.options import LoweringOptions
+    from gdn_export.ops.options import NnefOptions
     from gdn_export.run.runtime import tract_version as installed
 
-    options = LoweringOptions(tract_version=parse_version(tract_version or installed()), runtime=runtime)
+    options = NnefOptions(tract_version=parse_version(tract_version or installed()), runtime=runtime)
     return lambda gate: decide(MoeNode("(before tracing)", gate), options).lowering == OP_NAME
 
 

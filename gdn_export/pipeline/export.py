@@ -1,7 +1,8 @@
 """``gdn_export.export``: a torch module to the file of one back-end (``format``: ``targets.BACKENDS``), checked.
 
 What is the ops' here and not the back-ends': the ops' registrations with the back-end (``ops/nnef_handlers.py``,
-``ops/onnx_handlers.py``) and the NNEF plan the ops' handlers read (``ops.options.LoweringOptions``). The export
+``ops/onnx_handlers.py``) and the NNEF plan the ops' handlers read (``ops.options.NnefOptions``, each op's own
+values in its ``ops``: the pipeline is what names the ops). The export
 loops are the back-ends' own (``backends/nnef/exporter.py``, ``backends/onnx/exporter.py``).
 """
 
@@ -17,7 +18,8 @@ from gdn_export.backends.dynamic_axes import traced_outputs, validate_dynamic_ax
 from gdn_export.backends.nnef.exporter import ExportReport, export_nnef
 from gdn_export.backends.nnef.target import OfflineTractTarget
 from gdn_export.targets import parse_version
-from gdn_export.ops.options import LoweringOptions, validate_options
+from gdn_export.ops.gated_delta_rule.nnef.options import OP as GATED_DELTA_RULE, GatedDeltaRuleOptions, validate_options
+from gdn_export.ops.options import NnefOptions
 from gdn_export.run.runtime import tract_version as installed_tract_version
 from gdn_export.targets import backend_named, load, refuse_others
 from gdn_export.weights.streamed import StreamedWeights
@@ -85,10 +87,14 @@ def to_nnef(module, args, path, *, lowering, input_names, output_names, dynamic_
 
 
 def lowering_options(version: str, *, lowering: str = "auto", runtime: str = "any", core_dtype: str | None = None,
-                     chunk_size: int | None = None, dynamic_axes: dict | None = None) -> LoweringOptions:
-    """The NNEF plan every op's ``decide`` reads, for tract ``version`` (validated: LoweringError on a bad value)."""
-    return LoweringOptions(tract_version=parse_version(version), lowering=lowering, runtime=runtime,
-                           core_dtype=core_dtype, chunk_size=chunk_size, seq_may_vary=bool(dynamic_axes))
+                     chunk_size: int | None = None, dynamic_axes: dict | None = None) -> NnefOptions:
+    """The NNEF plan every op's ``decide`` reads, for tract ``version``, with the gated delta rule's own values
+    (validated by its options class: LoweringError on a bad value)."""
+    plan = NnefOptions(tract_version=parse_version(version), runtime=runtime, seq_may_vary=bool(dynamic_axes),
+                       ops={GATED_DELTA_RULE: {"lowering": lowering, "core_dtype": core_dtype,
+                                               "chunk_size": chunk_size}})
+    GatedDeltaRuleOptions.of(plan)  # validated now, before anything is traced
+    return plan
 
 
 def nnef_target(version: str, *, lowering: str = "auto", dynamic_axes: dict | None = None, runtime: str = "any",

@@ -71,7 +71,7 @@ def digests_valid(value) -> bool:
         and len(entry["sha256"]) == 64 and set(entry["sha256"]) <= hexdigits for name, entry in value.items())
 
 
-def _members(tar: tarfile.TarFile, names) -> dict[str, tarfile.TarInfo]:
+def members_named(tar: tarfile.TarFile, names) -> dict[str, tarfile.TarInfo]:
     """The members named ``names``, the archive's headers read in order only until all are found (the metadata
     lies near an archive's start: ``pack`` sorts the names)."""
     wanted, found = set(names), {}
@@ -88,7 +88,7 @@ def read_member(tar: tarfile.TarFile, name: str, path: Path, limit: int | None =
     """The bytes of archive member ``name`` (None when absent), refused unless it is a regular file of at most
     ``limit`` bytes (default: ``MEMBER_LIMITS``'s, else ``DEFAULT_MEMBER_LIMIT``): a member is read whole, so its
     size is checked from its header before anything is read (a sparse 3 GiB member is refused at once)."""
-    member = member or _members(tar, [name]).get(name)
+    member = member or members_named(tar, [name]).get(name)
     if member is None:
         return None
     if not member.isfile():
@@ -102,48 +102,13 @@ def read_member(tar: tarfile.TarFile, name: str, path: Path, limit: int | None =
     return handle.read(limit + 1) if handle is not None else None
 
 
-def read_members(path: str | os.PathLike, names) -> dict[str, bytes]:
-    """The members ``names`` that the archive at ``path`` holds (``read_member``'s checks), each read once."""
-    path = Path(path)
-    with _opened(path) as tar:
-        members = _members(tar, names)
-        found = {name: read_member(tar, name, path, member=member) for name, member in members.items()}
-    return {name: data for name, data in found.items() if data is not None}
-
-
-class _opened:
-    """``tarfile.open(path)`` whose damage (a truncated or corrupted gzip, a broken tar) is an ArchiveError naming
-    it, raised from opening or from any read inside the block."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> tarfile.TarFile:
-        try:
-            self.tar = tarfile.open(self.path)
-        except BaseException as err:
-            self.__exit__(type(err), err, None)
-            raise
-        return self.tar
-
-    def __exit__(self, kind, err, traceback) -> None:
-        tar = getattr(self, "tar", None)
-        if tar is not None:
-            tar.close()
-        if err is not None and isinstance(err, (tarfile.TarError, EOFError, OSError, zlib.error)):
-            raise ArchiveError(damage(self.path, err)) from None
-
-
-def damage(path: Path, err: BaseException, name_member: bool = True) -> str:
-    """What is wrong with the archive at ``path``, which failed to read with ``err``: a damaged gzip stream named as
-    such (``name_member``: by the member whose recorded digest differs, which reads the archive once more; False
-    for a caller that compared the digests already), else "not a .nnef.tgz archive"."""
+def unreadable(path: Path, err: BaseException, corrupt: str | None) -> str:
+    """What is wrong with the archive at ``path``, which failed to read with ``err``, without naming a member: a
+    damaged gzip stream (``corrupt``: why, ``gzip_damage``) named as such, else "not a .nnef.tgz archive"
+    (``run/reading.py``'s ``damage`` names the member whose recorded digest differs)."""
     reason = str(err).strip().splitlines()[0].rstrip(":") if str(err).strip() else type(err).__name__
-    corrupt = gzip_damage(path)
     if corrupt is not None:
-        from gdn_export.run.integrity import damaged_member
-
-        return (damaged_member(path) if name_member else None) or damaged_message(path, corrupt)
+        return damaged_message(path, corrupt)
     return f"{path} is not a .nnef.tgz archive that gdn-export wrote ({reason})"
 
 
@@ -165,26 +130,6 @@ def gzip_damage(path: Path) -> str | None:
     except (OSError, EOFError, zlib.error) as err:
         return str(err).strip() or type(err).__name__
     return None
-
-
-def read_metadata(path: str | os.PathLike) -> dict | None:
-    """The ``gdn_export.json`` stored in an archive by ``export(..., metadata=...)``, checked against its schema
-    (``check_metadata``), or None; GdnExportError when ``path`` is not a readable .nnef.tgz archive."""
-    path = Path(path)
-    if not path.is_file():
-        raise GdnExportError(f"no file at {path} (expected a .nnef.tgz written by gdn-export)")
-    with _opened(path) as tar:
-        data = read_member(tar, METADATA_FILE, path)
-    if data is None:
-        corrupt = gzip_damage(path)  # a stream damaged before the metadata member reads as a tar ending early
-        if corrupt is not None:
-            raise ArchiveError(damaged_message(path, corrupt))
-        return None
-    try:
-        metadata = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as err:
-        raise ArchiveError(f"{path}: {METADATA_FILE} is not valid JSON ({err})") from None
-    return check_metadata(metadata, f"{path}: {METADATA_FILE}")
 
 
 def first_line(err: BaseException) -> str:

@@ -32,7 +32,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gdn_export.run.archive import DIGESTS_FIELD, METADATA_FILE, MIB, ArchiveError
+from gdn_export.run.archive import DIGESTS_FIELD, METADATA_FILE, MIB, ArchiveError, gzip_damage, unreadable
 
 GRAPH_FILE = "graph.nnef"
 GRAPH_LIMIT = 256 * MIB  # the 0.8B shape's graph is 0.7 MiB; a graph is read whole
@@ -72,12 +72,13 @@ def check_archive(path: str | os.PathLike, metadata: dict | None) -> None:
     with _verified_lock:
         if key in _verified:
             return
-    _check(path, metadata or {})
+    check_members(path, metadata or {})
     with _verified_lock:
         _verified.add(key)
 
 
-def _check(path: Path, metadata: dict) -> None:
+def check_members(path: Path, metadata: dict) -> None:
+    """``check_archive``'s pass, uncached (``run/reading.py`` runs it again to name the member of a damaged archive)."""
     recorded = metadata.get(DIGESTS_FIELD)
     listed = {METADATA_FILE, GRAPH_FILE, *metadata.get("generation_files", ())} if metadata else {GRAPH_FILE}
     if metadata and isinstance(metadata.get("mtp"), dict):  # the MTP head's own archive (gdn_export/run/mtp.py)
@@ -133,10 +134,8 @@ def _check(path: Path, metadata: dict) -> None:
     except ArchiveError:
         raise
     except (tarfile.TarError, EOFError, OSError, zlib.error) as err:
-        from gdn_export.run.archive import damage
-
         _check_digests(path, seen, recorded)  # a member whose digest differs is named rather than the stream
-        raise ArchiveError(damage(path, err, name_member=False)) from None
+        raise ArchiveError(unreadable(path, err, gzip_damage(path))) from None
     _check_complete(path, seen, recorded, metadata)
 
 
@@ -315,29 +314,3 @@ def check_states(path: Path, metadata: dict, graph: str) -> None:
         if [str(d) for d in state["shape"]] != [str(d) for d in inputs[name]]:
             raise ArchiveError(f"{path}: {METADATA_FILE}'s state {state['name']} has shape {state['shape']}, the "
                                f"graph's input {name} {inputs[name]}")
-
-
-_naming = threading.local()
-
-
-def damaged_member(path: Path) -> str | None:
-    """Which member of a damaged archive (its gzip stream does not check) differs from the digest recorded at
-    conversion, as the one-line message ``check_archive`` gives; None when the archive records no digests, its
-    metadata cannot be read, or no member's digest differs."""
-    if getattr(_naming, "active", False):  # reading the metadata below failed in turn
-        return None
-    _naming.active = True
-    try:
-        from gdn_export.run.archive import read_metadata
-
-        metadata = read_metadata(path)
-        if not metadata or DIGESTS_FIELD not in metadata:
-            return None
-        _check(path, metadata)
-    except ArchiveError as err:
-        return str(err) if "recorded at conversion" in str(err) else None
-    except Exception:  # noqa: BLE001 (naming the member is a courtesy: the caller reports the damage anyway)
-        return None
-    finally:
-        _naming.active = False
-    return None

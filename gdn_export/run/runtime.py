@@ -34,7 +34,7 @@ def load_tract_model(path: str | os.PathLike, symbols: dict[str, int] | None = N
     if not path.exists():
         raise TractRuntimeError(f"no model at {path}")
     if path.is_file():  # what tract would read checked first (members, headers, digests, states): ArchiveError
-        from gdn_export.run.archive import read_metadata
+        from gdn_export.run.reading import read_metadata
         from gdn_export.run.integrity import check_archive
 
         interruptible(lambda: check_archive(path, read_metadata(path)))

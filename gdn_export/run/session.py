@@ -11,7 +11,8 @@ from typing import Callable
 import numpy as np
 
 from gdn_export.errors import GdnExportError
-from gdn_export.run.archive import first_line, json_member, read_metadata, text_member
+from gdn_export.run.archive import first_line, json_member, text_member
+from gdn_export.run.reading import read_metadata
 from gdn_export.run.runtime import load_tract_model, run_tract_tensors
 from gdn_export.run.runtime import steady_allocator as keep_buffers_mapped
 from gdn_export.targets import numpy_dtype
@@ -82,7 +83,7 @@ class Session:
     def _generation_files(self) -> dict[str, bytes]:
         """The checkpoint files for generation the archive carries (``metadata["generation_files"]``), read once."""
         if self._generation is None:
-            from gdn_export.run.archive import read_members
+            from gdn_export.run.reading import read_members
 
             self._generation = read_members(self.path, self.metadata.get("generation_files", []))
         return self._generation

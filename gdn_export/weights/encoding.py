@@ -12,8 +12,11 @@ The codec protocol (what ``plan_writes`` reads of ``weight_format(name).codec_mo
   whether tract's fused op runs it; default: kept), ``weights_encoding(labels, report) -> Encoding`` (default:
   ``Encoding(codec, labels)``), ``tables_encoding(dtype, pick) -> Encoding | None`` (the embedding tables only a
   gather reads, stored beside the weights: ``pick(table_codec)`` gives the labels of those ``table_codec`` can store;
-  default: none), ``describe(report) -> str`` (the report's words) and ``ROUNDS_INPUTS`` (the check's reference
-  rounds the inputs of the stored layers as the graph does: int8).
+  default: none), ``describe(report) -> str`` (the report's words), ``report_fields(**options) -> dict`` (the
+  format's own values in the report, ``QuantizationReport.own``, given the weight options: only its codec reads
+  them), ``note_calibrated(own, source, calibration, matrix, columns_kept)`` (record what a calibration measured of
+  a stored weight: Q4_0's weighting) and ``ROUNDS_INPUTS`` (the check's reference rounds the inputs of the stored
+  layers as the graph does: int8).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ GraphPass = Callable[[Any], None]  # reads or completes torch-to-nnef's NNEF gra
 
 class OfflineTractTarget(TractNNEF):
     """``TractNNEF`` without a binary, carrying what the ops' handlers read: ``gdn_options`` (the export's plan,
-    ``ops.options.LoweringOptions``, given by the pipeline) and ``gdn_decisions`` (one Decision appended per node).
+    ``ops.options.NnefOptions``, given by the pipeline) and ``gdn_decisions`` (one Decision appended per node).
     The back-end never looks inside the plan.
 
     ``graph_passes``: functions of torch-to-nnef's NNEF graph, run in order once every node is translated and

@@ -42,7 +42,7 @@ from gdn_export.ops.options import policy_of
 from gdn_export.ops.protocol import Decision, record
 
 if TYPE_CHECKING:
-    from gdn_export.ops.options import LoweringOptions
+    from gdn_export.ops.options import NnefOptions
 
 FUSED_CONV_FIRST_VERSION = (0, 23, 5)
 OP_NAME = "tract_transformers_causal_conv1d_update"
@@ -76,7 +76,7 @@ def fragment(width: int, chunk: int = CHUNK) -> Fragment:
     )
 
 
-def decide(node: ConvNode, options: LoweringOptions) -> Decision:
+def decide(node: ConvNode, options: NnefOptions) -> Decision:
     """The short conv (``ops.protocol.Decide``): "chunks" where it computes in f32 (f32 and int8 archives; the
     module docstring) for a CPU (runtime "cpu" or "any"), else tract's fused op ("native", from 0.23.5), else NNEF's
     depthwise conv ("portable")."""

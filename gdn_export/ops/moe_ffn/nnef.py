@@ -12,11 +12,11 @@ from gdn_export.backends.nnef.builder import NnefBuilder
 from gdn_export.backends.nnef.registry import custom_op, output_tensors, require_tract
 from gdn_export.ops.moe_ffn.op import (FIRST_VERSION, GIVEN_ROUTING_GATES, OP_NAME, TRACT_GATES, UNSUPPORTED_GATES,
                                        MoeNode, check_moe_operands)
-from gdn_export.ops.options import LoweringOptions, policy_of
+from gdn_export.ops.options import NnefOptions, policy_of
 from gdn_export.ops.protocol import Decision, record
 
 
-def decide(node: MoeNode, options: LoweringOptions) -> Decision:
+def decide(node: MoeNode, options: NnefOptions) -> Decision:
     """``"tract_moe_ffn"`` where tract's fused op computes exactly this node, else ``"dense"``
     (``ops.protocol.Decide``); the reason ends with the experts the node runs where they are known."""
     lowering, reason = _rule(node.gate, options)
@@ -25,7 +25,7 @@ def decide(node: MoeNode, options: LoweringOptions) -> Decision:
     return Decision(node.name, node.entry, lowering, reason, None)
 
 
-def _rule(gate: str, options: LoweringOptions) -> tuple[str, str]:
+def _rule(gate: str, options: NnefOptions) -> tuple[str, str]:
     if gate not in TRACT_GATES and gate not in GIVEN_ROUTING_GATES:
         why = UNSUPPORTED_GATES.get(gate, f"routing {gate!r} is none of tract_moe_ffn's gate modes")
         return "dense", f"{why}; every expert runs on every token"

@@ -392,8 +392,14 @@ class Int8Encoding(Encoding):
         self.weights.scales.update(dict.fromkeys(aliases, scales))
 
 
+def report_fields(int8_passes: int = 1, **others) -> dict:
+    """The report's values of an int8 export (``QuantizationReport.own``): ``int8_passes``, each linear layer's
+    input rounded in 1 or 2 passes (``round_activations``)."""
+    return {"int8_passes": int8_passes}
+
+
 def weights_encoding(labels: frozenset, report) -> Int8Encoding:
-    return Int8Encoding(labels, passes=report.int8_passes)
+    return Int8Encoding(labels, passes=report.own["int8_passes"])
 
 
 def table_encoding(labels: frozenset, negated: bool) -> Int8Encoding:
@@ -407,4 +413,4 @@ def tables_encoding(dtype: str, pick) -> Int8Encoding:
 
 
 def describe(report) -> str:
-    return "; inputs rounded in 2 passes (codes and residual)" if report.int8_passes == 2 else ""
+    return "; inputs rounded in 2 passes (codes and residual)" if report.own["int8_passes"] == 2 else ""

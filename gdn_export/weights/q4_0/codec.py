@@ -26,6 +26,7 @@ from typing import BinaryIO, Callable
 import numpy as np
 import torch
 
+from gdn_export.errors import GdnExportError
 from gdn_export.weights.encoding import Encoding
 # how blocks are chosen (the module docstring); the first is the default
 from gdn_export.weights.q4_0.format import RULES  # noqa: F401
@@ -280,10 +281,10 @@ class Q4Encoding(Encoding):
 
     def write(self, file: BinaryIO, shape: tuple[int, ...], read_rows, label: str, aliases: tuple,
               source: str) -> None:
-        write_nnef(file, shape, read_rows, *self.report.q4_0_rule(source))
+        write_nnef(file, shape, read_rows, *rule_of(self.report.own, source))
 
     def round_trip(self, source: str):
-        rule, importance, gram = self.report.q4_0_rule(source)
+        rule, importance, gram = rule_of(self.report.own, source)
         return lambda x: round_trip(x, rule=rule, importance=importance, gram=gram)
 
 
@@ -299,9 +300,39 @@ def tables_encoding(dtype: str, pick):
     return int8.table_encoding(pick(int8), negated=False) if dtype == "float32" else None
 
 
+def report_fields(q4_rule: str | None = None, calibration=None, **others) -> dict:
+    """The report's values of a Q4_0 export (``QuantizationReport.own``): ``rule``, how each block's scale is chosen
+    (``RULES``; None: the first); ``calibration``, the calibration that weighted the search, in words ("" for none);
+    ``importance`` and ``grams``, checkpoint name -> the weight of each input channel and E[a a^T] (rule "gptq"),
+    filled by ``note_calibrated``."""
+    rule = q4_rule or RULES[0]
+    if rule not in RULES:
+        raise GdnExportError(f"Q4_0 rule {rule!r} is not one of {', '.join(RULES)}")
+    return {"rule": rule, "calibration": str(calibration or ""), "importance": {}, "grams": {}}
+
+
+def note_calibrated(own: dict, source: str, calibration, matrix: bool, columns_kept: bool) -> None:
+    """Record what ``calibration`` (``gdn_export.hf.calibration.Calibration``) measured of stored weight ``source``:
+    its input channels' importance, for a weight whose columns the export keeps as they are (``columns_kept``), and
+    with rule "gptq" its input's second moments (a 2-D weight, ``matrix``)."""
+    if source in calibration.importance and columns_kept:
+        own["importance"][source] = calibration.importance[source]
+        if own["rule"] == "gptq" and source in calibration.grams and matrix:
+            own["grams"][source] = calibration.grams[source]
+
+
+def rule_of(own: dict, name: str) -> tuple[str, np.ndarray | None, np.ndarray | None]:
+    """(rule, importance, second moments) the weight of checkpoint name ``name`` was stored with: GPTQ needs its
+    input's second moments, a weight without them is searched."""
+    if name in own["grams"]:
+        return "gptq", own["importance"].get(name), own["grams"][name]
+    return ("search" if own["rule"] == "gptq" else own["rule"]), own["importance"].get(name), None
+
+
 def describe(report) -> str:
-    how = f"{report.rule} scales" if report.rule != "gptq" else \
-        f"GPTQ for {len(report.grams)} of them, the others search"
-    if report.calibration:
-        how += f", {report.calibration}, {len(report.importance)} of them weighted by input channel"
+    own = report.own
+    how = f"{own['rule']} scales" if own["rule"] != "gptq" else \
+        f"GPTQ for {len(own['grams'])} of them, the others search"
+    if own["calibration"]:
+        how += f", {own['calibration']}, {len(own['importance'])} of them weighted by input channel"
     return f"; {how}"

@@ -19,7 +19,7 @@ from gdn_export.ops.protocol import Decision
 
 if TYPE_CHECKING:
     from gdn_export.ops.gated_delta_rule.nnef.node import GdnNode
-    from gdn_export.ops.options import LoweringOptions
+    from gdn_export.ops.gated_delta_rule.nnef.options import GatedDeltaRuleOptions
 
 __all__ = ["LOWERINGS", "Decision", "decide", "node_dims"]
 
@@ -35,7 +35,7 @@ def node_dims(node: GdnNode) -> Dims:
     )
 
 
-def decide(node: GdnNode, options: LoweringOptions) -> Decision:
+def decide(node: GdnNode, options: GatedDeltaRuleOptions) -> Decision:
     """Pick the lowering for one node (``ops.protocol.Decide``): its operands validated (``node_dims``; the
     Decision carries the Dims), the requested lowering if it can be exact (else raise), or for "auto" the first
     exact candidate of the runtime's policy."""

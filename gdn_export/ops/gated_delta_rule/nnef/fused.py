@@ -19,7 +19,7 @@ from gdn_export.ops.gated_delta_rule.operands import Dims
 
 if TYPE_CHECKING:
     from gdn_export.ops.gated_delta_rule.nnef.node import GdnNode
-    from gdn_export.ops.options import LoweringOptions
+    from gdn_export.ops.gated_delta_rule.nnef.options import GatedDeltaRuleOptions
 
 NAME = "native"
 LABEL = "fused op"
@@ -27,7 +27,7 @@ OP_NAME = "tract_transformers_gdn_recurrent"
 HEAD_MAJOR_TO_SEQ_MAJOR = {4: [0, 2, 1, 3], 3: [0, 2, 1]}
 
 
-def refusal(node: GdnNode, dims: Dims, options: LoweringOptions) -> str | None:
+def refusal(node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> str | None:
     """Why the fused operator would not compute exactly this node on this tract version (None: it would)."""
     version = options.tract_version
     capability = fused_capability(version)
@@ -60,7 +60,7 @@ def refusal(node: GdnNode, dims: Dims, options: LoweringOptions) -> str | None:
     return None
 
 
-def note(node: GdnNode, dims: Dims, options: LoweringOptions) -> str:
+def note(node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> str:
     return "; q/k/v/beta rounded to float16 (core_dtype='float16' requested: not exact)" if options.core_f16 else ""
 
 
@@ -75,7 +75,7 @@ def operand_dtype(node: GdnNode, allowed: frozenset, core_f16: bool = False) -> 
     return F32 if F32 in allowed else None
 
 
-def lower(builder: NnefBuilder, node: GdnNode, dims: Dims, options: LoweringOptions) -> list:
+def lower(builder: NnefBuilder, node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> list:
     dtype = operand_dtype(node, fused_capability(options.tract_version).operand_dtypes, options.core_f16)
 
     def seq_major(x):

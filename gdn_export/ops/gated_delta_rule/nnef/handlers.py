@@ -12,11 +12,12 @@ from gdn_export.backends.nnef.builder import NnefBuilder
 from gdn_export.ops.gated_delta_rule.nnef import registry
 from gdn_export.ops.gated_delta_rule.nnef.emitter import decide
 from gdn_export.ops.gated_delta_rule.nnef.node import GdnNode
-from gdn_export.ops.options import LoweringOptions, policy_of
+from gdn_export.ops.gated_delta_rule.nnef.options import GatedDeltaRuleOptions
+from gdn_export.ops.options import policy_of
 from gdn_export.ops.protocol import record
 
 
-def emit(graph, node: GdnNode, options: LoweringOptions, decisions: list) -> list:
+def emit(graph, node: GdnNode, options: GatedDeltaRuleOptions, decisions: list) -> list:
     """Validate, decide (appending the Decision to ``decisions``), write the chosen lowering; return the
     fragments/extensions it needs."""
     decision = record(decide, node, options, decisions)
@@ -27,7 +28,7 @@ def emit(graph, node: GdnNode, options: LoweringOptions, decisions: list) -> lis
 def emit_for(g, gdn: GdnNode, inference_target) -> list:
     """Hand the node to the emitter with the target's options, recording the decision on the target."""
     target = policy_of(inference_target)
-    return emit(g, gdn, target.gdn_options, target.gdn_decisions)
+    return emit(g, gdn, GatedDeltaRuleOptions.of(target.gdn_options), target.gdn_decisions)
 
 
 @custom_op("gated_delta_scan")

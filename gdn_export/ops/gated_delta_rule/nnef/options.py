@@ -1,14 +1,20 @@
 """The gated delta rule's options of an NNEF export, and their rules: which lowering (``LOWERINGS``), an f16 core
-for the fused op (``CORE_DTYPES``), the chunked lowering's tokens per chunk. Light (no torch, no numpy): the CLI's
-``--help`` and the export's plan (``ops.options.LoweringOptions``) validate with it before anything is traced."""
+for the fused op (``CORE_DTYPES``), the chunked lowering's tokens per chunk. ``GatedDeltaRuleOptions`` is what the
+op's ``decide`` and lowerings read: the NNEF plan's shared fields (``ops.options.NnefOptions``) and these, made from
+the plan by ``of``. The checks are light (no torch, no numpy): the CLI's ``--help`` and the export validate with
+them before anything is traced (``validate_options``), with the same message wherever the values come from."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from gdn_export.errors import LoweringError
 from gdn_export.ops.gated_delta_rule.nnef.chunking import chunk_size_error
 from gdn_export.ops.gated_delta_rule.nnef.registry import LOWERINGS
+from gdn_export.ops.options import NnefOptions, validate_runtime
 
 CORE_DTYPES = (None, "float16")
+OP = "gated_delta_rule"  # the key of this op's values in ``NnefOptions.ops``
 
 
 def validate(lowering: str = "auto", core_dtype: str | None = None, chunk_size: int | None = None) -> None:
@@ -19,3 +25,41 @@ def validate(lowering: str = "auto", core_dtype: str | None = None, chunk_size: 
         raise LoweringError(f"core_dtype {core_dtype!r}: only 'float16' (or None, the model's own) is supported")
     if chunk_size is not None and chunk_size_error(chunk_size):
         raise LoweringError(f"chunk_size: {chunk_size_error(chunk_size)}")
+
+
+def validate_options(lowering: str = "auto", runtime: str = "any", core_dtype: str | None = None,
+                     chunk_size: int | None = None) -> None:
+    """Raise LoweringError naming the first option of an NNEF export of this op that is not valid (before any work
+    is done, the tract version not known yet), in the order the API lists them."""
+    validate(lowering=lowering)
+    validate_runtime(runtime)
+    validate(core_dtype=core_dtype, chunk_size=chunk_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatedDeltaRuleOptions(NnefOptions):
+    """The gated delta rule's options beside the plan's shared fields.
+
+    ``lowering``: one of LOWERINGS ("auto": the first exact lowering in the runtime's order, policy.py);
+    ``core_dtype``: "float16" lets the fused op take f16 q/k/v/beta whatever the model's dtype (an explicit,
+    inexact choice); ``chunk_size``: tokens per chunk of the chunked form (None: the body's default,
+    chunked/outer.py).
+    """
+
+    lowering: str = "auto"
+    core_dtype: str | None = None
+    chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        validate_options(lowering=self.lowering, runtime=self.runtime, core_dtype=self.core_dtype,
+                         chunk_size=self.chunk_size)
+
+    @classmethod
+    def of(cls, plan: NnefOptions) -> GatedDeltaRuleOptions:
+        """This op's options in the export's plan (its defaults for a plan that gives it none)."""
+        return cls(**plan.shared(), **plan.ops.get(OP, {}))
+
+    @property
+    def core_f16(self) -> bool:
+        """The caller asked for an f16 core (the fused op rounds q/k/v/beta to float16)."""
+        return self.core_dtype == "float16"

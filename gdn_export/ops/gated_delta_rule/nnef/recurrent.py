@@ -20,13 +20,13 @@ from gdn_export.ops.gated_delta_rule.operands import Dims
 
 if TYPE_CHECKING:
     from gdn_export.ops.gated_delta_rule.nnef.node import GdnNode
-    from gdn_export.ops.options import LoweringOptions
+    from gdn_export.ops.gated_delta_rule.nnef.options import GatedDeltaRuleOptions
 
 NAME = "recurrent"
 ALWAYS_EXACT = True
 
 
-def refusal(node: GdnNode, dims: Dims, options: LoweringOptions) -> str | None:
+def refusal(node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> str | None:
     return None  # the reference recurrence itself, step by step
 
 
@@ -56,7 +56,7 @@ def lower_steps(b: NnefBuilder, ops: StepOperands, dims: Dims, state):
     return b.squeeze(y, [4]), b.squeeze(final, [0]), fragment
 
 
-def lower(b: NnefBuilder, node: GdnNode, dims: Dims, options: LoweringOptions) -> list:
+def lower(b: NnefBuilder, node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> list:
     ops = step_operands(b, node, dims)
     s0 = b.split_axis(b.cast(node.s0, F32), 1, [dims.key_heads, dims.groups])  # [B, Hk, G, K, V]
     y, state, fragment = lower_steps(b, ops, dims, s0)

@@ -14,7 +14,7 @@ and, where the defaults do not fit,
     note(node, dims, options) -> str = ""        what the reason adds when it is chosen ("; chunks of 64 tokens")
 
 ``node`` is a ``node.GdnNode``, ``dims`` its ``ops.operands.Dims``, ``options`` the export's
-``options.LoweringOptions``, ``builder`` an ``nnef_builder.NnefBuilder``. To add a lowering: write its module,
+``options.GatedDeltaRuleOptions``, ``builder`` an ``nnef_builder.NnefBuilder``. To add a lowering: write its module,
 add its NAME and module to ``REGISTERED``, and, for ``lowering="auto"`` to pick it, place it in ``policy.ORDER``.
 """
 

@@ -13,17 +13,17 @@ from gdn_export.ops.gated_delta_rule.operands import Dims
 
 if TYPE_CHECKING:
     from gdn_export.ops.gated_delta_rule.nnef.node import GdnNode
-    from gdn_export.ops.options import LoweringOptions
+    from gdn_export.ops.gated_delta_rule.nnef.options import GatedDeltaRuleOptions
 
 NAME = "scan"
 ALWAYS_EXACT = True
 
 
-def refusal(node: GdnNode, dims: Dims, options: LoweringOptions) -> str | None:
+def refusal(node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> str | None:
     return None  # the reference recurrence itself, step by step
 
 
-def lower(b: NnefBuilder, node: GdnNode, dims: Dims, options: LoweringOptions) -> list:
+def lower(b: NnefBuilder, node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> list:
     ops = step_operands(b, node, dims)
     fragment = elementwise_step_fragment("delta", dims.num_householder, ops.log_decay is not None)
     y = b.tensor("scan_y", (1, dims.batch, dims.heads, dims.seq, dims.width_v), F32)

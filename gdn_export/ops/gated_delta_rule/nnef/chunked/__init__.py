@@ -17,7 +17,7 @@ from gdn_export.ops.gated_delta_rule.operands import Dims
 
 if TYPE_CHECKING:
     from gdn_export.ops.gated_delta_rule.nnef.node import GdnNode
-    from gdn_export.ops.options import LoweringOptions
+    from gdn_export.ops.gated_delta_rule.nnef.options import GatedDeltaRuleOptions
 
 __all__ = ["CHANNEL_CHUNK", "CHUNK", "NAME", "body_for", "chunk_size_error", "lower", "note", "refusal", "tokens"]
 
@@ -29,12 +29,12 @@ def body_for(dims: Dims):
     return gdn if gdn.covers(dims) else general
 
 
-def tokens(dims: Dims, options: LoweringOptions) -> int:
+def tokens(dims: Dims, options: GatedDeltaRuleOptions) -> int:
     """Tokens per chunk for this node: the ``chunk_size`` option, or the default of the node's variant."""
     return tokens_per_chunk(dims, options.chunk_size)
 
 
-def refusal(node: GdnNode, dims: Dims, options: LoweringOptions) -> str | None:
+def refusal(node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> str | None:
     """Why the chunked form does not apply: a variant it cannot compute exactly, or a static S that holds
     no whole chunk (nothing to gain, and a scan over zero chunks does not load)."""
     variant = None if gdn.covers(dims) else general.refusal(dims)
@@ -44,9 +44,9 @@ def refusal(node: GdnNode, dims: Dims, options: LoweringOptions) -> str | None:
     return variant
 
 
-def note(node: GdnNode, dims: Dims, options: LoweringOptions) -> str:
+def note(node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> str:
     return f"; chunks of {tokens(dims, options)} tokens"
 
 
-def lower(b: NnefBuilder, node: GdnNode, dims: Dims, options: LoweringOptions) -> list:
+def lower(b: NnefBuilder, node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> list:
     return outer.lower(b, node, dims, body_for(dims), tokens(dims, options))
