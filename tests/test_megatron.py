@@ -138,7 +138,7 @@ def test_mtp_block_is_read_and_reported():
 def test_mtp_blocks_the_head_does_not_compute_are_left_out_with_the_reason(tmp_path, capsys, change, message):
     """An MTP block the head does not compute: the model converts as before, without an MTP head, and the report
     (its weights line and its MTP line) says why, as for a Hugging Face checkpoint's unreadable mtp.* layout."""
-    from gdn_export.run.archive import read_metadata
+    from gdn_export.run.reading import read_metadata
 
     out = tmp_path / "m.nnef.tgz"
     assert cli(["convert", str(_with_args(tmp_path, "moe_mtp", **change)), "-o", str(out), "--no-check"]) == 0

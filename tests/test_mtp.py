@@ -358,7 +358,7 @@ def test_mtp_head_left_out_is_reported(tmp_path):
     import tarfile
 
     import gdn_export
-    from gdn_export.run.archive import read_metadata
+    from gdn_export.run.reading import read_metadata
 
     path = tmp_path / "last.nnef.tgz"
     report = gdn_export.convert(FIXTURES / "qwen3_5", path, logits="last", check=False)
