@@ -57,7 +57,9 @@ EXTRA = [  # (fixture, convert() keyword arguments, label)
 
 
 def member_digests(path: Path) -> list[tuple[str, str]]:
-    """(member, sha256) of a .nnef.tgz's members, or of a file (and its sibling external-data files)."""
+    """(member, sha256) of a .nnef.tgz's members, or of a file (and its sibling external-data files); an archive
+    member (an MTP head's ``mtp.nnef.tgz``) by its own members, ``mtp.nnef.tgz/graph.nnef`` and so on (its bytes hold
+    its graph's export date)."""
     if path.name.endswith(".tgz"):
         rows = []
         with tarfile.open(path, "r:gz") as archive:
@@ -65,12 +67,19 @@ def member_digests(path: Path) -> list[tuple[str, str]]:
                 if not member.isfile():
                     continue
                 data = archive.extractfile(member).read()
+                if member.name.endswith(".nnef.tgz"):
+                    with tempfile.TemporaryDirectory() as folder:
+                        inner = Path(folder) / member.name
+                        inner.write_bytes(data)
+                        rows.extend((f"{member.name}/{name}", digest) for name, digest in member_digests(inner))
+                    continue
                 if member.name.endswith("graph.nnef"):
                     data = b"".join(line for line in io.BytesIO(data).readlines() if not VOLATILE.match(line))
                 elif member.name == "gdn_export.json" and b'"digests"' in data:
                     # graph.nnef's recorded digest covers its volatile lines: left out like them
                     meta = json.loads(data)
                     meta["digests"].pop("graph.nnef", None)
+                    meta["digests"].pop("mtp.nnef.tgz", None)
                     data = json.dumps(meta, indent=1).encode()
                 rows.append((member.name, hashlib.sha256(data).hexdigest()))
         return rows

@@ -22,6 +22,14 @@
    and priced as if the kept tokens of a step whose drafts were not all kept ran at once in a call of their own
    (the simplest rollback) instead of with the next call (what ``Session.commit`` does). "recomputed per token":
    the kept tokens run a second time, per token generated.
+3. The MTP step (``--mtp-shape CHECKPOINT``: a Qwen3.5-shape checkpoint folder, e.g. the 0.8B one of
+   ``large_checkpoint.py``): an MTP head of that config (its embedding table and head from the folder, seeded random
+   ``mtp.*``: its cost does not depend on the values) exported as ``convert`` exports it (float32, and float16
+   weights), then one call of its graph after 128 positions of its cache, of 1 position (a chained draft) and of
+   2 (the catch-up after a step that kept one draft), median of ``--reps``; and its ratio to the first ``--curve``
+   archive's one-token call. Acceptance needs a trained head: where the ``--trained`` archive carries an MTP head
+   (the trained fixture's, issue 37), the table of step 2 gains ``mtp K=1, 2, 4`` rows, their projection adding one
+   MTP call per draft at the float32 step's price.
 """
 
 from __future__ import annotations
@@ -130,6 +138,58 @@ def projected_cost(calls: list[tuple[int, int]], curve: dict[int, float], eager:
     return sum(price(k - pending) + (price(pending) if pending else 0.0) for k, pending in calls)
 
 
+def mtp_step_cost(folder: Path, reps: int, context: int = 128) -> dict[str, dict[int, float]]:
+    """Seconds of one MTP graph call of S = 1 and 2 positions after ``context`` cached ones, per weight dtype, for an
+    MTP head of ``folder``'s config (random seeded ``mtp.*``, the folder's embedding table and head)."""
+    import tarfile
+    import tempfile
+
+    import torch
+
+    from gdn_export.hf.checkpoint import read_config
+    from gdn_export.hf.layout import resolve_layout
+    from gdn_export.hf.tensors import TensorIndex
+    from gdn_export.models.mtp import MTPConfig, MTPHead, init_random
+    from gdn_export.pipeline.mtp import MEMBER, export_head
+    from gdn_export.run.mtp import MTPRunner
+
+    layout = resolve_layout(read_config(folder))
+    config = MTPConfig.from_config({**layout.config, "mtp_num_hidden_layers": 1})
+    index = TensorIndex(folder)
+    names = {layout.model_name(n): e for n, e in index.entries.items()}
+    costs = {}
+    for dtype in (torch.float32, torch.float16):  # a head each: the export leaves its parameters as named tensors
+        name = str(dtype).removeprefix("torch.")
+        head = MTPHead(config, names["model.embed_tokens.weight"].read(),
+                       None if config.tie_word_embeddings else names["lm_head.weight"].read())
+        init_random(head, torch.Generator().manual_seed(0))
+        with tempfile.TemporaryDirectory() as tmp:  # TMPDIR: where the exported heads go
+            path = Path(tmp) / MEMBER
+            log(f"MTP head ({name}) exported to {path}")
+            _, recorded = export_head(head.to(dtype), path, tract_version=None, runtime="cpu", check=False)
+            del head
+            metadata = {"outputs": ["hidden"], "mtp": {**recorded, "member": MEMBER}}
+            # the runner reads the member out of an archive: here the member itself is given as that archive
+            wrapper = Path(tmp) / "wrapper.nnef.tgz"
+            with tarfile.open(wrapper, "w:gz", compresslevel=0) as tar:
+                tar.add(path, arcname=MEMBER)
+            runner = MTPRunner(wrapper, metadata)
+            rng = np.random.default_rng(0)
+            hidden = rng.standard_normal((context + 64, config.hidden_size)).astype(np.float32)
+            ids = rng.integers(0, config.vocab_size, context + 64)
+            times = {1: [], 2: []}
+            for rep in range(reps + 1):  # the first round warms up
+                for k in times:
+                    runner.reset()
+                    runner.run(hidden[:context], ids[:context])
+                    start = time.perf_counter()
+                    runner.run(hidden[context:context + k], ids[context:context + k])
+                    if rep:
+                        times[k].append(time.perf_counter() - start)
+            costs[name] = {k: statistics.median(v) for k, v in times.items()}
+    return costs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--curve", type=Path, action="append", default=[],
@@ -140,6 +200,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--mtp-shape", type=Path, default=None,
+                        help="a Qwen3.5-shape checkpoint folder: the cost of an MTP step of its config")
     args = parser.parse_args()
 
     curves = {}
@@ -155,9 +217,25 @@ def main() -> int:
             cells = [f"{curves[n][k] * 1e3:.1f} | {curves[n][k] / curves[n][1]:.2f}x" for n in names]
             print(f"| {k} | " + " | ".join(cells) + " |")
 
+    mtp_cost = None
+    if args.mtp_shape is not None:
+        costs = mtp_step_cost(args.mtp_shape, args.reps)
+        mtp_cost = costs["float32"][1]
+        base = curves[next(iter(curves))][1] if curves else None
+        print(f"\n## The MTP step ({args.mtp_shape.name}'s config, after 128 cached positions; median)\n")
+        print("| MTP weights | 1 position ms | 2 positions ms |" + (f" 1 position / {next(iter(curves))} k=1 |"
+                                                                 if base else ""))
+        print("|---|---|---|" + ("---|" if base else ""))
+        for name, cost in costs.items():
+            print(f"| {name} | {cost[1] * 1e3:.1f} | {cost[2] * 1e3:.1f} |"
+                  + (f" {cost[1] / base:.2f}x |" if base else ""))
+
     if args.trained is None:
         return 0
     session = CountingSession(args.trained)
+    methods = dict(METHODS)
+    if session.mtp is not None:  # a trained MTP head (issue 37's trained fixture): its acceptance and speed
+        methods.update({f"mtp K={k}": SpeculativeConfig("mtp", k) for k in (1, 2, 4)})
     text = args.text.read_text(encoding="utf-8")
     prompts = held_out_prompts(session, text, args.prompts)
     list(generate(session, prompts[0], 4))  # plan before anything is timed
@@ -173,7 +251,7 @@ def main() -> int:
     print("|" + "---|" * (head.count("|") - 1))
     for mode, (count, sampling) in modes.items():
         plain = None
-        for name, spec in METHODS.items():
+        for name, spec in methods.items():
             log(f"{mode}: {name}")
             result = run_method(session, prompts, spec, count, **sampling)
             rate = result["count"] / result["seconds"]
@@ -187,8 +265,10 @@ def main() -> int:
                    f"{rate / plain['rate']:.2f}x | {same} |")
             if curve:
                 plain_cost = result["count"] * curve[1]
-                row += (f" {plain_cost / projected_cost(result['calls'], curve):.2f}x |"
-                        f" {plain_cost / projected_cost(result['calls'], curve, eager=True):.2f}x |")
+                # an MTP method also pays its head: one call per draft (the catch-up priced as one position)
+                drafting = result["drafted"] * mtp_cost if spec is not None and spec.method == "mtp" and mtp_cost else 0.0
+                row += (f" {plain_cost / (projected_cost(result['calls'], curve) + drafting):.2f}x |"
+                        f" {plain_cost / (projected_cost(result['calls'], curve, eager=True) + drafting):.2f}x |")
             print(row, flush=True)
     return 0
 

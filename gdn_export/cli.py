@@ -294,6 +294,10 @@ def _generate(args) -> int:
         if speculative is not None and not executor.session.every_position:
             raise RequestError(f"{args.model} returns the last position's logits only (converted with --logits "
                                "last): --speculative needs every position's")
+        if speculative is not None and speculative.method == "mtp" and executor.session.mtp is None:
+            from gdn_export.run.mtp import no_mtp_message
+
+            raise RequestError(no_mtp_message(executor.session.path))
         tokens = generate(executor, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed, stop=args.stop or None, stop_token_ids=stop_token_ids,
                           speculative=speculative)
@@ -351,10 +355,11 @@ def _speculative_config(args):
 
 
 def _add_speculative(parser, what: str) -> None:
-    parser.add_argument("--speculative", choices=["none", "ngram", "draft"], default="none",
+    parser.add_argument("--speculative", choices=["none", "ngram", "draft", "mtp"], default="none",
                         help=f"{what}: draft tokens and verify them in one call per step (ngram: prompt lookup over "
-                             "the prompt and the output so far; draft: the --draft archive; exact: greedy output is "
-                             "the same; default none; docs/GENERATING.md)")
+                             "the prompt and the output so far; draft: the --draft archive; mtp: the archive's MTP head, "
+                             "1 to --draft-max chained drafts; exact: greedy output is the same; default none; "
+                             "docs/GENERATING.md)")
     parser.add_argument("--draft", type=_existing_archive, default=None, metavar="ARCHIVE",
                         help="--speculative draft: the draft model's archive (the same tokenizer)")
     parser.add_argument("--draft-max", type=_count(1), default=4, metavar="K",
@@ -421,6 +426,12 @@ def _serve(args) -> int:
     if speculative is not None and metadata.get("logits") == "last":
         raise UsageError(f"{args.model} returns the last position's logits only (converted with --logits last): "
                          "--speculative needs every position's")
+    if speculative is not None and speculative.method == "mtp" and not isinstance(metadata.get("mtp"), dict):
+        from pathlib import Path
+
+        from gdn_export.run.mtp import no_mtp_message
+
+        raise UsageError(no_mtp_message(Path(args.model)))
     if not batched and args.prefill_rows != 1:
         raise UsageError(f"--prefill-rows batches prompts over a serving graph; {args.model} has none (convert it "
                          "with --serving)")

@@ -296,6 +296,22 @@ def alone(path, prompt: tuple[int, ...], new_tokens: int) -> tuple[list[int], li
     return tokens, rows
 
 
+def engine_greedy_events(engine, prompts, options, new_tokens: int) -> dict[int, list]:
+    """Greedy requests (one per prompt, each with its ``options``' speculative config) submitted to ``engine`` at once
+    and read side by side, a thread each: request index -> its events."""
+    from gdn_export.run.generation import TokenRequest
+
+    streams = [engine.submit(TokenRequest(p, new_tokens, GREEDY, speculative=o)) for p, o in zip(prompts, options)]
+    events: dict[int, list] = {}
+    readers = [threading.Thread(target=lambda i, s: events.__setitem__(i, list(s)), args=(i, s))
+               for i, s in enumerate(streams)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join(timeout=120)
+    return events
+
+
 PROMPT_LENGTHS = (1, 3, 4, 63, 64, 65, 131)
 GREEDY = SamplingParams(temperature=0.0)
 

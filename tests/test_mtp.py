@@ -14,7 +14,7 @@ import torch
 
 from gdn_export.hf.mtp import read_mtp_head
 from gdn_export.models.mtp import MTPConfig, MTPError, MTPHead, init_random
-from helpers import FIXTURES, assert_close
+from helpers import FIXTURES, assert_close, by_fixture
 
 MTP_FIXTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 CLASSES = {  # model_type: transformers module, decoder layer, norm, rotary, config class
@@ -154,3 +154,216 @@ def test_fixture_head_is_read(name):
         assert torch.equal(value, tensors[key]), key
     assert np.isfinite(head(torch.zeros(1, 2, head.config.hidden_size), torch.zeros(1, 2, dtype=torch.long),
                             *head.empty_cache(1))[0].detach().numpy()).all()
+
+
+# --- in the archive and in tract (slow: each converts a fixture) -----------------------------------------------
+
+def mtp_member_plan(path, batch: int):
+    """The archive's MTP member planned in tract for ``batch`` rows (copied out of the archive)."""
+    import tarfile
+    import tempfile
+    from pathlib import Path
+
+    from gdn_export.run.runtime import load_tract_model
+
+    with tempfile.TemporaryDirectory() as folder, tarfile.open(path) as tar:
+        copy = Path(folder) / "mtp.nnef.tgz"
+        copy.write_bytes(tar.extractfile("mtp.nnef.tgz").read())
+        return load_tract_model(copy, {"B": batch})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", by_fixture(*MTP_FIXTURES))
+def test_mtp_graph_in_tract_matches_the_torch_head(name, converted):
+    """The archive's MTP graph in tract, a prefill of 5 positions then 3 one-position steps through its cache outputs,
+    batch 2, against the torch head (models/mtp.py) over the same inputs: the float32 rule on every output."""
+    from gdn_export.run.runtime import run_tract
+
+    plan = mtp_member_plan(converted(name), 2)
+    head = read_mtp_head(FIXTURES / name)
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(2, 8, head.config.hidden_size, generator=generator)
+    next_ids = torch.randint(0, head.config.vocab_size, (2, 8), generator=generator)
+    key, value = head.empty_cache(2)
+    tract_key, tract_value = key.numpy(), value.numpy()
+    for start, stop in ((0, 5), (5, 6), (6, 7), (7, 8)):
+        with torch.no_grad():
+            logits, mtp_hidden, key, value = head(hidden[:, start:stop], next_ids[:, start:stop], key, value)
+        out = run_tract(plan, [hidden[:, start:stop].numpy(), next_ids[:, start:stop].numpy(), tract_key, tract_value])
+        for actual, expected, what in zip(out, (logits, mtp_hidden, key, value), ("logits", "mtp_hidden", "key", "value")):
+            assert_close(actual, expected.numpy(), 1e-4, f"{name} {what} at {start}")
+        tract_key, tract_value = out[2], out[3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", by_fixture(*MTP_FIXTURES))
+def test_hidden_output_is_the_state_after_the_final_norm(name, converted, reference_model):
+    """The main graph's last output of an MTP archive is transformers' ``last_hidden_state`` (after ``model.norm``),
+    at every position of a prefill and a decode step; the archive records the MTP member and what it reads, and
+    its digests cover the member."""
+    import tarfile
+
+    from gdn_export.run.session import Session
+
+    path = converted(name)
+    session = Session(path)
+    assert session.metadata["outputs"][-1] == "hidden" and session.mtp["member"] == "mtp.nnef.tgz"
+    assert session.mtp["reads"] == "final_norm" and "mtp.nnef.tgz" in session.metadata["digests"]
+    with tarfile.open(path) as tar:
+        assert "mtp.nnef.tgz" in tar.getnames()
+    seen = {}
+    session.reset()
+    session.on_hidden = lambda start, rows: seen.update({start + i: row for i, row in enumerate(rows[0])})
+    ids = np.random.default_rng(0).integers(0, session.metadata["vocab_size"], 10)
+    session.prefill(ids[None, :9])
+    session.decode(ids[None, 9:])
+    with torch.no_grad():
+        expected = reference_model(name).model(torch.as_tensor(ids[None])).last_hidden_state[0].double().numpy()
+    assert_close(np.stack([seen[t] for t in range(10)]), expected, 1e-4, f"{name} hidden")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", by_fixture(*MTP_FIXTURES))
+def test_mtp_drafts_are_the_reference_heads(name, converted, reference_model, monkeypatch):
+    """Every draft ``--speculative mtp`` proposes (K = 3 chained) is the argmax of the torch head fed transformers'
+    hidden states of the text so far, chained on its own ``mtp_hidden`` (where the reference's top two logits are
+    1e-3 apart or more: a closer tie may fall either way within float32 rounding); and greedy output is plain
+    decoding's."""
+    from gdn_export.run.generation import SpeculativeConfig, generate
+    from gdn_export.run.generation.speculative import MTPDrafter
+    from gdn_export.run.session import Session
+
+    proposed = []
+    original = MTPDrafter.propose
+
+    def recording(self, history, count):
+        drafts, probabilities = original(self, history, count)
+        proposed.append((list(history), drafts))
+        return drafts, probabilities
+
+    monkeypatch.setattr(MTPDrafter, "propose", recording)
+    session = Session(converted(name))
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, session.metadata["vocab_size"], 11)]
+    plain = [t.token_id for t in generate(session, prompt, 16, temperature=0, stop_token_ids=[])]
+    tokens = generate(session, prompt, 16, temperature=0, stop_token_ids=[], speculative=SpeculativeConfig("mtp", 3))
+    assert [t.token_id for t in tokens] == plain
+    assert tokens.generation.drafted == sum(len(d) for _, d in proposed) > 0
+    head, model = read_mtp_head(FIXTURES / name), reference_model(name)
+    compared = 0
+    for history, drafts in proposed:
+        with torch.no_grad():
+            hidden = model.model(torch.as_tensor([history[:-1]])).last_hidden_state
+            logits, mtp_hidden, key, value = head(hidden, torch.as_tensor([history[1:]]), *head.empty_cache(1))
+            for draft in drafts:
+                top = torch.topk(logits[0, -1].double(), 2).values
+                if float(top[0] - top[1]) >= 1e-3:
+                    assert draft == int(logits[0, -1].argmax()), (history, drafts)
+                    compared += 1
+                logits, mtp_hidden, key, value = head(mtp_hidden[:, -1:], torch.as_tensor([[draft]]), key, value)
+    assert compared >= len(proposed)
+
+
+@pytest.mark.slow
+def test_mtp_needs_an_archive_with_a_head(converted):
+    """An archive without an MTP head: a one-line error naming the archive and what to use instead, through generate,
+    the CLI (usage error) and an Engine."""
+    from gdn_export.cli import main as cli
+    from gdn_export.errors import GdnExportError
+    from gdn_export.run.generation import SpeculativeConfig, TokenRequest, generate
+    from gdn_export.run.serving import Engine
+    from gdn_export.run.session import Session
+
+    path = converted("lara_mini")
+    with pytest.raises(GdnExportError, match="carries no MTP head") as err:
+        list(generate(Session(path), [1, 2, 3], 4, speculative=SpeculativeConfig("mtp", 2)))
+    assert "\n" not in str(err.value) and path.name in str(err.value)
+    assert cli(["generate", str(path), "--prompt-ids", "1,2,3", "--speculative", "mtp"]) == 2
+    with Engine(converted("lara_mini", serving=True), slots=1) as engine:
+        with pytest.raises(GdnExportError, match="carries no MTP head"):
+            engine.submit(TokenRequest((1, 2, 3), 4, speculative=SpeculativeConfig("mtp", 2)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", by_fixture(*MTP_FIXTURES))
+def test_engine_mtp_requests_get_what_they_get_alone(name, converted, monkeypatch):
+    """MTP, prompt-lookup and plain requests batched in an Engine (serving archive): every request's greedy tokens
+    are those of the request alone through a batch-1 Session, and the MTP ones drafted what ``generate`` drafts for
+    the same request (the same hidden states reach the head at the same positions)."""
+    from helpers import alone, engine_greedy_events
+
+    from gdn_export.run.generation import SpeculativeConfig, generate
+    from gdn_export.run.generation.speculative import MTPDrafter
+    from gdn_export.run.serving import Engine
+    from gdn_export.run.session import Session
+
+    proposed: dict[tuple, list] = {}
+    original = MTPDrafter.propose
+
+    def recording(self, history, count):
+        drafts, probabilities = original(self, history, count)
+        proposed.setdefault((tuple(history), count), []).append(drafts)
+        return drafts, probabilities
+
+    monkeypatch.setattr(MTPDrafter, "propose", recording)
+
+    path = converted(name, serving=True)
+    rng = np.random.default_rng(3)
+    prompts = [tuple(int(t) for t in rng.integers(0, 128, n)) for n in (7, 70, 3, 12)]
+    options = [SpeculativeConfig("mtp", 3), None, SpeculativeConfig("qwen3_next_mtp", 1),
+               SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1)]
+    with Engine(path, slots=3, buckets=(1, 2, 4), prefix_cache_mib=0, prefill_piece=64) as engine:
+        events = engine_greedy_events(engine, prompts, options, 20)
+    for i, prompt in enumerate(prompts):
+        tokens, _ = alone(path, prompt, 20)
+        assert [e.token_id for e in events[i]] == tokens, f"request {i}"
+    assert events[0][-1].drafted > 0 and events[2][-1].drafted > 0
+    session = Session(path)
+    for i in (0, 2):  # each proposal again through a Session: the same drafts
+        list(generate(session, prompts[i], 20, temperature=0, stop_token_ids=[], speculative=options[i]))
+    assert proposed and all(len(d) == 2 and d[0] == d[1] for d in proposed.values()), proposed
+
+
+@pytest.mark.slow
+def test_server_mtp_requests(converted):
+    """The openai client against a real server on 127.0.0.1 (qwen3_5: an MTP head and a tokenizer), a worker pool
+    and an Engine: ``speculative_config`` ``{"method": "mtp"}`` (and vLLM's ``qwen3_next_mtp``) gives the greedy
+    tokens of the request without it, and usage counts the drafted tokens kept and rejected."""
+    import openai
+
+    from helpers import serving
+
+    from gdn_export.run.generation.executor import WorkerPool
+    from gdn_export.run.serving import Engine
+    from gdn_export.run.session import Session
+
+    for batched in (False, True):
+        path = converted("qwen3_5", serving=batched)
+        executor = Engine(path, slots=2) if batched else WorkerPool(Session(path), workers=2)
+        with serving(executor, "m") as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+            ask = dict(model="m", prompt="Hello world, the quick brown fox", max_tokens=24, temperature=0)
+            plain = client.completions.create(**ask, extra_body={"ignore_eos": True})
+            for method in ("mtp", "qwen3_next_mtp"):
+                answer = client.completions.create(**ask, extra_body={
+                    "ignore_eos": True, "speculative_config": {"method": method, "num_speculative_tokens": 2}})
+                assert answer.choices[0].token_ids == plain.choices[0].token_ids
+                details = answer.usage.completion_tokens_details
+                assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
+
+
+@pytest.mark.slow
+def test_mtp_head_left_out_is_reported(tmp_path):
+    """Where the archive cannot carry the head (``--logits last`` here), the report says so and the archive is the
+    one it was before MTP heads were carried: no member, no ``hidden`` output, no ``mtp`` metadata."""
+    import tarfile
+
+    import gdn_export
+    from gdn_export.run.archive import read_metadata
+
+    path = tmp_path / "last.nnef.tgz"
+    report = gdn_export.convert(FIXTURES / "qwen3_5", path, logits="last", check=False)
+    assert report.mtp.startswith("MTP head left out: --logits last") and report.mtp in str(report)
+    metadata = read_metadata(path)
+    assert "mtp" not in metadata and "hidden" not in metadata["outputs"]
+    with tarfile.open(path) as tar:
+        assert "mtp.nnef.tgz" not in tar.getnames()

@@ -47,7 +47,7 @@ def test_prompt_lookup_takes_the_longest_latest_match():
     assert propose_ngram([4, 1, 4], 2, longest=3, shortest=2) == []  # only 1-grams repeat
 
 
-@pytest.mark.parametrize("bad, param", [(dict(method="mtp"), "method"), (dict(num_speculative_tokens=0),
+@pytest.mark.parametrize("bad, param", [(dict(method="medusa"), "method"), (dict(num_speculative_tokens=0),
                                         "num_speculative_tokens"), (dict(num_speculative_tokens=True),
                                         "num_speculative_tokens"), (dict(prompt_lookup_max=0), "prompt_lookup_max"),
                                         (dict(prompt_lookup_min=4, prompt_lookup_max=3), "prompt_lookup_min"),
@@ -179,18 +179,19 @@ def test_greedy_output_is_token_identical(name, converted):
     assert tokens.generation.accepted > tokens.generation.drafted / 2 > 0
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+@pytest.mark.parametrize("drafter", ["ngram", "draft", "mtp"])
 def test_sampled_output_is_distributed_as_plain_sampling(converted, drafter):
     """The first three sampled tokens (top-k 4, temperature 0.7: at most 64 outcomes) of many seeded requests with
     drafts, against their exact distribution computed from plain calls' logits: a draft is verified at the second
     token (kept or replaced by the rule), the third is the replacement's successor or the bonus token. The trained
     fixture on a prompt that repeats itself: its drafts are often kept, not always. ``draft``: the same model in
-    float16 drafts (its q close to p, not equal: the rule's min(1, p/q) and residual max(0, p - q) both run)."""
+    float16 drafts (its q close to p, not equal: the rule's min(1, p/q) and residual max(0, p - q) both run).
+    ``mtp``: the qwen3_5 fixture's own (random) MTP head drafts from its q, mostly rejected."""
     from gdn_export.run.session import Session
 
-    session = Session(converted(TRAINED))
+    session = Session(converted("qwen3_5" if drafter == "mtp" else TRAINED))
     ids = session.tokenizer.encode((FIXTURES / TRAINED / "heldout.txt").read_text()[:1000]).ids
-    prompt = ids[:30] * 3 + ids[:20]
+    prompt = ids[:30] * 3 + ids[:20] if drafter != "mtp" else [i % 128 for i in ids[:40]]
     params = SamplingParams(temperature=0.7, top_k=4)
 
     def distribution(prefix: list[int]) -> np.ndarray:
@@ -209,6 +210,7 @@ def test_sampled_output_is_distributed_as_plain_sampling(converted, drafter):
     counts = np.zeros(len(outcomes))
     drafted = accepted = 0
     speculative = (SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1) if drafter == "ngram" else
+                   SpeculativeConfig("mtp", 2) if drafter == "mtp" else
                    SpeculativeConfig("draft", 2, model=str(converted(TRAINED, "float16"))))
     for seed in range(SAMPLED_REQUESTS):
         tokens = generate(session, prompt, 3, temperature=0.7, top_k=4, top_p=1.0, seed=seed, stop_token_ids=[],
@@ -218,6 +220,8 @@ def test_sampled_output_is_distributed_as_plain_sampling(converted, drafter):
         drafted, accepted = drafted + tokens.generation.drafted, accepted + tokens.generation.accepted
     if drafter == "ngram":
         assert 0.2 * drafted < accepted < 0.9 * drafted  # drafts were both kept and rejected, many times
+    elif drafter == "mtp":
+        assert drafted >= SAMPLED_REQUESTS  # a random head: its drafts are judged (mostly replaced) every request
     else:
         assert drafted == SAMPLED_REQUESTS and accepted > 0  # q close to p: mostly kept (the rule's residual: the test above)
     assert chi_square_p_value(counts, np.array([exact[o] for o in outcomes])) > ALPHA
@@ -229,11 +233,8 @@ def test_engine_speculative_requests_get_what_they_get_alone(name, converted):
     to their states before the call while others keep theirs; on qwen3_5 one request drafting with a draft archive):
     every request's greedy tokens are those of the request alone through a batch-1 Session, and the speculative ones
     drafted."""
-    import threading
+    from helpers import alone, engine_greedy_events
 
-    from helpers import alone
-
-    from gdn_export.run.generation import TokenRequest
     from gdn_export.run.serving import Engine
 
     path = converted(name, serving=True)
@@ -245,15 +246,7 @@ def test_engine_speculative_requests_get_what_they_get_alone(name, converted):
     if name == "qwen3_5":  # one request drafts with a draft archive (its float16 copy) instead
         options[3] = SpeculativeConfig("draft", 3, model=str(converted(name, "float16")))
     with Engine(path, slots=3, buckets=(1, 2, 4), prefix_cache_mib=0, prefill_piece=64) as engine:
-        streams = [engine.submit(TokenRequest(p, 24, SamplingParams(temperature=0.0), speculative=o))
-                   for p, o in zip(prompts, options)]
-        events: dict[int, list] = {}
-        readers = [threading.Thread(target=lambda i, s: events.__setitem__(i, list(s)), args=(i, s))
-                   for i, s in enumerate(streams)]
-        for reader in readers:
-            reader.start()
-        for reader in readers:
-            reader.join(timeout=120)
+        events = engine_greedy_events(engine, prompts, options, 24)
         assert engine.stats()["calls"].get("verify x 1", 0) + engine.stats()["calls"].get("verify x 2", 0) + \
             engine.stats()["calls"].get("verify x 3", 0) > 0
     for i, prompt in enumerate(prompts):

@@ -60,6 +60,7 @@ class ConvertReport:
     quantization: str = ""  # what was stored in Q4_0 or int8
     quantized_as: str = ""  # "Q4_0", or "int8" (the reference then rounds the inputs of those layers as tract)
     moe: list[str] = field(default_factory=list)  # MoE feed-forwards: sparse or dense, and why (ops/moe_ffn.py)
+    mtp: str = ""  # the checkpoint's MTP head: carried (and checked) or left out, and why (pipeline/mtp.py)
 
     @property
     def quality(self) -> LogitCheck | None:
@@ -74,6 +75,8 @@ class ConvertReport:
             if layer.kind == "gated delta rule":
                 lines.append(f"  layer {layer.index}: {layer.lowering} - {layer.reason}")
         lines.extend(f"  {line}" for line in self.moe)
+        if self.mtp:
+            lines.append(f"  {self.mtp}")
         if self.weights:
             lines.append(f"  weights: {self.weights}")
         lines.append("  for generation: " + (", ".join(self.generation_files) if self.generation_files else
@@ -101,7 +104,8 @@ def quality_line(quality: LogitCheck) -> str:
 def state_names(lm) -> tuple[list[str], list[str], dict]:
     served = serving_inputs(lm.serving, lm.states)
     inputs = ["input_ids"] + served + [f"in_{s.name}" for s in lm.states]
-    outputs = ["logits"] + [f"out_{s.name}" for s in lm.states]
+    outputs = ["logits"] + [f"out_{s.name}" for s in lm.states] + (["hidden"] if getattr(lm, "emits_hidden", False)
+                                                                   else [])
     dynamic = {"input_ids": {0: "B", 1: "S"}, **{name: {0: "B"} for name in served}}
     dynamic.update({f"in_{s.name}": s.dynamic_axes for s in lm.states})
     return inputs, outputs, dynamic
@@ -438,6 +442,11 @@ class NnefSteps:
         if plan.serving and lm.serving_refusal:
             raise GdnExportError(f"{family.name} has no serving graph (--serving): {lm.serving_refusal}")
         lm.serving = plan.serving
+        from gdn_export.pipeline.mtp import mtp_decision
+
+        mtp, mtp_left_out = mtp_decision(plan.checkpoint_dir, layout.model_type, layout.config,
+                                         logits=plan.logits, quantize=plan.quantize, dtype=plan.export_dtype)
+        lm.emits_hidden = mtp is not None  # the main graph's last output: what the MTP head reads
         writers, quantization = plan_writes(lm, model, exported, plan.export_dtype, plan.quantize,
                                             plan.quantize_embeddings,
                                             fused_moe=_fused_moe(plan.runtime, plan.tract_version),
@@ -447,7 +456,8 @@ class NnefSteps:
             writers = None  # the in-memory model's own values are written
         return Traced(family, layout, model, weights, lm, dict(measured=measured, folding=folding, exported=exported,
                                                                separated=separated, writers=writers,
-                                                               quantization=quantization))
+                                                               quantization=quantization, mtp=mtp,
+                                                               mtp_left_out=mtp_left_out))
 
     @staticmethod
     def export(plan: ConvertPlan, traced: Traced, staging: Path, inputs, outputs, dynamic, say,
@@ -473,6 +483,18 @@ class NnefSteps:
         if plan.quantize_embeddings:  # what `check` re-quantizes (absent: False, as every archive before it)
             metadata["quantize_embeddings"] = True
         path = staging / plan.out_path.name
+        members, mtp_line = dict(carried), extras["mtp_left_out"] or ""
+        if extras["mtp"] is not None:
+            from gdn_export.pipeline.mtp import MEMBER, export_head
+
+            say(f"exporting the MTP head ({MEMBER})")
+            (staging / "mtp").mkdir()
+            mtp_report, metadata["mtp"] = export_head(extras["mtp"], staging / "mtp" / MEMBER,
+                                                      tract_version=plan.tract_version, runtime=plan.runtime,
+                                                      check=bool(plan.check))
+            members[MEMBER] = staging / "mtp" / MEMBER
+            mtp_line = (f"MTP head: carried ({MEMBER}; reads the state after the final norm)"
+                        + (f", checked in tract against torch: {mtp_report.parity}" if mtp_report.parity else ""))
         say(f"exporting {traced.family.name} ({len(lm.layer_types) if hasattr(lm, 'layer_types') else '?'} layers, "
             f"{plan.dtype}{', weights streamed from the checkpoint' if plan.streamed else ''}) to {plan.out_path}")
         report = export(lm, example_inputs(lm, metadata["vocab_size"], plan.export_dtype), path,
@@ -480,14 +502,15 @@ class NnefSteps:
                         output_names=outputs, dynamic_axes=dynamic, metadata=metadata,
                         check=bool(plan.check) and extras["writers"] is None, runtime=plan.runtime,
                         core_dtype=plan.core_dtype, chunk_size=plan.chunk_size, weights=extras["writers"],
-                        extra_files=carried)
+                        extra_files=members)
         seconds.update(report.seconds)
         result = ConvertReport(plan.out_path, traced.family.name, metadata["model_type"], plan.dtype,
                                report.tract_version, layers=layer_reports(lm, report.decisions), seconds=seconds,
                                reference=traced.family.reference, weights=traced.weights.summary(),
                                generation_files=sorted(carried),
                                quantization=str(quantization) + (f"; {folding}" if folding is not None else ""),
-                               moe=moe_report(report.decisions), quantized_as=weight_format(plan.quantize).reference)
+                               moe=moe_report(report.decisions), quantized_as=weight_format(plan.quantize).reference,
+                               mtp=mtp_line)
         return Staged(path, result, lambda: os.replace(path, plan.out_path))
 
     @staticmethod

@@ -258,6 +258,11 @@ METADATA_SCHEMA = {
     "runtime": (lambda v: isinstance(v, str), "a string", False),
     "decisions": (lambda v: isinstance(v, list) and all(isinstance(d, dict) for d in v), "a list of objects", False),
     DIGESTS_FIELD: (lambda v: digests_valid(v), "an object of {member: {size, sha256}}", False),
+    "mtp": (lambda v: isinstance(v, dict) and v.get("member") == "mtp.nnef.tgz"
+            and all(_is_int(v.get(k)) and v[k] >= 1 for k in ("hidden_size", "num_key_value_heads", "head_dim"))
+            and v.get("dtype") in FLOAT_DTYPES,
+            "an object {member: mtp.nnef.tgz, hidden_size, num_key_value_heads, head_dim (integers >= 1), dtype}",
+            False),
 }
 
 

@@ -287,7 +287,7 @@ class App:
 
     def _speculative(self, body: dict) -> SpeculativeConfig | None:
         """The request's drafting: its ``speculative_config`` (vLLM's keys: method "ngram", "draft" (the server's
-        draft archive) or "none",
+        draft archive), "mtp" (the archive's MTP head; vLLM's "qwen3_next_mtp" too) or "none",
         num_speculative_tokens, prompt_lookup_max, prompt_lookup_min; unset keys from the server's), else the
         server's (``--speculative``)."""
         given = _field(body, "speculative_config", "object")
@@ -318,6 +318,9 @@ class App:
         if not getattr(self.archive, "every_position", True):
             raise ApiError(400, f"{self.model_name} returns the last position's logits only (converted with "
                                 "--logits last): speculative decoding needs every position's", param)
+        if config.method == "mtp" and not getattr(self.archive, "mtp", False):
+            raise ApiError(400, f"{self.model_name} carries no MTP head (converted from a checkpoint without mtp.* "
+                                "weights, or with --quantize / --logits last): use method ngram", f"{param}.method")
         return config
 
     def _prompt(self, body: dict):
@@ -762,6 +765,10 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
     if speculative is not None and not session.every_position:
         raise GdnExportError(f"{path} returns the last position's logits only (converted with --logits last): "
                              "--speculative needs every position's")
+    if speculative is not None and speculative.method == "mtp" and session.mtp is None:
+        from gdn_export.run.mtp import no_mtp_message
+
+        raise GdnExportError(no_mtp_message(session.path))
     if speculative is not None and speculative.model is not None:  # planned now (and its vocabulary checked)
         from gdn_export.run.generation.speculative import draft_session
 

@@ -80,6 +80,8 @@ def check_archive(path: str | os.PathLike, metadata: dict | None) -> None:
 def _check(path: Path, metadata: dict) -> None:
     recorded = metadata.get(DIGESTS_FIELD)
     listed = {METADATA_FILE, GRAPH_FILE, *metadata.get("generation_files", ())} if metadata else {GRAPH_FILE}
+    if metadata and isinstance(metadata.get("mtp"), dict):  # the MTP head's own archive (gdn_export/run/mtp.py)
+        listed.add(metadata["mtp"].get("member"))
     seen = _Seen()
     labels: dict[str, list[int]] | None = None  # the graph's variables, once its member was read
     try:
@@ -294,14 +296,17 @@ def graph_inputs(graph: str) -> dict[str, list]:
     return {name: _dims(shape) for name, shape in _EXTERNAL.findall(graph)}
 
 
+NOT_STATES = ("input_ids", "past_len", "seq_len", "hidden", "next_ids")  # the inputs of gdn-export's graphs that are no state
+
+
 def check_states(path: Path, metadata: dict, graph: str) -> None:
     """``metadata``'s states are the graph's state inputs (those after ``input_ids`` and a serving graph's
-    ``past_len``/``seq_len``), each of the shape the graph declares."""
+    ``past_len``/``seq_len``; an MTP head's after ``hidden`` and ``next_ids``), each of the shape the graph declares."""
     states = metadata.get("states")
     if states is None:
         return
     inputs = graph_inputs(graph)
-    names = [n for n in metadata.get("inputs", list(inputs)) if n not in ("input_ids", "past_len", "seq_len")]
+    names = [n for n in metadata.get("inputs", list(inputs)) if n not in NOT_STATES]
     if len(names) != len(states):
         raise ArchiveError(f"{path}: {METADATA_FILE} declares {len(states)} states, the graph takes {len(names)}")
     for name, state in zip(names, states):

@@ -65,6 +65,9 @@ class Session:
         self.position = 0  # tokens of the sequence so far, pending ones (below) included
         self._pending: np.ndarray | None = None  # [B, n] tokens kept by commit() not yet run: the next call runs them
         self._verified: tuple | None = None  # (the states, position and pending before verify(), its input_ids)
+        # an archive with an MTP head: the graph's last output is "hidden" (every new position's state after the final
+        # norm); told to on_hidden(first position, hidden [B, n, H]) after every call (speculative.MTPDrafter)
+        self.on_hidden: Callable[[int, np.ndarray], None] | None = None
 
     @property
     def states(self) -> list[np.ndarray] | None:
@@ -139,6 +142,7 @@ class Session:
         self._states = None
         self.position = 0
         self._pending = self._verified = None
+        self.on_hidden = None  # a request's MTP drafter listens until the next reset
 
     def _initial_states(self, batch: int) -> list:
         import tract
@@ -181,11 +185,13 @@ class Session:
             served = [np.full(ids.shape[0], served[name], np.int64) for name in self.serving_inputs]
             if self.takes_past_len:
                 outputs = run_tract_tensors(runnable, [chunk] + served + self._padded_caches())
-                self._states = self._append_caches(outputs[1:])
+                self._states = self._append_caches(outputs[1:1 + len(self.state_specs)])
             else:
                 outputs = run_tract_tensors(runnable, [chunk] + served + self._states)
-                self._states = outputs[1:]
+                self._states = outputs[1:1 + len(self.state_specs)]
             logits.append(outputs[0].to_numpy())
+            if self.on_hidden is not None and self.emits_hidden:
+                self.on_hidden(past + begin, outputs[-1].to_numpy())
         self.position = past + ids.shape[1]
         if len(logits) == 1 or self.metadata.get("logits") == "last":  # an archive of last-position logits
             logits = logits[-1]
@@ -199,6 +205,17 @@ class Session:
     def every_position(self) -> bool:
         """Whether the graph returns every new position's logits (not an archive converted with ``logits="last"``)."""
         return self.metadata.get("logits") != "last"
+
+    @property
+    def emits_hidden(self) -> bool:
+        """Whether the graph's last output is ``hidden`` (an archive carrying an MTP head: docs/CONVERTING.md)."""
+        return "hidden" in self.metadata.get("outputs", ())
+
+    @property
+    def mtp(self) -> dict | None:
+        """The archive's MTP head (``gdn_export.json``'s ``mtp``: its member and sizes), or None."""
+        mtp = self.metadata.get("mtp")
+        return mtp if isinstance(mtp, dict) and self.emits_hidden else None
 
     @property
     def pending(self) -> int:
@@ -326,6 +343,7 @@ class Session:
         new._states, new._batch = None, 0
         new.position = 0
         new._pending = new._verified = None
+        new.on_hidden = None
         return new
 
 

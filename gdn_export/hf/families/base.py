@@ -79,10 +79,17 @@ class TransformersLM(Decoder, ExportableLM):
         # the config may carry no head_dim: the attention module derives it
         return attention_states(index, self.config.num_key_value_heads, layer.self_attn.head_dim, dtype)
 
+    # True (an archive that carries the checkpoint's MTP head, pipeline/mtp.py): the graph's last output is
+    # ``hidden`` ``[B, S, H]``, every new position's state after the final norm, which the MTP head reads
+    emits_hidden: bool = False
+
     def forward(self, input_ids: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         past_len, seq_len, states = self.split_inputs(inputs, self.states)
-        logits, new_states = self.decode(input_ids, states, self.states, past_len, seq_len)
-        return (logits, *new_states)
+        out, new_states = self.decode(input_ids, states, self.states, past_len, seq_len)
+        if self.emits_hidden:
+            logits, hidden = out
+            return (logits, *new_states, hidden)
+        return (out, *new_states)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.hf.model.embed_tokens(input_ids)
@@ -109,8 +116,10 @@ class TransformersLM(Decoder, ExportableLM):
     def norms(self, index: int, layer: nn.Module, part: str):
         return (layer.input_layernorm if part == "mixer" else layer.post_attention_layernorm), None
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.hf.model.norm(x))
+    def head(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits; with ``emits_hidden``, (logits, the normed state they were computed from)."""
+        normed = self.hf.model.norm(x)
+        return (self.lm_head(normed), normed) if self.emits_hidden else self.lm_head(normed)
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """``hf.lm_head(x)``, through ``vocab_projection``: a head tied to ``model.embed_tokens`` reads the table

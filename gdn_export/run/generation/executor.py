@@ -202,6 +202,7 @@ class ArchiveText:
         self.path = session.path
         self.vocab_size: int | None = session.metadata.get("vocab_size")
         self.every_position = session.every_position  # every new position's logits: what verifying drafts needs
+        self.mtp = session.mtp is not None  # the archive carries an MTP head (--speculative mtp)
         # the model's context from the checkpoint's config (None: the archive predates it, or the config gave none)
         self.model_context: int | None = session.metadata.get("context_length")
         self.max_model_len: int = context_bound(self.model_context)  # prompt + new tokens, at most

@@ -39,7 +39,9 @@ if TYPE_CHECKING:
     from gdn_export.run.generation.executor import TokenEvent, TokenRequest
     from gdn_export.run.session import Session
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "mtp")
+# vLLM's other names of the MTP method (its speculative_config "method"), read as "mtp"
+MTP_ALIASES = ("qwen3_next_mtp", "qwen3_5_mtp", "deepseek_mtp")
 MAX_DRAFT = 64  # drafted tokens per step at most (llama.cpp's --draft-max goes as far)
 
 
@@ -49,7 +51,8 @@ class SpeculativeError(SamplingError):
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How one request drafts: ``method`` (``"ngram"``: prompt lookup), ``num_speculative_tokens`` K (at most K
+    """How one request drafts: ``method`` (``"ngram"``: prompt lookup; ``"draft"``: a draft archive; ``"mtp"``: the
+    archive's own MTP head, vLLM's ``"qwen3_next_mtp"`` too), ``num_speculative_tokens`` K (at most K
     drafts per step; ``--draft-max``), and the n-gram sizes looked up, longest first (vLLM's
     ``prompt_lookup_max``/``prompt_lookup_min``). The names are vLLM's ``speculative_config``'s."""
 
@@ -60,6 +63,8 @@ class SpeculativeConfig:
     model: str | None = None  # method "draft": the draft archive's path
 
     def __post_init__(self) -> None:
+        if self.method in MTP_ALIASES:
+            object.__setattr__(self, "method", "mtp")
         if self.method not in METHODS:
             raise SpeculativeError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}",
                                    "method")
@@ -153,21 +158,71 @@ class DraftModel:
         return drafts, None if greedy else probabilities
 
 
+class MTPDrafter:
+    """Drafts with the archive's MTP head (``gdn_export.run.mtp``): its cache holds one entry per position t whose
+    main-model state ``h_t`` and next token are known; each step first runs the positions gained since (their ``h_t``
+    from the main model's calls, told through ``Session.on_hidden``), whose last output drafts the first token, then
+    chains: the MTP's own ``mtp_hidden`` and the draft make the next draft. The chained entries are cut off after
+    drafting (they are rebuilt from the main model's states once those tokens are verified)."""
+
+    def __init__(self, path, metadata: dict, sampler: Sampler) -> None:
+        from gdn_export.run.mtp import MTPRunner
+
+        self.runner, self.sampler = MTPRunner(path, metadata), sampler
+        self.rows: dict[int, np.ndarray] = {}  # position -> the main model's hidden there, not yet in the cache
+
+    def record(self, start: int, hidden: np.ndarray) -> None:
+        """The main model's states after its final norm at positions ``start ...`` (batch 1); later calls at the same
+        positions (a rejected draft's, then its replacement's) overwrite them."""
+        for i, row in enumerate(hidden[0]):
+            if start + i >= self.runner.length:
+                self.rows[start + i] = row
+
+    def propose(self, history: list[int], count: int) -> tuple[list[int], list[np.ndarray] | None]:
+        from gdn_export.run.generation.sampling import filtered_probabilities
+
+        if count < 1:
+            return [], None
+        done, end = self.runner.length, len(history) - 1  # positions [done, end) have h_t and their next token
+        logits, hidden = self.runner.run(np.stack([self.rows.pop(t) for t in range(done, end)]),
+                                         history[done + 1:end + 1])
+        params = self.sampler.params
+        greedy = params.greedy or params.top_k == 1
+        drafts, probabilities = [], []
+        for i in range(count):
+            if greedy:
+                drafts.append(int(np.argmax(logits[-1])))
+            else:
+                probabilities.append(filtered_probabilities(logits[-1], params))
+                drafts.append(self.sampler._draw(probabilities[-1]))
+            if i + 1 < count:
+                logits, hidden = self.runner.run(hidden[-1:], [drafts[-1]])
+        self.runner.truncate(end)
+        return drafts, None if greedy else probabilities
+
+
 class Speculation:
     """One request's drafting and judging: the text so far (prompt and emitted tokens) and its counts."""
 
     def __init__(self, config: SpeculativeConfig, prompt_ids: Sequence[int], sampler: Sampler,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, model: MTPDrafter | None = None) -> None:
         self.config, self.sampler = config, sampler
         self.history = list(prompt_ids)
         self.drafts: list[int] = []
         self.probabilities: list[np.ndarray] | None = None  # a draft model's q of each draft (None: certain drafts)
         self.drafted = self.accepted = 0
+        # what drafts (None: prompt lookup); an MTP drafter is made by the caller before the prompt runs (it records
+        # the prompt's hidden states)
         self.model = (DraftModel(draft_session(config.model, vocab_size), sampler) if config.method == "draft"
-                      else None)
+                      else model)
 
     def emitted(self, token: int) -> None:
         self.history.append(token)
+
+    def record_hidden(self, start: int, hidden: np.ndarray) -> None:
+        """The main model's ``hidden`` output ``[1, n, H]`` at positions ``start ...``, for an MTP drafter."""
+        if isinstance(self.model, MTPDrafter):
+            self.model.record(start, hidden)
 
     def propose(self, remaining: int, pending: int) -> list[int]:
         """The drafts of the next step: at most K, at most ``remaining - 1`` (the step emits one token more than the
@@ -204,12 +259,21 @@ def speculative_tokens(session: Session, request: TokenRequest, cancelled: Calla
     if not session.every_position:
         raise GdnExportError(f"{session.path.name} returns the last position's logits only (converted with --logits "
                              "last): speculative decoding needs every position's")
+    if request.speculative.method == "mtp" and session.mtp is None:
+        from gdn_export.run.mtp import no_mtp_message
+
+        raise GdnExportError(no_mtp_message(session.path))
     session.reset()
+    sampler = Sampler(request.sampling)
+    drafter = None
+    if request.speculative.method == "mtp":  # listening before the prompt runs: its states are the first drafts'
+        drafter = MTPDrafter(session.path, session.metadata, sampler)
+        session.on_hidden = drafter.record
     logits = prefill_pieces(session, request.prompt_ids, cancelled)
     if logits is None:
         return
-    sampler = Sampler(request.sampling)
-    speculation = Speculation(request.speculative, request.prompt_ids, sampler, session.metadata.get("vocab_size"))
+    speculation = Speculation(request.speculative, request.prompt_ids, sampler, session.metadata.get("vocab_size"),
+                              drafter)
     choices, produced = [sampler(logits)], 0
     while True:
         for choice in choices:

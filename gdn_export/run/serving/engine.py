@@ -37,7 +37,7 @@ from gdn_export.errors import GdnExportError
 from gdn_export.run.generation.executor import (ArchiveText, ExecutorFull, QueuedExecutor, TokenEvent, TokenRequest,
                                             TokenStream)
 from gdn_export.run.generation.sampling import Choice, Sampler
-from gdn_export.run.generation.speculative import Speculation, draft_session
+from gdn_export.run.generation.speculative import MTPDrafter, Speculation, draft_session
 from gdn_export.run.serving.prefix_cache import ALIGN, PrefixCache
 from gdn_export.run.serving.slots import SCRATCH, SlotPool
 
@@ -168,6 +168,9 @@ class Engine(QueuedExecutor):
         self.prefill_rows = min(prefill_rows, max(per_worker))
         self.keep_logits = keep_logits
         self.serving_inputs = session.serving_inputs
+        self.state_specs = session.state_specs
+        self.metadata = session.metadata
+        self.emits_hidden = session.emits_hidden  # an archive with an MTP head (--speculative mtp)
         self.plans = Plans(session.path, one_plan)
         self.calls: collections.Counter[tuple[str, int]] = collections.Counter()  # (kind, rows) -> tract calls
         self.prefix_cache = PrefixCache(int(prefix_cache_mib * MIB))
@@ -199,6 +202,15 @@ class Engine(QueuedExecutor):
         if request.speculative is not None and not self.every_position:
             raise GdnExportError(f"{self.path.name} returns the last position's logits only (converted with --logits "
                                  "last): speculative decoding needs every position's")
+        if request.speculative is not None and request.speculative.method == "mtp" and \
+                not isinstance(self.metadata.get("mtp"), dict):
+            from gdn_export.run.mtp import no_mtp_message
+
+            raise GdnExportError(no_mtp_message(self.path))
+        if request.speculative is not None and request.speculative.method == "mtp":
+            from gdn_export.run.mtp import mtp_plan
+
+            mtp_plan(self.path, self.metadata)  # planned (once) in the caller's thread, not in a worker
         if request.speculative is not None and request.speculative.model is not None:
             # planned (once) and its vocabulary checked here, in the caller's thread, not in a worker
             draft_session(request.speculative.model, self.vocab_size)
@@ -279,10 +291,13 @@ class _Worker:
     def _admit(self, request: TokenRequest, stream: TokenStream) -> _Active:
         slot = self.free.pop(0)
         active = _Active(request, stream, slot, Sampler(request.sampling))
+        mtp = request.speculative is not None and request.speculative.method == "mtp"
         if request.speculative is not None:
+            drafter = MTPDrafter(self.engine.path, self.engine.metadata, active.sampler) if mtp else None
             active.speculation = Speculation(request.speculative, request.prompt_ids, active.sampler,
-                                             self.engine.vocab_size)
-        snapshot = self.engine.prefix_cache.longest(request.prompt_ids)
+                                             self.engine.vocab_size, drafter)
+        # an MTP drafter needs the main model's state at every prompt position: a cached prefix has none of them
+        snapshot = None if mtp else self.engine.prefix_cache.longest(request.prompt_ids)
         if snapshot is None:
             self.pool.reset(slot)
         else:
@@ -335,6 +350,9 @@ class _Worker:
             self.engine.calls[kind, len(slots)] += 1
         outputs = run_tract_tensors(self.engine.plans.get(len(slots), 1 if ids.shape[1] == 1 else None), inputs)
         logits = outputs[0].to_numpy()
+        if self.engine.emits_hidden:  # an MTP archive's last output, hidden, is no state: its rows go to the drafters
+            self.hidden = outputs[-1].to_numpy()
+            outputs = outputs[:-1]
         if inputs_to is not None:
             return logits, outputs[1:]
         if logits.shape[1] > 1:  # every position's logits (an archive without --logits last)
@@ -354,6 +372,7 @@ class _Worker:
         logits, outputs = self._run("prefill", slots, ids, seq_len)
         self.pool.scatter(slots, outputs, seq_len)
         for b, active in enumerate(rows):
+            self._record_hidden(active, b, active.fed, int(seq_len[b]))
             prompt, end = active.request.prompt_ids, active.fed + int(seq_len[b])
             active.fed = end
             if end < len(prompt):
@@ -377,6 +396,8 @@ class _Worker:
         logits, outputs = self._run("decode", slots, ids, np.ones(bucket, np.int64))
         self.pool.scatter(slots, outputs, 1, resident=True)
         for b, active in enumerate(rows):
+            if active.speculation is not None:
+                self._record_hidden(active, b, len(active.speculation.history) - 1, 1)
             active.feed = []
             if active.stream.cancelled:
                 self._release(active)
@@ -407,6 +428,7 @@ class _Worker:
                 continue
             positions = logits[b, len(feed) - 1:len(run)]  # from the sampled token's position on
             if active.speculation is not None:
+                self._record_hidden(active, b, len(active.speculation.history) - len(feed), len(run))
                 choices = active.speculation.judge(positions)
             else:
                 choices = [active.sampler(positions[0])]
@@ -415,6 +437,12 @@ class _Worker:
             if kept < len(run):
                 self.pool.rewind(active.slot, lengths[b], [state[b] for state in before])
             self._emit(active, choices, positions[:len(choices)])
+
+    def _record_hidden(self, active: _Active, row: int, start: int, count: int) -> None:
+        """Row ``row`` of the last call's ``hidden`` output (its first ``count`` positions, from sequence position
+        ``start``) to the request's MTP drafter, if it has one."""
+        if self.engine.emits_hidden and active.speculation is not None:
+            active.speculation.record_hidden(start, self.hidden[row:row + 1, :count])
 
     def _sample(self, active: _Active, logits: np.ndarray) -> None:
         if active.stream.cancelled:
