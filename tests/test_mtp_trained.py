@@ -8,6 +8,9 @@ t+1. The trivial predictor: the token that most often follows token t+1 in the h
 the very windows scored, which favours it). The comparison is paired (McNemar): of the positions where exactly one
 of the two is right, the head must win more often than chance allows at 4 standard deviations, ``b - c > 4 sqrt(b +
 c)`` (under equal accuracy ``b - c`` has mean 0 and variance ``b + c``).
+
+Through tract (the f32 archive ``convert`` makes of the fixture, its MTP head included): ``--speculative mtp`` keeps
+some of the trained head's drafts and rejects others, and the greedy tokens are plain decoding's.
 """
 
 from __future__ import annotations
@@ -82,3 +85,20 @@ def test_trained_head_beats_the_bigram_predictor_on_held_out_text(base_model):
     assert b - c > SIGMAS * math.sqrt(b + c), (
         f"MTP {int(head_right.sum())}/{n} right, most frequent successor {int(trivial_right.sum())}/{n}: "
         f"b={b}, c={c}")
+
+
+def test_trained_head_drafts_are_kept_and_greedy_output_is_plain(converted):
+    """``--speculative mtp`` with the trained head on a held-out prompt: the greedy tokens of plain decoding, token
+    for token, while drafts are kept (the random heads of the other fixtures almost never have one kept, so this is
+    where the accept path runs on real acceptance)."""
+    from gdn_export.run.generation import SpeculativeConfig, generate
+    from gdn_export.run.session import Session
+
+    session = Session(converted(TRAINED))
+    prompt = session.tokenizer.encode((FOLDER / "heldout.txt").read_text(encoding="utf-8")[:1200]).ids[:200]
+    plain = [t.token_id for t in generate(session, prompt, 48, temperature=0, stop_token_ids=[])]
+    for draft_max in (1, 3):
+        tokens = generate(session, prompt, 48, temperature=0, stop_token_ids=[],
+                          speculative=SpeculativeConfig("mtp", draft_max))
+        assert [t.token_id for t in tokens] == plain, draft_max
+        assert 0 < tokens.generation.accepted < tokens.generation.drafted, draft_max
