@@ -141,7 +141,6 @@ def projected_cost(calls: list[tuple[int, int]], curve: dict[int, float], eager:
 def mtp_step_cost(folder: Path, reps: int, context: int = 128) -> dict[str, dict[int, float]]:
     """Seconds of one MTP graph call of S = 1 and 2 positions after ``context`` cached ones, per weight dtype, for an
     MTP head of ``folder``'s config (random seeded ``mtp.*``, the folder's embedding table and head)."""
-    import tarfile
     import tempfile
 
     import torch
@@ -151,7 +150,8 @@ def mtp_step_cost(folder: Path, reps: int, context: int = 128) -> dict[str, dict
     from gdn_export.hf.tensors import TensorIndex
     from gdn_export.models.mtp import MTPConfig, MTPHead, init_random
     from gdn_export.pipeline.mtp import MEMBER, export_head
-    from gdn_export.run.mtp import MTPRunner
+    from gdn_export.run.mtp import OUTPUTS, MTPRunner
+    from gdn_export.run.runtime import load_tract_model
 
     layout = resolve_layout(read_config(folder))
     config = MTPConfig.from_config({**layout.config, "mtp_num_hidden_layers": 1})
@@ -169,11 +169,7 @@ def mtp_step_cost(folder: Path, reps: int, context: int = 128) -> dict[str, dict
             _, recorded = export_head(head.to(dtype), path, tract_version=None, runtime="cpu", check=False)
             del head
             metadata = {"outputs": ["hidden"], "mtp": {**recorded, "member": MEMBER}}
-            # the runner reads the member out of an archive: here the member itself is given as that archive
-            wrapper = Path(tmp) / "wrapper.nnef.tgz"
-            with tarfile.open(wrapper, "w:gz", compresslevel=0) as tar:
-                tar.add(path, arcname=MEMBER)
-            runner = MTPRunner(wrapper, metadata)
+            runner = MTPRunner(path, metadata, plan=load_tract_model(path, {"B": 1}, expect_outputs=OUTPUTS))
             rng = np.random.default_rng(0)
             hidden = rng.standard_normal((context + 64, config.hidden_size)).astype(np.float32)
             ids = rng.integers(0, config.vocab_size, context + 64)

@@ -31,7 +31,7 @@ def export(folder: Path) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import gdn_export
-    from gdn_export.ops.gated_delta_rule.emitter import LOWERINGS
+    from gdn_export.ops.gated_delta_rule.nnef.emitter import LOWERINGS
 
     class Rule(torch.nn.Module):
         def forward(self, q, k, v, g, beta, s0):

@@ -37,8 +37,8 @@ import warnings
 from typing import Sequence
 
 from gdn_export.errors import GdnExportError, missing_extra
-from gdn_export.ops.gated_delta_rule.registry import LOWERINGS  # light: --help imports no torch (nor numpy)
-from gdn_export.targets import ALL_RUNTIMES
+from gdn_export.ops.gated_delta_rule.nnef.registry import LOWERINGS  # light: --help imports no torch (nor numpy)
+from gdn_export.targets import ALL_RUNTIMES, BACKENDS, backend_for
 from gdn_export.weights import formats
 
 
@@ -51,7 +51,7 @@ def _convert(args) -> int:
     conversion (``run_plan``), whichever the format: --format, or the output's suffix (.onnx: onnx)."""
     from gdn_export.pipeline.convert import plan_conversion, run_plan
 
-    fmt = args.format or ("onnx" if args.output.endswith(".onnx") else "nnef")
+    fmt = args.format or backend_for(args.output).name
     plan = _in_flags(lambda: plan_conversion(
         args.checkpoint, args.output, format=fmt, dtype=args.dtype, lowering=args.lowering,
         tract_version=args.tract_version, check=False if args.no_check else args.check, force=args.force,
@@ -188,7 +188,8 @@ def _chunk_size(text: str) -> int:
 
 
 def _version(text: str) -> str:
-    from gdn_export.ops.gated_delta_rule.capabilities import check_target_version, parse_version  # numpy: when given
+    from gdn_export.ops.gated_delta_rule.nnef.capabilities import check_target_version  # numpy: when given
+    from gdn_export.targets import parse_version
 
     try:
         check_target_version(parse_version(text), _installed_tract())
@@ -198,7 +199,7 @@ def _version(text: str) -> str:
 
 
 def _installed_tract() -> tuple[int, int, int] | None:
-    from gdn_export.ops.gated_delta_rule.capabilities import parse_version
+    from gdn_export.targets import parse_version
 
     try:
         return parse_version(_tract_version())
@@ -483,8 +484,8 @@ def parser() -> argparse.ArgumentParser:
     convert.add_argument("--lowering", choices=list(LOWERINGS), default="auto",
                          help="gated delta rule: the fastest exact one for --runtime (auto), the fused tract op "
                               "(native, an error where inexact), or a portable lowering")
-    convert.add_argument("--format", choices=["nnef", "onnx"], default=None,
-                         help="nnef (.nnef.tgz for tract) or onnx (.onnx; default: from the output's suffix)")
+    convert.add_argument("--format", choices=[backend.name for backend in BACKENDS], default=None,
+                         help=f"{' or '.join(backend.help for backend in BACKENDS)}; default: from the output's suffix")
     convert.add_argument("--runtime", choices=list(ALL_RUNTIMES),
                          default=None,
                          help="where the model will run: tract cpu (default), cuda, any; with --format onnx "

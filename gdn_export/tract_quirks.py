@@ -45,7 +45,7 @@ OUTPUT_NAMED_AFTER_PRODUCER = Quirk(
          "'y = add(x, x)' reports 'y_1'.",
     workaround="after writing the graph, every output tract would rename is re-declared as "
                "'NAME = select(NAME__c, NAME__raw, NAME__raw)' (one copy of that output per call)",
-    applied_in=("gdn_export/backends/nnef/output_names.py", "gdn_export/pipeline/export.py"),
+    applied_in=("gdn_export/backends/nnef/output_names.py", "gdn_export/backends/nnef/exporter.py"),
     when_fixed="output_names.keep_output_names and the select wrappers can go",
     canary="test_output_named_after_producer",
 )
@@ -357,7 +357,7 @@ FUSED_GDN_NEEDS_K_EQ_V = Quirk(
     does="tract_transformers_gdn_recurrent refuses K != V ('GDN value must be [b, S, G*hk, w] with "
          "query/key [b, S, hk, w]'), a TractError",
     workaround="the fused lowering refuses every node with K != V (fused.refusal)",
-    applied_in=("gdn_export/ops/gated_delta_rule/nnef/fused.py", "gdn_export/ops/gated_delta_rule/capabilities.py"),
+    applied_in=("gdn_export/ops/gated_delta_rule/nnef/fused.py", "gdn_export/ops/gated_delta_rule/nnef/capabilities.py"),
     when_fixed="fused.refusal's K != V rule can become version-dependent",
     canary="test_fused_gdn_needs_k_eq_v",
 )
@@ -377,7 +377,7 @@ FUSED_GDN_SEMANTICS = Quirk(
          "too (eps 1e-6 added), value head h reading key head h // (H/Hk), any S (symbolic), f32 operands",
     workaround="fused.refusal accepts only nodes that normalize inside the node with scale 1/sqrt(K) "
                "(capabilities.FUSED_TABLE's 0.23.7 row)",
-    applied_in=("gdn_export/ops/gated_delta_rule/nnef/fused.py", "gdn_export/ops/gated_delta_rule/capabilities.py"),
+    applied_in=("gdn_export/ops/gated_delta_rule/nnef/fused.py", "gdn_export/ops/gated_delta_rule/nnef/capabilities.py"),
     when_fixed="if tract changes the op's function, the emitter must stop choosing it",
     canary="test_fused_gdn_semantics",
     kind="reliance",
@@ -416,7 +416,7 @@ CUDA_EMPTY_TENSORS = Quirk(
          "tensor fail with CUDA_ERROR_INVALID_VALUE (add, mul and matmul are fine); the chunked graph has "
          "empty pieces whenever S < C (no whole chunk) or C divides S (no remainder)",
     workaround="the cuda policy never offers the chunked lowering",
-    applied_in=("gdn_export/ops/gated_delta_rule/policy.py",),
+    applied_in=("gdn_export/ops/gated_delta_rule/nnef/policy.py",),
     when_fixed="policy.candidates('cuda') may offer 'chunked' (it ran at CPU speed where it ran, so measure)",
     canary="test_cuda_empty_tensors",
     no_canary="needs a CUDA device: the canary skips without one (checked on an H200 for this entry)",
@@ -440,7 +440,7 @@ FUSED_GDN_SLOW_ON_CPU = Quirk(
          "(S=2048: 860-1560 ms against 82 ms for the chunked graph); on CUDA with f16 operands it has a "
          "GPU kernel (29 ms), with f32 operands none",
     workaround="the cpu policy tries chunked first; the cuda policy the fused op",
-    applied_in=("gdn_export/ops/gated_delta_rule/policy.py",),
+    applied_in=("gdn_export/ops/gated_delta_rule/nnef/policy.py",),
     when_fixed="re-measure the policy (benchmarks/bench_lowerings.py, bench_tract_runtimes.py)",
     no_canary="a speed effect (benchmarks/RESULTS.md)",
     kind="measured",
@@ -545,7 +545,7 @@ T2N_COMPILES_AT_IMPORT = Quirk(
     workaround="gdn_export imports torch-to-nnef with a meta-path finder, for that import only, that runs that one "
                "module with torch.compile as the identity (its quantized tensors, which gdn_export never uses, "
                "dequantize eagerly)",
-    applied_in=("gdn_export/backends/compat/torch_to_nnef.py", "gdn_export/backends/nnef/__init__.py", "gdn_export/pipeline/export.py"),
+    applied_in=("gdn_export/backends/compat/torch_to_nnef.py", "gdn_export/backends/nnef/__init__.py"),
     when_fixed="the finder can go",
     canary="test_compat.py::test_t2n_compiles_at_import",
     seen_on=TORCH_TO_NNEF_SEEN_ON,
@@ -574,7 +574,7 @@ CAST_WEIGHT_NOT_FOLDED = Quirk(
          "slower than a packed f32 or f16 matmul (measured by the issue that asked for this test)",
     workaround="weights the graph only casts are stored in the cast's type (weights/casts.py); "
                "tests/test_quantized.py fails when a float16 archive still casts a weight matrix",
-    applied_in=("gdn_export/weights/casts.py", "gdn_export/pipeline/export.py"),
+    applied_in=("gdn_export/weights/casts.py", "gdn_export/backends/nnef/exporter.py"),
     when_fixed="the stored-as-cast rewrite can go",
     no_canary="a speed effect; the test checks the graphs instead",
     kind="measured",
@@ -588,7 +588,7 @@ T2N_POST_TRACE_BEFORE_WRITE = Quirk(
     workaround="OfflineTractTarget.post_trace runs the export's graph passes on that graph (the weights only cast "
                "before use, weights/casts.py; the datum_type of gathers over a Q4_0 table, weights/streamed.py), "
                "so graph.nnef is written right the first time instead of patched as text afterwards",
-    applied_in=("gdn_export/backends/nnef/target.py", "gdn_export/pipeline/export.py", "gdn_export/weights/casts.py",
+    applied_in=("gdn_export/backends/nnef/target.py", "gdn_export/backends/nnef/exporter.py", "gdn_export/weights/casts.py",
                 "gdn_export/weights/streamed.py"),
     when_fixed="reliance: if the hook moves, the passes move with it (the canary fails first)",
     canary="test_compat.py::test_t2n_post_trace_runs_before_writing",

@@ -6,7 +6,7 @@ import re
 import pytest
 
 import gdn_export
-from gdn_export.ops.gated_delta_rule import policy, registry
+from gdn_export.ops.gated_delta_rule.nnef import policy, registry
 from gdn_export.ops.options import LoweringOptions, validate_options
 
 
@@ -33,7 +33,7 @@ def test_a_lowering_module_needs_a_name_a_refusal_and_a_lower():
 
 
 def test_the_emitter_and_export_see_the_registry():
-    from gdn_export.ops.gated_delta_rule.emitter import LOWERINGS
+    from gdn_export.ops.gated_delta_rule.nnef.emitter import LOWERINGS
 
     assert LOWERINGS is registry.LOWERINGS
 

@@ -299,7 +299,7 @@ def test_cli_runtimes_are_the_back_ends():
 
     from gdn_export.backends.onnx.registry import RUNTIMES as ONNX
     from gdn_export.cli import parser
-    from gdn_export.ops.gated_delta_rule.policy import RUNTIMES as NNEF
+    from gdn_export.ops.gated_delta_rule.nnef.policy import RUNTIMES as NNEF
     from gdn_export.run.onnx_session import RUNTIMES as RUNNERS
 
     actions = [a for a in parser()._subparsers._group_actions if isinstance(a, argparse._SubParsersAction)]

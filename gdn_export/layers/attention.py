@@ -9,15 +9,11 @@ from torch import nn
 
 from gdn_export.layers.common import RMSNorm, split_heads
 from gdn_export.models import blocks
+from gdn_export.models.blocks import rotate_half  # noqa: F401  (the layers' name for it)
 from gdn_export.models.state import StateSpec, attention_states
 
 if TYPE_CHECKING:
     from gdn_export.models.decoder import Context
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
 
 
 class Attention(nn.Module):

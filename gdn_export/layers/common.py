@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gdn_export.models.blocks import short_conv
+from gdn_export.models.blocks import rms_normalize, short_conv, swiglu
 from gdn_export.models.row_lengths import RowLengths
 
 
@@ -85,12 +85,6 @@ class FusedRMSNormGated(nn.Module):
         return y.to(x.dtype)
 
 
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x · rsqrt(mean(x²) + eps)`` over the last axis, in f32 (FLA's norm kernels load everything as f32)."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
 class GatedMLP(nn.Module):
     """FLA's ``GatedMLP`` (swiglu): ``down_proj(silu(gate_proj(x)) ⊙ up_proj(x))``, no biases.
 
@@ -108,7 +102,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return swiglu(x, self.gate_proj, self.up_proj, self.down_proj)
 
 
 def mlp_width(hidden_size: int, hidden_ratio: int | None, intermediate_size: int | None) -> int:

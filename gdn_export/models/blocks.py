@@ -31,6 +31,23 @@ def indices_along(along: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(along, dtype=torch.int64).cumsum(-1) - 1
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """NeoX-style rotary's partner channels: ``[-x2 | x1]`` for ``x = [x1 | x2]``."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x · rsqrt(mean(x²) + eps)`` over the last axis, in f32 (FLA's norm kernels load everything as f32)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def swiglu(x: torch.Tensor, gate_proj, up_proj, down_proj) -> torch.Tensor:
+    """The SwiGLU feed-forward ``down_proj(silu(gate_proj(x)) · up_proj(x))`` (the three bias-free linears given)."""
+    return down_proj(F.silu(gate_proj(x)) * up_proj(x))
+
+
 def positions(input_ids: torch.Tensor, past: torch.Tensor, past_len: torch.Tensor | None = None) -> torch.Tensor:
     """Absolute positions of the new tokens: ``[1, S]``, the past length (axis 2 of a cache) plus 0..S-1, one row for
     the whole batch (every sequence of a batch shares its past length: no batch axis enters the position

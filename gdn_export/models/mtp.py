@@ -18,8 +18,8 @@ position t (the position of ``h_t``), so the first call after a prompt of n toke
 
 Which ``h_t``: the main model's hidden state AFTER its final norm ``model.norm``. vLLM (``vllm/model_executor/
 models/qwen3_next_mtp.py``, ``qwen3_5_mtp.py``; the drafter gets the target model's ``forward`` output, and
-``Qwen3NextModel.forward`` ends in ``hidden_states, _ = self.norm(hidden_states, residual)``) and SGLang pass that
-state; a chained draft passes the MTP's own output after ``mtp.norm`` (``Qwen3NextMultiTokenPredictor.forward``
+``Qwen3NextModel.forward`` ends in ``hidden_states, _ = self.norm(hidden_states, residual)``) passes that state
+(read at vLLM's main branch, file qwen3_next_mtp.py and qwen3_next.py; SGLang's was not read here); a chained draft passes the MTP's own output after ``mtp.norm`` (``Qwen3NextMultiTokenPredictor.forward``
 returns ``self.norm(hidden_states, residual)``). Megatron-LM's ``MultiTokenPredictionBlock`` reads the decoder's
 output before the final layer norm; a Megatron head mapped onto this module (``eh_proj`` = ``fc``, ``enorm`` /
 ``hnorm`` = the two pre-fc norms) is fed whichever state its training read (``MTPHead.reads``).
@@ -44,9 +44,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from gdn_export.layers.attention import rotate_half
-from gdn_export.layers.common import GatedMLP, rms_normalize
 from gdn_export.models import blocks
+from gdn_export.models.blocks import rms_normalize, rotate_half
 from gdn_export.models.decoder import vocab_projection
 
 PREFIX = "mtp."
@@ -152,6 +151,19 @@ class GatedAttention(nn.Module):
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, rotary, 2, dtype=torch.float32) / rotary))
 
 
+class SwiGLU(nn.Module):
+    """A dense SwiGLU MLP under transformers' names (``gate_proj``, ``up_proj``, ``down_proj``, no biases)."""
+
+    def __init__(self, hidden: int, width: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return blocks.swiglu(x, self.gate_proj, self.up_proj, self.down_proj)
+
+
 class Router(nn.Module):
     def __init__(self, config: MTPConfig) -> None:
         super().__init__()
@@ -182,7 +194,7 @@ class SparseMoE(nn.Module):
         self.normalize_topk = config.norm_topk_prob
         self.gate = Router(config)
         self.experts = Experts(config)
-        self.shared_expert = GatedMLP(config.hidden_size, intermediate_size=config.shared_expert_intermediate_size)
+        self.shared_expert = SwiGLU(config.hidden_size, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,8 +209,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = GatedAttention(config)
         self.post_attention_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = (SparseMoE(config) if config.num_experts else
-                    GatedMLP(config.hidden_size, intermediate_size=config.intermediate_size))
+        self.mlp = SparseMoE(config) if config.num_experts else SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -242,7 +253,7 @@ class MTPHead(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(config)])
         self.norm = ZeroCentredRMSNorm(hidden, config.rms_norm_eps)
 
-    reads = "final_norm"  # which main-model state it reads: after model.norm (vLLM, SGLang; see the module doc)
+    reads = "final_norm"  # which main-model state it reads: after model.norm (vLLM; see the module doc)
 
     def empty_cache(self, batch: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (batch, self.config.num_key_value_heads, 0, self.config.head_dim)

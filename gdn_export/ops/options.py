@@ -1,5 +1,7 @@
-"""What an export asks of the ops: one frozen, validated value (the plan every op's ``decide`` reads), carried by
-the NNEF target.
+"""What an NNEF export asks of the ops: one frozen, validated value (the plan every op's ``decide`` reads), carried
+by the NNEF target. Its fields are the back-end's (``tract_version``, ``runtime``, ``seq_may_vary``: every op
+reads them) and the gated delta rule's (``lowering``, ``core_dtype``, ``chunk_size``: validated by its own rules,
+``ops/gated_delta_rule/nnef/options.py``).
 
 Validation lives here only: ``LoweringOptions(...)`` (or ``validate_options``, before the tract version is
 known) raises LoweringError with the same message wherever the values come from (``export()``, the CLI, a
@@ -11,25 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gdn_export.errors import LoweringError
-from gdn_export.ops.gated_delta_rule.capabilities import parse_version
-from gdn_export.ops.gated_delta_rule.chunking import chunk_size_error
-from gdn_export.ops.gated_delta_rule.policy import RUNTIMES
-from gdn_export.ops.gated_delta_rule.registry import LOWERINGS
-
-CORE_DTYPES = (None, "float16")
+from gdn_export.ops.gated_delta_rule.nnef import options as gated_delta_rule
+from gdn_export.targets import NNEF_RUNTIMES, parse_version
 
 
 def validate_options(lowering: str = "auto", runtime: str = "any", core_dtype: str | None = None,
                      chunk_size: int | None = None) -> None:
-    """Raise LoweringError naming the first export option that is not valid (before any work is done)."""
-    if lowering not in LOWERINGS:
-        raise LoweringError(f"lowering {lowering!r} is not one of {', '.join(LOWERINGS)}")
-    if runtime not in RUNTIMES:
-        raise LoweringError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
-    if core_dtype not in CORE_DTYPES:
-        raise LoweringError(f"core_dtype {core_dtype!r}: only 'float16' (or None, the model's own) is supported")
-    if chunk_size is not None and chunk_size_error(chunk_size):
-        raise LoweringError(f"chunk_size: {chunk_size_error(chunk_size)}")
+    """Raise LoweringError naming the first export option that is not valid (before any work is done): the
+    runtime by the NNEF back-end's table (``targets.NNEF_RUNTIMES``), the gated delta rule's options by its own
+    rules (``ops/gated_delta_rule/nnef/options.py``), in the order the API lists them."""
+    gated_delta_rule.validate(lowering=lowering)
+    if runtime not in NNEF_RUNTIMES:
+        raise LoweringError(f"runtime {runtime!r} is not one of {', '.join(NNEF_RUNTIMES)}")
+    gated_delta_rule.validate(core_dtype=core_dtype, chunk_size=chunk_size)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,7 @@ import os
 import tempfile
 import time
 from functools import partial
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -14,9 +15,9 @@ import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError, LoweringError, ParityError, worded
-from gdn_export.targets import FLOAT_DTYPES
-from gdn_export.run.archive import GENERATION_FILES, nnef_tgz_path, read_metadata
-from gdn_export.ops.gated_delta_rule.capabilities import parse_version
+from gdn_export.targets import FLOAT_DTYPES, backend_for, backend_named, load
+from gdn_export.run.archive import GENERATION_FILES, nnef_tgz_path
+from gdn_export.targets import parse_version
 from gdn_export.hf.check import LogitCheck, check_archive, transformers_references, validate_check
 from gdn_export.checkpoints import family_for, open_checkpoint, read_config
 from gdn_export.hf.checkpoint import CheckpointError, cast_buffers, empty_model, materialize, model_in_memory
@@ -28,7 +29,7 @@ from gdn_export.weights.formats import check_owned_options, weight_format
 from gdn_export.run.runtime import lean_allocator
 from gdn_export.models.decoder import serving_inputs
 from gdn_export.ops.moe_ffn.op import moe_report
-from gdn_export.pipeline.staging import staging_folder
+from gdn_export.backends.staging import staging_folder
 
 DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}
 LOGITS = ("all", "last")  # the logits a call returns: of every new position, or of the last one only
@@ -152,32 +153,61 @@ CHECK_KINDS = {"full": "whole model in memory", "layerwise": "layer by layer (on
 
 
 @dataclass(frozen=True)
-class ConvertPlan:
-    """``convert``'s options, validated once (``plan_conversion``), and the format that carries them out. The
-    orchestration (``run_plan``) and the format's steps read only this."""
+class BackendChoice:
+    """The back-end's options (``targets.BACKENDS``): which one writes the file, where it will run, for which tract
+    (NNEF only: the back-end's ``owns``)."""
 
-    checkpoint_dir: str | os.PathLike  # as given (the progress lines and calibration name it so)
-    out_path: Path
     format: str  # "nnef" or "onnx"
-    dtype: str
-    lowering: str
     runtime: str  # for ONNX "onnxruntime", "tract-onnx" or "any" ("cpu", NNEF's default, means onnxruntime)
-    check: str | None  # "auto", "full", "layerwise"; None: no check
-    prompt_len: int
-    decode_steps: int
     tract_version: str | None
+
+
+@dataclass(frozen=True)
+class GatedDeltaRuleChoice:
+    """The gated delta rule's options (validated by ``ops/gated_delta_rule/nnef/options.py``; ONNX takes the
+    lowering only, from its own list)."""
+
+    lowering: str
     core_dtype: str | None
     chunk_size: int | None
-    streamed: bool
+
+
+@dataclass(frozen=True)
+class WeightChoice:
+    """The weight format's options (``weights/formats.py``: ``quantize`` names the format, the others are those a
+    format owns, checked and completed by it)."""
+
     quantize: str | None
     quantize_embeddings: bool
-    logits: str
-    serving: bool
     q4_rule: str
     calibration: str | os.PathLike | None
     calibration_tokens: int
     fold_scales: bool
     int8_passes: int = 1
+
+
+# ConvertPlan's groups, each by what it configures: plan_conversion fills each from the options by its fields' names
+GROUPS = {"backend": BackendChoice, "gated_delta_rule": GatedDeltaRuleChoice, "weights": WeightChoice}
+
+
+@dataclass(frozen=True)
+class ConvertPlan:
+    """``convert``'s options, validated once (``plan_conversion``), and the format that carries them out. The
+    orchestration (``run_plan``) and the format's steps read only this. Grouped by what they configure: the
+    conversion's own here, then the back-end's, the gated delta rule's and the weight format's."""
+
+    checkpoint_dir: str | os.PathLike  # as given (the progress lines and calibration name it so)
+    out_path: Path
+    dtype: str
+    check: str | None  # "auto", "full", "layerwise"; None: no check
+    prompt_len: int
+    decode_steps: int
+    streamed: bool
+    logits: str
+    serving: bool
+    backend: BackendChoice
+    gated_delta_rule: GatedDeltaRuleChoice
+    weights: WeightChoice
     batch: int = 1
 
     @property
@@ -304,19 +334,15 @@ def plan_conversion(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
     if check_mode:
         validate_check(options.get("prompt_len", 16), options.get("decode_steps", 8), batch)
     out = target.output_path(out_path, force)
-    return ConvertPlan(checkpoint_dir=checkpoint_dir, out_path=out, format=format, runtime=runtime,
-                       check=check_mode, batch=batch, calibration=calibration, **{**defaults, **options})
+    values = {**defaults, **options, "format": format, "runtime": runtime, "calibration": calibration}
+    groups = {name: group(**{f.name: values.pop(f.name) for f in dataclasses.fields(group)})
+              for name, group in GROUPS.items()}
+    return ConvertPlan(checkpoint_dir=checkpoint_dir, out_path=out, check=check_mode, batch=batch, **values, **groups)
 
 
 def format_steps(format: str):
     """The format-specific steps of a conversion (validate, output path, read, export, check targets)."""
-    if format == "nnef":
-        return NNEF
-    if format == "onnx":
-        from gdn_export.pipeline.onnx_convert import ONNX
-
-        return ONNX
-    raise GdnExportError(f"format {format!r} is not one of nnef, onnx")
+    return load(backend_named(format).steps)
 
 
 def common_metadata(plan: ConvertPlan, traced: Traced, inputs: list[str], outputs: list[str]) -> dict:
@@ -324,7 +350,8 @@ def common_metadata(plan: ConvertPlan, traced: Traced, inputs: list[str], output
     layout = traced.layout
     return {
         "format": FORMAT_VERSION, "family": traced.family.name, "model_type": layout.checkpoint_model_type,
-        "text_model_type": layout.model_type, "dtype": plan.dtype, "core_dtype": plan.core_dtype,
+        "text_model_type": layout.model_type, "dtype": plan.dtype,
+        "core_dtype": plan.gated_delta_rule.core_dtype,
         "vocab_size": layout.config["vocab_size"],
         "context_length": layout.config.get("max_position_embeddings"),  # prompt + new tokens (docs/SERVER.md)
         "inputs": inputs, "outputs": outputs,
@@ -340,7 +367,7 @@ def run_plan(plan: ConvertPlan, progress: Callable[[str], None] | None = None) -
     """The one conversion: read the checkpoint, export into a staging folder beside ``plan.out_path``, check
     every target the format names against the checkpoint's reference, then publish (rename); on any error nothing
     is left."""
-    target = format_steps(plan.format)
+    target = format_steps(plan.backend.format)
     say = progress or (lambda message: None)
     seconds: dict[str, float] = {}
     traced = target.read(plan, say, seconds)
@@ -383,8 +410,7 @@ class NnefSteps:
 
     @staticmethod
     def validate(options: dict, runtime: str) -> None:
-        from gdn_export.ops.gated_delta_rule.policy import RUNTIMES
-
+        RUNTIMES = backend_named("nnef").runtimes  # noqa: N806
         if runtime not in RUNTIMES:
             raise worded(LoweringError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}"),
                          f"--runtime {runtime} is for --format onnx; an NNEF archive runs in tract: "
@@ -422,21 +448,21 @@ class NnefSteps:
         cast_buffers(model, plan.export_dtype)
         seconds["read"] = time.perf_counter() - start
         measured, folding, exported = None, None, weights  # exported: the weights written (folds applied)
-        if plan.calibration is not None:
+        if plan.weights.calibration is not None:
             from gdn_export.hf.calibration import calibrate
 
             start = time.perf_counter()
-            say(f"calibrating on {plan.calibration} (at most {plan.calibration_tokens} tokens)")
-            measured = calibrate(plan.checkpoint_dir, plan.calibration, family, layout, weights,
-                                 max_tokens=plan.calibration_tokens,
-                                 **weight_format(plan.quantize).calibration_options(plan))
-            if plan.fold_scales:
+            say(f"calibrating on {plan.weights.calibration} (at most {plan.weights.calibration_tokens} tokens)")
+            measured = calibrate(plan.checkpoint_dir, plan.weights.calibration, family, layout, weights,
+                                 max_tokens=plan.weights.calibration_tokens,
+                                 **weight_format(plan.weights.quantize).calibration_options(plan.weights))
+            if plan.weights.fold_scales:
                 from gdn_export.hf.folding import fold
 
                 say("choosing the scales folded into norms")
                 folding, exported, measured = fold(measured, family, layout, weights, measured.sample)
             seconds["calibrate"] = time.perf_counter() - start
-        separated = separate_tied_head(model, plan.quantize, plan.quantize_embeddings)
+        separated = separate_tied_head(model, plan.weights.quantize, plan.weights.quantize_embeddings)
         lm = family.exportable(model, plan.export_dtype)
         lm.last_logits_only = plan.logits == "last"
         if plan.serving and lm.serving_refusal:
@@ -445,14 +471,14 @@ class NnefSteps:
         from gdn_export.pipeline.mtp import mtp_decision
 
         mtp, mtp_left_out = mtp_decision(plan.checkpoint_dir, layout.model_type, layout.config,
-                                         logits=plan.logits, quantize=plan.quantize, dtype=plan.export_dtype)
+                                         logits=plan.logits, quantize=plan.weights.quantize, dtype=plan.export_dtype)
         lm.emits_hidden = mtp is not None  # the main graph's last output: what the MTP head reads
-        writers, quantization = plan_writes(lm, model, exported, plan.export_dtype, plan.quantize,
-                                            plan.quantize_embeddings,
-                                            fused_moe=_fused_moe(plan.runtime, plan.tract_version),
-                                            q4_rule=plan.q4_rule, calibration=measured,
-                                            int8_passes=plan.int8_passes)
-        if not plan.streamed and plan.quantize is None:
+        writers, quantization = plan_writes(lm, model, exported, plan.export_dtype, plan.weights.quantize,
+                                            plan.weights.quantize_embeddings,
+                                            fused_moe=_fused_moe(plan.backend.runtime, plan.backend.tract_version),
+                                            q4_rule=plan.weights.q4_rule, calibration=measured,
+                                            int8_passes=plan.weights.int8_passes)
+        if not plan.streamed and plan.weights.quantize is None:
             writers = None  # the in-memory model's own values are written
         return Traced(family, layout, model, weights, lm, dict(measured=measured, folding=folding, exported=exported,
                                                                separated=separated, writers=writers,
@@ -467,20 +493,21 @@ class NnefSteps:
         lm, extras, checkpoint_dir = traced.lm, traced.extras, Path(plan.checkpoint_dir)
         measured, folding, quantization = extras["measured"], extras["folding"], extras["quantization"]
         carried = {name: checkpoint_dir / name for name in GENERATION_FILES if (checkpoint_dir / name).is_file()}
-        recorded = weight_format(plan.quantize).metadata(plan)  # what the weight format records of itself
+        # what the weight format records of itself
+        recorded = weight_format(plan.weights.quantize).metadata(plan.weights)
         metadata = {
             **common_metadata(plan, traced, inputs, outputs),
-            "generation_files": sorted(carried), "quantize": plan.quantize, "logits": plan.logits,
+            "generation_files": sorted(carried), "quantize": plan.weights.quantize, "logits": plan.logits,
             "serving": plan.serving,
             "quantized": len(quantization.quantized),
             "q4_rule": recorded.pop("q4_rule", None),  # in the place it had before formats were units
             "calibration": measured.metadata() if measured is not None else None,
             "folded_norms": len(folding.folds) if folding is not None else None,
             "states": state_metadata(lm),
-            "runtime": plan.runtime,
+            "runtime": plan.backend.runtime,
         }
         metadata.update(recorded)
-        if plan.quantize_embeddings:  # what `check` re-quantizes (absent: False, as every archive before it)
+        if plan.weights.quantize_embeddings:  # what `check` re-quantizes (absent: False, as every archive before it)
             metadata["quantize_embeddings"] = True
         path = staging / plan.out_path.name
         members, mtp_line = dict(carried), extras["mtp_left_out"] or ""
@@ -490,18 +517,20 @@ class NnefSteps:
             say(f"exporting the MTP head ({MEMBER})")
             (staging / "mtp").mkdir()
             mtp_report, metadata["mtp"] = export_head(extras["mtp"], staging / "mtp" / MEMBER,
-                                                      tract_version=plan.tract_version, runtime=plan.runtime,
-                                                      check=bool(plan.check))
+                                                      tract_version=plan.backend.tract_version,
+                                                      runtime=plan.backend.runtime, check=bool(plan.check))
             members[MEMBER] = staging / "mtp" / MEMBER
             mtp_line = (f"MTP head: carried ({MEMBER}; reads the state after the final norm)"
                         + (f", checked in tract against torch: {mtp_report.parity}" if mtp_report.parity else ""))
         say(f"exporting {traced.family.name} ({len(lm.layer_types) if hasattr(lm, 'layer_types') else '?'} layers, "
             f"{plan.dtype}{', weights streamed from the checkpoint' if plan.streamed else ''}) to {plan.out_path}")
         report = export(lm, example_inputs(lm, metadata["vocab_size"], plan.export_dtype), path,
-                        tract_version=plan.tract_version, lowering=plan.lowering, input_names=inputs,
+                        tract_version=plan.backend.tract_version, lowering=plan.gated_delta_rule.lowering,
+                        input_names=inputs,
                         output_names=outputs, dynamic_axes=dynamic, metadata=metadata,
-                        check=bool(plan.check) and extras["writers"] is None, runtime=plan.runtime,
-                        core_dtype=plan.core_dtype, chunk_size=plan.chunk_size, weights=extras["writers"],
+                        check=bool(plan.check) and extras["writers"] is None, runtime=plan.backend.runtime,
+                        core_dtype=plan.gated_delta_rule.core_dtype, chunk_size=plan.gated_delta_rule.chunk_size,
+                        weights=extras["writers"],
                         extra_files=members)
         seconds.update(report.seconds)
         result = ConvertReport(plan.out_path, traced.family.name, metadata["model_type"], plan.dtype,
@@ -509,8 +538,8 @@ class NnefSteps:
                                reference=traced.family.reference, weights=traced.weights.summary(),
                                generation_files=sorted(carried),
                                quantization=str(quantization) + (f"; {folding}" if folding is not None else ""),
-                               moe=moe_report(report.decisions), quantized_as=weight_format(plan.quantize).reference,
-                               mtp=mtp_line)
+                               moe=moe_report(report.decisions),
+                               quantized_as=weight_format(plan.weights.quantize).reference, mtp=mtp_line)
         return Staged(path, result, lambda: os.replace(path, plan.out_path))
 
     @staticmethod
@@ -630,12 +659,7 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
     validate_check(prompt_len, decode_steps, batch)
     if kind not in CHECKS:
         raise GdnExportError(f"check kind {kind!r} is not one of {', '.join(CHECKS)}")
-    if str(path).endswith(".onnx"):  # an ONNX export (gdn_export/backends/onnx): its metadata, checked in onnxruntime
-        from gdn_export.run.onnx_session import read_onnx_metadata
-
-        metadata = read_onnx_metadata(path)
-    else:
-        metadata = read_metadata(path)
+    metadata = load(backend_for(path).metadata)(path)  # the file's back-end by its suffix (.onnx: onnxruntime's)
     if not metadata or "states" not in metadata:
         raise GdnExportError(f"{path} was not written by gdn-export convert (no gdn_export.json with states)")
     config = read_config(checkpoint_dir)
@@ -693,8 +717,8 @@ def _check_quantized(path, checkpoint_dir, metadata: dict, prompt_len: int, deco
     # the plan is only read, never written: its output path is a name in the temporary folder
     plan = plan_conversion(checkpoint_dir, Path(tempfile.gettempdir()) / "gdn_export_check.nnef.tgz", force=True,
                            check=False, calibration=calibration, **options)
-    say(f"quantizing {checkpoint_dir} again as {path} records it ({plan.quantize}"
-        f"{', rule ' + plan.q4_rule if plan.q4_rule else ''})")
+    say(f"quantizing {checkpoint_dir} again as {path} records it ({plan.weights.quantize}"
+        f"{', rule ' + plan.weights.q4_rule if plan.weights.q4_rule else ''})")
     traced = NNEF.read(plan, say, {})
     measured = traced.extras["measured"]
     if measured is not None and measured.sha256 != recorded["sha256"]:

@@ -3,7 +3,7 @@
 A Qwen3.5, Qwen3.5-MoE or Qwen3-Next checkpoint with ``mtp.*`` tensors converts into an archive that carries
 
 - a last output ``hidden`` ``[B, S, H]`` of the main graph: every new position's state after the final norm (the
-  state vLLM's and SGLang's MTP heads read: ``gdn_export/models/mtp.py``); archives without an MTP head are
+  state vLLM's MTP heads read: ``gdn_export/models/mtp.py``); archives without an MTP head are
   unchanged, byte for byte;
 - the head itself as the member ``mtp.nnef.tgz``: ``models.mtp.MTPHead`` exported by ``gdn_export.export`` (its own
   graph, its own KV cache as inputs and outputs, the model's embedding table and LM head copied in: tract shares no
@@ -12,7 +12,9 @@ A Qwen3.5, Qwen3.5-MoE or Qwen3-Next checkpoint with ``mtp.*`` tensors converts 
 - ``gdn_export.json``'s ``mtp``: the member, its inputs and outputs, the cache's sizes and the state it reads.
 
 Left out, and said so in the report: with ``--logits last`` (drafts are verified on every position's logits), with
-``--quantize`` (the head would be the only unquantized part; not written yet) and with ``--format onnx``.
+``--quantize`` (the head would be the only unquantized part; not written yet), with ``--format onnx``, without
+``mtp_num_hidden_layers`` in the config, and where the ``mtp.*`` tensors are not the published layout this head
+reads (another layer count, dedicated embeddings: the reason is the report's line).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 from gdn_export.hf.mtp import MTP_FAMILIES, has_mtp, read_mtp_head
-from gdn_export.hf.tensors import TensorIndex
+from gdn_export.hf.tensors import CheckpointError, TensorIndex
 from gdn_export.models.mtp import MTPHead
 
 MEMBER = "mtp.nnef.tgz"  # = gdn_export.run.mtp.MEMBER (the run side imports nothing of the converter)
@@ -43,7 +45,10 @@ def mtp_decision(checkpoint_dir: str | Path, model_type: str, config: dict, *, l
         return None, "MTP head left out: --logits last (drafts are verified on every position's logits)"
     if quantize is not None:
         return None, f"MTP head left out: --quantize {quantize} (a quantized MTP head is not written yet)"
-    return read_mtp_head(checkpoint_dir, torch.float32, index).to(dtype), None
+    try:
+        return read_mtp_head(checkpoint_dir, torch.float32, index).to(dtype), None
+    except CheckpointError as err:  # the model converts as before; the report says why its head does not come along
+        return None, f"MTP head left out: {str(err).removeprefix(f'{checkpoint_dir}: ')}"
 
 
 def example_inputs(head: MTPHead, batch: int = 1, seq: int = 3, past: int = 2) -> tuple[torch.Tensor, ...]:

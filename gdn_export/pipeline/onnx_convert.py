@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from gdn_export.errors import GdnExportError, LoweringError, worded
+from gdn_export.targets import refuse_others
 from gdn_export.pipeline.convert import ConvertReport, Staged, Traced
 import gdn_export.ops.onnx_handlers  # noqa: F401  (every op registers its ONNX lowering)
 from gdn_export.backends.onnx.registry import LOWERINGS, RUNTIMES, validate
@@ -88,30 +89,20 @@ class OnnxSteps:
 
     @staticmethod
     def validate(options: dict, runtime: str) -> None:
-        """The runtime, then every NNEF-only option refused (rather than ignored), then the lowering; each error
-        worded for the command line too."""
+        """The runtime, then every option only another back-end takes refused (rather than ignored: the weight
+        format, then ``refuse_others``), then what ONNX cannot do, then the lowering; each error worded for the
+        command line too."""
         if runtime not in RUNTIMES:
             raise worded(LoweringError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)} for an ONNX export"),
                          f"--runtime {runtime} is tract's (NNEF); an ONNX file runs in: {', '.join(RUNTIMES)}")
         quantize = options.get("quantize")
         refusal = weight_format(quantize).onnx_refusal
+        if quantize is not None:  # a weight format's own reason
+            raise worded(GdnExportError(f"quantize={quantize!r} is an NNEF option: not available with format='onnx'"
+                                        f" ({refusal})"), f"--quantize is not available with --format onnx ({refusal})")
+        refuse_others("onnx", options)  # what only another back-end takes (targets.BACKENDS: its owns)
         logits, lowering = options.get("logits", "all"), options.get("lowering", "auto")
-        q4 = "tract's Q4_0 format"
         refused = [  # (API message, flag, why), in the command line's order
-            (f"quantize={quantize!r} is an NNEF option: not available with format='onnx'"
-             f" ({refusal})", quantize is not None, "--quantize", refusal),
-            ("quantize_embeddings is an NNEF option: not available with format='onnx'",
-             bool(options.get("quantize_embeddings")), "--quantize-embeddings", q4),
-            (f"q4_rule={options.get('q4_rule')!r} is an NNEF option: not available with format='onnx'",
-             options.get("q4_rule") is not None, "--q4-rule", q4),
-            ("calibration is an NNEF option: not available with format='onnx'",
-             options.get("calibration") is not None, "--calibration", q4),
-            (f"core_dtype={options.get('core_dtype')!r} is an NNEF option: not available with format='onnx'",
-             options.get("core_dtype") is not None, "--core-dtype", "tract's fused op only"),
-            (f"chunk_size={options.get('chunk_size')!r} is an NNEF option: not available with format='onnx'",
-             options.get("chunk_size") is not None, "--chunk-size", "tract's chunked lowering only"),
-            (f"tract_version={options.get('tract_version')!r} is an NNEF option: not available with format='onnx'",
-             options.get("tract_version") is not None, "--tract-version", "an ONNX file is not for one tract version"),
             (f"logits={logits!r} is not available with format='onnx' (its graph returns the logits of every new "
              "position)", logits != "all", "--logits last", "the ONNX graph returns every new position's logits"),
             ("serving=True (--serving) builds the NNEF graph gdn_export.Engine runs; it is not available with "
@@ -165,17 +156,18 @@ class OnnxSteps:
         from gdn_export.pipeline.convert import common_metadata, example_inputs, layer_reports, state_metadata
 
         common = common_metadata(plan, traced, inputs, outputs)
-        metadata = {"format": common.pop("format"), "container": "onnx", **common, "runtime": plan.runtime,
+        metadata = {"format": common.pop("format"), "container": "onnx", **common, "runtime": plan.backend.runtime,
                     "states": state_metadata(traced.lm)}
         vocab_size, out_path = metadata["vocab_size"], plan.out_path
         say(f"exporting {traced.family.name} ({plan.dtype}"
             f"{', weights streamed from the checkpoint' if traced.extras['sources'] else ''}) to {out_path} (ONNX, "
-            f"runtime {plan.runtime})")
+            f"runtime {plan.backend.runtime})")
 
         def export(lm, sources):
             return write_onnx(lm, example_inputs(lm, vocab_size, plan.export_dtype), staging, out_path.name,
-                              input_names=inputs, output_names=outputs, dynamic_axes=dynamic, runtime=plan.runtime,
-                              lowering=plan.lowering, metadata=metadata,
+                              input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
+                              runtime=plan.backend.runtime,
+                              lowering=plan.gated_delta_rule.lowering, metadata=metadata,
                               output_dims=onnx_output_dims(lm, vocab_size), sources=sources)
 
         in_memory = None
@@ -196,7 +188,7 @@ class OnnxSteps:
                                    layers=layer_reports(traced.lm, decisions), seconds=seconds,
                                    reference=traced.family.reference, weights=traced.weights.summary(),
                                    moe=moe_report(decisions))
-        result.onnx = _OnnxExtras(plan.runtime, _conv_report(decisions),
+        result.onnx = _OnnxExtras(plan.backend.runtime, _conv_report(decisions),
                                   out_path.with_name(data.name) if data else None,
                                   weights=in_memory or (f"{len(sources)} weights streamed from the checkpoint"
                                                         if sources else ""))
@@ -211,7 +203,7 @@ class OnnxSteps:
         from gdn_export.run.onnx_session import OnnxSession
 
         return [(where, OnnxSession(staged, where), f" in {where}")
-                for where in ["onnxruntime"] + (["tract-onnx"] if plan.runtime == "tract-onnx" else [])]
+                for where in ["onnxruntime"] + (["tract-onnx"] if plan.backend.runtime == "tract-onnx" else [])]
 
     @staticmethod
     def checked(result, where: str) -> None:

@@ -71,11 +71,12 @@ class MTPRunner:
     """One sequence's MTP head: ``run(hidden [S, H], next_ids [S]) -> (logits [S, V], mtp_hidden [S, H])`` at the
     positions after those its cache holds (extending it), ``truncate(n)`` keeps the first n positions."""
 
-    def __init__(self, path: Path, metadata: dict) -> None:
+    def __init__(self, path: Path, metadata: dict, plan=None) -> None:
+        """``plan``: the MTP graph already planned (a benchmark's head exported alone), else the archive's member's."""
         mtp = metadata.get("mtp")
         if not isinstance(mtp, dict) or "hidden" not in metadata.get("outputs", ()):
             raise GdnExportError(no_mtp_message(Path(path)))
-        self.plan = mtp_plan(Path(path), metadata)
+        self.plan = plan if plan is not None else mtp_plan(Path(path), metadata)
         self.dtype = np.float16 if mtp.get("dtype") == "float16" else np.float32
         self.cache_shape = (1, int(mtp["num_key_value_heads"]), 0, int(mtp["head_dim"]))
         self.reset()

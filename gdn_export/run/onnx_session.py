@@ -83,6 +83,8 @@ class OnnxSession:
     """``prefill(ids) -> logits``, ``decode(ids) -> logits``, ``reset()`` over an exported ``.onnx`` file (a
     ``gdn_export.run.runner.Runner``)."""
 
+    OPTIONS = ("runtime", "threads")  # what open_runner's offered passes (run.runner.Runner)
+
     def __init__(self, path, runtime: str = "onnxruntime", threads: int | None = None) -> None:
         self.path = Path(path)
         self.metadata = read_onnx_metadata(self.path)

@@ -130,13 +130,9 @@ def open_export(path: str | os.PathLike, onnx_runtime: str = "onnxruntime",
     path = Path(path)
     if not path.is_file():
         raise PerplexityError(f"no file at {path} (expected a .nnef.tgz or .onnx written by gdn-export convert)")
-    if path.name.endswith(".onnx"):
-        from gdn_export.run.onnx_session import OnnxSession
+    from gdn_export.run.runner import open_runner
 
-        return OnnxSession(path, runtime=onnx_runtime)
-    from gdn_export.run.session import Session
-
-    session = Session(path, progress=loading)
+    session = open_runner(path, offered={"runtime": onnx_runtime, "progress": loading})
     if session.metadata.get("logits") == "last":
         raise PerplexityError(f"{path.name} computes the last position's logits only (converted with --logits last); "
                               f"perplexity needs every position's: convert it again without --logits last")

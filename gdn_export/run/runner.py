@@ -1,16 +1,17 @@
-"""The one protocol every runner of an exported file implements, whatever its back-end, and the table that picks a
-runner by the file's suffix: ``Session`` (a ``.nnef.tgz`` in tract) and ``OnnxSession`` (a ``.onnx`` in onnxruntime
-or tract's ONNX loader). The conversion check takes any ``Runner`` and opens files through ``open_runner``;
-``perplexity`` still chooses by suffix itself (it passes each runner options of its own)."""
+"""The one protocol every runner of an exported file implements, whatever its back-end, and ``open_runner``, which
+picks a runner by the file's suffix from the table of back-ends (``targets.BACKENDS``): ``Session`` (a ``.nnef.tgz``
+in tract) and ``OnnxSession`` (a ``.onnx`` in onnxruntime or tract's ONNX loader). The conversion check and
+``perplexity`` open files through it (``offered``: options each runner takes where it declares them)."""
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 import numpy as np
+
+from gdn_export.targets import backend_for, load
 
 
 @runtime_checkable
@@ -31,22 +32,16 @@ class Runner(Protocol):
     def decode(self, input_ids) -> np.ndarray: ...
 
 
-# file suffix -> (module, class) of its runner; the first suffix a file's name ends with
-RUNNERS = ((".onnx", ("gdn_export.run.onnx_session", "OnnxSession")),
-           (".nnef.tgz", ("gdn_export.run.session", "Session")),
-           (".tgz", ("gdn_export.run.session", "Session")))
-
-
 def runner_class(path: str | os.PathLike) -> type:
     """The runner of ``path`` by its suffix (an unknown suffix: an archive, as ``Session`` reads any tar.gz)."""
-    name = Path(path).name
-    module, cls = next((target for suffix, target in RUNNERS if name.endswith(suffix)), RUNNERS[-1][1])
-    return getattr(importlib.import_module(module), cls)
+    return load(backend_for(path).runner)
 
 
-def open_runner(path: str | os.PathLike, **options) -> Runner:
-    """The runner of ``path`` with ``options`` (``Session``'s ``progress``..., ``OnnxSession``'s ``runtime``)."""
-    return runner_class(path)(path, **options)
+def open_runner(path: str | os.PathLike, offered: Mapping[str, Any] | None = None, **options: Any) -> Runner:
+    """The runner of ``path`` with ``options`` (``Session``'s ``progress``..., ``OnnxSession``'s ``runtime``), and of
+    ``offered`` those its ``OPTIONS`` names (a caller that opens any file offers each runner its own)."""
+    cls = runner_class(path)
+    return cls(path, **{k: v for k, v in (offered or {}).items() if k in cls.OPTIONS}, **options)
 
 
-__all__ = ["RUNNERS", "Runner", "open_runner", "runner_class"]
+__all__ = ["Runner", "open_runner", "runner_class"]

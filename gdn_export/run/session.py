@@ -43,6 +43,8 @@ class Session:
       every state per call measured 5-10% of a Q4_0 decode step of the 580M shape.
     """
 
+    OPTIONS = ("steady_allocator", "prefill_piece", "progress")  # what open_runner's offered passes (run.runner.Runner)
+
     def __init__(self, path: str | os.PathLike, steady_allocator: bool = True, prefill_piece: int | None = 128,
                  progress: Callable[[str], None] | None = None) -> None:
         if steady_allocator:

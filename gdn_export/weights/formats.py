@@ -43,8 +43,8 @@ class WeightFormat:
     ("" when ONNX takes it); ``options``: the ``convert`` options it alone reads, and ``needs``: the (API, command
     line) wording of the error when one of them is given without this format. ``validate(dtype, runtime,
     quantize_embeddings)`` refuses what it cannot store with; ``resolve(options, calibration)`` checks and completes
-    its own options in place (before any work); ``metadata(plan)`` is what an archive records of it (beside
-    ``quantize``) and ``options_from_metadata(metadata)`` reads that back for ``check``. ``codec``: the module of
+    its own options in place (before any work); ``metadata(choice)`` (the plan's ``WeightChoice``: ``plan.weights``)
+    is what an archive records of it (beside ``quantize``) and ``options_from_metadata(metadata)`` reads that back for ``check``. ``codec``: the module of
     its tensor code, imported on use (``codec_module()``)."""
 
     name: str | None
@@ -57,9 +57,9 @@ class WeightFormat:
     needs: tuple[str, str] = ("", "")
     validate: Callable[[str, str, bool], None] = lambda dtype, runtime, quantize_embeddings: None
     resolve: Callable[[dict, Any], None] = lambda options, calibration: None
-    metadata: Callable[[Any], dict] = lambda plan: {}
+    metadata: Callable[[Any], dict] = lambda choice: {}
     options_from_metadata: Callable[[dict], dict] = lambda metadata: {}
-    calibration_options: Callable[[Any], dict] = lambda plan: {}  # calibrate()'s keywords (a calibrated format's)
+    calibration_options: Callable[[Any], dict] = lambda choice: {}  # calibrate()'s keywords (a calibrated format's)
 
     def __post_init__(self) -> None:
         if self.name is not None:  # what a format of gdn_export's own folder derives from its name

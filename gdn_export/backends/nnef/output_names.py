@@ -13,7 +13,7 @@ the int8 helper's): which outputs tract renames is decided by tract's declutter 
 fuses, which copies it removes), so only tract can say it, about a written graph; torch-to-nnef's translated graph
 (where the other passes run: ``backends.nnef.target.OfflineTractTarget``'s graph passes) cannot predict it, and
 a shadow of that graph for tract to load first would need the block-quantized (Q4_0) weights' files, which exist
-only once written, and would serialize the weight writes this load now overlaps (pipeline/export.py). The behaviour it works around and the one it relies on are typed records with canaries:
+only once written, and would serialize the weight writes this load now overlaps (backends/nnef/exporter.py). The behaviour it works around and the one it relies on are typed records with canaries:
 ``tract_quirks.OUTPUT_NAMED_AFTER_PRODUCER``, ``SELECT_KEEPS_ITS_NAME``, ``FUSED_OUTPUTS_SHARE_A_NAME``.
 """
 

@@ -34,6 +34,7 @@ import numpy as np
 from nnef_tools.model import Tensor as NTensor
 from torch_to_nnef.op.fragment import Fragment
 
+from gdn_export.backends.nnef import scan as nnef_scan
 from gdn_export.backends.nnef.builder import NnefBuilder
 from gdn_export.backends.nnef.registry import custom_op, output_tensors, positional, require_tract
 from gdn_export.ops.causal_conv1d.op import ConvNode, check_conv_operands
@@ -58,38 +59,21 @@ def fragment(width: int, chunk: int = CHUNK) -> Fragment:
     total = "t0"
     for i in range(1, width):  # ((t0 + t1) + t2) + t3: the reference's order of the sum
         total = f"add({total}, t{i})"
-    definition = f"""fragment {name}_step(
-    window_prev: tensor<scalar>, x_c: tensor<scalar>, weight: tensor<scalar>
-) -> ( window_c: tensor<scalar>, y_c: tensor<scalar> ) {{
-    full = concat([window_prev, x_c], axis = 1);
-{chr(10).join(taps)}
-    acc = {total};
-    y_c = acc * sigmoid(acc);
-    window_c = slice(full, axes = [1], begin = [{chunk}], end = [{chunk + width}]);
-}}
-
-fragment {name}(
-    x: tensor<scalar>, window: tensor<scalar>, weight: tensor<scalar>
-) -> ( y: tensor<scalar>, last: tensor<scalar> ) {{
-    # a last partial chunk runs padded: its window is never read, its rows past S are cut
-    (unused, padded) = tract_core_scan(
-        body = "{name}_step",
-        scan = [("x_c", x, 1, {chunk})],
-        full = [("weight", weight)],
-        state = [("window_prev", window, "window_c")],
-        output = [("window_c", "last", 1, 1), ("y_c", "full", 1, {chunk})],
-        skip = 0
-    );
-    length = squeeze(slice(tract_core_shape_of(x), axes = [0], begin = [1], end = [2]), axes = [0]);
-    y = slice(padded, axes = [1], begin = [0], end = [length]);
-    # the last W of window ++ x, from at most 2W rows; the bounds are shape expressions, so its length is W
-    both = concat([window, slice(x, axes = [1], begin = [max(length - {width}, 0)], end = [length])], axis = 1);
-    count = squeeze(slice(tract_core_shape_of(both), axes = [0], begin = [1], end = [2]), axes = [0]);
-    last = slice(both, axes = [1], begin = [count - {width}], end = [count]);
-}}
-
-"""
-    return Fragment(name=name, extensions=("tract_registry tract_core",), definition=definition)
+    body = ["    full = concat([window_prev, x_c], axis = 1);", *taps, f"    acc = {total};", "    y_c = acc * sigmoid(acc);",
+            f"    window_c = slice(full, axes = [1], begin = [{chunk}], end = [{chunk + width}]);"]
+    return nnef_scan.scan_fragment(
+        name, f"{name}_step", body, params=("x", "window", "weight"), results=("y", "last"), bound=("unused", "padded"),
+        scan=[("x_c", "x", 1, chunk)], full=[("weight", "weight")], state=[("window_prev", "window", "window_c")],
+        output=[("window_c", "last", 1, 1), ("y_c", "full", 1, chunk)],
+        before=["    # a last partial chunk runs padded: its window is never read, its rows past S are cut"],
+        after=["    length = squeeze(slice(tract_core_shape_of(x), axes = [0], begin = [1], end = [2]), axes = [0]);",
+               "    y = slice(padded, axes = [1], begin = [0], end = [length]);",
+               "    # the last W of window ++ x, from at most 2W rows; the bounds are shape expressions, so its length is W",
+               f"    both = concat([window, slice(x, axes = [1], begin = [max(length - {width}, 0)], end = [length])], "
+               "axis = 1);",
+               "    count = squeeze(slice(tract_core_shape_of(both), axes = [0], begin = [1], end = [2]), axes = [0]);",
+               f"    last = slice(both, axes = [1], begin = [count - {width}], end = [count]);"],
+    )
 
 
 def decide(node: ConvNode, options: LoweringOptions) -> Decision:
@@ -102,7 +86,7 @@ def decide(node: ConvNode, options: LoweringOptions) -> Decision:
                         "bench_short_conv.py)", None)
     why = (f"{node.dtype}: tract's f16 arithmetic makes the scan ~3x slower than the fused op for one token"
            if node.dtype != "float32" else
-           # measured on CPU only; tract's CUDA runtime ran the GDN's scans at CPU speed (ops/gated_delta_rule/policy.py)
+           # measured on CPU only; tract's CUDA runtime ran the GDN's scans at CPU speed (ops/gated_delta_rule/nnef/policy.py)
            "runtime cuda: the chunk scan is not measured there, the fused op is kept")
     if options.tract_version >= FUSED_CONV_FIRST_VERSION:
         return Decision(node.name, node.entry, "native", f"{OP_NAME} exists on this tract ({why})", None)

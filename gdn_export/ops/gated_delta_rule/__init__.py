@@ -2,8 +2,8 @@
 
 op.py and scan_op.py: the torch custom ops (``gated_delta_rule`` seq-major, ``gated_delta_scan`` head-major) and
 the ``GatedDeltaRule`` module; naive.py: the reference recurrence; operands.py: operand validation (``Dims``);
-node.py: one node as the lowerings see it; emitter.py: validate, decide (registry.py names the lowerings,
-policy.py ranks them per runtime, capabilities.py says what tract's fused op runs) and emit; nnef/: one module
-per NNEF lowering (fused, scan, recurrent, chunked/) and the torch-to-nnef entry points; onnx.py: the ONNX
-decisions.
+nnef/: everything NNEF decides and writes (emitter.py: validate, decide; registry.py names the lowerings, policy.py
+ranks them per runtime, capabilities.py says what tract's fused op runs, chunking.py the chunk sizes; node.py: one
+node as the lowerings see it; one module per lowering: fused, scan, recurrent, chunked/; handlers.py and
+extractor.py: the torch-to-nnef entry points); onnx.py: the ONNX decisions.
 """

@@ -31,7 +31,7 @@ import torch
 
 from gdn_export.errors import GdnExportError
 from gdn_export.weights.encoding import Encoding
-from gdn_export.weights.graph_edit import GraphEdit, readers_left, table_gathers, variables
+from gdn_export.backends.nnef.builder import NnefBuilder, readers_left, table_gathers, variables
 from gdn_export.weights.int8.codec import write_header
 
 NAME = "f16"
@@ -80,13 +80,13 @@ def lower_gathers(graph, labels: frozenset) -> None:
     """Rewrite every ``tract_core_gather`` of rows of a float16 table (a variable of ``labels``, stored negated) of
     torch-to-nnef's NNEF graph (before it is written: a graph pass of the export's target) into the gather, a cast
     to float32 and a negation. Refused: a table read otherwise than by a gather (its values are negated)."""
-    edit = GraphEdit(graph)
+    edit = NnefBuilder(graph)
     declared = variables(graph, labels)
     for op in table_gathers(graph, labels):
         y = edit.take_output(op)
         rows = edit.op("tract_core_gather", tuple(op.inputs), f"{y.name}__f16_negated_rows", np.float16,
                        attribs=op.attribs)
-        edit.op("neg", edit.cast(rows, f"{y.name}__f16_negated_rows_f32", "f32"), out=y)
+        edit.op("neg", edit.cast(rows, np.float32, name=f"{y.name}__f16_negated_rows_f32"), out=y)
         edit.replace(op)
     read = readers_left(graph, declared, ("tract_core_gather",))
     if read:

@@ -36,7 +36,7 @@ import torch
 
 from gdn_export.errors import GdnExportError
 from gdn_export.weights.encoding import Encoding
-from gdn_export.weights.graph_edit import GraphEdit, is_zero_literal, readers_left, table_gathers, variables
+from gdn_export.backends.nnef.builder import NnefBuilder, is_zero_literal, readers_left, table_gathers, variables
 
 NAME = "int8"
 INVERSE_127 = np.float32(1.0 / 127.0)  # written in the graph as its shortest decimal, read back to the same f32
@@ -190,7 +190,7 @@ def lower_linears(graph, weights: Int8Weights) -> None:
     otherwise than by a linear layer (its float values would be needed)."""
     if weights.passes not in (1, 2):
         raise GdnExportError(f"int8 activation passes must be 1 or 2, got {weights.passes}")
-    edit = GraphEdit(graph)
+    edit = NnefBuilder(graph)
     declared = variables(graph, weights.labels)
     linears = []
     for op in graph.operations:
@@ -227,17 +227,17 @@ def lower_linears(graph, weights: Int8Weights) -> None:
                         expr=f"{batch}k,nk,,,,,,,->{batch}n", acc="i32", output="i32", bias=zero_name, a0=zero_name,
                         a_scale=1.0, b0=zero_name, b_scale=1.0, c0=zero_name, c_scale=1.0)
         if weights.passes == 1:
-            by_input = edit.op("mul", (edit.cast(total, f"{y.name}__i8_sum_f32", "f32"), scale),
+            by_input = edit.op("mul", (edit.cast(total, np.float32, name=f"{y.name}__i8_sum_f32"), scale),
                                f"{y.name}__i8_by_input")
         else:  # the sums of the codes' rows, then of the residual's: [.., 2, S, N]
-            sums = edit.op("reshape", total, f"{y.name}__i8_sums", np.int32, shape=[2, -1], axis_start=rows,
-                           axis_count=1)
+            sums = edit.op("reshape", total, f"{y.name}__i8_sums", np.int32,
+                           attribs={"shape": [2, -1], "axis_start": rows, "axis_count": 1})
             halves = []
             for i in (0, 1):
                 part = edit.op("slice", sums, f"{y.name}__i8_sums{i}_slice", np.int32, axes=[rows], begin=[i],
                                end=[i + 1])
                 part = edit.op("squeeze", part, f"{y.name}__i8_sums{i}", np.int32, axes=[rows])
-                halves.append(edit.cast(part, f"{y.name}__i8_sums{i}_f32", "f32"))
+                halves.append(edit.cast(part, np.float32, name=f"{y.name}__i8_sums{i}_f32"))
             by_input = edit.op("add", (edit.op("mul", (halves[0], scale), f"{y.name}__i8_codes_part"),
                                        edit.op("mul", (halves[1], residual_scale), f"{y.name}__i8_residual_part")),
                                f"{y.name}__i8_by_input")
@@ -253,7 +253,7 @@ def lower_linears(graph, weights: Int8Weights) -> None:
                              f"(e.g. {min(read)}): their float values would be needed")
 
 
-def _rounded_input(edit: "GraphEdit", x, rank: int, passes: int) -> tuple:
+def _rounded_input(edit: "NnefBuilder", x, rank: int, passes: int) -> tuple:
     """The operations rounding input ``x`` (rank ``rank``) per row: (``{x}__i8_scale``, ``{x}__i8_codes``, with two
     passes ``{x}__i8_residual_scale`` else None; the codes are then the rows' and the residual's: ``[.., 2 S, K]``)."""
     name = x.name
@@ -262,19 +262,20 @@ def _rounded_input(edit: "GraphEdit", x, rank: int, passes: int) -> tuple:
                             edit.literal(INVERSE_127)), f"{name}__i8_scale")
     rounded = _round(edit, x, scale, f"{name}__i8_rounded", f"{name}__i8")
     if passes == 1:
-        return scale, edit.cast(rounded, f"{name}__i8_codes", "i8"), None
+        return scale, edit.cast(rounded, np.int8, name=f"{name}__i8_codes"), None
     rows = rank - 2
     residual = edit.op("sub", (x, edit.op("mul", (rounded, scale), f"{name}__i8_dequantized")), f"{name}__i8_residual")
     residual_scale = edit.op("mul", (scale, edit.literal(INVERSE_254)), f"{name}__i8_residual_scale")
     residual_codes = _round(edit, residual, residual_scale, f"{name}__i8_residual_codes", f"{name}__i8_residual")
-    parts = [edit.op("unsqueeze", edit.cast(codes, f"{codes.name}_i8", "i8"), f"{codes.name}_i8_row", np.int8,
+    parts = [edit.op("unsqueeze", edit.cast(codes, np.int8, name=f"{codes.name}_i8"), f"{codes.name}_i8_row", np.int8,
                      axes=[rows]) for codes in (rounded, residual_codes)]
     both = edit.op("concat", parts, f"{name}__i8_both_codes", np.int8, axis=rows)
-    codes = edit.op("reshape", both, f"{name}__i8_codes", np.int8, shape=[-1], axis_start=rows, axis_count=2)
+    codes = edit.op("reshape", both, f"{name}__i8_codes", np.int8,
+                    attribs={"shape": [-1], "axis_start": rows, "axis_count": 2})
     return scale, codes, residual_scale
 
 
-def _round(edit: "GraphEdit", x, scale, name: str, prefix: str):
+def _round(edit: "NnefBuilder", x, scale, name: str, prefix: str):
     """``round_half_even(x * (1 / scale))`` (in float32)."""
     inverse = edit.op("recip", scale, f"{prefix}_inverse_scale")
     return edit.op("tract_core_round_even", edit.op("mul", (x, inverse), f"{prefix}_scaled"), name)
@@ -285,7 +286,7 @@ def lower_gathers(graph, weights: Int8Weights) -> None:
     torch-to-nnef's NNEF graph (a graph pass, as ``lower_linears``) into gathers of the codes and of the rows'
     scales (``[V, 1]``) multiplied in float32; record each table's scale shape in ``weights.scale_shapes``. Refused:
     a table read otherwise than by a gather."""
-    edit = GraphEdit(graph)
+    edit = NnefBuilder(graph)
     declared = variables(graph, weights.labels)
     for op in table_gathers(graph, weights.labels):
         table, y = op.inputs[0], edit.take_output(op)
@@ -296,7 +297,7 @@ def lower_gathers(graph, weights: Int8Weights) -> None:
                         attribs=op.attribs)
         scales = edit.op("tract_core_gather", (scale_table, *op.inputs[1:]), f"{y.name}__i8_scales",
                          attribs=op.attribs)
-        edit.op("mul", (edit.cast(codes, f"{y.name}__i8_codes_f32", "f32"), scales), out=y)
+        edit.op("mul", (edit.cast(codes, np.float32, name=f"{y.name}__i8_codes_f32"), scales), out=y)
         edit.replace(op)
     read = readers_left(graph, declared, ("tract_core_gather",))
     if read:

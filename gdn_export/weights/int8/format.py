@@ -39,5 +39,5 @@ FORMAT = register(WeightFormat(
     validate=_validate,
     resolve=lambda options, calibration: check_passes(options.get("int8_passes", 1)),
     # archives before the registry recorded the default Q4_0 rule for int8 too: kept, so they stay byte-identical
-    metadata=lambda plan: {"q4_rule": "search", "int8_passes": plan.int8_passes},
+    metadata=lambda choice: {"q4_rule": "search", "int8_passes": choice.int8_passes},
     options_from_metadata=lambda metadata: {"int8_passes": metadata.get("int8_passes", 1)}))

@@ -63,8 +63,8 @@ FORMAT = register(WeightFormat(
            "they need quantize='q4_0'",
            "--q4-rule, --calibration, --calibration-tokens and --fold-scales choose how --quantize q4_0 picks its "
            "scales: add --quantize q4_0"),
-    calibration_options=lambda plan: {"grams": plan.q4_rule == "gptq"},  # GPTQ needs the inputs' second moments
+    calibration_options=lambda choice: {"grams": choice.q4_rule == "gptq"},  # GPTQ needs the inputs' second moments
     resolve=_resolve,
-    metadata=lambda plan: {"q4_rule": plan.q4_rule},
+    metadata=lambda choice: {"q4_rule": choice.q4_rule},
     options_from_metadata=lambda metadata: dict(q4_rule=metadata.get("q4_rule") or "search",
                                                  fold_scales=metadata.get("folded_norms") is not None)))

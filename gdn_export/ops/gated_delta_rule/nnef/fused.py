@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gdn_export.ops.gated_delta_rule.capabilities import F16, F32, fused_capability
+from gdn_export.ops.gated_delta_rule.nnef.capabilities import F16, F32, fused_capability
 from gdn_export.backends.nnef.builder import NnefBuilder
 from gdn_export.ops.gated_delta_rule.operands import Dims
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from gdn_export.backends.nnef.registry import custom_op, output_tensors, positional, require_tract
 from gdn_export.backends.nnef.builder import NnefBuilder
-from gdn_export.ops.gated_delta_rule import registry
-from gdn_export.ops.gated_delta_rule.emitter import decide
+from gdn_export.ops.gated_delta_rule.nnef import registry
+from gdn_export.ops.gated_delta_rule.nnef.emitter import decide
 from gdn_export.ops.gated_delta_rule.nnef.node import GdnNode
 from gdn_export.ops.options import LoweringOptions, policy_of
 from gdn_export.ops.protocol import record

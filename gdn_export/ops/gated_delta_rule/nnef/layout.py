@@ -14,7 +14,7 @@ import numpy as np
 
 from nnef_tools.model import Tensor as NTensor
 
-from gdn_export.ops.gated_delta_rule.capabilities import F32
+from gdn_export.ops.gated_delta_rule.nnef.capabilities import F32
 from gdn_export.backends.nnef.builder import NnefBuilder
 from gdn_export.ops.gated_delta_rule.operands import Dims
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gdn_export.ops.gated_delta_rule.capabilities import F32
+from gdn_export.ops.gated_delta_rule.nnef.capabilities import F32
 from gdn_export.ops.gated_delta_rule.nnef.layout import StepOperands, step_operands, write_outputs
 from gdn_export.backends.nnef.builder import NnefBuilder
 from gdn_export.ops.gated_delta_rule.nnef.steps import scan_fragment

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gdn_export.ops.gated_delta_rule.capabilities import F32
+from gdn_export.ops.gated_delta_rule.nnef.capabilities import F32
 from gdn_export.ops.gated_delta_rule.nnef.layout import step_operands, step_state, write_step_outputs
 from gdn_export.backends.nnef.builder import NnefBuilder
 from gdn_export.ops.gated_delta_rule.nnef.steps import elementwise_step_fragment, step_inputs

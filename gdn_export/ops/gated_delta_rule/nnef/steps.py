@@ -25,6 +25,8 @@ from __future__ import annotations
 from nnef_tools.model import Tensor as NTensor
 from torch_to_nnef.op.fragment import Fragment
 
+from gdn_export.backends.nnef import scan as nnef_scan
+
 from gdn_export.ops.gated_delta_rule.nnef.layout import StepOperands
 from gdn_export.backends.nnef.builder import NnefBuilder
 
@@ -59,30 +61,14 @@ def scan_fragment(kind: str, num_householder: int, has_decay: bool, prologue: li
     while y always goes through another op.
     """
     suffix = f"{kind}_n{num_householder}{'_decay' if has_decay else ''}"
-    step, scan = f"gdn_export_{kind}_step_{suffix}", f"gdn_export_{kind}_scan_{suffix}"
     inputs = step_names(num_householder, has_decay)
     body = prologue + body_lines(num_householder, decay if has_decay else None, update) + [f"    y_t = {readout};"]
-    definition = f"""fragment {step}(
-    s_prev: tensor<scalar>, {", ".join(f"{name}_t: tensor<scalar>" for name in inputs)}
-) -> ( s_t: tensor<scalar>, y_t: tensor<scalar> ) {{
-{chr(10).join(body)}
-}}
-
-fragment {scan}(
-    {", ".join(f"{name}: tensor<scalar>" for name in inputs)}, s_init: tensor<scalar>
-) -> ( s_final: tensor<scalar>, y: tensor<scalar> ) {{
-    (s_final, y) = tract_core_scan(
-        body = "{step}",
-        scan = [{", ".join(f'("{name}_t", {name}, 0, 1)' for name in inputs)}],
-        full = [],
-        state = [("s_prev", s_init, "s_t")],
-        output = [("s_t", "last", 0, 1), ("y_t", "full", {y_axis}, 1)],
-        skip = 0
-    );
-}}
-
-"""
-    return Fragment(name=scan, extensions=("tract_registry tract_core",), definition=definition)
+    return nnef_scan.scan_fragment(
+        f"gdn_export_{kind}_scan_{suffix}", f"gdn_export_{kind}_step_{suffix}", body,
+        params=[*inputs, "s_init"], results=("s_final", "y"),
+        scan=[(f"{name}_t", name, 0, 1) for name in inputs], state=[("s_prev", "s_init", "s_t")],
+        output=[("s_t", "last", 0, 1), ("y_t", "full", y_axis, 1)],
+    )
 
 
 def elementwise_step_fragment(kind: str, num_householder: int, has_decay: bool) -> Fragment:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gdn_export.ops.gated_delta_rule.chunking import SOLVE_BLOCK  # noqa: F401
+from gdn_export.ops.gated_delta_rule.nnef.chunking import SOLVE_BLOCK  # noqa: F401
 MASKED = -1e30  # added to masked log-decay differences: exp gives exactly 0 for any finite difference
 
 

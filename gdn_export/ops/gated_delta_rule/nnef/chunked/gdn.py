@@ -22,7 +22,7 @@ import dataclasses
 import numpy as np
 from nnef_tools.model import Tensor as NTensor
 
-from gdn_export.ops.gated_delta_rule.capabilities import F32
+from gdn_export.ops.gated_delta_rule.nnef.capabilities import F32
 from gdn_export.ops.gated_delta_rule.nnef.chunked import outer
 from gdn_export.ops.gated_delta_rule.nnef.chunked.body import MASKED, Body, mask, solve_masks, solve_unit_lower, write_y
 from gdn_export.ops.gated_delta_rule.nnef.chunked.outer import chunk_ones, cumulative_log_decay, scan_layout

@@ -41,15 +41,16 @@ import numpy as np
 from nnef_tools.model import Tensor as NTensor
 from torch_to_nnef.op.fragment import Fragment
 
-from gdn_export.ops.gated_delta_rule.capabilities import F32
+from gdn_export.ops.gated_delta_rule.nnef.capabilities import F32
 from gdn_export.ops.gated_delta_rule.nnef.layout import step_operands, write_squeezed
+from gdn_export.backends.nnef import scan as nnef_scan
 from gdn_export.backends.nnef.builder import NnefBuilder
 from gdn_export.ops.gated_delta_rule.nnef.steps import elementwise_step_fragment, step_inputs
-from gdn_export.ops.gated_delta_rule.chunking import (CHANNEL_CHUNK, CHUNK, SOLVE_BLOCK,  # noqa: F401
+from gdn_export.ops.gated_delta_rule.nnef.chunking import (CHANNEL_CHUNK, CHUNK, SOLVE_BLOCK,  # noqa: F401
                                                      chunk_size_error, tokens_per_chunk)
 from gdn_export.ops.gated_delta_rule.operands import Dims
 
-# sizes (CHUNK, CHANNEL_CHUNK, chunk_size_error, tokens_per_chunk): ops/gated_delta_rule/chunking.py, which the
+# sizes (CHUNK, CHANNEL_CHUNK, chunk_size_error, tokens_per_chunk): ops/gated_delta_rule/nnef/chunking.py, which the
 # export's options validate with before any NNEF is written
 
 
@@ -236,29 +237,11 @@ def scan_over_chunks(name: str, body: list[str], scanned: dict[str, tuple[int, i
     """A chunk body and the ``tract_core_scan`` running it. ``scanned``: each scan input's (axis, chunk), C
     along the tokens, 1 for per-chunk inputs; ``masks`` are read whole every step. Outputs y (``y_chunk``
     tokens a step along ``y_axis``) and the state after every chunk (a "full" output: see the module doc)."""
-    step, scan = f"{name}_step", f"{name}_scan"
-    inputs = [f"{name}_t" for name in scanned] + list(masks)
-    definition = f"""fragment {step}(
-    s_prev: tensor<scalar>, {", ".join(f"{name}: tensor<scalar>" for name in inputs)}
-) -> ( s_t: tensor<scalar>, y_t: tensor<scalar> ) {{
-{chr(10).join(body)}
-}}
-
-fragment {scan}(
-    {", ".join(f"{name}: tensor<scalar>" for name in (*scanned, *masks))}, s_init: tensor<scalar>
-) -> ( y: tensor<scalar>, states: tensor<scalar> ) {{
-    (y, states) = tract_core_scan(
-        body = "{step}",
-        scan = [{", ".join(f'("{name}_t", {name}, {axis}, {step_})' for name, (axis, step_) in scanned.items())}],
-        full = [{", ".join(f'("{name}", {name})' for name in masks)}],
-        state = [("s_prev", s_init, "s_t")],
-        output = [("y_t", "full", {y_axis}, {y_chunk}), ("s_t", "full", 0, 1)],
-        skip = 0
-    );
-}}
-
-"""
-    return Fragment(name=scan, extensions=EXTENSIONS, definition=definition)
+    return nnef_scan.scan_fragment(
+        f"{name}_scan", f"{name}_step", body, params=[*scanned, *masks, "s_init"], results=("y", "states"),
+        scan=[(f"{x}_t", x, axis, chunk) for x, (axis, chunk) in scanned.items()], full=[(m, m) for m in masks],
+        state=[("s_prev", "s_init", "s_t")], output=[("y_t", "full", y_axis, y_chunk), ("s_t", "full", 0, 1)],
+    )
 
 
 # --- the tail, token by token ---------------------------------------------------------------------

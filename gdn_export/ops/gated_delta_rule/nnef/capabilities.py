@@ -57,18 +57,6 @@ def check_target_version(version: tuple[int, int, int], installed: tuple[int, in
                          f"{'.'.join(map(str, installed)) if installed else 'none'})")
 
 
-def parse_version(version: str) -> tuple[int, int, int]:
-    """'0.23.9' -> (0, 23, 9); raises ValueError naming the bad string."""
-    parts = str(version).strip().lstrip("v").split(".")
-    try:
-        numbers = tuple(int(p) for p in parts[:3])
-    except ValueError:
-        raise ValueError(f"tract version {version!r} is not of the form MAJOR.MINOR.PATCH") from None
-    if len(numbers) != 3:
-        raise ValueError(f"tract version {version!r} is not of the form MAJOR.MINOR.PATCH")
-    return numbers  # type: ignore[return-value]
-
-
 def fused_capability(version: tuple[int, int, int]) -> FusedCapability | None:
     """The row for ``version``, or None when that tract has no fused operator."""
     for row in FUSED_TABLE:

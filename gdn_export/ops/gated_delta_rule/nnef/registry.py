@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
 
-# NAME -> module of gdn_export.ops.gated_delta_rule.nnef, in the order LOWERINGS lists them (the CLI's choices, error messages);
+# NAME -> module of this package, in the order LOWERINGS lists them (the CLI's choices, error messages);
 # the names are spelled here so that LOWERINGS needs no import (``gdn-export --help`` imports no torch)
 REGISTERED = {"native": "fused", "scan": "scan", "recurrent": "recurrent", "chunked": "chunked"}
 
@@ -62,7 +62,7 @@ LOWERINGS = ("auto", *REGISTERED)
 @functools.cache
 def get(name: str) -> Lowering:
     """The lowering registered under ``name`` (its module imported on first use)."""
-    lowering = Lowering.of(importlib.import_module(f"{__package__}.nnef.{REGISTERED[name]}"))
+    lowering = Lowering.of(importlib.import_module(f"{__package__}.{REGISTERED[name]}"))
     if lowering.name != name:
         raise TypeError(f"{lowering.module.__name__} is registered as {name!r} but its NAME is {lowering.name!r}")
     return lowering

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gdn_export.errors import LoweringError
-from gdn_export.ops.gated_delta_rule import policy, registry
+from gdn_export.ops.gated_delta_rule.nnef import policy, registry
 from gdn_export.ops.gated_delta_rule.operands import Dims, validate_operands
-from gdn_export.ops.gated_delta_rule.registry import LOWERINGS
+from gdn_export.ops.gated_delta_rule.nnef.registry import LOWERINGS
 from gdn_export.ops.protocol import Decision
 
 if TYPE_CHECKING:
