@@ -32,7 +32,7 @@ source's), and each GGUF timed in the same rounds as the archives, by a small C 
 API in a fresh process: ``load`` = ``llama_model_load_from_file`` (the library defaults: the file memory-mapped),
 ``plan`` = ``llama_init_from_model`` (a context of 512 tokens, one thread: buffers, the compute graph reserved),
 ``first`` = ``llama_decode`` of one token (the weights' pages read as they are first touched); ``read`` is the same
-Python read of the file. ``--generate`` adds the wall time of ``gdn-export generate --max-new-tokens 1`` on the int8
+Python read of the file. ``--generate N`` adds the wall time of ``gdn-export generate --max-new-tokens 1`` on the int8
 archive (fresh processes, a 4-token prompt of ids) and, with llama.cpp, of ``llama-simple -n 1`` on the Q8_0 GGUF.
 """
 
@@ -374,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --workdir: reuse this L-layer checkpoint (read only)")
     parser.add_argument("--keep", action="store_true", help="keep the archives made in --workdir (and reuse them, "
                         "with their conversion times, on the next run: --runs 0 only makes them)")
-    parser.add_argument("--generate", action="store_true", help="with --workdir and int8: also time `gdn-export "
-                        "generate --max-new-tokens 1` (and llama-simple -n 1 on the Q8_0 GGUF)")
+    parser.add_argument("--generate", type=int, default=0, metavar="N", help="with --workdir and int8: also time "
+                        "`gdn-export generate --max-new-tokens 1` (and llama-simple -n 1 on the Q8_0 GGUF), N fresh "
+                        "processes each")
     parser.add_argument("--markdown", action="store_true")
     from bench_vs_llamacpp import LlamaCpp, add_llama_cpp_options
 
@@ -428,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             results = measure(archives, args.runs, args.cpu)
             print_table(archives, results, conversions, args.markdown, pairs)
         if args.generate and args.workdir is not None:
-            print_generate(archives, pairs, max(args.runs, 1), args.cpu, llama)
+            print_generate(archives, pairs, args.generate, args.cpu, llama)
     finally:
         if not args.keep:
             for path in made:

@@ -29,8 +29,9 @@
    converted to an F32 GGUF (``convert_hf_to_gguf.py`` through bench_vs_llamacpp.py's wrapper, pre-tokenizer
    ``qwen2``), runs ``llama-speculative-simple`` (one thread, a context of 1024) on the same held-out prompts' text
    (the prompt's token ids decoded; llama.cpp tokenizes it again) in each of llama.cpp's speculative modes that
-   need no draft model (``--spec-type none`` for plain decoding, ``ngram-simple`` with n-grams of 3 and drafts of 4
-   (ours' nearest) and its defaults (12 and 48), ``ngram-map-k``, ``ngram-mod``) greedy, sampled and over the first
+   need no draft model (plain decoding as ``ngram-simple`` with an n-gram of 1024 that never matches: ``--spec-type
+   none`` does not start; ``ngram-simple`` with n-grams of 3 and drafts of 4 (ours' nearest) and its defaults (12
+   and 48), ``ngram-map-k``, ``ngram-mod``, ``ngram-cache``) greedy, sampled and over the first
    32 tokens, and ``draft-mtp`` once to say whether it runs: per mode, tokens per second of its decode loop (its
    own "decoded N tokens in T seconds" line), its ratio to ``none`` in the same run, drafts kept over drafts made.
 """
@@ -144,12 +145,16 @@ def projected_cost(calls: list[tuple[int, int]], curve: dict[int, float], eager:
 
 
 # llama.cpp's modes that run without a draft model: (name, --spec-type and its options)
-LLAMA_MODES = {"plain (--spec-type none)": ["--spec-type", "none"],
+# plain decoding in the same program: ``--spec-type none`` stops it ("failed to initialize speculative decoding"), so
+# ngram-simple looking for a 1024-token n-gram, which never matches (no draft is ever made)
+LLAMA_MODES = {"plain (ngram-simple, n 1024: no drafts)": ["--spec-type", "ngram-simple",
+                                                           "--spec-ngram-simple-size-n", "1024"],
                "ngram-simple n 3, m 4": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
                                          "--spec-ngram-simple-size-m", "4"],
                "ngram-simple (defaults: n 12, m 48)": ["--spec-type", "ngram-simple"],
                "ngram-map-k (defaults)": ["--spec-type", "ngram-map-k"],
-               "ngram-mod (defaults)": ["--spec-type", "ngram-mod"]}
+               "ngram-mod (defaults)": ["--spec-type", "ngram-mod"],
+               "ngram-cache (defaults)": ["--spec-type", "ngram-cache"]}
 
 
 def llama_verify_curve(llama, gguf: Path, reps: int, context: int = 128, longest: int = 16) -> dict[int, float]:
@@ -181,7 +186,8 @@ def llama_speculative(llama, gguf: Path, prompts: list[str], work: Path, count: 
         text = done.stdout + done.stderr
         decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", text)
         if done.returncode != 0 or decoded is None:
-            lines = [line for line in text.splitlines() if "error" in line.lower() or "failed" in line.lower()]
+            lines = [line.split(" ", 2)[-1] for line in text.splitlines()  # its warnings and errors (not the text)
+                     if re.match(r"\d+\.\d+\.\d+\.\d+ [WE] ", line)]
             out["error"] = f"exit {done.returncode}: " + " / ".join((lines or text.splitlines()[-3:])[-3:])
             return out
         out["tokens"] += int(decoded.group(1))
@@ -237,7 +243,7 @@ def llama_section(args, prompts: list[str], curve_rows: dict[str, dict[int, floa
                 continue
             rate = result["tokens"] / result["seconds"]
             plain = plain or rate
-            kept = f"{result['accepted']}/{result['drafted']}" if options[1] != "none" else "-"
+            kept = f"{result['accepted']}/{result['drafted']}" if not name.startswith("plain") else "-"
             print(f"| {mode} | {name} | {kept} | {rate:.1f} | {rate / plain:.2f}x |", flush=True)
     result = llama_speculative(llama, gguf, prompts[:1], work, 8, ["--spec-type", "draft-mtp"],
                                ["--temp", "0", "--top-k", "1"])
