@@ -185,15 +185,17 @@ def llama_speculative(llama, gguf: Path, prompts: list[str], work: Path, count: 
         done = subprocess.run(command, capture_output=True, text=True)
         text = done.stdout + done.stderr
         decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", text)
-        if done.returncode != 0 or decoded is None:
+        drafted, accepted = (re.search(rf"{key}\s*=\s*(\d+)", text) for key in ("n_drafted", "n_accept"))
+        if done.returncode != 0 or None in (decoded, drafted, accepted):
             lines = [line.split(" ", 2)[-1] for line in text.splitlines()  # its warnings and errors (not the text)
                      if re.match(r"\d+\.\d+\.\d+\.\d+ [WE] ", line)]
             out["error"] = f"exit {done.returncode}: " + " / ".join((lines or text.splitlines()[-3:])[-3:])
+            log(f"llama-speculative-simple failed on prompt {i} ({' '.join(command[5:])}):\n{text[-2000:]}")
             return out
         out["tokens"] += int(decoded.group(1))
         out["seconds"] += float(decoded.group(2))
-        out["drafted"] += int(re.search(r"n_drafted\s*=\s*(\d+)", text).group(1))
-        out["accepted"] += int(re.search(r"n_accept\s*=\s*(\d+)", text).group(1))
+        out["drafted"] += int(drafted.group(1))
+        out["accepted"] += int(accepted.group(1))
     return out
 
 
