@@ -182,10 +182,15 @@ def llama_speculative(llama, gguf: Path, prompts: list[str], work: Path, count: 
         path.write_text(prompt, encoding="utf-8")
         command = [str(llama.bin / "llama-speculative-simple"), "-m", str(gguf), "-f", str(path), "-n", str(count),
                    "-t", "1", "-tb", "1", "-c", "1024", "--ignore-eos", *sampling, *options]
-        done = subprocess.run(command, capture_output=True, text=True)
-        text = done.stdout + done.stderr
-        decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", text)
-        drafted, accepted = (re.search(rf"{key}\s*=\s*(\d+)", text) for key in ("n_drafted", "n_accept"))
+        for attempt in range(3):  # its last log lines are now and then missing (its logger thread at exit): again
+            with open(work / "speculative.log", "w+b") as output:  # a file: through pipes they went missing more
+                done = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT)
+                output.seek(0)
+                text = output.read().decode("utf-8", "replace")
+            decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", text)
+            drafted, accepted = (re.search(rf"{key}\s*=\s*(\d+)", text) for key in ("n_drafted", "n_accept"))
+            if done.returncode != 0 or None not in (decoded, drafted, accepted):
+                break
         if done.returncode != 0 or None in (decoded, drafted, accepted):
             lines = [line.split(" ", 2)[-1] for line in text.splitlines()  # its warnings and errors (not the text)
                      if re.match(r"\d+\.\d+\.\d+\.\d+ [WE] ", line)]
