@@ -199,10 +199,10 @@ def generate_seconds(command: list[str], cpu: int | None) -> float:
     if cpu is not None:
         command = ["taskset", "-c", str(cpu), *command]
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True)  # bytes: a synthetic tokenizer's text need not be UTF-8
     seconds = time.perf_counter() - start
     if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command[:6])} ... failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{' '.join(command[:6])} ... failed:\n{done.stderr[-3000:].decode(errors='replace')}")
     return seconds
 
 
