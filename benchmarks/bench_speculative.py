@@ -205,15 +205,24 @@ def llama_speculative(llama, gguf: Path, prompts: list[str], work: Path, count: 
 
 
 def llama_section(args, prompts: list[str], curve_rows: dict[str, dict[int, float]]) -> None:
-    """Step 3: llama.cpp's verify curve and speculative modes, printed as tables."""
-    import os
-    import subprocess
+    """Step 3: llama.cpp's verify curve and speculative modes, printed as tables (its files in a temporary folder,
+    removed after)."""
+    import shutil
     import tempfile
 
     from bench_vs_llamacpp import LlamaCpp
 
     work = Path(tempfile.mkdtemp(prefix="bench_speculative_llama_"))
-    llama = LlamaCpp(args.llama_cpp, work, args.llama_cpp_build)
+    try:
+        llama_tables(args, prompts, curve_rows, LlamaCpp(args.llama_cpp, work, args.llama_cpp_build), work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def llama_tables(args, prompts: list[str], curve_rows: dict[str, dict[int, float]], llama, work: Path) -> None:
+    import os
+    import subprocess
+
     for gguf in args.gguf_curve:
         log(f"llama.cpp verify cost curve of {gguf}")
         curve_rows[f"{gguf.name} (llama.cpp)"] = llama_verify_curve(llama, gguf, args.reps)
