@@ -24,8 +24,16 @@ float32``, f16 ``--quantize f16``, int8 ``--quantize int8``, q4_0 ``--quantize q
 conversion timed (wall seconds and the converter's own split, its ``time:`` line) in a process of its own: the
 conversion time against the layer count. Archives are deleted afterwards unless ``--keep``.
 
-llama.cpp's load of the same checkpoint's GGUF is not measured here (no llama.cpp build on this machine when this
-was written); bench_vs_llamacpp.py times a whole ``llama-bench -p 1 -n 1`` run where one is built.
+With ``--llama-cpp DIR`` (and ``--llama-cpp-build DIR``, or $LLAMA_CPP_DIR / $LLAMA_CPP_BUILD; docs/PERFORMANCE.md
+says how to build one), each checkpoint is also made into GGUFs as bench_vs_llamacpp.py makes them (its wrapper of
+``convert_hf_to_gguf.py`` over a copy of the checkpoint folder with its synthetic tokenizer: F32 and F16 converted,
+Q8_0 (beside int8) and Q4_0 by ``llama-quantize`` of the F32 one; a quantized GGUF's conversion time includes its F32
+source's), and each GGUF timed in the same rounds as the archives, by a small C program against llama.cpp's public
+API in a fresh process: ``load`` = ``llama_model_load_from_file`` (the library defaults: the file memory-mapped),
+``plan`` = ``llama_init_from_model`` (a context of 512 tokens, one thread: buffers, the compute graph reserved),
+``first`` = ``llama_decode`` of one token (the weights' pages read as they are first touched); ``read`` is the same
+Python read of the file. ``--generate N`` adds the wall time of ``gdn-export generate --max-new-tokens 1`` on the int8
+archive (fresh processes, a 4-token prompt of ids) and, with llama.cpp, of ``llama-simple -n 1`` on the Q8_0 GGUF.
 """
 
 from __future__ import annotations
@@ -39,10 +47,53 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+GGUF_TYPES = {"f32": "F32", "f16": "F16", "int8": "Q8_0", "q4_0": "Q4_0"}  # the GGUF beside each format
+LOAD_C = r'''/* One start of a GGUF by llama.cpp's public C API, each stage timed: written by gdn_export's bench_load.py.
+   Usage: llama_load MODEL.gguf  -> prints {"load": s, "plan": s, "first": s, "peak_rss_gb": GB} */
+#include "llama.h"
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+static void quiet(enum ggml_log_level level, const char * text, void * data) { (void) level; (void) text; (void) data; }
+
+int main(int argc, char ** argv) {
+    if (argc != 2) { fprintf(stderr, "usage: %s MODEL\n", argv[0]); return 2; }
+    llama_log_set(quiet, NULL);
+    double t0 = now();
+    llama_backend_init();
+    struct llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = 0;
+    struct llama_model * model = llama_model_load_from_file(argv[1], mp);
+    if (!model) { fprintf(stderr, "cannot load %s\n", argv[1]); return 1; }
+    double t1 = now();
+    struct llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = 512; cp.n_batch = 512; cp.n_ubatch = 512; cp.n_seq_max = 1; cp.n_threads = 1; cp.n_threads_batch = 1;
+    struct llama_context * ctx = llama_init_from_model(model, cp);
+    if (!ctx) { fprintf(stderr, "cannot make a context\n"); return 1; }
+    double t2 = now();
+    llama_token token = 0;
+    if (llama_decode(ctx, llama_batch_get_one(&token, 1)) != 0) { fprintf(stderr, "llama_decode failed\n"); return 1; }
+    double t3 = now();
+    long peak_kb = 0; char line[256];
+    FILE * status = fopen("/proc/self/status", "r");
+    while (status && fgets(line, sizeof line, status)) if (!strncmp(line, "VmHWM:", 6)) sscanf(line + 6, "%ld", &peak_kb);
+    if (status) fclose(status);
+    printf("{\"load\": %.6f, \"plan\": %.6f, \"first\": %.6f, \"peak_rss_gb\": %.6f}\n", t1 - t0, t2 - t1, t3 - t2,
+           peak_kb * 1024 / 1e9);
+    llama_free(ctx);
+    llama_model_free(model);
+    llama_backend_free();
+    return 0;
+}
+'''
 FORMATS = {"f32": ["--dtype", "float32"], "f16": ["--dtype", "float32", "--quantize", "f16"],
            "int8": ["--dtype", "float32", "--quantize", "int8"], "q4_0": ["--dtype", "float32", "--quantize", "q4_0"],
            # the same int8 archive with the per-token gated delta-rule lowering: what the chunked one costs to load
@@ -60,8 +111,8 @@ def log(message: str) -> None:
 def read_seconds(path: Path) -> float:
     """Seconds to gunzip and untar every member of ``path`` (a folder: read every file), bytes dropped."""
     start = time.perf_counter()
-    if path.is_dir():
-        for file in path.rglob("*"):
+    if path.is_dir() or path.suffix == ".gguf":  # a folder's files, or a GGUF, read as they are
+        for file in (path.rglob("*") if path.is_dir() else [path]):
             if file.is_file():
                 with open(file, "rb") as f:
                     while f.read(1 << 24):
@@ -122,14 +173,37 @@ def peak_rss_bytes() -> int:
 
 # --- the parent -------------------------------------------------------------------------------------------------
 
+LLAMA_LOAD: Path | None = None  # the compiled LOAD_C program, once a llama.cpp build is given
+
+
 def one_start(path: Path, cpu: int | None) -> dict:
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(path)]
+    """Each stage of one start of ``path`` in a fresh process: an archive by the worker above, a GGUF by LOAD_C."""
+    if path.suffix == ".gguf":
+        command = [str(LLAMA_LOAD), str(path)]
+    else:
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(path)]
     if cpu is not None:
         command = ["taskset", "-c", str(cpu), *command]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"the worker failed on {path}:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    times = json.loads(done.stdout.strip().splitlines()[-1])
+    if path.suffix == ".gguf":
+        times["read"] = read_seconds(path)
+        times["ready"] = times["load"] + times["plan"] + times["first"]
+    return times
+
+
+def generate_seconds(command: list[str], cpu: int | None) -> float:
+    """Wall seconds of ``command`` in a fresh process (pinned to ``cpu``)."""
+    if cpu is not None:
+        command = ["taskset", "-c", str(cpu), *command]
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True)  # bytes: a synthetic tokenizer's text need not be UTF-8
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command[:6])} ... failed:\n{done.stderr[-3000:].decode(errors='replace')}")
+    return seconds
 
 
 def graph_lines(path: Path) -> int | None:
@@ -195,19 +269,24 @@ def machine() -> str:
 
 
 def print_table(archives: list[tuple[str, Path]], results: dict[str, list[dict]], conversions: dict[str, dict],
-                markdown: bool) -> None:
+                markdown: bool, pairs: dict[str, str] | None = None) -> None:
     import tract
 
     print(f"\n{machine()}; tract {tract.version()}; medians of {len(next(iter(results.values())))} fresh processes "
           "(seconds)")
     head = ["archive", "GB", "graph lines", *STAGES, "ready (min-max)", "x first", "peak RSS GB"]
+    pairs = pairs or {}
     if conversions:
         head += ["convert s", "converter's split"]
+    if pairs:
+        head += ["ready x llama.cpp", "convert x llama.cpp"]
     rows = []
     base = None
+    medians = {label: {k: statistics.median(r[k] for r in results[label]) for k in (*STAGES, "ready", "peak_rss_gb")}
+               for label, _ in archives}
     for label, path in archives:
         runs = results[label]
-        med = {k: statistics.median(r[k] for r in runs) for k in (*STAGES, "ready", "peak_rss_gb")}
+        med = medians[label]
         base = base or med["ready"]
         size = sum(f.stat().st_size for f in path.rglob("*")) if path.is_dir() else path.stat().st_size
         row = [label, f"{size / 1e9:.2f}", str(graph_lines(path) or "-"), *(f"{med[k]:.2f}" for k in STAGES),
@@ -216,6 +295,11 @@ def print_table(archives: list[tuple[str, Path]], results: dict[str, list[dict]]
         if conversions:
             made = conversions.get(label)
             row += [f"{made['seconds']:.1f}" if made else "-", made["split"] if made else "-"]
+        if pairs:
+            other = pairs.get(label)
+            row += [f"{med['ready'] / medians[other]['ready']:.1f}x" if other else "-",
+                    f"{conversions[label]['seconds'] / conversions[other]['seconds']:.2f}x"
+                    if other and label in conversions and other in conversions else "-"]
         rows.append(row)
     table = [head, *rows]
     if markdown:
@@ -223,6 +307,55 @@ def print_table(archives: list[tuple[str, Path]], results: dict[str, list[dict]]
     else:
         widths = [max(len(cells[i]) for cells in table) for i in range(len(head))]
         print("\n".join("  ".join(cell.ljust(w) for cell, w in zip(cells, widths)) for cells in table))
+
+
+def gguf_source(checkpoint: Path, workdir: Path, layers: int) -> Path:
+    """A folder of the (read-only) checkpoint's files, linked, plus bench_vs_llamacpp.py's synthetic tokenizer: what
+    ``convert_hf_to_gguf.py`` reads (it needs a tokenizer; the random checkpoint has none)."""
+    from bench_vs_llamacpp import write_tokenizer
+
+    folder = workdir / f"gguf_source_{layers}l"
+    folder.mkdir(exist_ok=True)
+    for entry in checkpoint.iterdir():
+        if entry.suffix in (".safetensors", ".json") and not (folder / entry.name).exists():
+            (folder / entry.name).symlink_to(entry.resolve())
+    if not (folder / "tokenizer.json").exists():
+        write_tokenizer(folder)
+    return folder
+
+
+def make_ggufs(llama, checkpoint: Path, workdir: Path, layers: int, formats: list[str], reuse: bool,
+               record: dict[str, dict]) -> list[tuple[str, str, Path]]:
+    """The GGUF beside each format (``GGUF_TYPES``), each made timed into ``record`` (label -> seconds, split):
+    (format, label, path) per format. F32 and F16 by the converter; Q8_0 and Q4_0 by ``llama-quantize`` of the F32
+    GGUF, their time including its conversion's (made once per layer count, deleted unless f32 is measured)."""
+    source, made, f32 = None, [], (workdir / f"{layers}l.F32.gguf", None)
+    for fmt in sorted(formats, key=lambda f: f != "f32"):  # the F32 GGUF first: the quantized ones read it
+        kind = GGUF_TYPES[fmt.split("-")[0]]
+        out, label = workdir / f"{layers}l.{kind}.gguf", f"{layers} layers {kind} (llama.cpp)"
+        if not (reuse and out.exists() and label in record):
+            source = source or gguf_source(checkpoint, workdir, layers)
+            if kind in ("F32", "F16"):
+                start = time.perf_counter()
+                llama.convert(source, out, kind.lower())
+                record[label] = {"seconds": time.perf_counter() - start, "split": f"convert_hf_to_gguf {kind}"}
+            else:
+                if f32[1] is None and not (reuse and f32[0].exists() and f"{layers} layers F32 (llama.cpp)" in record):
+                    start = time.perf_counter()
+                    llama.convert(source, f32[0], "f32")
+                    record[f"{layers} layers F32 (llama.cpp)"] = {"seconds": time.perf_counter() - start,
+                                                                  "split": "convert_hf_to_gguf F32"}
+                f32 = (f32[0], record[f"{layers} layers F32 (llama.cpp)"]["seconds"])
+                start = time.perf_counter()
+                llama.quantize(f32[0], out, kind)
+                quantized = time.perf_counter() - start
+                record[label] = {"seconds": f32[1] + quantized,
+                                 "split": f"convert_hf_to_gguf F32 {f32[1]:.1f}s, llama-quantize {quantized:.1f}s"}
+            log(f"{label}: made in {record[label]['seconds']:.1f} s ({record[label]['split']})")
+        made.append((fmt, label, out))
+    if "f32" not in formats and f32[0].exists() and not reuse:
+        f32[0].unlink()
+    return made
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,12 +372,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--formats", default="int8", help=f"with --workdir: a subset of {','.join(FORMATS)}")
     parser.add_argument("--checkpoint", action="append", default=[], metavar="L=FOLDER",
                         help="with --workdir: reuse this L-layer checkpoint (read only)")
-    parser.add_argument("--keep", action="store_true", help="keep the archives made in --workdir")
+    parser.add_argument("--keep", action="store_true", help="keep the archives made in --workdir (and reuse them, "
+                        "with their conversion times, on the next run: --runs 0 only makes them)")
+    parser.add_argument("--generate", type=int, default=0, metavar="N", help="with --workdir and int8: also time "
+                        "`gdn-export generate --max-new-tokens 1` (and llama-simple -n 1 on the Q8_0 GGUF), N fresh "
+                        "processes each")
     parser.add_argument("--markdown", action="store_true")
+    from bench_vs_llamacpp import LlamaCpp, add_llama_cpp_options
+
+    add_llama_cpp_options(parser)
     args = parser.parse_args(argv)
     archives = [(path.name, path) for path in args.archives]
-    conversions: dict[str, dict] = {}
+    pairs: dict[str, str] = {}  # an archive's label -> the label of the GGUF beside it
     made: list[Path] = []
+    llama = None
+    if args.llama_cpp is not None:
+        global LLAMA_LOAD
+        scratch = args.workdir or Path(tempfile.mkdtemp(prefix="bench_load_"))
+        scratch.mkdir(parents=True, exist_ok=True)
+        llama = LlamaCpp(args.llama_cpp, scratch, args.llama_cpp_build)
+        LLAMA_LOAD = llama.compile(LOAD_C, "llama_load")
+    record_path = args.workdir / "conversions.json" if args.workdir else None
+    conversions: dict[str, dict] = json.loads(record_path.read_text()) if args.keep and record_path \
+        and record_path.exists() else {}
     if args.workdir is not None:
         formats = args.formats.split(",")
         if any(f not in FORMATS for f in formats):
@@ -256,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             for fmt in formats:
                 out = args.workdir / f"{layers}l.{fmt}.nnef.tgz"
                 label = f"{layers} layers {fmt}"
-                if out.exists() and args.keep:
+                if out.exists() and args.keep and label in conversions:
                     log(f"{label}: reusing {out}")
                 else:
                     conversions[label] = convert(checkpoint, fmt, out)
@@ -264,16 +414,52 @@ def main(argv: list[str] | None = None) -> int:
                         f"({conversions[label]['split']}), peak RSS {conversions[label]['peak_rss_gb']:.2f} GB")
                     made.append(out)
                 archives.append((label, out))
+            if llama is not None:
+                for fmt, label, gguf in make_ggufs(llama, checkpoint, args.workdir, layers,
+                                                   [f for f in formats if f in GGUF_TYPES], args.keep, conversions):
+                    pairs[f"{layers} layers {fmt}"] = label
+                    archives.append((label, gguf))
+                    made.append(gguf)
+            if record_path is not None:
+                record_path.write_text(json.dumps(conversions, indent=1))
     if not archives:
         parser.error("give archives, or --workdir with --layers and --formats")
     try:
-        results = measure(archives, args.runs, args.cpu)
-        print_table(archives, results, conversions, args.markdown)
+        if args.runs > 0:
+            results = measure(archives, args.runs, args.cpu)
+            print_table(archives, results, conversions, args.markdown, pairs)
+        if args.generate and args.workdir is not None:
+            print_generate(archives, pairs, args.generate, args.cpu, llama)
     finally:
         if not args.keep:
             for path in made:
                 path.unlink(missing_ok=True)
     return 0
+
+
+def print_generate(archives: list[tuple[str, Path]], pairs: dict[str, str], runs: int, cpu: int | None,
+                   llama) -> None:
+    """Wall seconds of `gdn-export generate --max-new-tokens 1` on each int8 archive and of llama-simple -n 1 on the
+    Q8_0 GGUF beside it, fresh processes, rounds interleaved, medians."""
+    paths = dict(archives)
+    commands = {}
+    for label, path in archives:
+        if label.endswith(" int8"):
+            commands[label] = [sys.executable, "-m", "gdn_export.cli", "generate", str(path), "--prompt-ids",
+                               "1,2,3,4", "--max-new-tokens", "1"]
+            if llama is not None and label in pairs:
+                commands[pairs[label]] = [str(llama.bin / "llama-simple"), "-m", str(paths[pairs[label]]), "-n", "1",
+                                          "abcd"]
+    times: dict[str, list[float]] = {label: [] for label in commands}
+    for _ in range(runs):
+        for label, command in commands.items():
+            times[label].append(generate_seconds(command, cpu))
+            log(f"generate {label}: {times[label][-1]:.2f} s")
+    print(f"\none token generated from a 4-token prompt, wall seconds of the whole command, median of {runs} fresh "
+          "processes (min-max)")
+    for label, values in times.items():
+        tool = "llama-simple -n 1" if label.endswith("(llama.cpp)") else "gdn-export generate --max-new-tokens 1"
+        print(f"| {label} | {tool} | {statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f}) |")
 
 
 if __name__ == "__main__":

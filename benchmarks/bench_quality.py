@@ -180,11 +180,12 @@ def parse_llama_perplexity(out: str, base: bool) -> dict:
 
 
 def llama_rows(tree: Path, checkpoint: Path, work: Path, text: Path, calibration: Path, ctx: int, tokens: int,
-               prompt: str, greedy: int, pre: str, windows: int | None, wanted=lambda name: True) -> list[dict]:
+               prompt: str, greedy: int, pre: str, windows: int | None, wanted=lambda name: True,
+               build: Path | None = None) -> list[dict]:
     from bench_vs_llamacpp import LlamaCpp
 
-    llama = LlamaCpp(tree, work)
-    bin_ = tree / "build" / "bin"
+    llama = LlamaCpp(tree, work, build)
+    bin_ = llama.bin
     env = {"GDN_GGUF_PRE": pre}
     f32 = work / "model-f32.gguf"
     ggufs = {}
@@ -274,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctx", type=int, default=256)
     parser.add_argument("--windows", type=int, default=None,
                         help="score the first N windows only (both engines; llama-perplexity --chunks N)")
-    parser.add_argument("--llama-cpp", type=Path, default=None)
+    from bench_vs_llamacpp import add_llama_cpp_options
+
+    add_llama_cpp_options(parser)
     parser.add_argument("--gguf-pre", default="qwen2", help="llama.cpp pre-tokenizer for the unknown hash")
     parser.add_argument("--calibration-tokens", type=int, default=8192)
     parser.add_argument("--calibration-bytes", type=int, default=40_000)
@@ -320,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                                 args.windows))
         if args.llama_cpp is not None:
             rows += llama_rows(args.llama_cpp.resolve(), args.checkpoint.resolve(), work, text, calibration, args.ctx,
-                               args.calibration_tokens, prompt, args.greedy_tokens, args.gguf_pre, args.windows)
+                               args.calibration_tokens, prompt, args.greedy_tokens, args.gguf_pre, args.windows,
+                               build=args.llama_cpp_build)
         scope = f"the first {args.windows} windows" if args.windows else "every window"
         print(f"\n{args.checkpoint.name} on {text.name}, {scope} of {args.ctx} tokens (second half scored); "
               f"{machine_line()}")

@@ -30,6 +30,18 @@
    archive's one-token call. Acceptance needs a trained head: where the ``--trained`` archive carries an MTP head
    (the trained fixture's, issue 37), the table of step 2 gains ``mtp K=1, 2, 4`` rows, their projection adding one
    MTP call per draft at the float32 step's price.
+4. llama.cpp beside it (``--llama-cpp DIR``, ``--llama-cpp-build DIR`` or $LLAMA_CPP_DIR / $LLAMA_CPP_BUILD; docs/
+   PERFORMANCE.md says how to build one): ``--gguf-curve GGUF`` (repeatable: the same 0.8B shape's GGUF, e.g. Q8_0
+   beside int8) gives llama.cpp's verify cost curve, ``llama-bench -p 1,...,16 -n 0 -d 128 -t 1`` (a batch of k
+   tokens after 128 of context, median of ``--reps``; its seconds are k over its tokens/s); and the trained fixture,
+   converted to an F32 GGUF (``convert_hf_to_gguf.py`` through bench_vs_llamacpp.py's wrapper, pre-tokenizer
+   ``qwen2``), runs ``llama-speculative-simple`` (one thread, a context of 1024) on the same held-out prompts' text
+   (the prompt's token ids decoded; llama.cpp tokenizes it again) in each of llama.cpp's speculative modes that
+   need no draft model (plain decoding as ``ngram-simple`` with an n-gram of 1024 that never matches: ``--spec-type
+   none`` does not start; ``ngram-simple`` with n-grams of 3 and drafts of 4 (ours' nearest) and its defaults (12
+   and 48), ``ngram-map-k``, ``ngram-mod``, ``ngram-cache``) greedy, sampled and over the first
+   32 tokens, and ``draft-mtp`` once to say whether it runs: per mode, tokens per second of its decode loop (its
+   own "decoded N tokens in T seconds" line), its ratio to ``none`` in the same run, drafts kept over drafts made.
 """
 
 from __future__ import annotations
@@ -44,6 +56,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gdn_export.run.generation import SpeculativeConfig, generate  # noqa: E402
 from gdn_export.run.session import Session  # noqa: E402
@@ -186,6 +200,128 @@ def mtp_step_cost(folder: Path, reps: int, context: int = 128) -> dict[str, dict
     return costs
 
 
+# llama.cpp's modes that run without a draft model: (name, --spec-type and its options)
+# plain decoding in the same program: ``--spec-type none`` stops it ("failed to initialize speculative decoding"), so
+# ngram-simple looking for a 1024-token n-gram, which never matches (no draft is ever made)
+LLAMA_MODES = {"plain (ngram-simple, n 1024: no drafts)": ["--spec-type", "ngram-simple",
+                                                           "--spec-ngram-simple-size-n", "1024"],
+               "ngram-simple n 3, m 4": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                                         "--spec-ngram-simple-size-m", "4"],
+               "ngram-simple (defaults: n 12, m 48)": ["--spec-type", "ngram-simple"],
+               "ngram-map-k (defaults)": ["--spec-type", "ngram-map-k"],
+               "ngram-mod (defaults)": ["--spec-type", "ngram-mod"],
+               "ngram-cache (defaults)": ["--spec-type", "ngram-cache"]}
+
+
+def llama_verify_curve(llama, gguf: Path, reps: int, context: int = 128, longest: int = 16) -> dict[int, float]:
+    """llama.cpp's seconds for one batch of k tokens after ``context`` (llama-bench -p k -d context, one thread)."""
+    import json
+    import subprocess
+
+    command = [str(llama.bin / "llama-bench"), "-m", str(gguf), "-t", "1", "-r", str(reps), "-o", "json", "-n", "0",
+               "-d", str(context), "-p", ",".join(str(k) for k in range(1, longest + 1))]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return {test["n_prompt"]: test["n_prompt"] / statistics.median(test["samples_ts"])
+            for test in json.loads(done.stdout)}
+
+
+def llama_speculative(llama, gguf: Path, prompts: list[str], work: Path, count: int, options: list[str],
+                      sampling: list[str]) -> dict:
+    """``llama-speculative-simple`` over every prompt: decoded tokens, seconds, drafts made and kept (its own
+    counters), or the error of the first prompt that failed."""
+    import re
+    import subprocess
+
+    out = {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "error": None}
+    for i, prompt in enumerate(prompts):
+        path = work / f"prompt{i}.txt"
+        path.write_text(prompt, encoding="utf-8")
+        command = [str(llama.bin / "llama-speculative-simple"), "-m", str(gguf), "-f", str(path), "-n", str(count),
+                   "-t", "1", "-tb", "1", "-c", "1024", "--ignore-eos", *sampling, *options]
+        for attempt in range(3):  # its last log lines are now and then missing (its logger thread at exit): again
+            with open(work / "speculative.log", "w+b") as output:  # a file: through pipes they went missing more
+                done = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT)
+                output.seek(0)
+                text = output.read().decode("utf-8", "replace")
+            decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", text)
+            drafted, accepted = (re.search(rf"{key}\s*=\s*(\d+)", text) for key in ("n_drafted", "n_accept"))
+            if done.returncode != 0 or None not in (decoded, drafted, accepted):
+                break
+        if done.returncode != 0 or None in (decoded, drafted, accepted):
+            lines = [line.split(" ", 2)[-1] for line in text.splitlines()  # its warnings and errors (not the text)
+                     if re.match(r"\d+\.\d+\.\d+\.\d+ [WE] ", line)]
+            out["error"] = f"exit {done.returncode}: " + " / ".join((lines or text.splitlines()[-3:])[-3:])
+            log(f"llama-speculative-simple failed on prompt {i} ({' '.join(command[5:])}):\n{text[-2000:]}")
+            return out
+        out["tokens"] += int(decoded.group(1))
+        out["seconds"] += float(decoded.group(2))
+        out["drafted"] += int(drafted.group(1))
+        out["accepted"] += int(accepted.group(1))
+    return out
+
+
+def llama_section(args, prompts: list[str], curve_rows: dict[str, dict[int, float]]) -> None:
+    """Step 4: llama.cpp's verify curve and speculative modes, printed as tables (its files in a temporary folder,
+    removed after)."""
+    import shutil
+    import tempfile
+
+    from bench_vs_llamacpp import LlamaCpp
+
+    work = Path(tempfile.mkdtemp(prefix="bench_speculative_llama_"))
+    try:
+        llama_tables(args, prompts, curve_rows, LlamaCpp(args.llama_cpp, work, args.llama_cpp_build), work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def llama_tables(args, prompts: list[str], curve_rows: dict[str, dict[int, float]], llama, work: Path) -> None:
+    import os
+    import subprocess
+
+    for gguf in args.gguf_curve:
+        log(f"llama.cpp verify cost curve of {gguf}")
+        curve_rows[f"{gguf.name} (llama.cpp)"] = llama_verify_curve(llama, gguf, args.reps)
+    if curve_rows:
+        print("\n## llama.cpp's batch of k tokens after 128 of context (llama-bench -p k -d 128 -t 1; ms, ratio to "
+              "k = 1)\n")
+        names = list(curve_rows)
+        print("| k | " + " | ".join(f"{n} ms | x k=1" for n in names) + " |")
+        print("|---|" + "---|---|" * len(names))
+        for k in range(1, 17):
+            print(f"| {k} | " + " | ".join(f"{curve_rows[n][k] * 1e3:.1f} | {curve_rows[n][k] / curve_rows[n][1]:.2f}x"
+                                            for n in names) + " |")
+    if not prompts:
+        return
+    gguf = work / "trained-f32.gguf"
+    log("llama.cpp: the trained fixture to an F32 GGUF")
+    subprocess.run([sys.executable, str(llama.wrapper), str(llama.tree), str(args.trained_checkpoint), "--outtype",
+                    "f32", "--no-mtp", "--outfile", str(gguf)], check=True, capture_output=True,
+                   env={**os.environ, "GDN_GGUF_PRE": "qwen2"})
+    modes = {"greedy": (args.new_tokens, ["--temp", "0", "--top-k", "1"]),
+             "sampled T=0.7": (args.new_tokens, ["--temp", "0.7", "--top-k", "20", "--top-p", "0.8", "--seed", "0"]),
+             "greedy, first 32": (32, ["--temp", "0", "--top-k", "1"])}
+    print(f"\n## llama.cpp's speculative modes on the trained fixture's F32 GGUF ({len(prompts)} prompts, "
+          "llama-speculative-simple, one thread)\n")
+    print("| mode | llama.cpp method | drafts kept | tokens/s | x plain |")
+    print("|---|---|---|---|---|")
+    for mode, (count, sampling) in modes.items():
+        plain = None
+        for name, options in LLAMA_MODES.items():
+            log(f"llama.cpp {mode}: {name}")
+            result = llama_speculative(llama, gguf, prompts, work, count, options, sampling)
+            if result["error"]:
+                print(f"| {mode} | {name} | failed: {result['error']} | - | - |", flush=True)
+                continue
+            rate = result["tokens"] / result["seconds"]
+            plain = plain or rate
+            kept = f"{result['accepted']}/{result['drafted']}" if not name.startswith("plain") else "-"
+            print(f"| {mode} | {name} | {kept} | {rate:.1f} | {rate / plain:.2f}x |", flush=True)
+    result = llama_speculative(llama, gguf, prompts[:1], work, 8, ["--spec-type", "draft-mtp"],
+                               ["--temp", "0", "--top-k", "1"])
+    print(f"| greedy | draft-mtp | {'failed: ' + result['error'] if result['error'] else 'ran'} | - | - |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--curve", type=Path, action="append", default=[],
@@ -198,6 +334,13 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--mtp-shape", type=Path, default=None,
                         help="a Qwen3.5-shape checkpoint folder: the cost of an MTP step of its config")
+    parser.add_argument("--gguf-curve", type=Path, action="append", default=[],
+                        help="with --llama-cpp: a GGUF whose batch cost curve llama-bench measures (repeatable)")
+    parser.add_argument("--trained-checkpoint", type=Path, default=ROOT / "fixtures" / "qwen3_5_trained",
+                        help="with --llama-cpp and --trained: the checkpoint the trained archive was converted from")
+    from bench_vs_llamacpp import add_llama_cpp_options
+
+    add_llama_cpp_options(parser)
     args = parser.parse_args()
 
     curves = {}
@@ -227,6 +370,8 @@ def main() -> int:
                   + (f" {cost[1] / base:.2f}x |" if base else ""))
 
     if args.trained is None:
+        if args.llama_cpp is not None:
+            llama_section(args, [], {})
         return 0
     session = CountingSession(args.trained)
     methods = dict(METHODS)
@@ -266,6 +411,8 @@ def main() -> int:
                 row += (f" {plain_cost / (projected_cost(result['calls'], curve) + drafting):.2f}x |"
                         f" {plain_cost / (projected_cost(result['calls'], curve, eager=True) + drafting):.2f}x |")
             print(row, flush=True)
+    if args.llama_cpp is not None:
+        llama_section(args, [session.tokenizer.decode(ids) for ids in prompts], {})
     return 0
 
 

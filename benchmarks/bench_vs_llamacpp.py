@@ -1,6 +1,6 @@
 """gdn_export against llama.cpp on one Qwen3.5 checkpoint: speed and quality, each format, one run (issue 12 item 6).
 
-    python benchmarks/bench_vs_llamacpp.py [--llama-cpp DIR] [--layers 24] [--formats f32,f16,q4_0]
+    python benchmarks/bench_vs_llamacpp.py [--llama-cpp DIR [--llama-cpp-build DIR]] [--layers 24] [--formats f32,f16,q4_0]
                                            [--prompt 512] [--decode 64] [--reps 3] [--cpu 0]
                                            [--workdir DIR] [--keep] [--markdown]
 
@@ -32,7 +32,8 @@ What it does, in this order, all in one run:
    difference|, the mean KL divergence of the next-token distribution (mean over positions of KL(P_ref ||
    P_model) in nats, llama.cpp's ``--kl-divergence`` figure) and top-1 agreement. Plus the machine (lscpu).
 
-Without ``--llama-cpp`` the llama.cpp rows are skipped with a message; everything else runs.
+Without ``--llama-cpp`` (or $LLAMA_CPP_DIR) the llama.cpp rows are skipped with a message; everything else runs. The
+build folder is ``--llama-cpp-build`` ($LLAMA_CPP_BUILD; default the tree's build/): docs/PERFORMANCE.md says how to make one.
 
 Reading the quality columns: the weights are random, so the logits are small (|logit| < ~6, nearly flat over
 151936 tokens) and a deep random network amplifies perturbations: a 4-bit model's logits decorrelate from the
@@ -344,28 +345,50 @@ def compare(reference: np.ndarray, logits: np.ndarray) -> dict:
 
 # ----------------------------------------------------------------------------------------------- llama.cpp
 
+def add_llama_cpp_options(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    """``--llama-cpp DIR`` (the source tree: convert_hf_to_gguf.py, include/) and ``--llama-cpp-build DIR`` (its
+    cmake build folder: bin/, libllama.so; default DIR/build), defaulting to $LLAMA_CPP_DIR and $LLAMA_CPP_BUILD
+    (docs/PERFORMANCE.md says how to build one)."""
+    tree, build = os.environ.get("LLAMA_CPP_DIR"), os.environ.get("LLAMA_CPP_BUILD")
+    parser.add_argument("--llama-cpp", type=Path, default=Path(tree) if tree else None,
+                        required=required and not tree, help="a llama.cpp source tree (default $LLAMA_CPP_DIR); "
+                        "without one the llama.cpp rows are skipped")
+    parser.add_argument("--llama-cpp-build", type=Path, default=Path(build) if build else None,
+                        help="its cmake build folder holding bin/ (default $LLAMA_CPP_BUILD, else TREE/build)")
+
+
 class LlamaCpp:
-    def __init__(self, tree: Path, workdir: Path):
+    """A llama.cpp source tree and its build: the converter, llama-quantize, llama-bench and small C programs
+    compiled against its public C API (``compile``)."""
+
+    def __init__(self, tree: Path, workdir: Path, build: Path | None = None):
         self.tree = tree.resolve()
         if not (self.tree / "convert_hf_to_gguf.py").is_file():
             raise SystemExit(f"--llama-cpp {tree}: no convert_hf_to_gguf.py there")
-        self.bin = self.tree / "build" / "bin"
+        self.build = (build or self.tree / "build").resolve()
+        self.bin = self.build / "bin"
         missing = [t for t in ("llama-bench", "llama-quantize") if not (self.bin / t).is_file()]
-        libs = sorted((self.tree / "build").rglob("libllama.so"))
+        libs = sorted(self.build.rglob("libllama.so"))
         if missing or not libs:
             lacking = ", ".join(missing) or "libllama.so"
-            raise SystemExit(f"--llama-cpp {tree}: build/bin lacks {lacking}; build it with "
-                             "cmake -B build -DBUILD_SHARED_LIBS=ON && cmake --build build --target llama-bench "
-                             "llama-quantize llama")
+            raise SystemExit(f"--llama-cpp-build {self.build}: lacks {lacking}; build it as docs/PERFORMANCE.md says "
+                             "(cmake -DBUILD_SHARED_LIBS=ON, targets llama llama-bench llama-quantize)")
         self.libdir = libs[0].parent
+        self.workdir = workdir
         self.wrapper = workdir / "convert_hf_to_gguf_any_pre.py"
         self.wrapper.write_text(CONVERT_WRAPPER)
-        source = workdir / "llama_logits.c"
-        source.write_text(LOGITS_C)
-        self.logits_exe = workdir / "llama_logits"
+        self.logits_exe = self.compile(LOGITS_C, "llama_logits")
+
+    def compile(self, source_text: str, name: str) -> Path:
+        """``source_text`` (C against include/llama.h) compiled into the work folder, linked to this build's
+        libllama; the executable's path."""
+        source = self.workdir / f"{name}.c"
+        source.write_text(source_text)
+        exe = self.workdir / name
         includes = [f"-I{self.tree / 'include'}", f"-I{self.tree / 'ggml' / 'include'}"]
         libs = [f"-L{self.libdir}", f"-Wl,-rpath,{self.libdir}", "-lllama", "-lggml", "-lggml-base"]
-        subprocess.run(["cc", "-O2", "-o", str(self.logits_exe), str(source), *includes, *libs], check=True)
+        subprocess.run(["cc", "-O2", "-o", str(exe), str(source), *includes, *libs], check=True)
+        return exe
 
     def version(self) -> str:
         out = subprocess.run([str(self.bin / "llama-bench"), "--version"], capture_output=True, text=True)
@@ -449,8 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--worker"]:
         return worker_main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--llama-cpp", type=Path, help="a llama.cpp tree with build/bin (llama-bench, llama-quantize, "
-                        "libllama.so); without it the llama.cpp rows are skipped")
+    add_llama_cpp_options(parser)
     parser.add_argument("--layers", type=int, default=24, help="decoder layers (24: Qwen3.5 0.8B)")
     parser.add_argument("--formats", default="f32,f16,q4_0", help="a subset of f32,f16,f16-graph,q4_0,int8,int8x2 "
                         "(f16: --quantize f16, f16-graph: --dtype float16, both against llama.cpp's F16; int8: "
@@ -496,7 +518,7 @@ def run(args, formats: list[str], workdir: Path) -> int:
         skipped = "llama.cpp rows skipped: no --llama-cpp DIR given"
         log(skipped)
     else:
-        llama = LlamaCpp(args.llama_cpp, workdir)
+        llama = LlamaCpp(args.llama_cpp, workdir, args.llama_cpp_build)
         skipped = None
         log(f"llama.cpp: {llama.tree} ({llama.version()}); logits program compiled")
     args.versions = versions() + (f", llama.cpp {llama.version()}" if llama else "")

@@ -48,7 +48,7 @@ def int8_logits(checkpoint: Path, tokens: np.ndarray, passes: int = 1) -> np.nda
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-cpp", type=Path, required=True)
+    bench.add_llama_cpp_options(parser, required=True)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--decode", type=int, default=64)
@@ -60,7 +60,7 @@ def main() -> int:
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="int8_quality_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    llama = bench.LlamaCpp(args.llama_cpp, workdir)
+    llama = bench.LlamaCpp(args.llama_cpp, workdir, args.llama_cpp_build)
     checkpoint = workdir / "checkpoint"
     built = bench.build_checkpoint(checkpoint, args.layers, args.seed)
     tokens = np.random.default_rng(args.seed).integers(0, bench.TOKENIZER_SIZE, args.prompt + args.decode,
