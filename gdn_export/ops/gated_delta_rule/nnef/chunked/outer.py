@@ -6,7 +6,7 @@ whose body (gdn.py or general.py) applies one chunk of the WY / UT chunk form (d
 ``S mod C`` tokens run from the state the chunks leave: with the GDN body, through a second scan of the same body
 over short chunks of ``TAIL_CHUNK`` tokens (zero tokens pad the last; ``chunk_tail``), so that a decode step or a
 speculative verify call of up to ``TAIL_CHUNK`` tokens costs one short chunk, two matrix products over the state
-(measured at the 0.8B shape, int8: a 4-token call 1.13x a one-token call, against 1.77x when every token made its
+(measured at the 0.8B shape, int8: a 4-token call 1.17x a one-token call, against 1.74x when every token made its
 own passes over the state); with the general body, through the elementwise per-token step of the scan lowering
 (steps.py).
 
