@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", type=int, help="profile one prefill piece of this many tokens from the empty "
                         "state instead of a decode step; time prefill of --prompt tokens")
     parser.add_argument("--prompt", type=int, default=512, help="with --prefill: the timed prompt's tokens")
+    parser.add_argument("--tokens", type=int, default=1, help="profile a call of this many tokens after --past (a "
+                        "speculative verify call) instead of one; the timing stays decode steps")
     parser.add_argument("--min-ms", type=float, default=0.05, help="op kinds under this in every archive are summed "
                         "into one 'other ops' row")
     parser.add_argument("--cpu", type=int, help="re-run pinned to this core (taskset -c)")
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(labels) != len(args.archives):
         parser.error("--labels: one name per archive")
 
-    length = max(args.past + 1 + args.steps * args.rounds, args.prompt, args.prefill or 0)
+    length = max(args.past + max(1 + args.steps * args.rounds, args.tokens), args.prompt, args.prefill or 0)
     tokens = np.random.default_rng(0).integers(0, 1000, (1, length)).astype(np.int64)
     sessions, profiles = [], []
     for path in args.archives:
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             profiles.append(profile(session, tokens[:, :args.prefill]))
         else:
             session.prefill(tokens[:, :args.past])
-            profiles.append(profile(session, tokens[:, args.past:args.past + 1]))
+            profiles.append(profile(session, tokens[:, args.past:args.past + args.tokens]))
         sessions.append(session)
     if args.prefill:
         speeds = prefill_timing(sessions, tokens, args.prompt, args.rounds)
@@ -174,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ms = lambda s: f"{1e3 * s:.2f}"  # noqa: E731
     what = f"One prefill piece of {args.prefill} tokens from the empty state" if args.prefill else \
+        f"One call of {args.tokens} tokens after {args.past} tokens" if args.tokens > 1 else \
         f"One decode step after {args.past} tokens"
     print(f"{what}, B = 1, one tract thread; profile: tract's per-node mean over its "
           f"own runs (ms); load average {load:.2f} ({os.cpu_count()} cores)\n")

@@ -3,10 +3,11 @@
     python benchmarks/bench_speculative.py [--curve ARCHIVE]... [--trained ARCHIVE] [--prompts 8]
                                            [--new-tokens 128] [--reps 5] [--markdown]
 
-1. The verify cost curve (``--curve``, repeatable: e.g. the 0.8B Qwen3.5 shape in int8, f16, f32): after a context
-   of 128 tokens, one ``Session.verify`` call of k = 1..16 tokens, then ``commit(0)`` (the states go back: every
-   call starts from the same context), median of ``--reps``; each k's time over k = 1's (what k tokens in one call
-   cost against one token). A call of k tokens is what a step with k - 1 drafts runs.
+1. The verify cost curve (``--curve``, repeatable: e.g. the 0.8B Qwen3.5 shape in int8, f16, f32, or one archive
+   before and after a change): after a context of 128 tokens, one ``Session.verify`` call of k = 1..16 tokens, then
+   ``commit(0)`` (the states go back: every call starts from the same context), median of ``--reps``, the archives'
+   calls interleaved; each k's time over k = 1's (what k tokens in one call cost against one token). A call of k
+   tokens is what a step with k - 1 drafts runs.
 2. On the trained fixture (``--trained``: its archive, every position's logits), held-out continuations: ``--prompts``
    prompts of 256 tokens cut from ``heldout.txt`` (the code the model never saw in training) at evenly spaced line
    starts, ``--new-tokens`` new tokens each, per method (plain decoding; prompt lookup with K = 2, 4, 8 drafts of
@@ -74,24 +75,30 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def verify_curve(path: Path, reps: int, context: int = 128, longest: int = 16) -> dict[int, float]:
-    """Seconds of one verify call of k tokens after ``context`` tokens, median of ``reps`` (k = 1..``longest``)."""
-    session = Session(path)
-    vocab = session.metadata["vocab_size"]
+def verify_curves(paths: list[Path], reps: int, context: int = 128, longest: int = 16) -> dict[str, dict[int, float]]:
+    """Per archive, seconds of one verify call of k tokens after ``context`` tokens, median of ``reps`` (k =
+    1..``longest``); the archives' calls interleaved (every k of every archive in each round), so that a slow spell
+    of a shared machine hits them alike."""
+    sessions = [Session(path) for path in paths]
     rng = np.random.default_rng(0)
-    session.prefill(rng.integers(0, vocab, (1, context)))
-    times: dict[int, list[float]] = {k: [] for k in range(1, longest + 1)}
-    for k in times:  # one warm-up call per size (tract's first call of a shape allocates)
-        session.verify(rng.integers(0, vocab, (1, k)))
-        session.commit(0)
-    for _ in range(reps):
-        for k in times:
-            ids = rng.integers(0, vocab, (1, k))
-            start = time.perf_counter()
-            session.verify(ids)
-            times[k].append(time.perf_counter() - start)
+    vocab = sessions[0].metadata["vocab_size"]
+    context_ids = rng.integers(0, vocab, (1, context))
+    for session in sessions:
+        session.prefill(context_ids)
+    times = [{k: [] for k in range(1, longest + 1)} for _ in sessions]
+    for k in range(1, longest + 1):  # one warm-up call per size (tract's first call of a shape allocates)
+        for session in sessions:
+            session.verify(rng.integers(0, vocab, (1, k)))
             session.commit(0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    for _ in range(reps):
+        for k in range(1, longest + 1):
+            ids = rng.integers(0, vocab, (1, k))
+            for session, found in zip(sessions, times):
+                start = time.perf_counter()
+                session.verify(ids)
+                found[k].append(time.perf_counter() - start)
+                session.commit(0)
+    return {path.name: {k: statistics.median(v) for k, v in found.items()} for path, found in zip(paths, times)}
 
 
 class CountingSession(Session):
@@ -344,9 +351,9 @@ def main() -> int:
     args = parser.parse_args()
 
     curves = {}
-    for path in args.curve:
-        log(f"verify cost curve of {path}")
-        curves[path.name] = verify_curve(path, args.reps)
+    if args.curve:
+        log(f"verify cost curves of {', '.join(str(path) for path in args.curve)} (interleaved)")
+        curves = verify_curves(args.curve, args.reps)
     if curves:
         print("\n## Verify cost: one call of k tokens after 128 of context (median; ratio to k = 1)\n")
         names = list(curves)

@@ -11,7 +11,7 @@ from helpers import (NAMES, VARIANTS, GatedDeltaRuleModel, GatedDeltaScanModel, 
 from oracle import gated_delta_head_major, gated_delta_seq_major
 
 import gdn_export
-from gdn_export.ops.gated_delta_rule.nnef.chunked import CHUNK
+from gdn_export.ops.gated_delta_rule.nnef.chunked import CHUNK, TAIL_CHUNK
 
 LENGTHS = [1, CHUNK - 1, CHUNK, CHUNK + 1, 200]
 F32_TOLERANCE = 1e-4
@@ -70,6 +70,27 @@ def test_prefill_then_decode_equals_one_run(variant, tmp_path):
     ref_o, ref_state = oracle(args, kwargs)
     assert_close(np.concatenate(outputs, axis=1), ref_o, F32_TOLERANCE, "o")
     assert_close(state, ref_state, F32_TOLERANCE, "state")
+
+
+@pytest.mark.parametrize("variant", [slow_unless(v == "gdn", v, id=v) for v in ("gdn", "deltanet")])
+def test_short_calls_after_a_context(variant, tmp_path):
+    """Speculative verify calls and decode steps: after a context of CHUNK + 3 tokens (a whole chunk and a tail),
+    calls of 1 to 2 * TAIL_CHUNK + 1 tokens from the state it left run the tail's short chunks (a partial one, a
+    whole one, several, the last padded with zero tokens); each call's outputs and state equal the float64
+    oracle's over the context and the call, grouped heads (2 key heads, 4 value heads)."""
+    context = CHUNK + 3
+    traced_args, traced_kwargs = variant_inputs(variant, seq=3, width_k=32, width_v=16)
+    module, traced, names = graph_inputs(traced_args, traced_kwargs)
+    runnable = export_symbolic(module, traced, names, tmp_path / "v.nnef.tgz")
+    for count in sorted({1, 2, TAIL_CHUNK - 1, TAIL_CHUNK, TAIL_CHUNK + 1, 2 * TAIL_CHUNK + 1} - {0}):
+        args, kwargs = variant_inputs(variant, seq=context + count, width_k=32, width_v=16, seed=count)
+        _, tensors, _ = graph_inputs(args, kwargs)
+        _, state = gdn_export.run_tract(runnable, [t[:, :context].numpy() for t in tensors[:-1]] + [tensors[-1].numpy()])
+        o, state = gdn_export.run_tract(runnable, [t[:, context:].numpy() for t in tensors[:-1]] + [state])
+        ref_o, ref_state = oracle(args, kwargs)
+        assert o.shape == ref_o[:, context:].shape
+        assert_close(o, ref_o[:, context:], F32_TOLERANCE, f"{variant} {count} tokens after {context}: o")
+        assert_close(state, ref_state, F32_TOLERANCE, f"{variant} {count} tokens after {context}: state")
 
 
 def correlated_inputs(seq, heads=4, key_heads=2, width=32, noise=0.02, decay=True, seed=3):

@@ -51,7 +51,7 @@ def test_one_chunk_against_the_numpy_chunk_form(variant, tmp_path):
 
     module, tensors, names = graph_inputs(args, kwargs)
     report, graph = exported(module, tensors, tmp_path / "one.nnef.tgz", input_names=names, output_names=["o", "state"])
-    assert report.decisions[0].reason.endswith(f"chunks of {tokens} tokens")
+    assert f"chunks of {tokens} tokens" in report.decisions[0].reason
     assert BODY_FRAGMENT[body].format(tokens=tokens, n=kwargs["num_householder"]) in graph
     o, state = gdn_export.run_tract(report.path, [t.numpy() for t in tensors])
     assert_close(o, chunk_o, F32_TOLERANCE, f"{variant} o")

@@ -15,6 +15,11 @@ CHUNK = 64  # tokens per chunk by default
 # 619/267/195/223 ms, chunk 32 with blocks of 8/4: 160/142 ms; the scan takes ~480 ms
 CHANNEL_CHUNK = 32
 
+# tokens per chunk of the chunked lowering's tail (the last S mod C tokens; GDN and DeltaNet): a decode step runs
+# one short chunk, and so does a speculative verify call of up to TAIL_CHUNK tokens, where the per-token tail ran
+# one pass over the state per token (benchmarks/RESULTS.md, "Verify calls that pay"). A power of two <= SOLVE_BLOCK.
+TAIL_CHUNK = 4
+
 
 def chunk_size_error(chunk: int) -> str | None:
     """Why ``chunk`` cannot be a chunk size (None: it can): the solve cuts chunks into blocks of SOLVE_BLOCK."""

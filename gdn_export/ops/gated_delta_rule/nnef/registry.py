@@ -11,7 +11,7 @@ and, where the defaults do not fit,
     LABEL: str = NAME                            how a reason names it when it is refused ("fused op refused: ...")
     ALWAYS_EXACT: bool = False                   ``refusal`` never refuses: a request then reads
                                                  "requested (lowering='scan')", without "and exact"
-    note(node, dims, options) -> str = ""        what the reason adds when it is chosen ("; chunks of 64 tokens")
+    note(node, dims, options) -> str = ""        what the reason adds when it is chosen ("; chunks of 64 tokens, ...")
 
 ``node`` is a ``node.GdnNode``, ``dims`` its ``ops.operands.Dims``, ``options`` the export's
 ``options.GatedDeltaRuleOptions``, ``builder`` an ``nnef_builder.NnefBuilder``. To add a lowering: write its module,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from gdn_export.ops.gated_delta_rule.nnef.chunked import gdn, general, outer
 from gdn_export.ops.gated_delta_rule.nnef.chunked.outer import CHANNEL_CHUNK, CHUNK, chunk_size_error, tokens_per_chunk
+from gdn_export.ops.gated_delta_rule.nnef.chunking import TAIL_CHUNK
 from gdn_export.backends.nnef.builder import NnefBuilder
 from gdn_export.ops.gated_delta_rule.operands import Dims
 
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
     from gdn_export.ops.gated_delta_rule.nnef.node import GdnNode
     from gdn_export.ops.gated_delta_rule.nnef.options import GatedDeltaRuleOptions
 
-__all__ = ["CHANNEL_CHUNK", "CHUNK", "NAME", "body_for", "chunk_size_error", "lower", "note", "refusal", "tokens"]
+__all__ = ["CHANNEL_CHUNK", "CHUNK", "NAME", "TAIL_CHUNK", "body_for", "chunk_size_error", "lower", "note", "refusal",
+           "tail_tokens", "tokens"]
 
 NAME = "chunked"
 
@@ -34,6 +36,12 @@ def tokens(dims: Dims, options: GatedDeltaRuleOptions) -> int:
     return tokens_per_chunk(dims, options.chunk_size)
 
 
+def tail_tokens(dims: Dims) -> int | None:
+    """Tokens per chunk of the tail (the last S mod C tokens): TAIL_CHUNK where the tuned body computes the node
+    (GDN, DeltaNet), None (token by token) for the general body's variants."""
+    return TAIL_CHUNK if gdn.covers(dims) and TAIL_CHUNK > 1 else None
+
+
 def refusal(node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> str | None:
     """Why the chunked form does not apply: a variant it cannot compute exactly, or a static S that holds
     no whole chunk (nothing to gain, and a scan over zero chunks does not load)."""
@@ -45,8 +53,10 @@ def refusal(node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> str | 
 
 
 def note(node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> str:
-    return f"; chunks of {tokens(dims, options)} tokens"
+    size, tail = tokens(dims, options), tail_tokens(dims)
+    rest = f"in chunks of {tail} tokens" if tail else "token by token"
+    return f"; chunks of {size} tokens, the last S mod {size} {rest}"
 
 
 def lower(b: NnefBuilder, node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> list:
-    return outer.lower(b, node, dims, body_for(dims), tokens(dims, options))
+    return outer.lower(b, node, dims, body_for(dims), tokens(dims, options), tail_tokens(dims))

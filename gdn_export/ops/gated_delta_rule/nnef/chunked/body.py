@@ -40,10 +40,16 @@ def mask(value: np.ndarray, rank: int) -> np.ndarray:
     return np.asarray(value, np.float32).reshape((1,) * (rank - value.ndim) + value.shape)
 
 
-def solve_masks() -> dict[str, np.ndarray]:
+def solve_block(chunk: int) -> int:
+    """Sub-steps per forward-substitution block for a chunk of ``chunk`` sub-steps: SOLVE_BLOCK, or the whole
+    chunk where it is shorter (the short-sequence tail's chunks)."""
+    return min(SOLVE_BLOCK, chunk)
+
+
+def solve_masks(chunk: int) -> dict[str, np.ndarray]:
     """The constants ``solve_unit_lower`` reads (``[.., n, s, s]`` blocks): the identity and, per doubling
     level h, the h x h blocks below the diagonal joined at that level."""
-    s = SOLVE_BLOCK
+    s = solve_block(chunk)
     index = np.arange(s)
     found = {"identity": mask(np.eye(s), 7)}
     h = 1
@@ -62,7 +68,8 @@ def solve_unit_lower(x: Body, a: str, rhs: str, chunk: int) -> str:
     Blocks are cut from reshaped views ``[.., n, s, ...]`` (a slice and a concat on a block axis): tract
     0.23.9 pushes slices of the token axis itself up into the matmuls that made it (splitting k S into
     four matmuls that each pack the state) and splits matmuls that read a concat into per-block pieces."""
-    s, n = SOLVE_BLOCK, chunk // SOLVE_BLOCK
+    s = solve_block(chunk)
+    n = chunk // s
     grid = x(f"reshape({a}, shape = [{n}, {s}, {n}, {s}], axis_start = 4, axis_count = 2)")  # [.., n, s, n, s]
     parts = x(f"reshape({rhs}, shape = [{n}, {s}], axis_start = 4, axis_count = 1)")  # [.., n, s, F]
 
@@ -71,7 +78,7 @@ def solve_unit_lower(x: Body, a: str, rhs: str, chunk: int) -> str:
         cut = x(f"slice({grid}, axes = [4, 6], begin = [{r}, {first}], end = [{r + 1}, {first + columns}])")
         return x(f"reshape({cut}, shape = [{columns * s}], axis_start = 6, axis_count = 2)")
 
-    inverse = diagonal_inverses(x, x(f"concat([{', '.join(block(r, 1, r) for r in range(n))}], axis = 4)"))
+    inverse = diagonal_inverses(x, s, x(f"concat([{', '.join(block(r, 1, r) for r in range(n))}], axis = 4)"))
     inverse = x(f"reshape({inverse}, shape = [{n * s}], axis_start = 4, axis_count = 2)")  # [.., n*s, s]
     rows: list[str] = []
     for r in range(n):
@@ -86,12 +93,12 @@ def solve_unit_lower(x: Body, a: str, rhs: str, chunk: int) -> str:
     return x(f"reshape(concat([{', '.join(rows)}], axis = 4), shape = [{chunk}], axis_start = 4, axis_count = 2)")
 
 
-def diagonal_inverses(x: Body, blocks: str) -> str:
+def diagonal_inverses(x: Body, size: int, blocks: str) -> str:
     """``(I + strictly_lower(A_rr))^-1`` of every diagonal block: ``T_1 = I``, ``T_2h = T_h - T_h (A * M_h) T_h``
     with ``M_h`` the lower off-diagonal h x h blocks joined at this level: exact, log2(s) levels."""
     inverse = x(f"identity - {blocks} * join1")
     h = 2
-    while h < SOLVE_BLOCK:
+    while h < size:
         inverse = x(f"{inverse} - matmul(matmul({inverse}, {blocks} * join{h}), {inverse})")
         h *= 2
     return inverse

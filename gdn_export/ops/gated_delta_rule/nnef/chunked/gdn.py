@@ -80,7 +80,7 @@ def masks(variant: Variant) -> dict[str, np.ndarray]:
     return {
         "causal": mask(lower, 6),  # the readout's mask without decay
         "causal_log": mask(np.where(lower > 0, 0.0, MASKED), 6),  # added before exp: masked entries become exactly 0
-        **solve_masks(),
+        **solve_masks(variant.tokens),
     }
 
 

@@ -96,7 +96,7 @@ def masks(variant: Variant) -> dict[str, np.ndarray]:
     """Masks added (log space, before exp) or multiplied in the body, shaped to broadcast at their use."""
     c = variant.substeps
     lower = np.tril(np.ones((c, c)))
-    found = solve_masks()
+    found = solve_masks(c)
     if variant.decay == "channel":
         s, blocks = SUB_BLOCK, c // SUB_BLOCK
         sub_lower = np.tril(np.ones((s, s)))
