@@ -46,16 +46,22 @@ FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "kimi_linear", "olmo_hybrid"
 
 def archive_members(path) -> dict[str, bytes]:
     """Every file of a .nnef.tgz by name; graph.nnef without its export_date line (the only one that may differ),
-    and gdn_export.json without the digest it records of graph.nnef (which covers that line)."""
-    with tarfile.open(path) as tar:
+    gdn_export.json without the digests it records of graph.nnef and of a nested archive (which cover that line); a
+    nested archive (an MTP head's ``mtp.nnef.tgz``) by its own members, as ``mtp.nnef.tgz/<name>``."""
+    with tarfile.open(fileobj=path) if isinstance(path, io.BytesIO) else tarfile.open(path) as tar:
         files = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    nested = [name for name in files if name.endswith(".nnef.tgz")]
+    for name in nested:
+        files.update({f"{name}/{k}": v for k, v in archive_members(io.BytesIO(files.pop(name))).items()})
     graph = files["graph.nnef"].splitlines(keepends=True)
     files["graph.nnef"] = b"".join(line for line in graph if b"export_date" not in line)
     assert len(graph) - 1 == len(files["graph.nnef"].splitlines()), "graph.nnef should have one export_date line"
-    metadata = json.loads(files["gdn_export.json"])
-    if isinstance(metadata.get("digests"), dict):
-        metadata["digests"].pop("graph.nnef", None)
-        files["gdn_export.json"] = json.dumps(metadata, indent=1).encode()
+    if "gdn_export.json" in files:
+        metadata = json.loads(files["gdn_export.json"])
+        if isinstance(metadata.get("digests"), dict):
+            for name in ["graph.nnef", *nested]:
+                metadata["digests"].pop(name, None)
+            files["gdn_export.json"] = json.dumps(metadata, indent=1).encode()
     return files
 
 

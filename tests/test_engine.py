@@ -93,13 +93,15 @@ def test_padding_rows_and_admissions_leave_other_slots_untouched(converted, resi
     for slot, length in enumerate((5, 9, 2, 7)):
         ids = rng.integers(0, session.metadata["vocab_size"], (1, length))
         past_len, states = pool.gather([slot])
-        pool.scatter([slot], run_tract(plans[1], [ids, past_len, np.array([length]), *states])[1:], length)
+        outputs = run_tract(plans[1], [ids, past_len, np.array([length]), *states])
+        pool.scatter([slot], outputs[1:1 + len(session.state_specs)], length)  # an MTP archive's hidden: no state
     before = [pool.snapshot(slot) for slot in range(4)]
     _, scratch_before = pool.gather([SCRATCH])
     rows = [2, SCRATCH, SCRATCH, SCRATCH]
     for token in (7, 8):  # two steps: resident, the second reads the first's states as they came
         past_len, states = pool.gather(rows)
-        outputs = run_tract_tensors(plans[4], [np.full((4, 1), token), past_len, np.ones(4, np.int64), *states])[1:]
+        outputs = run_tract_tensors(plans[4], [np.full((4, 1), token), past_len, np.ones(4, np.int64), *states])
+        outputs = outputs[1:1 + len(session.state_specs)]
         pool.scatter(rows, outputs, 1, resident=resident)
     pool.reset(3)  # an admission into slot 3 (flushes a resident batch first)
     after = [pool.snapshot(slot) for slot in range(4)]

@@ -47,7 +47,7 @@ def call(session: Session, plan, pool: SlotPool, slots: list[int], ids: np.ndarr
     seq_len = np.asarray(seq_len, np.int64)
     past_len, states = pool.gather(slots)
     outputs = run_tract(plan, [ids.astype(np.int64), *served(session, past_len, seq_len), *states])
-    pool.scatter(slots, outputs[1:], seq_len)
+    pool.scatter(slots, outputs[1:1 + len(session.state_specs)], seq_len)  # an MTP archive's hidden last: no state
     return outputs[0]
 
 

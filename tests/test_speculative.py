@@ -296,7 +296,7 @@ def test_server_speculative_requests(converted, batched):
         greedy = [client.chat.completions.create(**chat, extra_body={"speculative_config": {"method": m}})
                   for m in ("none", "ngram")]
         assert greedy[0].choices[0].message.content == greedy[1].choices[0].message.content
-        for bad, param in (({"method": "mtp"}, "speculative_config.method"),
+        for bad, param in (({"method": "eagle"}, "speculative_config.method"),
                            ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
                            ({"draft": 3}, "speculative_config"), ("ngram", "speculative_config")):
             with pytest.raises(openai.BadRequestError) as err:
