@@ -56,6 +56,7 @@ def _convert(args) -> int:
         args.checkpoint, args.output, format=fmt, dtype=args.dtype, lowering=args.lowering,
         tract_version=args.tract_version, check=False if args.no_check else args.check, force=args.force,
         runtime=args.runtime or "cpu", core_dtype=args.core_dtype, chunk_size=args.chunk_size,
+        tail_chunk=args.tail_chunk,
         streamed=not args.in_memory, prompt_len=args.prompt_len, decode_steps=args.decode_steps,
         quantize=args.quantize, quantize_embeddings=args.quantize_embeddings, logits=args.logits,
         serving=args.serving, **{option.name: getattr(args, option.name) for option in _format_options()}))
@@ -496,6 +497,10 @@ def parser() -> argparse.ArgumentParser:
     convert.add_argument("--chunk-size", type=_chunk_size, default=None,
                          help="tokens per chunk of the chunked lowering, a multiple of 16 (default: 64, or 32 with "
                               "per-channel decay)")
+    convert.add_argument("--tail-chunk", type=int, choices=[1, 2, 4, 8, 16], default=None,
+                         help="tokens per short chunk of the chunked lowering's tail, the last S mod C tokens "
+                              "(default 4: a verify call of a few tokens costs about one step; 1: token by token, "
+                              "which tract loads faster)")
     convert.add_argument("--tract-version", type=_version, help="tract version to target (default: the installed one)")
     convert.add_argument("--check", choices=["auto", "full", "layerwise"], default="auto",
                          help="the check's reference: transformers' whole model in memory (full), one decoder "

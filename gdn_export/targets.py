@@ -105,6 +105,7 @@ BACKENDS: tuple[Backend, ...] = (  # the first is the default: a file of no know
                 BackendOption("calibration", "--calibration", Q4_0, shown=False),
                 BackendOption("core_dtype", "--core-dtype", "tract's fused op only", export=True),
                 BackendOption("chunk_size", "--chunk-size", "tract's chunked lowering only", export=True),
+                BackendOption("tail_chunk", "--tail-chunk", "tract's chunked lowering only", export=True),
                 BackendOption("tract_version", "--tract-version", "an ONNX file is not for one tract version",
                               export=True),
                 BackendOption("weights", None, export=True),  # streamed weights: NNEF's writers

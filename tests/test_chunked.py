@@ -72,17 +72,25 @@ def test_prefill_then_decode_equals_one_run(variant, tmp_path):
     assert_close(state, ref_state, F32_TOLERANCE, "state")
 
 
-@pytest.mark.parametrize("variant", [slow_unless(v == "gdn", v, id=v) for v in ("gdn", "deltanet")])
-def test_short_calls_after_a_context(variant, tmp_path):
+@pytest.mark.parametrize("variant,tail", [slow_unless(v == "gdn" and t is None, v, t, id=f"{v}-tail{t or TAIL_CHUNK}")
+                                          for v, t in (("gdn", None), ("deltanet", None), ("gdn", 8), ("gdn", 1))])
+def test_short_calls_after_a_context(variant, tail, tmp_path):
     """Speculative verify calls and decode steps: after a context of CHUNK + 3 tokens (a whole chunk and a tail),
-    calls of 1 to 2 * TAIL_CHUNK + 1 tokens from the state it left run the tail's short chunks (a partial one, a
-    whole one, several, the last padded with zero tokens); each call's outputs and state equal the float64
-    oracle's over the context and the call, grouped heads (2 key heads, 4 value heads)."""
-    context = CHUNK + 3
+    calls of 1 to 2 * tail + 1 tokens from the state it left run the tail's short chunks of ``tail`` tokens (the
+    default TAIL_CHUNK, 8, or 1: token by token; a partial chunk, a whole one, several, the last padded with zero
+    tokens); each call's outputs and state equal the float64 oracle's over the context and the call, grouped heads
+    (2 key heads, 4 value heads)."""
+    context, size = CHUNK + 3, tail or TAIL_CHUNK
     traced_args, traced_kwargs = variant_inputs(variant, seq=3, width_k=32, width_v=16)
     module, traced, names = graph_inputs(traced_args, traced_kwargs)
-    runnable = export_symbolic(module, traced, names, tmp_path / "v.nnef.tgz")
-    for count in sorted({1, 2, TAIL_CHUNK - 1, TAIL_CHUNK, TAIL_CHUNK + 1, 2 * TAIL_CHUNK + 1} - {0}):
+    path = tmp_path / "v.nnef.tgz"
+    dynamic = symbolic_time(names, 1)
+    report = gdn_export.export(module, traced, path, input_names=names, output_names=["o", "state"],
+                               dynamic_axes=dynamic, lowering="chunked", check=False, tail_chunk=tail)
+    form = "token by token" if size == 1 else f"in chunks of {size} tokens"
+    assert all(form in d.reason for d in report.decisions), [d.reason for d in report.decisions]
+    runnable = gdn_export.run.runtime.load_tract_model(report.path)
+    for count in sorted({1, 2, size - 1, size, size + 1, 2 * size + 1} - {0}):
         args, kwargs = variant_inputs(variant, seq=context + count, width_k=32, width_v=16, seed=count)
         _, tensors, _ = graph_inputs(args, kwargs)
         _, state = gdn_export.run_tract(runnable, [t[:, :context].numpy() for t in tensors[:-1]] + [tensors[-1].numpy()])
@@ -91,6 +99,16 @@ def test_short_calls_after_a_context(variant, tmp_path):
         assert o.shape == ref_o[:, context:].shape
         assert_close(o, ref_o[:, context:], F32_TOLERANCE, f"{variant} {count} tokens after {context}: o")
         assert_close(state, ref_state, F32_TOLERANCE, f"{variant} {count} tokens after {context}: state")
+
+
+def test_tail_chunk_is_validated():
+    """A tail chunk the lowering has no form for is a one-line error naming what it takes, before anything is
+    traced; an ONNX export refuses it (NNEF's chunked lowering only)."""
+    from gdn_export.errors import LoweringError
+
+    for bad in (3, 0, 32, True):
+        with pytest.raises(LoweringError, match=r"tail_chunk .* is not one of 1, 2, 4, 8, 16"):
+            gdn_export.export(torch.nn.Identity(), (torch.zeros(1),), "never.nnef.tgz", tail_chunk=bad)
 
 
 def correlated_inputs(seq, heads=4, key_heads=2, width=32, noise=0.02, decay=True, seed=3):

@@ -170,6 +170,7 @@ class GatedDeltaRuleChoice:
     lowering: str
     core_dtype: str | None
     chunk_size: int | None
+    tail_chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,7 @@ def convert(
     runtime: str = "cpu",
     core_dtype: str | None = None,
     chunk_size: int | None = None,
+    tail_chunk: int | None = None,
     streamed: bool = True,
     quantize: str | None = None,
     quantize_embeddings: bool = False,
@@ -297,7 +299,8 @@ def convert(
     """
     plan = plan_conversion(checkpoint_dir, out_path, dtype=dtype, lowering=lowering, tract_version=tract_version,
                            check=check, force=force, prompt_len=prompt_len, decode_steps=decode_steps,
-                           runtime=runtime, core_dtype=core_dtype, chunk_size=chunk_size, streamed=streamed,
+                           runtime=runtime, core_dtype=core_dtype, chunk_size=chunk_size, tail_chunk=tail_chunk,
+                           streamed=streamed,
                            quantize=quantize, quantize_embeddings=quantize_embeddings, logits=logits, format=format,
                            serving=serving, q4_rule=q4_rule, calibration=calibration,
                            calibration_tokens=calibration_tokens, fold_scales=fold_scales, int8_passes=int8_passes)
@@ -313,7 +316,8 @@ def plan_conversion(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLi
     option the command line spells differently carries that wording too (``errors.worded``: ``err.flags``), which
     the CLI prints."""
     defaults = dict(dtype="float32", lowering="auto", prompt_len=16, decode_steps=8, tract_version=None,
-                    core_dtype=None, chunk_size=None, streamed=True, quantize=None, quantize_embeddings=False,
+                    core_dtype=None, chunk_size=None, tail_chunk=None, streamed=True, quantize=None,
+                    quantize_embeddings=False,
                     logits="all", serving=False, q4_rule=None, calibration_tokens=8192, fold_scales=False,
                     int8_passes=1)
     unknown = set(options) - set(defaults)
@@ -421,7 +425,7 @@ class NnefSteps:
         from gdn_export.ops.gated_delta_rule.nnef.options import validate_options
 
         validate_options(options.get("lowering", "auto"), runtime, options.get("core_dtype"),
-                         options.get("chunk_size"))
+                         options.get("chunk_size"), options.get("tail_chunk"))
         logits = options.get("logits", "all")
         if logits not in LOGITS:
             raise GdnExportError(f"logits {logits!r} is not one of {', '.join(LOGITS)}")
@@ -530,6 +534,7 @@ class NnefSteps:
                         output_names=outputs, dynamic_axes=dynamic, metadata=metadata,
                         check=bool(plan.check) and extras["writers"] is None, runtime=plan.backend.runtime,
                         core_dtype=plan.gated_delta_rule.core_dtype, chunk_size=plan.gated_delta_rule.chunk_size,
+                        tail_chunk=plan.gated_delta_rule.tail_chunk,
                         weights=extras["writers"],
                         extra_files=members)
         seconds.update(report.seconds)

@@ -42,6 +42,7 @@ def export(
     runtime: str = "any",
     core_dtype: str | None = None,
     chunk_size: int | None = None,
+    tail_chunk: int | None = None,
     weights: StreamedWeights | None = None,
     extra_files: Mapping[str, Path] | None = None,
     format: str = "nnef",
@@ -55,7 +56,9 @@ def export(
     ``core_dtype="float16"`` lets the fused op take f16 q/k/v/beta in an f32 model (tract's CUDA kernel exists
     for f16 only): inexact, never chosen unless asked, stated in the report, and checked with the float16
     tolerance. ``chunk_size`` sets the tokens per chunk of the chunked lowering (a multiple of 16; None: 64, or
-    32 with per-channel decay). ``metadata`` (JSON-serializable) is stored in the archive as ``gdn_export.json``
+    32 with per-channel decay); ``tail_chunk`` the tokens per short chunk of its tail, the last S mod C tokens (1, 2,
+    4, 8 or 16; None: 4; 1: token by token, which tract loads faster and runs a verify call of k tokens slower).
+    ``metadata`` (JSON-serializable) is stored in the archive as ``gdn_export.json``
     beside the graph, with the lowering decisions added. With ``check``, the file is run in tract on ``args``
     and every output compared with torch; beyond tolerance ParityError is raised. The file appears at ``path``
     only once written and checked: on any error or interruption nothing is left there.
@@ -68,50 +71,54 @@ def export(
     to = load(backend_named(format).export)  # the one seam between the back-ends: the registry's entry
     return to(module, args, path, lowering=lowering, input_names=input_names, output_names=output_names,
               dynamic_axes=dynamic_axes, check=check, metadata=metadata, runtime=runtime, core_dtype=core_dtype,
-              chunk_size=chunk_size, tract_version=tract_version, weights=weights, extra_files=extra_files)
+              chunk_size=chunk_size, tail_chunk=tail_chunk, tract_version=tract_version, weights=weights,
+              extra_files=extra_files)
 
 
 def to_nnef(module, args, path, *, lowering, input_names, output_names, dynamic_axes, check, metadata, runtime,
-            core_dtype, chunk_size, tract_version, weights, extra_files) -> ExportReport:
+            core_dtype, chunk_size, tail_chunk, tract_version, weights, extra_files) -> ExportReport:
     """``format="nnef"``: the ops' handlers registered, the plan validated (LoweringError), then the NNEF back-end's
     export (``backends.nnef.exporter.export_nnef``) carrying it."""
     import gdn_export.ops.nnef_handlers  # noqa: F401  (every op registers its handlers with the NNEF back-end)
 
-    validate_options(lowering, runtime, core_dtype, chunk_size)
+    validate_options(lowering, runtime, core_dtype, chunk_size, tail_chunk)
     return export_nnef(
         module, args, path, tract_version=tract_version or installed_tract_version(),
         plan=lambda version: lowering_options(version, lowering=lowering, runtime=runtime, core_dtype=core_dtype,
-                                              chunk_size=chunk_size, dynamic_axes=dynamic_axes),
+                                              chunk_size=chunk_size, tail_chunk=tail_chunk,
+                                              dynamic_axes=dynamic_axes),
         input_names=input_names, output_names=output_names, dynamic_axes=dynamic_axes, check=check,
         metadata=metadata, half=core_dtype == "float16", weights=weights, extra_files=extra_files)
 
 
 def lowering_options(version: str, *, lowering: str = "auto", runtime: str = "any", core_dtype: str | None = None,
-                     chunk_size: int | None = None, dynamic_axes: dict | None = None) -> NnefOptions:
+                     chunk_size: int | None = None, tail_chunk: int | None = None,
+                     dynamic_axes: dict | None = None) -> NnefOptions:
     """The NNEF plan every op's ``decide`` reads, for tract ``version``, with the gated delta rule's own values
     (validated by its options class: LoweringError on a bad value)."""
     plan = NnefOptions(tract_version=parse_version(version), runtime=runtime, seq_may_vary=bool(dynamic_axes),
                        ops={GATED_DELTA_RULE: {"lowering": lowering, "core_dtype": core_dtype,
-                                               "chunk_size": chunk_size}})
+                                               "chunk_size": chunk_size, "tail_chunk": tail_chunk}})
     GatedDeltaRuleOptions.of(plan)  # validated now, before anything is traced
     return plan
 
 
 def nnef_target(version: str, *, lowering: str = "auto", dynamic_axes: dict | None = None, runtime: str = "any",
-                core_dtype: str | None = None, chunk_size: int | None = None,
+                core_dtype: str | None = None, chunk_size: int | None = None, tail_chunk: int | None = None,
                 graph_passes: Sequence = ()) -> OfflineTractTarget:
     """The torch-to-nnef target of an export, carrying its plan (``lowering_options``) and the passes over the
     translated graph (``OfflineTractTarget``): for a torch-to-nnef export of one's own."""
     options = lowering_options(version, lowering=lowering, runtime=runtime, core_dtype=core_dtype,
-                               chunk_size=chunk_size, dynamic_axes=dynamic_axes)
+                               chunk_size=chunk_size, tail_chunk=tail_chunk, dynamic_axes=dynamic_axes)
     return OfflineTractTarget(version, options=options, dynamic_axes=dynamic_axes, graph_passes=graph_passes)
 
 
 def to_onnx(module, args, path, *, lowering, input_names, output_names, dynamic_axes, check, metadata, runtime,
-            core_dtype, chunk_size, tract_version, weights, extra_files):
+            core_dtype, chunk_size, tail_chunk, tract_version, weights, extra_files):
     """``format="onnx"``: ``gdn_export.backends.onnx.export_onnx`` (runtime "onnxruntime", "tract-onnx" or "any"); the NNEF
     options it has no use for are refused rather than ignored."""
-    refuse_others("onnx", {"core_dtype": core_dtype, "chunk_size": chunk_size, "tract_version": tract_version,
+    refuse_others("onnx", {"core_dtype": core_dtype, "chunk_size": chunk_size, "tail_chunk": tail_chunk,
+                           "tract_version": tract_version,
                            "weights": weights, "extra_files": extra_files}, export=True)
     import gdn_export.ops.onnx_handlers  # noqa: F401  (every op registers its ONNX lowering)
     from gdn_export.backends.onnx import export_onnx

@@ -17,7 +17,11 @@ CORE_DTYPES = (None, "float16")
 OP = "gated_delta_rule"  # the key of this op's values in ``NnefOptions.ops``
 
 
-def validate(lowering: str = "auto", core_dtype: str | None = None, chunk_size: int | None = None) -> None:
+TAIL_CHUNKS = (1, 2, 4, 8, 16)  # tokens per short chunk of the chunked tail; 1: token by token
+
+
+def validate(lowering: str = "auto", core_dtype: str | None = None, chunk_size: int | None = None,
+             tail_chunk: int | None = None) -> None:
     """Raise LoweringError naming the first of the gated delta rule's options that is not valid."""
     if lowering not in LOWERINGS:
         raise LoweringError(f"lowering {lowering!r} is not one of {', '.join(LOWERINGS)}")
@@ -25,15 +29,18 @@ def validate(lowering: str = "auto", core_dtype: str | None = None, chunk_size: 
         raise LoweringError(f"core_dtype {core_dtype!r}: only 'float16' (or None, the model's own) is supported")
     if chunk_size is not None and chunk_size_error(chunk_size):
         raise LoweringError(f"chunk_size: {chunk_size_error(chunk_size)}")
+    if tail_chunk is not None and (isinstance(tail_chunk, bool) or tail_chunk not in TAIL_CHUNKS):
+        raise LoweringError(f"tail_chunk {tail_chunk!r} is not one of {', '.join(map(str, TAIL_CHUNKS))} "
+                            "(1: the tail token by token)")
 
 
 def validate_options(lowering: str = "auto", runtime: str = "any", core_dtype: str | None = None,
-                     chunk_size: int | None = None) -> None:
+                     chunk_size: int | None = None, tail_chunk: int | None = None) -> None:
     """Raise LoweringError naming the first option of an NNEF export of this op that is not valid (before any work
     is done, the tract version not known yet), in the order the API lists them."""
     validate(lowering=lowering)
     validate_runtime(runtime)
-    validate(core_dtype=core_dtype, chunk_size=chunk_size)
+    validate(core_dtype=core_dtype, chunk_size=chunk_size, tail_chunk=tail_chunk)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,16 +50,19 @@ class GatedDeltaRuleOptions(NnefOptions):
     ``lowering``: one of LOWERINGS ("auto": the first exact lowering in the runtime's order, policy.py);
     ``core_dtype``: "float16" lets the fused op take f16 q/k/v/beta whatever the model's dtype (an explicit,
     inexact choice); ``chunk_size``: tokens per chunk of the chunked form (None: the body's default,
-    chunked/outer.py).
+    chunked/outer.py); ``tail_chunk``: tokens per short chunk of the chunked form's tail, the last S mod C
+    tokens (None: chunking.TAIL_CHUNK, 4; 1: token by token, the form before short chunks: fewer scan bodies for
+    tract to load, a verify call of k tokens slower).
     """
 
     lowering: str = "auto"
     core_dtype: str | None = None
     chunk_size: int | None = None
+    tail_chunk: int | None = None
 
     def __post_init__(self) -> None:
         validate_options(lowering=self.lowering, runtime=self.runtime, core_dtype=self.core_dtype,
-                         chunk_size=self.chunk_size)
+                         chunk_size=self.chunk_size, tail_chunk=self.tail_chunk)
 
     @classmethod
     def of(cls, plan: NnefOptions) -> GatedDeltaRuleOptions:

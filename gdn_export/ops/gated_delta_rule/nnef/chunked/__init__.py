@@ -36,10 +36,12 @@ def tokens(dims: Dims, options: GatedDeltaRuleOptions) -> int:
     return tokens_per_chunk(dims, options.chunk_size)
 
 
-def tail_tokens(dims: Dims) -> int | None:
-    """Tokens per chunk of the tail (the last S mod C tokens): TAIL_CHUNK where the tuned body computes the node
-    (GDN, DeltaNet), None (token by token) for the general body's variants."""
-    return TAIL_CHUNK if gdn.covers(dims) and TAIL_CHUNK > 1 else None
+def tail_tokens(dims: Dims, options: GatedDeltaRuleOptions) -> int | None:
+    """Tokens per chunk of the tail (the last S mod C tokens): the options' ``tail_chunk`` (default TAIL_CHUNK)
+    where the tuned body computes the node (GDN, DeltaNet), None (token by token) for the general body's variants
+    or a tail_chunk of 1."""
+    size = TAIL_CHUNK if options.tail_chunk is None else options.tail_chunk
+    return size if gdn.covers(dims) and size > 1 else None
 
 
 def refusal(node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> str | None:
@@ -53,10 +55,10 @@ def refusal(node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> str | 
 
 
 def note(node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> str:
-    size, tail = tokens(dims, options), tail_tokens(dims)
+    size, tail = tokens(dims, options), tail_tokens(dims, options)
     rest = f"in chunks of {tail} tokens" if tail else "token by token"
     return f"; chunks of {size} tokens, the last S mod {size} {rest}"
 
 
 def lower(b: NnefBuilder, node: GdnNode, dims: Dims, options: GatedDeltaRuleOptions) -> list:
-    return outer.lower(b, node, dims, body_for(dims), tokens(dims, options), tail_tokens(dims))
+    return outer.lower(b, node, dims, body_for(dims), tokens(dims, options), tail_tokens(dims, options))
