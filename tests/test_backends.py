@@ -68,7 +68,7 @@ def test_the_cli_offers_every_backend():
 # a value each owned option may be given with (what only its back-end takes); the test fails for an option added to
 # a back-end's owns without one here
 GIVEN = {"quantize_embeddings": True, "q4_rule": "search", "calibration": "calibration.txt", "core_dtype": "float16",
-         "chunk_size": 64, "tract_version": "0.23.9", "weights": object(), "extra_files": {"a.txt": "a.txt"}}
+         "chunk_size": 64, "tail_chunk": 1, "tract_version": "0.23.9", "weights": object(), "extra_files": {"a.txt": "a.txt"}}
 
 
 @pytest.mark.parametrize("owner, option", [(b, o) for b in BACKENDS for o in b.owns],
