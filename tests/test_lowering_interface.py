@@ -83,7 +83,7 @@ def test_the_offline_target_carries_the_options():
     target = nnef_target("0.23.7", lowering="chunked", dynamic_axes={"q": {1: "S"}}, runtime="cpu",
                          core_dtype="float16", chunk_size=32)
     assert target.gdn_options == NnefOptions(tract_version=(0, 23, 7), runtime="cpu", seq_may_vary=True, ops={
-        "gated_delta_rule": {"lowering": "chunked", "core_dtype": "float16", "chunk_size": 32}})
+        "gated_delta_rule": {"lowering": "chunked", "core_dtype": "float16", "chunk_size": 32, "tail_chunk": None}})
     assert GatedDeltaRuleOptions.of(target.gdn_options) == GatedDeltaRuleOptions(
         tract_version=(0, 23, 7), lowering="chunked", runtime="cpu", core_dtype="float16", chunk_size=32,
         seq_may_vary=True)
