@@ -213,7 +213,9 @@ def test_sampled_output_is_distributed_as_plain_sampling(converted, drafter):
     speculative = (SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1) if drafter == "ngram" else
                    SpeculativeConfig("mtp", 2) if drafter == "mtp" else
                    SpeculativeConfig("draft", 2, model=str(converted(TRAINED, "float16"))))
-    for seed in range(SAMPLED_REQUESTS):
+    # a draft archive doubles each request's work: half the requests (the rule's power is the rule-alone test's)
+    requests = SAMPLED_REQUESTS // 2 if drafter == "draft" else SAMPLED_REQUESTS
+    for seed in range(requests):
         tokens = generate(session, prompt, 3, temperature=0.7, top_k=4, top_p=1.0, seed=seed, stop_token_ids=[],
                           speculative=speculative)
         drawn = tuple(t.token_id for t in tokens)
@@ -222,9 +224,9 @@ def test_sampled_output_is_distributed_as_plain_sampling(converted, drafter):
     if drafter == "ngram":
         assert 0.2 * drafted < accepted < 0.9 * drafted  # drafts were both kept and rejected, many times
     elif drafter == "mtp":
-        assert drafted >= SAMPLED_REQUESTS  # a random head: its drafts are judged (mostly replaced) every request
+        assert drafted >= requests  # a random head: its drafts are judged (mostly replaced) every request
     else:
-        assert drafted == SAMPLED_REQUESTS and accepted > 0  # q close to p: mostly kept (the rule's residual: the test above)
+        assert drafted == requests and accepted > 0  # q close to p: mostly kept (the rule's residual: the test above)
     assert chi_square_p_value(counts, np.array([exact[o] for o in outcomes])) > ALPHA
 
 
