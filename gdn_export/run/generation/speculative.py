@@ -219,9 +219,14 @@ class Speculation:
     def emitted(self, token: int) -> None:
         self.history.append(token)
 
+    @property
+    def reads_hidden(self) -> bool:
+        """Whether the drafter reads the main model's ``hidden`` output (MTP)."""
+        return isinstance(self.model, MTPDrafter)
+
     def record_hidden(self, start: int, hidden: np.ndarray) -> None:
         """The main model's ``hidden`` output ``[1, n, H]`` at positions ``start ...``, for an MTP drafter."""
-        if isinstance(self.model, MTPDrafter):
+        if self.reads_hidden:
             self.model.record(start, hidden)
 
     def propose(self, remaining: int, pending: int) -> list[int]:

@@ -351,7 +351,7 @@ class _Worker:
         outputs = run_tract_tensors(self.engine.plans.get(len(slots), 1 if ids.shape[1] == 1 else None), inputs)
         logits = outputs[0].to_numpy()
         if self.engine.emits_hidden:  # an MTP archive's last output, hidden, is no state: its rows go to the drafters
-            self.hidden = outputs[-1].to_numpy()
+            self.hidden = outputs[-1]  # a tract tensor: copied out only if a row's drafter reads it (_record_hidden)
             outputs = outputs[:-1]
         if inputs_to is not None:
             return logits, outputs[1:]
@@ -441,7 +441,9 @@ class _Worker:
     def _record_hidden(self, active: _Active, row: int, start: int, count: int) -> None:
         """Row ``row`` of the last call's ``hidden`` output (its first ``count`` positions, from sequence position
         ``start``) to the request's MTP drafter, if it has one."""
-        if self.engine.emits_hidden and active.speculation is not None:
+        if self.engine.emits_hidden and active.speculation is not None and active.speculation.reads_hidden:
+            if not isinstance(self.hidden, np.ndarray):
+                self.hidden = self.hidden.to_numpy()
             active.speculation.record_hidden(start, self.hidden[row:row + 1, :count])
 
     def _sample(self, active: _Active, logits: np.ndarray) -> None:
