@@ -140,6 +140,28 @@ def test_load_errors_name_the_tensor():
         MTPConfig.from_config({**config, "mtp_num_hidden_layers": 2})
 
 
+def test_oversized_mtp_tensors_are_refused_before_they_are_read(tmp_path, monkeypatch):
+    """A checkpoint whose ``mtp.*`` tensors hold more values than a head of its config (here an ``mtp.fc`` 32 times
+    too wide) is a one-line error from the headers alone: no ``mtp.*`` tensor is read."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from gdn_export.hf.tensors import CheckpointError, TensorEntry
+
+    folder = tmp_path / "qwen3_5"
+    shutil.copytree(FIXTURES / "qwen3_5", folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["mtp.fc.weight"] = torch.zeros(tensors["mtp.fc.weight"].shape[0], 64 * tensors["mtp.fc.weight"].shape[1])
+    save_file(tensors, str(folder / "model.safetensors"))
+    read, original = [], TensorEntry.read
+    monkeypatch.setattr(TensorEntry, "read", lambda self, *a, **k: read.append(self.name) or original(self, *a, **k))
+    with pytest.raises(CheckpointError, match=r"mtp\.\* tensors hold \d+ values where an MTP head of this config "
+                                              r"holds \d+: extra or oversized tensors$"):
+        read_mtp_head(folder)
+    assert not [name for name in read if name.startswith("mtp.")]
+
+
 @pytest.mark.parametrize("name", MTP_FIXTURES)
 def test_fixture_head_is_read(name):
     """The bundled fixtures carry an MTP head under the published names; ``read_mtp_head`` reads it with the model's

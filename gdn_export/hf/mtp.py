@@ -42,8 +42,12 @@ def read_mtp_head(checkpoint_dir: str | os.PathLike, dtype: torch.dtype = torch.
         if embed is None or (head is None and not config.tie_word_embeddings):
             raise MTPError("the MTP head shares the model's embed_tokens and lm_head, and the checkpoint lacks one")
         mtp = MTPHead(config, embed.read(dtype), None if head is None else head.read(dtype))
-        mtp.load_published({name: entry.read(dtype) for name, entry in index.entries.items()
-                            if name.startswith(PREFIX)})
+        entries = {name: entry for name, entry in index.entries.items() if name.startswith(PREFIX)}
+        declared, expected = sum(entry.numel for entry in entries.values()), mtp.published_numel()
+        if declared > expected:  # checked from the headers: nothing read beyond what a head of this config holds
+            raise MTPError(f"the mtp.* tensors hold {declared} values where an MTP head of this config holds "
+                           f"{expected}: extra or oversized tensors")
+        mtp.load_published({name: entry.read(dtype) for name, entry in entries.items()})
     except MTPError as err:
         raise CheckpointError(f"{checkpoint_dir}: {err}") from None
     return mtp.to(dtype).eval()

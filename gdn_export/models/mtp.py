@@ -281,6 +281,11 @@ class MTPHead(nn.Module):
             names[PREFIX + name] = name
         return names
 
+    def published_numel(self) -> int:
+        """How many values the ``mtp.*`` tensors of this head hold (per-expert or fused: the same count)."""
+        params = dict(self.named_parameters())
+        return sum(params[name].numel() for name in self.published_names().values())
+
     def load_published(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Every ``mtp.*`` weight from ``tensors`` (published names; any other name is not read); routed experts per
         expert (``mtp.layers.0.mlp.experts.<e>.{gate,up,down}_proj.weight``) or fused (``...experts.gate_up_proj``
