@@ -141,6 +141,11 @@ def build_model(config: dict) -> FlaForCausalLM:
     return FlaForCausalLM(lm_config, mixers)
 
 
+def _forwarded(name: str, doc: str) -> property:
+    """A property read from and written to the wrapped model's attribute ``name``."""
+    return property(lambda self: getattr(self.hf, name), lambda self, value: setattr(self.hf, name, value), doc=doc)
+
+
 class FlaLM(ExportableLM):
     """The graph: ``FlaForCausalLM.step`` over explicit states (see the module docstring for their names)."""
 
@@ -156,36 +161,16 @@ class FlaLM(ExportableLM):
             return (logits, *new_states, hidden)
         return (out, *new_states)
 
-    @property
-    def emits_hidden(self) -> bool:
-        """The model's (``FlaForCausalLM.emits_hidden``): an archive carrying an MTP head (pipeline/mtp.py)."""
-        return self.hf.emits_hidden
-
-    @emits_hidden.setter
-    def emits_hidden(self, value: bool) -> None:
-        self.hf.emits_hidden = value
-
-    @property
-    def serving(self) -> bool:
-        """The decoder's (``Decoder.serving``), as ``last_logits_only``."""
-        return self.hf.serving
-
-    @serving.setter
-    def serving(self, value: bool) -> None:
-        self.hf.serving = value
+    # The decoder's switches, set on the wrapper by the pipeline and read by the FLA model (it runs the decoder loop
+    # itself): emits_hidden (an archive carrying an MTP head, pipeline/mtp.py), serving and last_logits_only.
+    emits_hidden = _forwarded("emits_hidden", "``FlaForCausalLM.emits_hidden``: the state after the final norm is "
+                              "the last output")
+    serving = _forwarded("serving", "``Decoder.serving``, as ``last_logits_only``")
+    last_logits_only = _forwarded("last_logits_only", "``Decoder.last_logits_only``")
 
     @property
     def serving_refusal(self) -> str | None:
         return self.hf.serving_refusal
-
-    @property
-    def last_logits_only(self) -> bool:
-        """The decoder's (``Decoder.last_logits_only``): the FLA model runs the decoder loop itself."""
-        return self.hf.last_logits_only
-
-    @last_logits_only.setter
-    def last_logits_only(self, value: bool) -> None:
-        self.hf.last_logits_only = value
 
 
 class FlaFamily(Family):
