@@ -22,7 +22,10 @@ from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
 MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "gpt_mtp", "ep2", "ep2_legacy", "bridge_qwen3_next", "bridge_qwen3_next_tp2",
-          "bridge_qwen3_5")
+          "bridge_qwen3_5", "pp2_vpp", "gpt_pp2_uneven_legacy")
+# pipeline layouts that only the reading tells apart: read against Megatron's logits by the eager model (the
+# conversion's reference); their graphs are those of pp2 / gpt_pp2_uneven_legacy, which convert through tract above
+READ_ONLY = ("pp2_vpp_legacy", "pp2_uneven_legacy", "gpt_pp2_vpp_legacy")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5", "bridge_qwen3_next_tp2")
 PROMPT = 16
 
@@ -39,7 +42,7 @@ def judge(mixer: str, actual: np.ndarray, expected: np.ndarray) -> None:
     assert result.ok, f"{mixer}: {result}"
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
+@pytest.mark.parametrize("mixer", MIXERS + READ_ONLY)
 def test_eager_model_matches_megatron(mixer):
     """gdn_export's eager model of the checkpoint (the conversion's reference) against Megatron's forward."""
     family, layout, _, weights = open_megatron(FIXTURES / f"megatron_{mixer}")
@@ -211,6 +214,8 @@ def test_report_names_megatron_layers():
     assert "GatedDeltaNet2" in weights.summary()
     assert model.config.layer_types == ["linear_attention", "full_attention", "linear_attention"]
     for name, what in (("tp2", "tensor-parallel size 2"), ("pp2_legacy", "pipeline-parallel size 2"),
+                       ("gpt_pp2_vpp_legacy", "pipeline-parallel size 2, expert-parallel size 1 (2 virtual pipeline "
+                                              "stages a rank)"),
                        ("ep2", "expert-parallel size 2"), ("ep2_legacy", "legacy checkpoint saved with tensor-parallel "
                                                                         "size 1, pipeline-parallel size 1, expert-parallel size 2")):
         _, _, _, weights = open_megatron(FIXTURES / f"megatron_{name}")
@@ -384,6 +389,66 @@ def test_merge_tensor_parallel_regroups_parts_and_refuses_uneven_ones():
         merge_tensor_parallel("decoder.layers.0.self_attention.in_proj.weight", shards, [3, 3])
     with pytest.raises(MegatronCheckpointError, match="without a known part layout"):
         merge_tensor_parallel("decoder.layers.0.self_attention.in_proj.weight", shards, None)
+
+
+def test_pipeline_chunks_match_megatrons_layer_offsets():
+    """Which layers each pipeline stage and virtual stage holds (``checkpoint.pipeline_chunks``, what a legacy rank
+    file's stage-local layer numbers are renumbered by) against Megatron's own ``get_transformer_layer_offset`` /
+    ``get_num_layers_to_build`` (GPTModel: even, virtual, uneven first / last stages, the embedding and the loss
+    counted as layers, a ``pipeline_model_parallel_layout``) and ``select_pipeline_segment`` (HybridModel: '|'
+    segments with virtual stages, uneven stages without '|'), as ``fixtures/make_megatron_fixtures.py
+    pipeline_offsets`` recorded them from Megatron-LM (a chunk of no layers: its offset unused)."""
+    import json
+
+    from gdn_export.megatron.checkpoint import pipeline_chunks
+
+    reference = json.loads((FIXTURES / "megatron_pipeline_offsets.json").read_text())
+    assert len(reference["splits"]) >= 20
+    for split in reference["splits"]:
+        args = split["args"]
+        chunks = pipeline_chunks(args, args["pipeline_model_parallel_size"],
+                                 args.get("virtual_pipeline_model_parallel_size") or 1)
+        got = [[[start if count else expected[0], count] for (start, count), expected in zip(stage, stage_ref)]
+               for stage, stage_ref in zip(chunks, split["chunks"])]
+        assert got == split["chunks"], args
+
+
+def test_virtual_pipeline_save_reads_alike_in_both_layouts():
+    """``megatron_pp2_vpp``'s ranks saved their model chunks both ways: torch_dist (global layer numbers: the chunks'
+    sharded state dicts need no renumbering) and legacy (``model0`` / ``model1`` per rank, each chunk's layers from
+    0): every parameter of the model reads to the same values."""
+    import numpy as np
+
+    _, _, _, dist = open_megatron(FIXTURES / "megatron_pp2_vpp")
+    _, _, _, legacy = open_megatron(FIXTURES / "megatron_pp2_vpp_legacy")
+    assert dist.entries.keys() == legacy.entries.keys() and len(dist.entries) > 40
+    for name, entry in dist.entries.items():
+        np.testing.assert_array_equal(entry.read().numpy(), legacy.entries[name].read().numpy(), err_msg=name)
+
+
+def _legacy_rank_args(folder: Path, **changes) -> Path:
+    """Every rank file of the legacy fixture ``folder`` with its args changed; ``folder`` returned."""
+    for path in (folder / "iter_0000001").glob("mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)
+        vars(state["args"]).update(changes)
+        torch.save(state, path)
+    return folder
+
+
+@pytest.mark.parametrize("mixer, change, message", [
+    ("pp2_vpp_legacy", {"virtual_pipeline_model_parallel_size": None},
+     "holds 2 model chunk(s) but the args say virtual_pipeline_model_parallel_size 1"),
+    ("pp2_uneven_legacy", {"decoder_first_pipeline_num_layers": 4}, "model holds 2 layers, the args give pipeline "
+                                                                    "stage 0 4 (layers 0..3)"),
+    ("gpt_pp2_uneven_legacy", {"decoder_first_pipeline_num_layers": None}, "model holds 1 layers, the args give "
+                                                                           "pipeline stage 0 2 (layers 0..1)"),
+    ("gpt_pp2_vpp_legacy", {"num_layers": 6}, "cannot tell which of the 6 layers"),
+], ids=["virtual-size", "first-stage", "even-split", "layers"])
+def test_pipeline_split_that_disagrees_with_the_rank_files_is_one_line(tmp_path, capsys, mixer, change, message):
+    """A legacy checkpoint whose args place the layers otherwise than its rank files hold them (model chunks,
+    uneven stage sizes, layer count): one line naming the stage and what the args give, nothing written."""
+    folder = _legacy_rank_args(_copy(tmp_path, mixer), **change)
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", message)
 
 
 def test_legacy_grid_disagrees_with_args(tmp_path, capsys):

@@ -567,6 +567,8 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
              for what, key in (("tensor", "tensor"), ("pipeline", "pipeline"), ("expert", "expert"))}
     saved = (" saved with " + ", ".join(f"{what}-parallel size {size}" for what, size in sizes.items())
              if any(size > 1 for size in sizes.values()) else "")
+    virtual = int(checkpoint.args.get("virtual_pipeline_model_parallel_size") or 1)
+    saved += f" ({virtual} virtual pipeline stages a rank)" if virtual > 1 else ""
     gpt = not _arg(checkpoint.args, "hybrid_layer_pattern", "hybrid_override_pattern")
     layers = f"GPTModel layers {config.pattern} (a mixer and an MLP each)" if gpt else f"pattern {config.pattern}"
     by = " (saved by Megatron-Bridge: run_config.yaml)" if checkpoint.saved_by == "Megatron-Bridge" else ""
