@@ -22,7 +22,7 @@ from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
 MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "gpt_mtp", "ep2", "ep2_legacy", "bridge_qwen3_next", "bridge_qwen3_next_tp2",
-          "bridge_qwen3_5", "pp2_vpp", "gpt_pp2_uneven_legacy")
+          "bridge_qwen3_5", "pp2_vpp", "gpt_pp2_uneven_legacy", "gpt_grouped_tp2_legacy")
 # pipeline layouts that only the reading tells apart: read against Megatron's logits by the eager model (the
 # conversion's reference); their graphs are those of pp2 / gpt_pp2_uneven_legacy, which convert through tract above
 READ_ONLY = ("pp2_vpp_legacy", "pp2_uneven_legacy", "gpt_pp2_vpp_legacy")
@@ -449,6 +449,18 @@ def test_pipeline_split_that_disagrees_with_the_rank_files_is_one_line(tmp_path,
     uneven stage sizes, layer count): one line naming the stage and what the args give, nothing written."""
     folder = _legacy_rank_args(_copy(tmp_path, mixer), **change)
     refused(capsys, folder, tmp_path / "m.nnef.tgz", message)
+
+
+def test_grouped_mlp_weight_that_holds_no_whole_experts_is_one_line(tmp_path, capsys):
+    """A legacy ``GroupedMLP`` ``weight1`` whose size is no multiple of its rank's experts times the hidden size
+    cannot be cut into experts: one line naming it, nothing written."""
+    folder = _copy(tmp_path, "gpt_grouped_tp2_legacy")
+    path = folder / "iter_0000001" / "mp_rank_01" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    name = "decoder.layers.1.mlp.experts.weight1"
+    state["model"][name] = state["model"][name][:, :-1].contiguous()
+    torch.save(state, path)
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", f"{name} [64, 127] is no GroupedMLP weight of 4 local experts")
 
 
 def test_legacy_grid_disagrees_with_args(tmp_path, capsys):

@@ -382,6 +382,7 @@ class MegatronCheckpoint:
         virtual = _virtual_stages(states[first], iteration / first / LEGACY_FILE, self.args)
         chunks = pipeline_chunks(self.args, pp, virtual)
         local_experts = int(self.args.get("num_experts") or 0) // ep
+        hidden = int(self.args.get("hidden_size") or 0)
         self._shards: dict[str, list[torch.Tensor]] = {}
         for t in range(tp):
             merged: dict[str, torch.Tensor] = {}
@@ -390,7 +391,8 @@ class MegatronCheckpoint:
                     folder = expected[(t, s, e)]
                     path = iteration / folder / LEGACY_FILE
                     state = states.pop(folder, None) or self._legacy_state(path)
-                    for name, value in self._stage_model(state, path, s, chunks[s]).items():
+                    stage = self._stage_model(state, path, s, chunks[s])
+                    for name, value in _split_grouped_mlp(stage, local_experts, hidden, path).items():
                         name = _global_expert(name, e, local_experts, path) if ep > 1 else name
                         if name in merged and not torch.equal(merged[name], value):
                             raise MegatronCheckpointError(f"{name} differs between the pipeline stages or "
@@ -489,6 +491,32 @@ class MegatronCheckpoint:
             return self._read_dist(name)
         shards = self._shards[name]
         return shards[0] if len(shards) == 1 else merge_tensor_parallel(name, shards, self.blocks.get(name))
+
+
+def _split_grouped_mlp(tensors: dict[str, torch.Tensor], local: int, hidden: int, path: Path) \
+        -> dict[str, torch.Tensor]:
+    """A rank's tensors with the old ``GroupedMLP``'s ``experts.weight1`` / ``weight2`` (megatron-core <= 0.16,
+    ``--moe-grouped-gemm`` without Transformer Engine) cut into one tensor per local expert, as ``TEGroupedMLP``
+    names them (``linear_fc1.weight<i>`` ``[2I/TP, H]``, ``linear_fc2.weight<i>`` ``[H, I/TP]``), so the TP
+    merge and the expert-parallel renumbering read them like any other. ``GroupedMLP`` keeps ``weight1`` as ``[H,
+    local · 2I/TP]`` but computes with its memory viewed as ``[local, H, 2I/TP]`` (its ``forward``: ``w1 =
+    weight1.view(num_local_experts, hidden_size, -1)``, then ``x @ w1[e]``, the GLU's gate the first half of the
+    columns) and ``weight2`` as ``[local · I/TP, H]`` viewed as ``[local, I/TP, H]``: expert i's ``linear_fc1`` is
+    ``w1[i].T`` (its rank's ``[gate; up]`` rows) and its ``linear_fc2`` ``w2[i].T``, as its ``sharded_state_dict``
+    maps them onto ``SequentialMLP``'s layout."""
+    out = {}
+    for name, value in tensors.items():
+        match = re.fullmatch(r"(.*\.mlp\.experts\.)weight([12])", name)
+        if match is None:
+            out[name] = value
+            continue
+        if local < 1 or hidden < 1 or value.dim() != 2 or value.numel() % (local * hidden):
+            raise MegatronCheckpointError(f"{path}: {name} {list(value.shape)} is no GroupedMLP weight of {local} "
+                                          f"local experts of hidden size {hidden}")
+        stacked = value.reshape(local, hidden, -1) if match[2] == "1" else value.reshape(local, -1, hidden)
+        for i in range(local):
+            out[f"{match[1]}linear_fc{match[2]}.weight{i}"] = stacked[i].t()
+    return out
 
 
 def _virtual_stages(state: dict, path: Path, args: dict) -> int:

@@ -366,7 +366,8 @@ def _expert_pieces(checkpoint, where: str, linear: str, experts: int) -> list:
     """The routed experts' ``linear`` (``linear_fc1`` / ``linear_fc2``) in expert order: one stacked tensor
     ``experts.experts.<linear>.weight`` (torch_dist, with the expert axis first, for sequential and grouped-GEMM
     experts alike), or one tensor per expert in a legacy checkpoint (``SequentialMLP``:
-    ``experts.local_experts.<e>.<linear>.weight``; ``TEGroupedMLP``: ``experts.<linear>.weight<e>``)."""
+    ``experts.local_experts.<e>.<linear>.weight``; ``TEGroupedMLP``: ``experts.<linear>.weight<e>``; the old
+    ``GroupedMLP``'s ``weight1`` / ``weight2`` are cut into the latter when the checkpoint is opened)."""
     stacked = f"{where}experts.experts.{linear}.weight"
     if checkpoint.has(stacked):
         return [(stacked, None)]
@@ -375,9 +376,6 @@ def _expert_pieces(checkpoint, where: str, linear: str, experts: int) -> list:
         names = [name_of(e) for e in range(experts)]
         if all(checkpoint.has(name) for name in names):
             return [(name, None) for name in names]
-    if checkpoint.has(f"{where}experts.weight1"):
-        raise MegatronCheckpointError(f"{where}experts.weight1: the legacy GroupedMLP layout (weight1 / weight2) is "
-                                      "not supported (save torch_dist, or SequentialMLP / TEGroupedMLP experts)")
     raise MegatronCheckpointError(f"weights missing from the checkpoint: {stacked} (or the {experts} experts' "
                                   f"{where}experts.local_experts.<e>.{linear}.weight)")
 
