@@ -25,7 +25,7 @@ MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe",
           "bridge_qwen3_5", "pp2_vpp", "gpt_pp2_uneven_legacy", "gpt_grouped_tp2_legacy")
 # pipeline layouts that only the reading tells apart: read against Megatron's logits by the eager model (the
 # conversion's reference); their graphs are those of pp2 / gpt_pp2_uneven_legacy, which convert through tract above
-READ_ONLY = ("pp2_vpp_legacy", "pp2_uneven_legacy", "gpt_pp2_vpp_legacy")
+READ_ONLY = ("pp2_vpp_legacy", "pp2_uneven_legacy", "gpt_pp2_vpp_legacy", "moe_etp1_legacy")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5", "bridge_qwen3_next_tp2")
 PROMPT = 16
 
@@ -461,6 +461,24 @@ def test_grouped_mlp_weight_that_holds_no_whole_experts_is_one_line(tmp_path, ca
     state["model"][name] = state["model"][name][:, :-1].contiguous()
     torch.save(state, path)
     refused(capsys, folder, tmp_path / "m.nnef.tgz", f"{name} [64, 127] is no GroupedMLP weight of 4 local experts")
+
+
+def test_legacy_moe_with_its_own_expert_tensor_parallel_size_reads_the_files_the_saving_ranks_write(tmp_path,
+                                                                                                  capsys):
+    """``megatron_moe_etp1_legacy`` (TP 2, experts unsplit over 2 expert-parallel ranks) holds only the two files
+    its two ranks write, mp_rank_00_000 and mp_rank_01_001 (read against Megatron's logits in
+    ``test_eager_model_matches_megatron``); one of them missing is named in one line; an expert tensor-parallel size
+    above TP, where two ranks write one file with different expert shards, is refused."""
+    from gdn_export.megatron.checkpoint import MegatronCheckpointError, _legacy_writers
+
+    _, _, _, weights = open_megatron(FIXTURES / "megatron_moe_etp1_legacy")
+    assert "tensor-parallel size 2, pipeline-parallel size 1, expert-parallel size 2 (experts: tensor-parallel " \
+           "size 1)" in weights.summary()
+    folder = _copy(tmp_path, "moe_etp1_legacy")
+    shutil.rmtree(folder / "iter_0000001" / "mp_rank_01_001")
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "lacks mp_rank_01_001")
+    with pytest.raises(MegatronCheckpointError, match="kept only one of their expert shards"):
+        _legacy_writers({"data_parallel_size": 2}, 1, 1, 2, folder)
 
 
 def test_legacy_grid_disagrees_with_args(tmp_path, capsys):

@@ -359,21 +359,31 @@ class MegatronCheckpoint:
         tp = int(self.args.get("tensor_model_parallel_size", 1) or 1)
         pp = int(self.args.get("pipeline_model_parallel_size", 1) or 1)
         ep = int(self.args.get("expert_model_parallel_size", 1) or 1)
+        etp = int(self.args.get("expert_tensor_parallel_size") or tp)
+        experts = int(self.args.get("num_experts") or 0)
         # the args' sizes, bounded by the folders there are (one missing is named below)
-        if tp < 1 or pp < 1 or ep < 1 or tp * pp * ep > len(ranks) + 1:
+        grid = max(tp, ep) if experts and etp != tp else tp * ep  # files a stage has at least
+        if tp < 1 or pp < 1 or ep < 1 or etp < 1 or grid * pp > len(ranks) + 1:
             raise MegatronCheckpointError(f"{iteration} holds {len(ranks)} mp_rank folders; its args say tensor-parallel "
                                           f"size {tp} x pipeline-parallel size {pp} x expert-parallel size {ep}")
+        # (tensor-parallel rank, expert-parallel rank) of each rank file -> the expert tensor-parallel rank of its
+        # experts: the whole TP x EP grid when the experts are split like the dense layers, else the files the
+        # ranks that save a legacy checkpoint write
+        writers = _legacy_writers(self.args, tp, ep, etp, iteration) if experts and etp != tp else \
+            {(t, e): t for t in range(tp) for e in range(ep)}
         expected = {(t, s, e): f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
-                    for t in range(tp) for s in range(pp) for e in range(ep)}
+                    for t, e in writers for s in range(pp)}
         present = set(ranks)
         for folder in expected.values():
             if folder not in present:
                 grid = f"mp_rank_00..{tp - 1:02d}" + (f" x _000..{pp - 1:03d}" if pp > 1 else "") + \
-                    (f" x _000..{ep - 1:03d}" if ep > 1 else "")
+                    (f" x _000..{ep - 1:03d}" if ep > 1 else "") if etp == tp or not experts else \
+                    f"{', '.join(sorted(expected.values()))} (those the saving ranks write)"
                 raise MegatronCheckpointError(f"{iteration} lacks {folder}: the args say tensor-parallel size {tp} x "
                                               f"pipeline-parallel size {pp}" + (f" x expert-parallel size {ep}"
                                                                                 if ep > 1 else "")
-                                              + f", so {grid} must all be there")
+                                              + (f" (experts' tensor-parallel size {etp})" if etp != tp and experts
+                                                 else "") + f", so {grid} must all be there")
         extra = sorted(present - set(expected.values()))
         if extra:
             raise MegatronCheckpointError(f"{iteration} holds {extra[0]}, outside the tensor-parallel size {tp} x "
@@ -381,28 +391,32 @@ class MegatronCheckpoint:
                                                                             else "") + " grid of its args")
         virtual = _virtual_stages(states[first], iteration / first / LEGACY_FILE, self.args)
         chunks = pipeline_chunks(self.args, pp, virtual)
-        local_experts = int(self.args.get("num_experts") or 0) // ep
+        local_experts = experts // ep
         hidden = int(self.args.get("hidden_size") or 0)
-        self._shards: dict[str, list[torch.Tensor]] = {}
-        for t in range(tp):
-            merged: dict[str, torch.Tensor] = {}
+        # the dense layers' shards by tensor-parallel rank, the experts' by expert tensor-parallel rank
+        dense: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+        expert: list[dict[str, torch.Tensor]] = [{} for _ in range(etp)]
+        for (t, e), et in sorted(writers.items()):
             for s in range(pp):
-                for e in range(ep):
-                    folder = expected[(t, s, e)]
-                    path = iteration / folder / LEGACY_FILE
-                    state = states.pop(folder, None) or self._legacy_state(path)
-                    stage = self._stage_model(state, path, s, chunks[s])
-                    for name, value in _split_grouped_mlp(stage, local_experts, hidden, path).items():
-                        name = _global_expert(name, e, local_experts, path) if ep > 1 else name
-                        if name in merged and not torch.equal(merged[name], value):
-                            raise MegatronCheckpointError(f"{name} differs between the pipeline stages or "
-                                                          f"expert-parallel ranks of tensor-parallel rank {t}")
-                        merged[name] = value
-            if t and set(merged) != set(self._shards):
-                odd = sorted(set(merged) ^ set(self._shards))[0]
-                raise MegatronCheckpointError(f"tensor-parallel rank {t} and rank 0 hold different tensors ({odd})")
-            for name, value in merged.items():
-                self._shards.setdefault(name, []).append(value)
+                folder = expected[(t, s, e)]
+                path = iteration / folder / LEGACY_FILE
+                state = states.pop(folder, None) or self._legacy_state(path)
+                stage = self._stage_model(state, path, s, chunks[s])
+                for name, value in _split_grouped_mlp(stage, local_experts, hidden, path).items():
+                    name = _global_expert(name, e, local_experts, path) if ep > 1 else name
+                    merged = expert[et] if LEGACY_EXPERT.fullmatch(name) else dense[t]
+                    if name in merged and not torch.equal(merged[name], value):
+                        raise MegatronCheckpointError(f"{name} differs between the pipeline stages or "
+                                                      f"expert-parallel ranks of tensor-parallel rank {t}")
+                    merged[name] = value
+        self._shards: dict[str, list[torch.Tensor]] = {}
+        for what, ranks_ in (("tensor-parallel", dense), ("expert tensor-parallel", expert)):
+            for rank, merged in enumerate(ranks_):
+                if rank and set(merged) != set(ranks_[0]):
+                    odd = sorted(set(merged) ^ set(ranks_[0]))[0]
+                    raise MegatronCheckpointError(f"{what} rank {rank} and rank 0 hold different tensors ({odd})")
+                for name, value in merged.items():
+                    self._shards.setdefault(name, []).append(value)
         self.tensor_parallel = tp
 
     @staticmethod
@@ -491,6 +505,37 @@ class MegatronCheckpoint:
             return self._read_dist(name)
         shards = self._shards[name]
         return shards[0] if len(shards) == 1 else merge_tensor_parallel(name, shards, self.blocks.get(name))
+
+
+def _legacy_writers(args: dict, tp: int, ep: int, etp: int, iteration: Path) -> dict[tuple[int, int], int]:
+    """``{(tensor-parallel rank, expert-parallel rank): expert tensor-parallel rank}`` of the rank files a legacy
+    checkpoint holds when the experts' tensor-parallel size ``etp`` differs from the dense layers' ``tp``: Megatron-LM's
+    ``save_checkpoint`` has every rank of data-parallel rank 0 or expert-data-parallel rank 0 write
+    ``mp_rank_<tp>[_<pp>][_<ep>]`` (named by its dense TP rank and its expert-parallel rank), and
+    ``initialize_model_parallel`` numbers the ranks of a stage ``tp-cp-dp`` (dense) and ``etp-ep-edp`` (experts),
+    the first fastest. Two ranks writing one file with different expert shards (``etp`` > ``tp``: the format then
+    keeps one of them) is an error, as are layouts this does not compute (context parallelism, ``tp-pp-dp`` order)."""
+    cp = int(args.get("context_parallel_size") or 1)
+    if cp != 1 or args.get("use_tp_pp_dp_mapping"):
+        raise MegatronCheckpointError("a legacy MoE checkpoint with an expert tensor-parallel size other than TP, "
+                                      "saved with context parallelism or the tp-pp-dp rank order, is not supported")
+    pp = int(args.get("pipeline_model_parallel_size") or 1)
+    dp = int(args.get("data_parallel_size") or 0) or int(args.get("world_size") or 0) // (tp * pp)
+    stage = tp * dp  # ranks in a pipeline stage
+    if dp < 1 or stage > 1 << 20 or stage % (etp * ep):
+        raise MegatronCheckpointError(f"the args' data-parallel size {dp} x tensor-parallel size {tp} is no multiple "
+                                      f"of the experts' tensor-parallel size {etp} x expert-parallel size {ep}")
+    writers: dict[tuple[int, int], int] = {}
+    for rank in range(stage):
+        t, d = rank % tp, rank // tp
+        et, e, ed = rank % etp, (rank // etp) % ep, rank // (etp * ep)
+        if d and ed:
+            continue
+        if writers.setdefault((t, e), et) != et:
+            raise MegatronCheckpointError(f"{iteration}: expert tensor-parallel size {etp} > tensor-parallel size {tp}: "
+                                          f"ranks of expert tensor-parallel ranks {writers[(t, e)]} and {et} both write "
+                                          f"mp_rank_{t:02d}, so the legacy format kept only one of their expert shards")
+    return writers
 
 
 def _split_grouped_mlp(tensors: dict[str, torch.Tensor], local: int, hidden: int, path: Path) \

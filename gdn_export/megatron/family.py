@@ -490,11 +490,6 @@ def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
 
 def refuse_unverified(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> None:
     """What is read by the same means as verified layouts but has no fixture: refused rather than guessed."""
-    tp = getattr(checkpoint, "tensor_parallel", 1)
-    expert_tp = _arg(checkpoint.args, "expert_tensor_parallel_size", default=tp)
-    if config.moe_layers and checkpoint.format == "legacy" and tp > 1 and expert_tp != tp:
-        raise MegatronCheckpointError(f"a legacy MoE checkpoint saved with expert_tensor_parallel_size {expert_tp} "
-                                      f"!= tensor_model_parallel_size {tp} is not supported (save torch_dist)")
 
 
 class MegatronWeights(CheckpointWeights):
@@ -567,6 +562,8 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
              if any(size > 1 for size in sizes.values()) else "")
     virtual = int(checkpoint.args.get("virtual_pipeline_model_parallel_size") or 1)
     saved += f" ({virtual} virtual pipeline stages a rank)" if virtual > 1 else ""
+    expert_tp = int(checkpoint.args.get("expert_tensor_parallel_size") or sizes["tensor"])
+    saved += f" (experts: tensor-parallel size {expert_tp})" if config.moe_layers and expert_tp != sizes["tensor"] else ""
     gpt = not _arg(checkpoint.args, "hybrid_layer_pattern", "hybrid_override_pattern")
     layers = f"GPTModel layers {config.pattern} (a mixer and an MLP each)" if gpt else f"pattern {config.pattern}"
     by = " (saved by Megatron-Bridge: run_config.yaml)" if checkpoint.saved_by == "Megatron-Bridge" else ""
