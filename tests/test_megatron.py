@@ -22,11 +22,13 @@ from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
 MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "gpt_mtp", "ep2", "ep2_legacy", "bridge_qwen3_next", "bridge_qwen3_next_tp2",
-          "bridge_qwen3_5", "pp2_vpp", "gpt_pp2_uneven_legacy", "gpt_grouped_tp2_legacy", "bridge_qwen3_next_mtp")
+          "bridge_qwen3_5", "pp2_vpp", "gpt_pp2_uneven_legacy", "gpt_grouped_tp2_legacy", "bridge_qwen3_next_mtp",
+          "bridge_qwen3_5_mtp")
 # pipeline layouts that only the reading tells apart: read against Megatron's logits by the eager model (the
 # conversion's reference); their graphs are those of pp2 / gpt_pp2_uneven_legacy, which convert through tract above
 READ_ONLY = ("pp2_vpp_legacy", "pp2_uneven_legacy", "gpt_pp2_vpp_legacy", "moe_etp1_legacy")
-BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5", "bridge_qwen3_next_tp2", "bridge_qwen3_next_mtp")
+BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5", "bridge_qwen3_next_tp2", "bridge_qwen3_next_mtp",
+          "bridge_qwen3_5_mtp")
 PROMPT = 16
 
 
@@ -65,7 +67,7 @@ def _eager_final_hidden(mixer: str) -> torch.Tensor:
 
 # a HybridModel's MTP pattern '/*E'; a GPTModel's MTP layer (its last: attention + MoE); the same made by
 # Megatron-Bridge from a Hugging Face mtp.* head
-MTP = ("moe_mtp", "gpt_mtp", "bridge_qwen3_next_mtp")
+MTP = ("moe_mtp", "gpt_mtp", "bridge_qwen3_next_mtp", "bridge_qwen3_5_mtp")
 
 
 @pytest.mark.parametrize("mixer", MTP)
@@ -428,17 +430,18 @@ def test_virtual_pipeline_save_reads_alike_in_both_layouts():
         np.testing.assert_array_equal(entry.read().numpy(), legacy.entries[name].read().numpy(), err_msg=name)
 
 
-def test_bridge_made_mtp_head_is_the_hugging_face_head_it_came_from():
-    """``megatron_bridge_qwen3_next_mtp``: the bundled ``qwen3_next`` (its first 2 layers) through Megatron-Bridge's
-    HF -> Megatron conversion with its ``mtp.*`` head (Bridge's MTP mappings: ``eh_proj``, ``enorm``, ``hnorm``,
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_bridge_made_mtp_head_is_the_hugging_face_head_it_came_from(name):
+    """``megatron_bridge_qwen3_next_mtp`` / ``_qwen3_5_mtp``: the bundled fixture (its first 2 layers) through
+    Megatron-Bridge's HF -> Megatron conversion with its ``mtp.*`` head (MoE / dense) (Bridge's MTP mappings: ``eh_proj``, ``enorm``, ``hnorm``,
     ``mtp_model_layer.*`` ...): the head gdn_export reads from the Megatron checkpoint holds the very tensors of the
-    Hugging Face head (read by ``hf.mtp.read_mtp_head`` from ``fixtures/qwen3_next``)."""
+    Hugging Face head (read by ``hf.mtp.read_mtp_head`` from ``fixtures/<name>``)."""
     from gdn_export.hf.mtp import read_mtp_head
     from gdn_export.megatron.mtp import read_megatron_mtp_head
 
-    megatron = read_megatron_mtp_head(FIXTURES / "megatron_bridge_qwen3_next_mtp").state_dict()
-    hugging_face = read_mtp_head(FIXTURES / "qwen3_next").state_dict()
-    assert megatron.keys() == hugging_face.keys() and len(megatron) > 20
+    megatron = read_megatron_mtp_head(FIXTURES / f"megatron_bridge_{name}_mtp").state_dict()
+    hugging_face = read_mtp_head(FIXTURES / name).state_dict()
+    assert megatron.keys() == hugging_face.keys() and len(megatron) > 10
     for name, value in hugging_face.items():
         assert torch.equal(megatron[name], value), name
 
