@@ -26,7 +26,7 @@ MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe",
           "bridge_qwen3_5_mtp")
 # pipeline layouts that only the reading tells apart: read against Megatron's logits by the eager model (the
 # conversion's reference); their graphs are those of pp2 / gpt_pp2_uneven_legacy, which convert through tract above
-READ_ONLY = ("pp2_vpp_legacy", "pp2_uneven_legacy", "gpt_pp2_vpp_legacy", "moe_etp1_legacy")
+READ_ONLY = ("pp2_vpp_legacy", "pp2_uneven_legacy", "gpt_pp2_vpp_legacy", "moe_etp1_legacy", "bridge_qwen3_next_mtp_pp2")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5", "bridge_qwen3_next_tp2", "bridge_qwen3_next_mtp",
           "bridge_qwen3_5_mtp")
 PROMPT = 16
@@ -417,17 +417,24 @@ def test_pipeline_chunks_match_megatrons_layer_offsets():
         assert got == split["chunks"], args
 
 
-def test_virtual_pipeline_save_reads_alike_in_both_layouts():
-    """``megatron_pp2_vpp``'s ranks saved their model chunks both ways: torch_dist (global layer numbers: the chunks'
-    sharded state dicts need no renumbering) and legacy (``model0`` / ``model1`` per rank, each chunk's layers from
-    0): every parameter of the model reads to the same values."""
+@pytest.mark.parametrize("first, second", [("pp2_vpp", "pp2_vpp_legacy"),
+                                           ("bridge_qwen3_next_mtp", "bridge_qwen3_next_mtp_pp2")])
+def test_one_model_saved_two_ways_reads_alike(first, second):
+    """One model saved two ways reads to the same values, every parameter and every MTP head tensor:
+    ``megatron_pp2_vpp``'s ranks saved their model chunks in torch_dist (global layer numbers: the chunks' sharded
+    state dicts need no renumbering) and legacy (``model0`` / ``model1`` per rank, each chunk's layers from 0);
+    Megatron-Bridge converted the same Hugging Face checkpoint at PP = 1 and PP = 2 (the MTP block and a copy of
+    the embedding on the last stage)."""
     import numpy as np
 
-    _, _, _, dist = open_megatron(FIXTURES / "megatron_pp2_vpp")
-    _, _, _, legacy = open_megatron(FIXTURES / "megatron_pp2_vpp_legacy")
-    assert dist.entries.keys() == legacy.entries.keys() and len(dist.entries) > 40
-    for name, entry in dist.entries.items():
-        np.testing.assert_array_equal(entry.read().numpy(), legacy.entries[name].read().numpy(), err_msg=name)
+    _, _, _, one = open_megatron(FIXTURES / f"megatron_{first}")
+    _, _, _, two = open_megatron(FIXTURES / f"megatron_{second}")
+    assert one.entries.keys() == two.entries.keys() and len(one.entries) > 30
+    for name, entry in one.entries.items():
+        np.testing.assert_array_equal(entry.read().numpy(), two.entries[name].read().numpy(), err_msg=name)
+    assert (one.mtp is None) == (two.mtp is None)
+    for name, entry in (one.mtp[1] if one.mtp else {}).items():
+        np.testing.assert_array_equal(entry.read().numpy(), two.mtp[1][name].read().numpy(), err_msg=name)
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
