@@ -470,7 +470,9 @@ def _legacy_rank_args(folder: Path, **changes) -> Path:
     ("gpt_pp2_uneven_legacy", {"decoder_first_pipeline_num_layers": None}, "model holds 1 layers, the args give "
                                                                            "pipeline stage 0 2 (layers 0..1)"),
     ("gpt_pp2_vpp_legacy", {"num_layers": 6}, "cannot tell which of the 6 layers"),
-], ids=["virtual-size", "first-stage", "even-split", "layers"])
+    ("gpt_pp2_vpp_legacy", {"pipeline_model_parallel_layout": "Et|tt|tL"}, "layout 'Et|tt|tL' has 3 stages"),
+    ("gpt_pp2_vpp_legacy", {"pipeline_model_parallel_layout": "(t*9999999)*9999999"}, "over a million layers"),
+], ids=["virtual-size", "first-stage", "even-split", "layers", "layout", "layout-bomb"])
 def test_pipeline_split_that_disagrees_with_the_rank_files_is_one_line(tmp_path, capsys, mixer, change, message):
     """A legacy checkpoint whose args place the layers otherwise than its rank files hold them (model chunks,
     uneven stage sizes, layer count): one line naming the stage and what the args give, nothing written."""

@@ -601,10 +601,17 @@ def _layout_layers(layout: str) -> list[int]:
     text = str(layout).replace(",", "")
     if len(text) > 4096:
         raise MegatronCheckpointError(f"pipeline_model_parallel_layout of {len(text)} characters")
-    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
-        text = re.sub(pattern, lambda m: m.group(1) * min(int(m.group(2)), 1 << 16), text)
-        if len(text) > 1 << 20:
+    limit = 1 << 20  # characters once unrolled: a million layers
+
+    def unroll(match: re.Match) -> str:
+        size[0] += len(match.group(1)) * (int(match.group(2)) - 1)
+        if size[0] > limit:
             raise MegatronCheckpointError("pipeline_model_parallel_layout unrolls to over a million layers")
+        return match.group(1) * int(match.group(2))
+
+    for pattern in (r"\(([^)]+)\)\*(\d{1,7})", r"(.)\*(\d{1,7})"):
+        size = [len(text)]  # the length the text grows to, counted before each repetition is made
+        text = re.sub(pattern, unroll, text)
     stages = text.split("|")
     for stage in stages:
         if set(stage) - set("Etm L"):
