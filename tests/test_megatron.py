@@ -22,8 +22,13 @@ from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
 MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "gpt_mtp", "ep2", "ep2_legacy", "bridge_qwen3_next", "bridge_qwen3_next_tp2",
-          "bridge_qwen3_5")
-BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5", "bridge_qwen3_next_tp2")
+          "bridge_qwen3_5", "pp2_vpp", "gpt_pp2_uneven_legacy", "gpt_grouped_tp2_legacy", "bridge_qwen3_next_mtp",
+          "bridge_qwen3_5_mtp")
+# pipeline layouts that only the reading tells apart: read against Megatron's logits by the eager model (the
+# conversion's reference); their graphs are those of pp2 / gpt_pp2_uneven_legacy, which convert through tract above
+READ_ONLY = ("pp2_vpp_legacy", "pp2_uneven_legacy", "gpt_pp2_vpp_legacy", "moe_etp1_legacy", "bridge_qwen3_next_mtp_pp2")
+BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5", "bridge_qwen3_next_tp2", "bridge_qwen3_next_mtp",
+          "bridge_qwen3_5_mtp")
 PROMPT = 16
 
 
@@ -39,7 +44,7 @@ def judge(mixer: str, actual: np.ndarray, expected: np.ndarray) -> None:
     assert result.ok, f"{mixer}: {result}"
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
+@pytest.mark.parametrize("mixer", MIXERS + READ_ONLY)
 def test_eager_model_matches_megatron(mixer):
     """gdn_export's eager model of the checkpoint (the conversion's reference) against Megatron's forward."""
     family, layout, _, weights = open_megatron(FIXTURES / f"megatron_{mixer}")
@@ -60,7 +65,9 @@ def _eager_final_hidden(mixer: str) -> torch.Tensor:
     return seen["hidden"]
 
 
-MTP = ("moe_mtp", "gpt_mtp")  # a HybridModel's MTP pattern '/*E'; a GPTModel's MTP layer (its last: attention + MoE)
+# a HybridModel's MTP pattern '/*E'; a GPTModel's MTP layer (its last: attention + MoE); the same made by
+# Megatron-Bridge from a Hugging Face mtp.* head
+MTP = ("moe_mtp", "gpt_mtp", "bridge_qwen3_next_mtp", "bridge_qwen3_5_mtp")
 
 
 @pytest.mark.parametrize("mixer", MTP)
@@ -211,6 +218,8 @@ def test_report_names_megatron_layers():
     assert "GatedDeltaNet2" in weights.summary()
     assert model.config.layer_types == ["linear_attention", "full_attention", "linear_attention"]
     for name, what in (("tp2", "tensor-parallel size 2"), ("pp2_legacy", "pipeline-parallel size 2"),
+                       ("gpt_pp2_vpp_legacy", "pipeline-parallel size 2, expert-parallel size 1 (2 virtual pipeline "
+                                              "stages a rank)"),
                        ("ep2", "expert-parallel size 2"), ("ep2_legacy", "legacy checkpoint saved with tensor-parallel "
                                                                         "size 1, pipeline-parallel size 1, expert-parallel size 2")):
         _, _, _, weights = open_megatron(FIXTURES / f"megatron_{name}")
@@ -384,6 +393,121 @@ def test_merge_tensor_parallel_regroups_parts_and_refuses_uneven_ones():
         merge_tensor_parallel("decoder.layers.0.self_attention.in_proj.weight", shards, [3, 3])
     with pytest.raises(MegatronCheckpointError, match="without a known part layout"):
         merge_tensor_parallel("decoder.layers.0.self_attention.in_proj.weight", shards, None)
+
+
+def test_pipeline_chunks_match_megatrons_layer_offsets():
+    """Which layers each pipeline stage and virtual stage holds (``checkpoint.pipeline_chunks``, what a legacy rank
+    file's stage-local layer numbers are renumbered by) against Megatron's own ``get_transformer_layer_offset`` /
+    ``get_num_layers_to_build`` (GPTModel: even, virtual, uneven first / last stages, the embedding and the loss
+    counted as layers, a ``pipeline_model_parallel_layout``) and ``select_pipeline_segment`` (HybridModel: '|'
+    segments with virtual stages, uneven stages without '|'), as ``fixtures/make_megatron_fixtures.py
+    pipeline_offsets`` recorded them from Megatron-LM (a chunk of no layers: its offset unused)."""
+    import json
+
+    from gdn_export.megatron.checkpoint import pipeline_chunks
+
+    reference = json.loads((FIXTURES / "megatron_pipeline_offsets.json").read_text())
+    assert len(reference["splits"]) >= 20
+    for split in reference["splits"]:
+        args = split["args"]
+        chunks = pipeline_chunks(args, args["pipeline_model_parallel_size"],
+                                 args.get("virtual_pipeline_model_parallel_size") or 1)
+        got = [[[start if count else expected[0], count] for (start, count), expected in zip(stage, stage_ref)]
+               for stage, stage_ref in zip(chunks, split["chunks"])]
+        assert got == split["chunks"], args
+
+
+@pytest.mark.parametrize("first, second", [("pp2_vpp", "pp2_vpp_legacy"),
+                                           ("bridge_qwen3_next_mtp", "bridge_qwen3_next_mtp_pp2")])
+def test_one_model_saved_two_ways_reads_alike(first, second):
+    """One model saved two ways reads to the same values, every parameter and every MTP head tensor:
+    ``megatron_pp2_vpp``'s ranks saved their model chunks in torch_dist (global layer numbers: the chunks' sharded
+    state dicts need no renumbering) and legacy (``model0`` / ``model1`` per rank, each chunk's layers from 0);
+    Megatron-Bridge converted the same Hugging Face checkpoint at PP = 1 and PP = 2 (the MTP block and a copy of
+    the embedding on the last stage)."""
+    import numpy as np
+
+    _, _, _, one = open_megatron(FIXTURES / f"megatron_{first}")
+    _, _, _, two = open_megatron(FIXTURES / f"megatron_{second}")
+    assert one.entries.keys() == two.entries.keys() and len(one.entries) > 30
+    for name, entry in one.entries.items():
+        np.testing.assert_array_equal(entry.read().numpy(), two.entries[name].read().numpy(), err_msg=name)
+    assert (one.mtp is None) == (two.mtp is None)
+    for name, entry in (one.mtp[1] if one.mtp else {}).items():
+        np.testing.assert_array_equal(entry.read().numpy(), two.mtp[1][name].read().numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_bridge_made_mtp_head_is_the_hugging_face_head_it_came_from(name):
+    """``megatron_bridge_qwen3_next_mtp`` / ``_qwen3_5_mtp``: the bundled fixture (its first 2 layers) through
+    Megatron-Bridge's HF -> Megatron conversion with its ``mtp.*`` head (MoE / dense) (Bridge's MTP mappings: ``eh_proj``, ``enorm``, ``hnorm``,
+    ``mtp_model_layer.*`` ...): the head gdn_export reads from the Megatron checkpoint holds the very tensors of the
+    Hugging Face head (read by ``hf.mtp.read_mtp_head`` from ``fixtures/<name>``)."""
+    from gdn_export.hf.mtp import read_mtp_head
+    from gdn_export.megatron.mtp import read_megatron_mtp_head
+
+    megatron = read_megatron_mtp_head(FIXTURES / f"megatron_bridge_{name}_mtp").state_dict()
+    hugging_face = read_mtp_head(FIXTURES / name).state_dict()
+    assert megatron.keys() == hugging_face.keys() and len(megatron) > 10
+    for name, value in hugging_face.items():
+        assert torch.equal(megatron[name], value), name
+
+
+def _legacy_rank_args(folder: Path, **changes) -> Path:
+    """Every rank file of the legacy fixture ``folder`` with its args changed; ``folder`` returned."""
+    for path in (folder / "iter_0000001").glob("mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)
+        vars(state["args"]).update(changes)
+        torch.save(state, path)
+    return folder
+
+
+@pytest.mark.parametrize("mixer, change, message", [
+    ("pp2_vpp_legacy", {"virtual_pipeline_model_parallel_size": None},
+     "holds 2 model chunk(s) but the args say virtual_pipeline_model_parallel_size 1"),
+    ("pp2_uneven_legacy", {"decoder_first_pipeline_num_layers": 4}, "model holds 2 layers, the args give pipeline "
+                                                                    "stage 0 4 (layers 0..3)"),
+    ("gpt_pp2_uneven_legacy", {"decoder_first_pipeline_num_layers": None}, "model holds 1 layers, the args give "
+                                                                           "pipeline stage 0 2 (layers 0..1)"),
+    ("gpt_pp2_vpp_legacy", {"num_layers": 6}, "cannot tell which of the 6 layers"),
+    ("gpt_pp2_vpp_legacy", {"pipeline_model_parallel_layout": "Et|tt|tL"}, "layout 'Et|tt|tL' has 3 stages"),
+    ("gpt_pp2_vpp_legacy", {"pipeline_model_parallel_layout": "(t*9999999)*9999999"}, "over a million layers"),
+], ids=["virtual-size", "first-stage", "even-split", "layers", "layout", "layout-bomb"])
+def test_pipeline_split_that_disagrees_with_the_rank_files_is_one_line(tmp_path, capsys, mixer, change, message):
+    """A legacy checkpoint whose args place the layers otherwise than its rank files hold them (model chunks,
+    uneven stage sizes, layer count): one line naming the stage and what the args give, nothing written."""
+    folder = _legacy_rank_args(_copy(tmp_path, mixer), **change)
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", message)
+
+
+def test_grouped_mlp_weight_that_holds_no_whole_experts_is_one_line(tmp_path, capsys):
+    """A legacy ``GroupedMLP`` ``weight1`` whose size is no multiple of its rank's experts times the hidden size
+    cannot be cut into experts: one line naming it, nothing written."""
+    folder = _copy(tmp_path, "gpt_grouped_tp2_legacy")
+    path = folder / "iter_0000001" / "mp_rank_01" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    name = "decoder.layers.1.mlp.experts.weight1"
+    state["model"][name] = state["model"][name][:, :-1].contiguous()
+    torch.save(state, path)
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", f"{name} [64, 127] is no GroupedMLP weight of 4 local experts")
+
+
+def test_legacy_moe_with_its_own_expert_tensor_parallel_size_reads_the_files_the_saving_ranks_write(tmp_path,
+                                                                                                  capsys):
+    """``megatron_moe_etp1_legacy`` (TP 2, experts unsplit over 2 expert-parallel ranks) holds only the two files
+    its two ranks write, mp_rank_00_000 and mp_rank_01_001 (read against Megatron's logits in
+    ``test_eager_model_matches_megatron``); one of them missing is named in one line; an expert tensor-parallel size
+    above TP, where two ranks write one file with different expert shards, is refused."""
+    from gdn_export.megatron.checkpoint import MegatronCheckpointError, _legacy_writers
+
+    _, _, _, weights = open_megatron(FIXTURES / "megatron_moe_etp1_legacy")
+    assert "tensor-parallel size 2, pipeline-parallel size 1, expert-parallel size 2 (experts: tensor-parallel " \
+           "size 1)" in weights.summary()
+    folder = _copy(tmp_path, "moe_etp1_legacy")
+    shutil.rmtree(folder / "iter_0000001" / "mp_rank_01_001")
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "lacks mp_rank_01_001")
+    with pytest.raises(MegatronCheckpointError, match="kept only one of their expert shards"):
+        _legacy_writers({"data_parallel_size": 2}, 1, 1, 2, folder)
 
 
 def test_legacy_grid_disagrees_with_args(tmp_path, capsys):

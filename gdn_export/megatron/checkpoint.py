@@ -359,47 +359,64 @@ class MegatronCheckpoint:
         tp = int(self.args.get("tensor_model_parallel_size", 1) or 1)
         pp = int(self.args.get("pipeline_model_parallel_size", 1) or 1)
         ep = int(self.args.get("expert_model_parallel_size", 1) or 1)
+        etp = int(self.args.get("expert_tensor_parallel_size") or tp)
+        experts = int(self.args.get("num_experts") or 0)
         # the args' sizes, bounded by the folders there are (one missing is named below)
-        if tp < 1 or pp < 1 or ep < 1 or tp * pp * ep > len(ranks) + 1:
+        grid = max(tp, ep) if experts and etp != tp else tp * ep  # files a stage has at least
+        if tp < 1 or pp < 1 or ep < 1 or etp < 1 or grid * pp > len(ranks) + 1:
             raise MegatronCheckpointError(f"{iteration} holds {len(ranks)} mp_rank folders; its args say tensor-parallel "
                                           f"size {tp} x pipeline-parallel size {pp} x expert-parallel size {ep}")
+        # (tensor-parallel rank, expert-parallel rank) of each rank file -> the expert tensor-parallel rank of its
+        # experts: the whole TP x EP grid when the experts are split like the dense layers, else the files the
+        # ranks that save a legacy checkpoint write
+        writers = _legacy_writers(self.args, tp, ep, etp, iteration) if experts and etp != tp else \
+            {(t, e): t for t in range(tp) for e in range(ep)}
         expected = {(t, s, e): f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
-                    for t in range(tp) for s in range(pp) for e in range(ep)}
+                    for t, e in writers for s in range(pp)}
         present = set(ranks)
         for folder in expected.values():
             if folder not in present:
                 grid = f"mp_rank_00..{tp - 1:02d}" + (f" x _000..{pp - 1:03d}" if pp > 1 else "") + \
-                    (f" x _000..{ep - 1:03d}" if ep > 1 else "")
+                    (f" x _000..{ep - 1:03d}" if ep > 1 else "") if etp == tp or not experts else \
+                    f"{', '.join(sorted(expected.values()))} (those the saving ranks write)"
                 raise MegatronCheckpointError(f"{iteration} lacks {folder}: the args say tensor-parallel size {tp} x "
                                               f"pipeline-parallel size {pp}" + (f" x expert-parallel size {ep}"
                                                                                 if ep > 1 else "")
-                                              + f", so {grid} must all be there")
+                                              + (f" (experts' tensor-parallel size {etp})" if etp != tp and experts
+                                                 else "") + f", so {grid} must all be there")
         extra = sorted(present - set(expected.values()))
         if extra:
             raise MegatronCheckpointError(f"{iteration} holds {extra[0]}, outside the tensor-parallel size {tp} x "
                                           f"pipeline-parallel size {pp}" + (f" x expert-parallel size {ep}" if ep > 1
                                                                             else "") + " grid of its args")
-        offsets = _stage_offsets(self.args, pp)
-        local_experts = int(self.args.get("num_experts") or 0) // ep
-        self._shards: dict[str, list[torch.Tensor]] = {}
-        for t in range(tp):
-            merged: dict[str, torch.Tensor] = {}
+        virtual = _virtual_stages(states[first], iteration / first / LEGACY_FILE, self.args)
+        chunks = pipeline_chunks(self.args, pp, virtual)
+        local_experts = experts // ep
+        hidden = int(self.args.get("hidden_size") or 0)
+        # the dense layers' shards by tensor-parallel rank, the experts' by expert tensor-parallel rank
+        dense: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+        expert: list[dict[str, torch.Tensor]] = [{} for _ in range(etp)]
+        for (t, e), et in sorted(writers.items()):
             for s in range(pp):
-                for e in range(ep):
-                    folder = expected[(t, s, e)]
-                    path = iteration / folder / LEGACY_FILE
-                    state = states.pop(folder, None) or self._legacy_state(path)
-                    for name, value in self._stage_model(state, path, s, offsets).items():
-                        name = _global_expert(name, e, local_experts, path) if ep > 1 else name
-                        if name in merged and not torch.equal(merged[name], value):
-                            raise MegatronCheckpointError(f"{name} differs between the pipeline stages or "
-                                                          f"expert-parallel ranks of tensor-parallel rank {t}")
-                        merged[name] = value
-            if t and set(merged) != set(self._shards):
-                odd = sorted(set(merged) ^ set(self._shards))[0]
-                raise MegatronCheckpointError(f"tensor-parallel rank {t} and rank 0 hold different tensors ({odd})")
-            for name, value in merged.items():
-                self._shards.setdefault(name, []).append(value)
+                folder = expected[(t, s, e)]
+                path = iteration / folder / LEGACY_FILE
+                state = states.pop(folder, None) or self._legacy_state(path)
+                stage = self._stage_model(state, path, s, chunks[s])
+                for name, value in _split_grouped_mlp(stage, local_experts, hidden, path).items():
+                    name = _global_expert(name, e, local_experts, path) if ep > 1 else name
+                    merged = expert[et] if LEGACY_EXPERT.fullmatch(name) else dense[t]
+                    if name in merged and not torch.equal(merged[name], value):
+                        raise MegatronCheckpointError(f"{name} differs between the pipeline stages or "
+                                                      f"expert-parallel ranks of tensor-parallel rank {t}")
+                    merged[name] = value
+        self._shards: dict[str, list[torch.Tensor]] = {}
+        for what, ranks_ in (("tensor-parallel", dense), ("expert tensor-parallel", expert)):
+            for rank, merged in enumerate(ranks_):
+                if rank and set(merged) != set(ranks_[0]):
+                    odd = sorted(set(merged) ^ set(ranks_[0]))[0]
+                    raise MegatronCheckpointError(f"{what} rank {rank} and rank 0 hold different tensors ({odd})")
+                for name, value in merged.items():
+                    self._shards.setdefault(name, []).append(value)
         self.tensor_parallel = tp
 
     @staticmethod
@@ -414,25 +431,43 @@ class MegatronCheckpoint:
             if "mmap" not in str(err):
                 raise
             state = safe_torch_load(str(path), str(path))
-        if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-            raise MegatronCheckpointError(f"{path} holds no 'model' state dict (virtual pipeline models, model0 / "
-                                          "model1..., are not supported)")
+        if not isinstance(state, dict) or not (isinstance(state.get("model"), dict) or
+                                               isinstance(state.get("model0"), dict)):
+            raise MegatronCheckpointError(f"{path} holds no 'model' state dict (nor model0, model1... of virtual "
+                                          "pipeline stages)")
         return state
 
     @staticmethod
-    def _stage_model(state, path: Path, stage: int, offsets: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
-        """A stage's tensors with their global layer numbers (a legacy stage numbers its layers from 0)."""
-        start, count = offsets[stage]
+    def _stage_model(state, path: Path, stage: int, chunks: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+        """A stage's tensors with their global layer numbers: each of its model chunks (``model``, or ``model0``,
+        ``model1``... with virtual pipelines) numbers its layers from 0; a chunk holding other than the layers
+        ``chunks`` gives it is an error."""
+        keys = ["model"] if len(chunks) == 1 else [f"model{v}" for v in range(len(chunks))]
         out = {}
-        for name, value in state["model"].items():
-            if not isinstance(value, torch.Tensor) or "_extra_state" in name:
-                continue
-            if name.startswith("decoder.layers."):
-                index, _, rest = name[len("decoder.layers."):].partition(".")
-                if not index.isdigit() or int(index) >= count:
-                    raise MegatronCheckpointError(f"{path}: {name} is outside pipeline stage {stage}'s {count} layers")
-                name = f"decoder.layers.{start + int(index)}.{rest}"
-            out[name] = value
+        for key, (start, count) in zip(keys, chunks):
+            model = state.get(key)
+            if not isinstance(model, dict):
+                raise MegatronCheckpointError(f"{path} lacks {key}, the state of model chunk {key[5:] or 0} of "
+                                              f"{len(chunks)}")
+            seen = set()
+            for name, value in model.items():
+                if not isinstance(value, torch.Tensor) or "_extra_state" in name:
+                    continue
+                if name.startswith("decoder.layers."):
+                    index, _, rest = name[len("decoder.layers."):].partition(".")
+                    if not index.isdigit() or int(index) >= count >= 0:
+                        raise MegatronCheckpointError(f"{path}: {key}'s {name} is outside the {count} layers the "
+                                                      f"args give pipeline stage {stage}"
+                                                      + (f", chunk {key[5:]}" if len(chunks) > 1 else ""))
+                    seen.add(int(index))
+                    name = f"decoder.layers.{start + int(index)}.{rest}"
+                if name in out:
+                    raise MegatronCheckpointError(f"{path}: {name} is held by two model chunks")
+                out[name] = value
+            if len(seen) != count >= 0:
+                raise MegatronCheckpointError(f"{path}: {key} holds {len(seen)} layers, the args give pipeline stage "
+                                              f"{stage}" + (f", chunk {key[5:]}," if len(chunks) > 1 else "")
+                                              + f" {count} (layers {start}..{start + count - 1})")
         return out
 
     # --- common ------------------------------------------------------------------------------------------------
@@ -472,6 +507,79 @@ class MegatronCheckpoint:
         return shards[0] if len(shards) == 1 else merge_tensor_parallel(name, shards, self.blocks.get(name))
 
 
+def _legacy_writers(args: dict, tp: int, ep: int, etp: int, iteration: Path) -> dict[tuple[int, int], int]:
+    """``{(tensor-parallel rank, expert-parallel rank): expert tensor-parallel rank}`` of the rank files a legacy
+    checkpoint holds when the experts' tensor-parallel size ``etp`` differs from the dense layers' ``tp``: Megatron-LM's
+    ``save_checkpoint`` has every rank of data-parallel rank 0 or expert-data-parallel rank 0 write
+    ``mp_rank_<tp>[_<pp>][_<ep>]`` (named by its dense TP rank and its expert-parallel rank), and
+    ``initialize_model_parallel`` numbers the ranks of a stage ``tp-cp-dp`` (dense) and ``etp-ep-edp`` (experts),
+    the first fastest. Two ranks writing one file with different expert shards (``etp`` > ``tp``: the format then
+    keeps one of them) is an error, as are layouts this does not compute (context parallelism, ``tp-pp-dp`` order)."""
+    cp = int(args.get("context_parallel_size") or 1)
+    if cp != 1 or args.get("use_tp_pp_dp_mapping"):
+        raise MegatronCheckpointError("a legacy MoE checkpoint with an expert tensor-parallel size other than TP, "
+                                      "saved with context parallelism or the tp-pp-dp rank order, is not supported")
+    pp = int(args.get("pipeline_model_parallel_size") or 1)
+    dp = int(args.get("data_parallel_size") or 0) or int(args.get("world_size") or 0) // (tp * pp)
+    stage = tp * dp  # ranks in a pipeline stage
+    if dp < 1 or stage > 1 << 20 or stage % (etp * ep):
+        raise MegatronCheckpointError(f"the args' data-parallel size {dp} x tensor-parallel size {tp} is no multiple "
+                                      f"of the experts' tensor-parallel size {etp} x expert-parallel size {ep}")
+    writers: dict[tuple[int, int], int] = {}
+    for rank in range(stage):
+        t, d = rank % tp, rank // tp
+        et, e, ed = rank % etp, (rank // etp) % ep, rank // (etp * ep)
+        if d and ed:
+            continue
+        if writers.setdefault((t, e), et) != et:
+            raise MegatronCheckpointError(f"{iteration}: expert tensor-parallel size {etp} > tensor-parallel size {tp}: "
+                                          f"ranks of expert tensor-parallel ranks {writers[(t, e)]} and {et} both write "
+                                          f"mp_rank_{t:02d}, so the legacy format kept only one of their expert shards")
+    return writers
+
+
+def _split_grouped_mlp(tensors: dict[str, torch.Tensor], local: int, hidden: int, path: Path) \
+        -> dict[str, torch.Tensor]:
+    """A rank's tensors with the old ``GroupedMLP``'s ``experts.weight1`` / ``weight2`` (megatron-core <= 0.16,
+    ``--moe-grouped-gemm`` without Transformer Engine) cut into one tensor per local expert, as ``TEGroupedMLP``
+    names them (``linear_fc1.weight<i>`` ``[2I/TP, H]``, ``linear_fc2.weight<i>`` ``[H, I/TP]``), so the TP
+    merge and the expert-parallel renumbering read them like any other. ``GroupedMLP`` keeps ``weight1`` as ``[H,
+    local · 2I/TP]`` but computes with its memory viewed as ``[local, H, 2I/TP]`` (its ``forward``: ``w1 =
+    weight1.view(num_local_experts, hidden_size, -1)``, then ``x @ w1[e]``, the GLU's gate the first half of the
+    columns) and ``weight2`` as ``[local · I/TP, H]`` viewed as ``[local, I/TP, H]``: expert i's ``linear_fc1`` is
+    ``w1[i].T`` (its rank's ``[gate; up]`` rows) and its ``linear_fc2`` ``w2[i].T``, as its ``sharded_state_dict``
+    maps them onto ``SequentialMLP``'s layout."""
+    out = {}
+    for name, value in tensors.items():
+        match = re.fullmatch(r"(.*\.mlp\.experts\.)weight([12])", name)
+        if match is None:
+            out[name] = value
+            continue
+        if local < 1 or hidden < 1 or value.dim() != 2 or value.numel() % (local * hidden):
+            raise MegatronCheckpointError(f"{path}: {name} {list(value.shape)} is no GroupedMLP weight of {local} "
+                                          f"local experts of hidden size {hidden}")
+        stacked = value.reshape(local, hidden, -1) if match[2] == "1" else value.reshape(local, -1, hidden)
+        for i in range(local):
+            out[f"{match[1]}linear_fc{match[2]}.weight{i}"] = stacked[i].t()
+    return out
+
+
+def _virtual_stages(state: dict, path: Path, args: dict) -> int:
+    """The model chunks a legacy rank file holds: ``model`` (1) or ``model0`` .. ``model<V-1>`` (Megatron-LM's
+    ``generate_state_dict`` with V virtual pipeline stages), which must be the args'
+    ``virtual_pipeline_model_parallel_size``."""
+    found = sum(1 for key in state if re.fullmatch(r"model\d+", str(key)))
+    chunks = 1 if "model" in state else found
+    if found if "model" in state else any(f"model{v}" not in state for v in range(chunks)):
+        raise MegatronCheckpointError(f"{path} holds model chunks {sorted(k for k in state if str(k).startswith('model'))}"
+                                      ": expected 'model' or model0..model<V-1>")
+    stated = int(args.get("virtual_pipeline_model_parallel_size") or 1)
+    if chunks != stated:
+        raise MegatronCheckpointError(f"{path} holds {chunks} model chunk(s) but the args say "
+                                      f"virtual_pipeline_model_parallel_size {stated}")
+    return chunks
+
+
 def _global_expert(name: str, rank: int, local: int, path: Path) -> str:
     """A legacy expert tensor's name with its expert-parallel rank's local index made global (``rank · local + i``);
     other names unchanged. A local index outside the rank's ``local`` experts is an error."""
@@ -486,27 +594,113 @@ def _global_expert(name: str, rank: int, local: int, path: Path) -> str:
     return f"{match[1]}{match[4]}{rank * local + index}"
 
 
-def _stage_offsets(args: dict, stages: int) -> list[tuple[int, int]]:
-    """(first global layer, layer count) of each pipeline stage: the hybrid pattern's ``|`` segments, or, without
-    them, an even split of its layers (as Megatron's ``select_pipeline_segment`` allocates them)."""
+def _layout_layers(layout: str) -> list[int]:
+    """The decoder layers (``t``) of each stage of a ``pipeline_model_parallel_layout`` string, as Megatron's
+    ``PipelineParallelLayerLayout.parse_str_to_list`` reads it: commas dropped, ``(…)*n`` and ``x*n`` unrolled, stages
+    split at ``|``, each stage of ``E`` (embedding), ``t`` (decoder layer), ``m`` (MTP layer), ``L`` (loss)."""
+    text = str(layout).replace(",", "")
+    if len(text) > 4096:
+        raise MegatronCheckpointError(f"pipeline_model_parallel_layout of {len(text)} characters")
+    limit = 1 << 20  # characters once unrolled: a million layers
+
+    def unroll(match: re.Match) -> str:
+        size[0] += len(match.group(1)) * (int(match.group(2)) - 1)
+        if size[0] > limit:
+            raise MegatronCheckpointError("pipeline_model_parallel_layout unrolls to over a million layers")
+        return match.group(1) * int(match.group(2))
+
+    for pattern in (r"\(([^)]+)\)\*(\d{1,7})", r"(.)\*(\d{1,7})"):
+        size = [len(text)]  # the length the text grows to, counted before each repetition is made
+        text = re.sub(pattern, unroll, text)
+    stages = text.split("|")
+    for stage in stages:
+        if set(stage) - set("Etm L"):
+            raise MegatronCheckpointError(f"pipeline_model_parallel_layout {str(layout)[:80]!r}: stage {stage[:40]!r} "
+                                          "holds other than E, t, m, L")
+    return [stage.count("t") for stage in stages]
+
+
+def _chunk_counts(args: dict, stages: int, virtual: int, layers: int, hybrid: bool) -> list[int]:
+    """The decoder layers of each model chunk, in the order Megatron numbers them (chunk v of every stage, then
+    chunk v + 1: index ``v * stages + s``), by Megatron's rules: a HybridModel's ``select_pipeline_segment`` (the
+    pattern's ``|`` segments, or its layers split over the stages, the first / last stage's count given), a
+    GPTModel's ``pipeline_model_parallel_layout`` or ``get_num_layers_to_build`` (even, uneven first / last stage,
+    the embedding and the loss counted as a layer each)."""
+    first = args.get("decoder_first_pipeline_num_layers", args.get("num_layers_in_first_pipeline_stage"))
+    last = args.get("decoder_last_pipeline_num_layers", args.get("num_layers_in_last_pipeline_stage"))
+    first, last = (None if n is None else int(n) for n in (first, last))
+    layout = None if hybrid else args.get("pipeline_model_parallel_layout")
+    chunks = stages * virtual
+    where = f"{stages} pipeline stages" + (f" of {virtual} virtual stages" if virtual > 1 else "")
+    if layout is not None:
+        counts = _layout_layers(layout)
+        if len(counts) != chunks:
+            raise MegatronCheckpointError(f"pipeline_model_parallel_layout {str(layout)[:80]!r} has {len(counts)} "
+                                          f"stages, the checkpoint {where}")
+        return counts
+    if first is not None or last is not None:
+        if hybrid and virtual > 1:
+            raise MegatronCheckpointError("uneven pipeline stages with virtual stages in a HybridModel (Megatron "
+                                          "needs '|' in the pattern for virtual stages)")
+        given = [n for n in (first, last) if n is not None]
+        middle_stages = stages - len(given)
+        middle = layers - sum(given)
+        if any(n <= 0 or n % virtual for n in given) or middle < 0 or (middle_stages == 0) != (middle == 0) or \
+                (middle_stages and middle % (middle_stages * virtual)):
+            raise MegatronCheckpointError(f"{layers} layers cannot be split over {where} with {first} layers on the "
+                                          f"first stage and {last} on the last (as Megatron would refuse)")
+        per_stage = [middle // middle_stages if middle_stages else 0] * stages
+        if first is not None:
+            per_stage[0] = first
+        if last is not None:
+            per_stage[-1] = last
+        return [per_stage[s] // virtual for v in range(virtual) for s in range(stages)]
+    embedding = not hybrid and bool(args.get("account_for_embedding_in_pipeline_split"))
+    loss = not hybrid and bool(args.get("account_for_loss_in_pipeline_split"))
+    total = layers + embedding + loss
+    if total % (stages * virtual):
+        raise MegatronCheckpointError(f"cannot tell which of the {layers} layers each of the {where} holds (no '|' "
+                                      "in the layer pattern, no uneven stage sizes, and no even split)")
+    counts = [total // chunks] * chunks
+    counts[0] -= embedding  # the embedding counted as a layer of the first chunk, the loss of the last
+    counts[-1] -= loss
+    return counts
+
+
+def pipeline_chunks(args: dict, stages: int, virtual: int = 1) -> list[list[tuple[int, int]]]:
+    """``[stage][chunk] = (first global layer, layer count)`` of each pipeline stage's model chunks (a legacy rank
+    file numbers each chunk's layers from 0; virtual pipelines hold several chunks, ``model0``, ``model1``...), as
+    Megatron lays them out: chunk v of stage s holds the ``v * stages + s``-th run of layers (its
+    ``select_pipeline_segment``, ``get_transformer_layer_offset`` and ``PipelineParallelLayerLayout`` all number
+    them so), each run's length by ``_chunk_counts``. A split that does not add up to the model's layers is an
+    error."""
     pattern = args.get("hybrid_layer_pattern") or args.get("hybrid_override_pattern") or ""
     main = pattern.split("/")[0]
-    if stages == 1:
-        return [(0, len(main.replace("|", "")) or 10**9)]
+    hybrid = bool(pattern)
+    layers = len(main.replace("|", "")) if hybrid else int(args.get("num_layers") or 0)
+    if stages == 1 and virtual == 1:
+        return [[(0, layers if layers else -1)]]  # -1: not known from the args, not checked
     if "|" in main:
         counts = [len(segment) for segment in main.split("|")]
-        if len(counts) != stages:
+        if args.get("decoder_first_pipeline_num_layers") or args.get("decoder_last_pipeline_num_layers"):
+            raise MegatronCheckpointError("uneven pipeline stage sizes and '|' in the layer pattern (Megatron "
+                                          "refuses both)")
+        if len(counts) != stages * virtual:
             raise MegatronCheckpointError(f"layer pattern {pattern!r} has {len(counts)} pipeline segments but the "
-                                          f"checkpoint has {stages} pipeline stages (virtual pipelines are not supported)")
+                                          f"checkpoint has {stages} pipeline stages" +
+                                          (f" of {virtual} virtual stages" if virtual > 1 else ""))
     else:
-        layers = len(main) or int(args.get("num_layers") or 0)
-        if not layers or layers % stages or args.get("num_layers_in_first_pipeline_stage") or \
-                args.get("num_layers_in_last_pipeline_stage"):
-            raise MegatronCheckpointError(f"cannot tell which of the {layers} layers each of the {stages} pipeline "
-                                          "stages holds (no '|' in the layer pattern and no even split)")
-        counts = [layers // stages] * stages
+        if not layers:
+            raise MegatronCheckpointError("the args give no layer count (num_layers or a layer pattern)")
+        if hybrid and virtual > 1:
+            raise MegatronCheckpointError(f"{virtual} virtual pipeline stages but no '|' in the layer pattern "
+                                          f"{pattern!r} (Megatron's HybridModel needs them to place the stages)")
+        counts = _chunk_counts(args, stages, virtual, layers, hybrid)
+    if sum(counts) != layers or min(counts) < 0:
+        raise MegatronCheckpointError(f"the pipeline split {counts} of the args does not hold the model's {layers} "
+                                      "layers")
     starts = [0, *itertools.accumulate(counts[:-1])]
-    return list(zip(starts, counts))
+    return [[(starts[v * stages + s], counts[v * stages + s]) for v in range(virtual)] for s in range(stages)]
 
 
 # How Megatron's parallel layers split a tensor over tensor-parallel ranks (by the parameter's name):

@@ -366,7 +366,8 @@ def _expert_pieces(checkpoint, where: str, linear: str, experts: int) -> list:
     """The routed experts' ``linear`` (``linear_fc1`` / ``linear_fc2``) in expert order: one stacked tensor
     ``experts.experts.<linear>.weight`` (torch_dist, with the expert axis first, for sequential and grouped-GEMM
     experts alike), or one tensor per expert in a legacy checkpoint (``SequentialMLP``:
-    ``experts.local_experts.<e>.<linear>.weight``; ``TEGroupedMLP``: ``experts.<linear>.weight<e>``)."""
+    ``experts.local_experts.<e>.<linear>.weight``; ``TEGroupedMLP``: ``experts.<linear>.weight<e>``; the old
+    ``GroupedMLP``'s ``weight1`` / ``weight2`` are cut into the latter when the checkpoint is opened)."""
     stacked = f"{where}experts.experts.{linear}.weight"
     if checkpoint.has(stacked):
         return [(stacked, None)]
@@ -375,9 +376,6 @@ def _expert_pieces(checkpoint, where: str, linear: str, experts: int) -> list:
         names = [name_of(e) for e in range(experts)]
         if all(checkpoint.has(name) for name in names):
             return [(name, None) for name in names]
-    if checkpoint.has(f"{where}experts.weight1"):
-        raise MegatronCheckpointError(f"{where}experts.weight1: the legacy GroupedMLP layout (weight1 / weight2) is "
-                                      "not supported (save torch_dist, or SequentialMLP / TEGroupedMLP experts)")
     raise MegatronCheckpointError(f"weights missing from the checkpoint: {stacked} (or the {experts} experts' "
                                   f"{where}experts.local_experts.<e>.{linear}.weight)")
 
@@ -492,11 +490,6 @@ def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
 
 def refuse_unverified(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> None:
     """What is read by the same means as verified layouts but has no fixture: refused rather than guessed."""
-    tp = getattr(checkpoint, "tensor_parallel", 1)
-    expert_tp = _arg(checkpoint.args, "expert_tensor_parallel_size", default=tp)
-    if config.moe_layers and checkpoint.format == "legacy" and tp > 1 and expert_tp != tp:
-        raise MegatronCheckpointError(f"a legacy MoE checkpoint saved with expert_tensor_parallel_size {expert_tp} "
-                                      f"!= tensor_model_parallel_size {tp} is not supported (save torch_dist)")
 
 
 class MegatronWeights(CheckpointWeights):
@@ -567,6 +560,10 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
              for what, key in (("tensor", "tensor"), ("pipeline", "pipeline"), ("expert", "expert"))}
     saved = (" saved with " + ", ".join(f"{what}-parallel size {size}" for what, size in sizes.items())
              if any(size > 1 for size in sizes.values()) else "")
+    virtual = int(checkpoint.args.get("virtual_pipeline_model_parallel_size") or 1)
+    saved += f" ({virtual} virtual pipeline stages a rank)" if virtual > 1 else ""
+    expert_tp = int(checkpoint.args.get("expert_tensor_parallel_size") or sizes["tensor"])
+    saved += f" (experts: tensor-parallel size {expert_tp})" if config.moe_layers and expert_tp != sizes["tensor"] else ""
     gpt = not _arg(checkpoint.args, "hybrid_layer_pattern", "hybrid_override_pattern")
     layers = f"GPTModel layers {config.pattern} (a mixer and an MLP each)" if gpt else f"pattern {config.pattern}"
     by = " (saved by Megatron-Bridge: run_config.yaml)" if checkpoint.saved_by == "Megatron-Bridge" else ""
