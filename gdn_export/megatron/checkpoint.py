@@ -366,7 +366,7 @@ class MegatronCheckpoint:
             raise MegatronCheckpointError(f"{iteration}: a legacy checkpoint with weights sharded over data-parallel "
                                           f"ranks ({', '.join(f'{k} {v}' for k, v in remat.items())}; Transformer "
                                           "Engine's generalized tensor parallelism) is not read: which rank's file "
-                                          "holds which shard is not verified by a fixture (torch_dist is read)")
+                                          "holds which shard is not verified by a fixture")
         # the args' sizes, bounded by the folders there are (one missing is named below)
         grid = max(tp, ep) if experts and etp != tp else tp * ep  # files a stage has at least
         if tp < 1 or pp < 1 or ep < 1 or etp < 1 or grid * pp > len(ranks) + 1:
