@@ -27,7 +27,7 @@ MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe",
 # pipeline and rank layouts that only the reading tells apart: read against Megatron's logits by the eager model
 # (the conversion's reference); their graphs' layers are those of fixtures that convert through tract above
 READ_ONLY = ("pp2_vpp_legacy", "pp2_uneven_legacy", "gpt_pp2_vpp_legacy", "moe_etp1_legacy", "bridge_qwen3_next_mtp_pp2",
-             "moe_etp1_tppdp_legacy", "moe_cp2_etp1_legacy")
+             "moe_etp1_tppdp_legacy", "moe_cp2_etp1_legacy", "tp2_cp2_legacy")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5", "bridge_qwen3_next_tp2", "bridge_qwen3_next_mtp",
           "bridge_qwen3_5_mtp")
 PROMPT = 16
@@ -514,15 +514,17 @@ def test_legacy_moe_with_its_own_expert_tensor_parallel_size_reads_the_files_the
         _legacy_writers({"data_parallel_size": 1, "context_parallel_size": 2}, 1, 1, 2, folder)
 
 
-def test_legacy_moe_saved_with_context_parallelism_or_the_tp_pp_dp_order(tmp_path, capsys):
-    """The files the saving ranks write with context parallelism (``megatron_moe_cp2_etp1_legacy``: TP 2 x CP 2, the
-    4 experts one a rank; TP rank 0 of CP rank 1 writes mp_rank_00_002) and with the ranks numbered tp-pp-dp
+def test_legacy_saved_with_context_parallelism_or_the_tp_pp_dp_order(tmp_path, capsys):
+    """The files the saving ranks write with context parallelism (``megatron_tp2_cp2_legacy``: TP 2 x CP 2 writes
+    mp_rank_00 and mp_rank_01, each by both CP ranks; ``megatron_moe_cp2_etp1_legacy``: TP 2 x CP 2, the 4 experts
+    one a rank; TP rank 0 of CP rank 1 writes mp_rank_00_002) and with the ranks numbered tp-pp-dp
     (``megatron_moe_etp1_tppdp_legacy``: TP 2, PP 2, EP 2, DP 2, 8 ranks) are the ones expected (both read against
     Megatron's logits in ``test_eager_model_matches_megatron``); the CP rank's file missing is named; args the
     tp-pp-dp order cannot have run with are refused."""
     from gdn_export.megatron.checkpoint import MegatronCheckpointError, _legacy_writers
 
-    for mixer, saved in (("moe_cp2_etp1_legacy", "expert-parallel size 4, context-parallel size 2 (experts: "),
+    for mixer, saved in (("tp2_cp2_legacy", "expert-parallel size 1, context-parallel size 2, pattern"),
+                         ("moe_cp2_etp1_legacy", "expert-parallel size 4, context-parallel size 2 (experts: "),
                          ("moe_etp1_tppdp_legacy", "expert-parallel size 2 (ranks numbered tp-pp-dp) (experts: ")):
         assert saved in open_megatron(FIXTURES / f"megatron_{mixer}")[3].summary()
     folder = _copy(tmp_path, "moe_cp2_etp1_legacy")
