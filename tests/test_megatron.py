@@ -24,9 +24,10 @@ from gdn_export.megatron.family import open_megatron
 MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "gpt_mtp", "ep2", "ep2_legacy", "bridge_qwen3_next", "bridge_qwen3_next_tp2",
           "bridge_qwen3_5", "pp2_vpp", "gpt_pp2_uneven_legacy", "gpt_grouped_tp2_legacy", "bridge_qwen3_next_mtp",
           "bridge_qwen3_5_mtp")
-# pipeline layouts that only the reading tells apart: read against Megatron's logits by the eager model (the
-# conversion's reference); their graphs are those of pp2 / gpt_pp2_uneven_legacy, which convert through tract above
-READ_ONLY = ("pp2_vpp_legacy", "pp2_uneven_legacy", "gpt_pp2_vpp_legacy", "moe_etp1_legacy", "bridge_qwen3_next_mtp_pp2")
+# pipeline and rank layouts that only the reading tells apart: read against Megatron's logits by the eager model
+# (the conversion's reference); their graphs' layers are those of fixtures that convert through tract above
+READ_ONLY = ("pp2_vpp_legacy", "pp2_uneven_legacy", "gpt_pp2_vpp_legacy", "moe_etp1_legacy", "bridge_qwen3_next_mtp_pp2",
+             "moe_etp1_tppdp_legacy", "moe_cp2_etp1_legacy", "tp2_cp2_legacy")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5", "bridge_qwen3_next_tp2", "bridge_qwen3_next_mtp",
           "bridge_qwen3_5_mtp")
 PROMPT = 16
@@ -508,6 +509,41 @@ def test_legacy_moe_with_its_own_expert_tensor_parallel_size_reads_the_files_the
     refused(capsys, folder, tmp_path / "m.nnef.tgz", "lacks mp_rank_01_001")
     with pytest.raises(MegatronCheckpointError, match="kept only one of their expert shards"):
         _legacy_writers({"data_parallel_size": 2}, 1, 1, 2, folder)
+    # two CP ranks of one TP rank write one file: with other expert shards, the same error
+    with pytest.raises(MegatronCheckpointError, match="kept only one of their expert shards"):
+        _legacy_writers({"data_parallel_size": 1, "context_parallel_size": 2}, 1, 1, 2, folder)
+
+
+def test_legacy_saved_with_context_parallelism_or_the_tp_pp_dp_order(tmp_path, capsys):
+    """The files the saving ranks write with context parallelism (``megatron_tp2_cp2_legacy``: TP 2 x CP 2 writes
+    mp_rank_00 and mp_rank_01, each by both CP ranks; ``megatron_moe_cp2_etp1_legacy``: TP 2 x CP 2, the 4 experts
+    one a rank; TP rank 0 of CP rank 1 writes mp_rank_00_002) and with the ranks numbered tp-pp-dp
+    (``megatron_moe_etp1_tppdp_legacy``: TP 2, PP 2, EP 2, DP 2, 8 ranks) are the ones expected (both read against
+    Megatron's logits in ``test_eager_model_matches_megatron``); the CP rank's file missing is named; args the
+    tp-pp-dp order cannot have run with are refused."""
+    from gdn_export.megatron.checkpoint import MegatronCheckpointError, _legacy_writers
+
+    for mixer, saved in (("tp2_cp2_legacy", "expert-parallel size 1, context-parallel size 2, pattern"),
+                         ("moe_cp2_etp1_legacy", "expert-parallel size 4, context-parallel size 2 (experts: "),
+                         ("moe_etp1_tppdp_legacy", "expert-parallel size 2 (ranks numbered tp-pp-dp) (experts: ")):
+        assert saved in open_megatron(FIXTURES / f"megatron_{mixer}")[3].summary()
+    folder = _copy(tmp_path, "moe_cp2_etp1_legacy")
+    shutil.rmtree(folder / "iter_0000001" / "mp_rank_00_002")
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "lacks mp_rank_00_002")
+    with pytest.raises(MegatronCheckpointError, match="as Megatron asserts"):
+        _legacy_writers({"data_parallel_size": 2, "pipeline_model_parallel_size": 2, "use_tp_pp_dp_mapping": True},
+                        4, 2, 1, folder)
+
+
+def test_legacy_with_weights_sharded_over_data_parallel_ranks_is_one_line(tmp_path, capsys):
+    """Generalized tensor parallelism (Transformer Engine's weight shards over data-parallel ranks) in a legacy
+    checkpoint: refused in one line, nothing written."""
+    folder = _copy(tmp_path, "tp2_legacy")
+    for path in (folder / "iter_0000001").glob("mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)
+        state["args"].gtp_weight_remat_size = 2
+        torch.save(state, path)
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "gtp_weight_remat_size 2")
 
 
 def test_legacy_grid_disagrees_with_args(tmp_path, capsys):

@@ -361,6 +361,12 @@ class MegatronCheckpoint:
         ep = int(self.args.get("expert_model_parallel_size", 1) or 1)
         etp = int(self.args.get("expert_tensor_parallel_size") or tp)
         experts = int(self.args.get("num_experts") or 0)
+        remat = {key: int(self.args.get(key) or 1) for key in ("gtp_weight_remat_size", "expert_gtp_weight_remat_size")}
+        if any(size != 1 for size in remat.values()):  # Megatron-LM's --tensor-parallel-num-weight-shards
+            raise MegatronCheckpointError(f"{iteration}: a legacy checkpoint with weights sharded over data-parallel "
+                                          f"ranks ({', '.join(f'{k} {v}' for k, v in remat.items())}; Transformer "
+                                          "Engine's generalized tensor parallelism) is not read: which rank's file "
+                                          "holds which shard is not verified by a fixture")
         # the args' sizes, bounded by the folders there are (one missing is named below)
         grid = max(tp, ep) if experts and etp != tp else tp * ep  # files a stage has at least
         if tp < 1 or pp < 1 or ep < 1 or etp < 1 or grid * pp > len(ranks) + 1:
@@ -510,24 +516,31 @@ class MegatronCheckpoint:
 def _legacy_writers(args: dict, tp: int, ep: int, etp: int, iteration: Path) -> dict[tuple[int, int], int]:
     """``{(tensor-parallel rank, expert-parallel rank): expert tensor-parallel rank}`` of the rank files a legacy
     checkpoint holds when the experts' tensor-parallel size ``etp`` differs from the dense layers' ``tp``: Megatron-LM's
-    ``save_checkpoint`` has every rank of data-parallel rank 0 or expert-data-parallel rank 0 write
+    ``save_checkpoint`` has every rank of data-parallel rank 0 (in the data-parallel group without the
+    context-parallel ranks: every CP rank of it writes, the same replica) or of expert-data-parallel rank 0 write
     ``mp_rank_<tp>[_<pp>][_<ep>]`` (named by its dense TP rank and its expert-parallel rank), and
-    ``initialize_model_parallel`` numbers the ranks of a stage ``tp-cp-dp`` (dense) and ``etp-ep-edp`` (experts),
-    the first fastest. Two ranks writing one file with different expert shards (``etp`` > ``tp``: the format then
-    keeps one of them) is an error, as are layouts this does not compute (context parallelism, ``tp-pp-dp`` order)."""
-    cp = int(args.get("context_parallel_size") or 1)
-    if cp != 1 or args.get("use_tp_pp_dp_mapping"):
-        raise MegatronCheckpointError("a legacy MoE checkpoint with an expert tensor-parallel size other than TP, "
-                                      "saved with context parallelism or the tp-pp-dp rank order, is not supported")
+    ``initialize_model_parallel`` numbers the ranks of a pipeline stage ``tp-cp-dp`` (dense) and ``etp-ep-edp``
+    (experts), the first fastest. The tp-pp-dp order (``use_tp_pp_dp_mapping``: ``tp-cp-ep-pp-dp``) numbers them
+    alike: with PP > 1 Megatron asserts the experts' data-parallel size equal to the dense one, so the pipeline rank
+    takes the same place in both numberings, and with PP = 1 the orders are one. Two ranks writing one file with
+    different expert shards (``etp`` > ``tp``: the format then keeps one of them) is an error."""
     pp = int(args.get("pipeline_model_parallel_size") or 1)
-    dp = int(args.get("data_parallel_size") or 0) or int(args.get("world_size") or 0) // (tp * pp)
-    stage = tp * dp  # ranks in a pipeline stage
-    if dp < 1 or stage > 1 << 20 or stage % (etp * ep):
-        raise MegatronCheckpointError(f"the args' data-parallel size {dp} x tensor-parallel size {tp} is no multiple "
-                                      f"of the experts' tensor-parallel size {etp} x expert-parallel size {ep}")
+    cp = int(args.get("context_parallel_size") or 1)
+    # Megatron-LM's data_parallel_size is world_size / (TP x PP x CP)
+    dp = int(args.get("data_parallel_size") or 0) or int(args.get("world_size") or 0) // max(1, tp * pp * cp)
+    stage = tp * cp * dp  # ranks in a pipeline stage
+    if cp < 1 or dp < 1 or stage > 1 << 20 or stage % (etp * ep):
+        raise MegatronCheckpointError(f"the args' data-parallel size {dp} x context-parallel size {cp} x tensor-parallel "
+                                      f"size {tp} is no multiple of the experts' tensor-parallel size {etp} x "
+                                      f"expert-parallel size {ep}")
+    if args.get("use_tp_pp_dp_mapping") and pp > 1 and etp * ep != tp * cp:
+        raise MegatronCheckpointError(f"the args' tp-pp-dp rank order with pipeline-parallel size {pp} needs the "
+                                      f"experts' tensor- x expert-parallel size ({etp} x {ep}) equal to the tensor- x "
+                                      f"context-parallel size ({tp} x {cp}), as Megatron asserts: no Megatron run "
+                                      "saved these args")
     writers: dict[tuple[int, int], int] = {}
     for rank in range(stage):
-        t, d = rank % tp, rank // tp
+        t, d = rank % tp, rank // (tp * cp)
         et, e, ed = rank % etp, (rank // etp) % ep, rank // (etp * ep)
         if d and ed:
             continue

@@ -488,10 +488,6 @@ def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
     return blocks
 
 
-def refuse_unverified(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> None:
-    """What is read by the same means as verified layouts but has no fixture: refused rather than guessed."""
-
-
 class MegatronWeights(CheckpointWeights):
     """``CheckpointWeights`` whose summary names the checkpoint's format and Megatron layer types; ``mtp``: the
     MTP head's ``(MTPConfig, {published mtp.* name: MegatronSource})`` (``megatron.mtp``), or None."""
@@ -558,8 +554,11 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
         used.append("zero-centred (1 + w) norms")
     sizes = {what: int(checkpoint.args.get(f"{key}_model_parallel_size", 1) or 1)
              for what, key in (("tensor", "tensor"), ("pipeline", "pipeline"), ("expert", "expert"))}
-    saved = (" saved with " + ", ".join(f"{what}-parallel size {size}" for what, size in sizes.items())
-             if any(size > 1 for size in sizes.values()) else "")
+    context = int(checkpoint.args.get("context_parallel_size") or 1)
+    parts = [f"{what}-parallel size {size}" for what, size in sizes.items()] + \
+        ([f"context-parallel size {context}"] if context > 1 else [])
+    saved = " saved with " + ", ".join(parts) if any(size > 1 for size in sizes.values()) or context > 1 else ""
+    saved += " (ranks numbered tp-pp-dp)" if saved and checkpoint.args.get("use_tp_pp_dp_mapping") else ""
     virtual = int(checkpoint.args.get("virtual_pipeline_model_parallel_size") or 1)
     saved += f" ({virtual} virtual pipeline stages a rank)" if virtual > 1 else ""
     expert_tp = int(checkpoint.args.get("expert_tensor_parallel_size") or sizes["tensor"])
@@ -581,7 +580,6 @@ def open_megatron(folder: str | os.PathLike):
     except (ValueError, TypeError) as err:  # a number the args hold as something else: the args are at fault
         raise MegatronCheckpointError(f"{folder}: the checkpoint's args do not describe a model: "
                                       f"{str(err).splitlines()[0][:200]}") from None
-    refuse_unverified(config, checkpoint)
     checkpoint.blocks = fused_blocks(config)
     with parameters_on_meta():
         model = MegatronHybridLM(config).eval()
