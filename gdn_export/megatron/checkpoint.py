@@ -513,10 +513,14 @@ def _stage_offsets(args: dict, stages: int) -> list[tuple[int, int]]:
 # ColumnParallelLinear / VocabParallelEmbedding and the mixers' per-head parameters on axis 0, RowParallelLinear on
 # axis 1, norms replicated. A fused projection (packed in_proj, conv1d, SwiGLU linear_fc1) is split per part: each
 # rank holds its slice of every part, so its rows are merged through the block layout the model's arguments give.
+# Biases (add_bias_linear, LayerNorm): a ColumnParallelLinear's split as its output rows, a RowParallelLinear's
+# (added after the all-reduce) and a norm's replicated.
 _ROW_PARALLEL = ("out_proj.weight", "linear_proj.weight", "linear_fc2.weight")
 _COLUMN_PARALLEL = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias", "A_log",
-                    "dt_bias", "in_proj.weight", "conv1d.weight", "linear_fc1.weight", "mixer.norm.weight")
+                    "dt_bias", "in_proj.weight", "conv1d.weight", "linear_fc1.weight", "linear_fc1.bias",
+                    "mixer.norm.weight")
 _REPLICATED = ("layer_norm_weight", "layernorm.weight", "final_norm.weight", "out_norm.weight", "norm.weight",
+               "layer_norm_bias", "norm.bias", "linear_proj.bias", "linear_fc2.bias",
                "router.weight", "router.expert_bias", "gate_weight")
 _BLOCKED = ("in_proj.weight", "conv1d.weight")
 

@@ -13,7 +13,7 @@ from gdn_export.hf.families.base import Family
 from gdn_export.hf.families.fla import FlaLM
 from gdn_export.hf.layout import Layout
 from gdn_export.megatron.checkpoint import MegatronCheckpoint, MegatronCheckpointError, MegatronSource
-from gdn_export.layers.common import RMSNorm
+from gdn_export.layers.common import LayerNorm, RMSNorm
 from gdn_export.megatron.mtp import mtp_sources
 from gdn_export.megatron.model import (MIXER_NAMES, GatedDeltaNet2Mixer, GatedDeltaNetMixer, GatedDeltaProductMixer,
                                        MegatronConfig, MegatronHybridLM, MegatronMoE)
@@ -88,9 +88,14 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
         if condition:
             raise MegatronCheckpointError(f"{what} is not supported")
 
-    refuse_if(_arg(args, "normalization", default="LayerNorm") != "RMSNorm",
-              f"normalization {_arg(args, 'normalization', default='LayerNorm')!r} (only RMSNorm)")
-    refuse_if(bool(_arg(args, "add_bias_linear", default=False)), "add_bias_linear (linear layers with biases)")
+    # Megatron-LM's arguments default to LayerNorm and add_bias_linear (its GPT defaults)
+    normalization = _arg(args, "normalization", default="LayerNorm")
+    refuse_if(normalization not in ("RMSNorm", "LayerNorm"), f"normalization {normalization!r} (RMSNorm or LayerNorm)")
+    bias = bool(_arg(args, "add_bias_linear", default=True))
+    # Megatron's router and experts take a bias with add_bias_linear (its shared experts refuse one); the project's
+    # sparse moe_ffn node has none
+    refuse_if(bias and "E" in pattern, "add_bias_linear with MoE ('E') layers (router and expert biases: the "
+                                       "sparse MoE node has none; add_bias_linear is read for attention and MLPs)")
     interleaved = bool(_arg(args, "rotary_interleaved", default=False))
     # HybridModel builds its RotaryEmbedding without rotary_interleaved (its table in halves: cos(f[j mod r/2]))
     # while its attention rotates adjacent pairs: the two channels of a pair turn by different angles, which is not
@@ -135,18 +140,17 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
         raise MegatronCheckpointError("the checkpoint has no embedding.word_embeddings.weight")
     tied = not bool(_arg(args, "untie_embeddings_and_output_weights", default=False))
     kinds = {"G": "gdn2" if variant == "gdn2" else "gdn", "M": "gdp", "*": "attention"}
-    blocks = []
+    blocks, lead = [], []
     for symbol, index in layers:
-        if symbol in "-E":
-            if not blocks:
-                raise MegatronCheckpointError(f"layer pattern {pattern!r} starts with an MLP or MoE layer: a mixer "
-                                              "must come first")
-            blocks[-1][2].append(index)
+        if symbol in "-E":  # after the last mixer's block, or before the first mixer (run on the embeddings)
+            (blocks[-1][2] if blocks else lead).append(index)
         else:
             if symbol == "M" and checkpoint.has(f"decoder.layers.{index}.mixer.D"):
                 raise MegatronCheckpointError(f"layer {index} ('M') is a Mamba2 mixer (it has D): only "
                                               "GatedDeltaProductMixer 'M' layers are supported")
             blocks.append((kinds[symbol], index, []))
+    if not blocks:
+        raise MegatronCheckpointError(f"layer pattern {pattern!r} has no mixer layer (G, M or *)")
     conv = int(_arg(args, "linear_conv_kernel_dim", default=4))
     gdp_conv = 4
     for kind, index, _ in blocks:
@@ -175,7 +179,8 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
         attention_output_gate=bool(_arg(args, "attention_output_gate", default=False)),
         rotary_dim=rotary_dim if rotary_dim != kv_channels else 0, rotary_interleaved=interleaved,
         **(_moe_config(args, hidden) if "E" in pattern else {}),
-        moe_layers=[i for s, i in layers if s == "E"])
+        moe_layers=[i for s, i in layers if s == "E"], normalization=normalization, add_bias_linear=bias,
+        lead_mlps=lead)
 
 
 def _moe_config(args: dict, hidden: int) -> dict:
@@ -271,23 +276,30 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
         sources[name] = source
         used.update(piece for piece, _ in source.pieces)
 
+    def put_norm(param: str, *names: str) -> None:
+        """A norm's ``weight`` from the first of ``names`` the checkpoint holds and, for a LayerNorm, its ``bias``
+        stored beside it (``...layer_norm_bias`` beside ``...layer_norm_weight``, ``<norm>.bias``)."""
+        weight = _whole(checkpoint, shapes[param + ".weight"], *names)
+        put(param + ".weight", weight)
+        if config.normalization == "LayerNorm":
+            put(param + ".bias", _whole(checkpoint, shapes[param + ".bias"],
+                                        weight.pieces[0][0].removesuffix("weight") + "bias"))
+
     put("model.embeddings.weight", _whole(checkpoint, shapes["model.embeddings.weight"], "embedding.word_embeddings.weight"))
-    put("model.norm.weight", _whole(checkpoint, shapes["model.norm.weight"], "decoder.final_norm.weight",
-                                    "decoder.final_layernorm.weight"))
+    put_norm("model.norm", "decoder.final_norm.weight", "decoder.final_layernorm.weight")
     if not config.tie_word_embeddings:
         put("lm_head.weight", _whole(checkpoint, shapes["lm_head.weight"], "output_layer.weight"))
     for b, (kind, index, mlps) in enumerate(config.blocks):
         layer, prefix = f"decoder.layers.{index}.", f"model.layers.{b}."
         mixer = model.model.layers[b].attn
         if kind == "attention":
-            put(prefix + "attn_norm.weight", _whole(checkpoint, (config.hidden_size,),
-                                                    layer + "self_attention.linear_qkv.layer_norm_weight",
-                                                    layer + "input_layernorm.weight"))
+            put_norm(prefix + "attn_norm", layer + "self_attention.linear_qkv.layer_norm_weight",
+                     layer + "input_layernorm.weight")
             _attention_sources(checkpoint, config, layer + "self_attention.", prefix + "attn.", shapes, put)
             continue
         where = layer + ("mixer." if kind == "gdp" else "self_attention.")
-        put(prefix + "attn_norm.weight", _whole(checkpoint, (config.hidden_size,), where + "in_proj.layer_norm_weight",
-                                                layer + ("norm.weight" if kind == "gdp" else "input_layernorm.weight")))
+        put_norm(prefix + "attn_norm", where + "in_proj.layer_norm_weight",
+                 layer + ("norm.weight" if kind == "gdp" else "input_layernorm.weight"))
         sections = type(mixer).sections(config)
         for part, _ in sections:
             name = f"{prefix}attn.in_proj.{part}.weight"
@@ -303,40 +315,26 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
         if kind == "gdp":
             put(prefix + "attn.norm", _whole(checkpoint, shapes[prefix + "attn.norm"], where + "norm.weight"))
         else:
-            put(prefix + "attn.out_norm.weight", _whole(checkpoint, shapes[prefix + "attn.out_norm.weight"],
-                                                        where + "out_norm.weight"))
+            put_norm(prefix + "attn.out_norm", where + "out_norm.weight")
         put(prefix + "attn.out_proj.weight", _whole(checkpoint, shapes[prefix + "attn.out_proj.weight"],
                                                     where + "out_proj.weight"))
         for bias in ("in_proj.bias", "out_proj.bias", "conv1d.bias"):
             if any(n == where + bias or n.startswith(where + bias + ".") for n in checkpoint.names()):
                 raise MegatronCheckpointError(f"{where + bias}: biases in the delta-rule mixers are not supported")
-    for b, (_, _, mlps) in enumerate(config.blocks):
-        for j, index in enumerate(mlps):
-            layer, prefix = f"decoder.layers.{index}.", f"model.layers.{b}.mlps.{j}."
-            put(f"model.layers.{b}.mlp_norms.{j}.weight", _whole(
-                checkpoint, (config.hidden_size,), layer + "mlp.linear_fc1.layer_norm_weight",
-                layer + "pre_mlp_layernorm.weight"))
-            if index in config.moe_layers:
-                _moe_sources(checkpoint, config, layer + "mlp.", prefix, shapes, put)
-                continue
-            ffn = config.ffn_hidden_size
-            if config.mlp_activation == "swiglu":
-                put(prefix + "gate_proj.weight", MegatronSource(checkpoint, [(layer + "mlp.linear_fc1.weight",
-                                                                              slice(0, ffn))], (ffn, config.hidden_size)))
-                put(prefix + "up_proj.weight", MegatronSource(checkpoint, [(layer + "mlp.linear_fc1.weight",
-                                                                            slice(ffn, 2 * ffn))], (ffn, config.hidden_size)))
-                fc1 = checkpoint.info(layer + "mlp.linear_fc1.weight") if checkpoint.has(
-                    layer + "mlp.linear_fc1.weight") else None
-                if fc1 is None or fc1.shape != (2 * ffn, config.hidden_size):
-                    raise MegatronCheckpointError(f"{layer}mlp.linear_fc1.weight should be [{2 * ffn}, "
-                                                  f"{config.hidden_size}] (SwiGLU), got {fc1 and list(fc1.shape)}")
-            else:
-                put(prefix + "up_proj.weight", _whole(checkpoint, (ffn, config.hidden_size), layer + "mlp.linear_fc1.weight"))
-            put(prefix + "down_proj.weight", _whole(checkpoint, shapes[prefix + "down_proj.weight"],
-                                                    layer + "mlp.linear_fc2.weight"))
-    if zero_centred(checkpoint.args):  # every RMSNorm Megatron builds from its config; not GDP's gated norm
-        for name, module in model.named_modules():
-            if isinstance(module, RMSNorm):
+    # the MLP / MoE layers: after each block's mixer, and those before the first mixer (run on the embeddings)
+    mlp_layers = [(f"model.layers.{b}.mlp_norms.{j}", f"model.layers.{b}.mlps.{j}.", index)
+                  for b, (_, _, mlps) in enumerate(config.blocks) for j, index in enumerate(mlps)]
+    mlp_layers += [(f"model.lead_norms.{j}", f"model.lead_mlps.{j}.", index) for j, index in enumerate(config.lead_mlps)]
+    for norm, prefix, index in mlp_layers:
+        layer = f"decoder.layers.{index}."
+        put_norm(norm, layer + "mlp.linear_fc1.layer_norm_weight", layer + "pre_mlp_layernorm.weight")
+        if index in config.moe_layers:
+            _moe_sources(checkpoint, config, layer + "mlp.", prefix, shapes, put)
+        else:
+            _mlp_sources(checkpoint, config, layer + "mlp.", prefix, put)
+    if zero_centred(checkpoint.args):  # every norm Megatron builds from its config (1 + w; a LayerNorm's bias as
+        for name, module in model.named_modules():  # stored); not GDP's gated norm
+            if isinstance(module, (RMSNorm, LayerNorm)):
                 sources[name + ".weight"].offset = 1.0
     missing = sorted(set(shapes) - set(sources))
     if missing:
@@ -360,6 +358,28 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
         else:
             raise MegatronCheckpointError(f"the checkpoint has {name}, which the model's arguments do not describe")
     return sources, skipped
+
+
+def _mlp_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, put) -> None:
+    """A dense ``MLP``: SwiGLU ``linear_fc1`` = ``[gate; up]`` (or squared ReLU's ``up``), ``linear_fc2``; their
+    biases with ``add_bias_linear`` (``linear_fc1.bias`` split as its weight)."""
+    ffn, hidden = config.ffn_hidden_size, config.hidden_size
+    fc1 = checkpoint.info(where + "linear_fc1.weight") if checkpoint.has(where + "linear_fc1.weight") else None
+    swiglu = config.mlp_activation == "swiglu"
+    if fc1 is None or fc1.shape != ((1 + swiglu) * ffn, hidden):
+        raise MegatronCheckpointError(f"{where}linear_fc1.weight should be [{(1 + swiglu) * ffn}, {hidden}] "
+                                      f"({config.mlp_activation}), got {fc1 and list(fc1.shape)}")
+    parts = [("gate_proj", slice(0, ffn)), ("up_proj", slice(ffn, 2 * ffn))] if swiglu else [("up_proj", None)]
+    biases = [("weight", (ffn, hidden))] + ([("bias", (ffn,))] if config.add_bias_linear else [])
+    for param, rows in parts:
+        for kind, shape in biases:
+            name = f"{where}linear_fc1.{kind}"
+            if not checkpoint.has(name):
+                raise MegatronCheckpointError(f"weights missing from the checkpoint: {name}")
+            put(f"{prefix}{param}.{kind}", MegatronSource(checkpoint, [(name, rows)], shape))
+    put(prefix + "down_proj.weight", _whole(checkpoint, (hidden, ffn), where + "linear_fc2.weight"))
+    if config.add_bias_linear:
+        put(prefix + "down_proj.bias", _whole(checkpoint, (hidden,), where + "linear_fc2.bias"))
 
 
 def _expert_pieces(checkpoint, where: str, linear: str, experts: int) -> list:
@@ -438,7 +458,7 @@ def head_channel_order(config: MegatronConfig) -> list[int]:
 
 
 def head_norm_source(checkpoint, config: MegatronConfig, name: str) -> MegatronSource:
-    """A q / k norm weight (one per head channel) in ``head_channel_order``."""
+    """A q / k norm weight or LayerNorm bias (one per head channel) in ``head_channel_order``."""
     if not checkpoint.has(name):
         raise MegatronCheckpointError(f"weights missing from the checkpoint: {name}")
     if tuple(checkpoint.info(name).shape) != (config.kv_channels,):
@@ -456,13 +476,18 @@ def _attention_sources(checkpoint, config: MegatronConfig, where: str, prefix: s
     for part in ("q", "k", "v"):
         put(f"{prefix}{part}_proj.weight", MegatronSource(checkpoint, [(where + "linear_qkv.weight", rows[part])],
                                                           shapes[f"{prefix}{part}_proj.weight"]))
-        if config.add_qkv_bias:
+    if config.add_qkv_bias or config.add_bias_linear:  # linear_qkv's bias, rows as its weight's
+        for part in ("q", "k", "v") + (("gate",) if config.attention_output_gate else ()):
             put(f"{prefix}{part}_proj.bias", MegatronSource(checkpoint, [(where + "linear_qkv.bias", rows[part])],
                                                             shapes[f"{prefix}{part}_proj.bias"]))
     put(prefix + "o_proj.weight", _whole(checkpoint, shapes[prefix + "o_proj.weight"], where + "linear_proj.weight"))
+    if config.add_bias_linear:
+        put(prefix + "o_proj.bias", _whole(checkpoint, shapes[prefix + "o_proj.bias"], where + "linear_proj.bias"))
     if config.qk_layernorm:
-        put(prefix + "q_norm.weight", head_norm_source(checkpoint, config, where + "q_layernorm.weight"))
-        put(prefix + "k_norm.weight", head_norm_source(checkpoint, config, where + "k_layernorm.weight"))
+        for which in ("q", "k"):
+            for param in ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",):
+                put(f"{prefix}{which}_norm.{param}",
+                    head_norm_source(checkpoint, config, f"{where}{which}_layernorm.{param}"))
 
 
 def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
@@ -470,23 +495,23 @@ def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
     how a legacy tensor-parallel checkpoint's shards are merged (each rank holds its slice of every part)."""
     mixers = {"gdn": GatedDeltaNetMixer, "gdn2": GatedDeltaNet2Mixer, "gdp": GatedDeltaProductMixer}
     blocks: dict[str, list[int]] = {}
-    for kind, index, mlps in config.blocks:
+    for kind, index, _ in config.blocks:
         if kind in mixers:
             where = f"decoder.layers.{index}." + ("mixer." if kind == "gdp" else "self_attention.")
             sections = mixers[kind].sections(config)
             conv = ("z", "beta", "alpha", "f", "b", "w", "a") + tuple(f"b{i}" for i in range(config.gdp_num_householder))
             blocks[where + "in_proj.weight"] = [size for _, size in sections]
             blocks[where + "conv1d.weight"] = [size for part, size in sections if part not in conv]
-        for mlp in mlps:
-            where = f"decoder.layers.{mlp}.mlp."
-            if mlp in config.moe_layers:  # every SwiGLU expert, as SequentialMLP and TEGroupedMLP name them
-                for e in range(config.num_experts):
-                    for name in (f"experts.local_experts.{e}.linear_fc1.weight", f"experts.linear_fc1.weight{e}"):
-                        blocks[where + name] = [config.moe_ffn_hidden_size] * 2
-                if config.moe_shared_expert_size:
-                    blocks[where + "shared_experts.linear_fc1.weight"] = [config.moe_shared_expert_size] * 2
-            elif config.mlp_activation == "swiglu":
-                blocks[where + "linear_fc1.weight"] = [config.ffn_hidden_size] * 2
+    for mlp in config.lead_mlps + [mlp for _, _, mlps in config.blocks for mlp in mlps]:
+        where = f"decoder.layers.{mlp}.mlp."
+        if mlp in config.moe_layers:  # every SwiGLU expert, as SequentialMLP and TEGroupedMLP name them
+            for e in range(config.num_experts):
+                for name in (f"experts.local_experts.{e}.linear_fc1.weight", f"experts.linear_fc1.weight{e}"):
+                    blocks[where + name] = [config.moe_ffn_hidden_size] * 2
+            if config.moe_shared_expert_size:
+                blocks[where + "shared_experts.linear_fc1.weight"] = [config.moe_shared_expert_size] * 2
+        elif config.mlp_activation == "swiglu":
+            blocks[where + "linear_fc1.weight"] = blocks[where + "linear_fc1.bias"] = [config.ffn_hidden_size] * 2
     return blocks
 
 
@@ -561,8 +586,14 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
         used.append(f"rotary on {config.rotary_dim} of {config.kv_channels} channels")
     if config.rotary_interleaved:
         used.append("interleaved rotary (read as halves over reordered q/k channels)")
+    if config.normalization == "LayerNorm":
+        used.append("LayerNorm norms")
     if zero_centred(checkpoint.args):
         used.append("zero-centred (1 + w) norms")
+    if config.add_bias_linear:
+        used.append("linear biases (add_bias_linear)")
+    if config.lead_mlps:
+        used.append(f"{len(config.lead_mlps)} MLP / MoE layer(s) before the first mixer, run on the embeddings")
     sizes = {what: int(checkpoint.args.get(f"{key}_model_parallel_size", 1) or 1)
              for what, key in (("tensor", "tensor"), ("pipeline", "pipeline"), ("expert", "expert"))}
     saved = (" saved with " + ", ".join(f"{what}-parallel size {size}" for what, size in sizes.items())

@@ -14,6 +14,13 @@ by the pattern's symbols; each has a pre-norm and a residual:
 
 The project's decoder loop runs blocks of one mixer followed by the MLP layers after it (``Block``); each block is
 one "layer" of the export (its states are ``conv_<i>``/``state_<i>`` or ``key_<i>``/``value_<i>``, i the block).
+MLP / MoE layers before the first mixer (a pattern that starts with ``-`` or ``E``) hold no state: they run on the
+embeddings, before the first block (``model.lead_norms``, ``model.lead_mlps``).
+
+Every norm Megatron builds from its config (the pre-norms, ``q_layernorm`` / ``k_layernorm``, GDN's ``out_norm``,
+the final norm) is its ``normalization``: RMSNorm or LayerNorm (``megatron_norm``); with ``add_bias_linear`` the
+attention's ``linear_qkv`` / ``linear_proj`` and the MLP's ``linear_fc1`` / ``linear_fc2`` have biases (Megatron's
+GDN and GDP build their projections without, whatever the flag).
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gdn_export.layers.attention import Attention, rotate_half
-from gdn_export.layers.common import RMSNorm, ShortConvolution, decay_parameters, rms_normalize, split_heads
+from gdn_export.layers.common import (LayerNorm, RMSNorm, ShortConvolution, decay_parameters, rms_normalize,
+                                      split_heads)
 from gdn_export.layers.lm import FlaForCausalLM, LMConfig
 from gdn_export.models import blocks
 from gdn_export.models.blocks import (dense_experts, gated_delta_mixer, gdn_decay, grouped_sigmoid_routing,
@@ -81,6 +89,17 @@ class MegatronConfig(LMConfig):
     moe_router_group_topk: int = 1
     moe_shared_expert_size: int = 0
     moe_shared_expert_gate: bool = False
+    normalization: str = "RMSNorm"  # or "LayerNorm" (every norm Megatron builds from its config)
+    add_bias_linear: bool = False  # biases in linear_qkv, linear_proj, linear_fc1, linear_fc2
+    lead_mlps: list = field(default_factory=list)  # Megatron indices of the MLP / MoE layers before the first mixer
+
+
+def megatron_norm(config: MegatronConfig, width: int) -> nn.Module:
+    """A norm Megatron builds from its config (``TENorm`` / ``WrappedTorchNorm`` / ``FusedLayerNorm``): its
+    ``normalization``, ``layernorm_epsilon``; a zero-centred weight is read as ``1 + w`` (``megatron.family``)."""
+    if config.normalization == "LayerNorm":
+        return LayerNorm(width, eps=config.norm_eps)
+    return RMSNorm(width, eps=config.norm_eps)
 
 
 def _linear(inputs: int, outputs: int) -> nn.Linear:
@@ -107,10 +126,10 @@ class _DeltaMixer(nn.Module):
 class _GatedNormOut(nn.Module):
     """``out_norm`` (RMSNorm over a value head) times ``silu(z)``, then ``out_proj`` (``_GDNBase._apply_gated_norm``)."""
 
-    def __init__(self, width_v: int, value_dim: int, hidden: int, eps: float) -> None:
+    def __init__(self, config: MegatronConfig, width_v: int, value_dim: int) -> None:
         super().__init__()
-        self.out_norm = RMSNorm(width_v, eps=eps)
-        self.out_proj = _linear(value_dim, hidden)
+        self.out_norm = megatron_norm(config, width_v)
+        self.out_proj = _linear(value_dim, config.hidden_size)
 
     def project_out(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         y = self.out_norm(core) * F.silu(split_heads(z, core.shape[-1]).float())
@@ -124,7 +143,7 @@ class _GDNBase(_DeltaMixer, _GatedNormOut):
     def __init__(self, config: MegatronConfig, a_log_size: int, dt_bias_size: int) -> None:
         c = config
         value_dim = c.linear_num_value_heads * c.linear_value_head_dim
-        _GatedNormOut.__init__(self, c.linear_value_head_dim, value_dim, c.hidden_size, c.norm_eps)
+        _GatedNormOut.__init__(self, c, c.linear_value_head_dim, value_dim)
         self.heads, self.key_heads = c.linear_num_value_heads, c.linear_num_key_heads
         self.width_k, self.width_v = c.linear_key_head_dim, c.linear_value_head_dim
         self.in_proj = nn.ModuleDict({name: _linear(c.hidden_size, size) for name, size in self.sections(c)})
@@ -241,15 +260,16 @@ class GatedDeltaProductMixer(_DeltaMixer):
 
 
 class MegatronMLP(nn.Module):
-    """Megatron's ``MLP`` without biases: SwiGLU (``linear_fc1`` = ``[gate; up]``) or squared ReLU."""
+    """Megatron's ``MLP``: SwiGLU (``linear_fc1`` = ``[gate; up]``) or squared ReLU, with biases when ``bias``
+    (``add_bias_linear``)."""
 
-    def __init__(self, hidden: int, ffn: int, activation: str) -> None:
+    def __init__(self, hidden: int, ffn: int, activation: str, bias: bool = False) -> None:
         super().__init__()
         self.activation = activation
         if activation == "swiglu":
-            self.gate_proj = _linear(hidden, ffn)
-        self.up_proj = _linear(hidden, ffn)
-        self.down_proj = _linear(ffn, hidden)
+            self.gate_proj = nn.Linear(hidden, ffn, bias=bias)
+        self.up_proj = nn.Linear(hidden, ffn, bias=bias)
+        self.down_proj = nn.Linear(ffn, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
@@ -340,7 +360,8 @@ class MegatronAttention(Attention):
     """Megatron's ``SelfAttention`` where it leaves FLA's layout: heads of ``kv_channels`` (any width),
     ``attention_output_gate`` (per query group ``[q | gate | k | v]`` in ``linear_qkv``; the attention output times
     ``sigmoid(gate)`` before ``linear_proj``), rotary on the first ``rotary_dim`` channels of each head (Megatron's
-    ``rotary_percent``, NeoX halves within them; the rest pass through)."""
+    ``rotary_percent``, NeoX halves within them; the rest pass through), LayerNorm q / k norms, ``add_bias_linear``
+    (``linear_qkv``'s bias gives q, gate, k and v theirs; ``linear_proj`` has one)."""
 
     def __init__(self, config: MegatronConfig, layer_idx: int) -> None:
         nn.Module.__init__(self)
@@ -349,14 +370,15 @@ class MegatronAttention(Attention):
         self.window_size, self.rope_theta, self.qk_norm, self.layer_idx = None, c.rotary_base, c.qk_layernorm, layer_idx
         self.rotary_dim = c.rotary_dim or c.kv_channels
         query, kv = c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
-        self.q_proj = nn.Linear(c.hidden_size, query, bias=c.add_qkv_bias)
-        self.k_proj = nn.Linear(c.hidden_size, kv, bias=c.add_qkv_bias)
-        self.v_proj = nn.Linear(c.hidden_size, kv, bias=c.add_qkv_bias)
-        self.o_proj = _linear(query, c.hidden_size)
+        qkv_bias = c.add_qkv_bias or c.add_bias_linear
+        self.q_proj = nn.Linear(c.hidden_size, query, bias=qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, kv, bias=qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, kv, bias=qkv_bias)
+        self.o_proj = nn.Linear(query, c.hidden_size, bias=c.add_bias_linear)
         if c.attention_output_gate:
-            self.gate_proj = _linear(c.hidden_size, query)
+            self.gate_proj = nn.Linear(c.hidden_size, query, bias=qkv_bias)
         if c.qk_layernorm:
-            self.q_norm, self.k_norm = RMSNorm(c.kv_channels, eps=c.norm_eps), RMSNorm(c.kv_channels, eps=c.norm_eps)
+            self.q_norm, self.k_norm = megatron_norm(c, c.kv_channels), megatron_norm(c, c.kv_channels)
 
     def inv_freq(self) -> torch.Tensor:
         exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim
@@ -386,16 +408,22 @@ class Block(nn.Module):
 
     def __init__(self, config: MegatronConfig, mixer: nn.Module, mlp_indices: list[int]) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn_norm = megatron_norm(config, config.hidden_size)
         self.attn = mixer
-        self.mlp_norms = nn.ModuleList(RMSNorm(config.hidden_size, eps=config.norm_eps) for _ in mlp_indices)
-        self.mlps = nn.ModuleList(
-            MegatronMoE(config) if index in config.moe_layers
-            else MegatronMLP(config.hidden_size, config.ffn_hidden_size, config.mlp_activation)
-            for index in mlp_indices)
+        self.mlp_norms, self.mlps = mlp_layers(config, mlp_indices)
 
     def forward(self, step, *args):
         return step(*args)
+
+
+def mlp_layers(config: MegatronConfig, indices: list[int]) -> tuple[nn.ModuleList, nn.ModuleList]:
+    """The pre-norms and the ``MLP`` / ``MoELayer`` of the Megatron layers ``indices``."""
+    norms = nn.ModuleList(megatron_norm(config, config.hidden_size) for _ in indices)
+    mlps = nn.ModuleList(
+        MegatronMoE(config) if index in config.moe_layers
+        else MegatronMLP(config.hidden_size, config.ffn_hidden_size, config.mlp_activation, config.add_bias_linear)
+        for index in indices)
+    return norms, mlps
 
 
 def build_mixer(kind: str, config: MegatronConfig, index: int) -> nn.Module:
@@ -407,7 +435,8 @@ def build_mixer(kind: str, config: MegatronConfig, index: int) -> nn.Module:
         return GatedDeltaProductMixer(config)
     c = config
     if c.attention_output_gate or (c.rotary_dim or c.kv_channels) != c.kv_channels or \
-            c.kv_channels * c.num_attention_heads != c.hidden_size:
+            c.kv_channels * c.num_attention_heads != c.hidden_size or c.normalization != "RMSNorm" or \
+            c.add_bias_linear:
         return MegatronAttention(config, index)
     attention = Attention(config.hidden_size, config.num_attention_heads, config.num_query_groups,
                           qkv_bias=config.add_qkv_bias, qk_norm=config.qk_layernorm, rope_theta=config.rotary_base,
@@ -428,10 +457,18 @@ class MegatronHybridLM(FlaForCausalLM):
         self.model.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.model.layers = nn.ModuleList(
             Block(config, build_mixer(kind, config, i), mlps) for i, (kind, _, mlps) in enumerate(config.blocks))
-        self.model.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.model.lead_norms, self.model.lead_mlps = mlp_layers(config, config.lead_mlps)
+        self.model.norm = megatron_norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embeddings.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings, then the MLP / MoE layers before the first mixer (no state: they run here, once)."""
+        x = super().embed(input_ids)
+        for norm, mlp in zip(self.model.lead_norms, self.model.lead_mlps):
+            x = x + mlp(norm(x))
+        return x
 
     def layer_step(self, index, layer, x, states, context):
         x, *new_states = self.residual(index, layer, "mixer", x,

@@ -91,7 +91,8 @@ def mtp_config(config: MegatronConfig, checkpoint: MegatronCheckpoint, mlp: str)
     refuse_if(not zero_centred(checkpoint.args), "norms that are not zero-centred (apply_layernorm_1p off)")
     refuse_if(not config.attention_output_gate, "no attention output gate")
     refuse_if(not config.qk_layernorm, "no q/k norms")
-    refuse_if(config.add_qkv_bias, "q/k/v biases")
+    refuse_if(config.add_qkv_bias or config.add_bias_linear, "linear biases (add_qkv_bias / add_bias_linear)")
+    refuse_if(config.normalization != "RMSNorm", f"{config.normalization} norms")
     refuse_if(config.mlp_activation != "swiglu", f"a {config.mlp_activation} MLP")
     if moe:
         refuse_if(config.moe_router_score_function != "softmax",

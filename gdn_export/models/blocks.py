@@ -44,6 +44,15 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def layer_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(x - mean(x)) · rsqrt(var(x) + eps)`` over the last axis, the biased variance (torch's and Megatron's
+    ``LayerNorm``; apex's and Transformer Engine's kernels), in f32. Spelled as the mean of the centred squares:
+    the plain ops that lower to NNEF (no ``layer_norm`` node)."""
+    x = x.float()
+    centred = x - x.mean(-1, keepdim=True)
+    return centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def swiglu(x: torch.Tensor, gate_proj, up_proj, down_proj) -> torch.Tensor:
     """The SwiGLU feed-forward ``down_proj(silu(gate_proj(x)) · up_proj(x))`` (the three bias-free linears given)."""
     return down_proj(F.silu(gate_proj(x)) * up_proj(x))
