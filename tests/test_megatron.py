@@ -451,6 +451,24 @@ def test_attention_and_expert_settings_gdn_export_does_not_compute_are_refused(t
 
 
 @pytest.mark.parametrize("mixer, change, message", [
+    ("moe", {"add_bias_linear": True}, "add_bias_linear with MoE ('E') layers"),
+    ("gdn", {"normalization": "L2Norm"}, "normalization 'L2Norm' (RMSNorm or LayerNorm)"),
+    ("gdn", {"hybrid_layer_pattern": "--"}, "has no mixer layer"),
+    ("gdn", {"normalization": "LayerNorm"}, "decoder.final_norm.bias"),
+    ("gdn", {"add_bias_linear": True}, "decoder.layers.2.self_attention.linear_proj.bias"),
+    ("gdn", {"add_qkv_bias": True}, "weights missing from the checkpoint: decoder.layers.2.self_attention.linear_qkv.bias"),
+    ("layernorm", {"add_bias_linear": False}, "the checkpoint has decoder.layers.0.mlp.linear_fc1.bias, which the "
+                                              "model's arguments do not describe"),
+], ids=["moe-bias", "l2norm", "no-mixer", "layernorm-without-biases", "biases-missing", "qkv-bias-missing",
+                               "biases-undescribed"])
+def test_norms_and_biases_the_args_and_tensors_disagree_on_are_refused(tmp_path, capsys, mixer, change, message):
+    """What gdn_export does not compute (MoE with biases, another normalization, no mixer) and args that disagree
+    with the tensors (LayerNorm or add_bias_linear without the biases, biases the args do not describe): one line,
+    nothing written, never a model with a bias dropped or invented."""
+    refused(capsys, _with_args(tmp_path, mixer, **change), tmp_path / "m.nnef.tgz", message)
+
+
+@pytest.mark.parametrize("mixer, change, message", [
     ("gdn", {"hybrid_layer_pattern": "G-" * 10_000}, "at most 4096 layers are read"),
     ("gpt", {"num_layers": 10 ** 9}, "num_layers 1000000000 in the args"),
     ("moe", {"num_experts": 10 ** 8}, "num_experts 100000000 in the args"),

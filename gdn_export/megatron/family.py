@@ -341,6 +341,8 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
         raise MegatronCheckpointError(f"no checkpoint tensor for {', '.join(missing[:5])}")
     for name, source in sources.items():
         for piece, rows in source.pieces:
+            if not checkpoint.has(piece):  # a part of a fused tensor (rows of linear_qkv, ...) the args ask for
+                raise MegatronCheckpointError(f"weights missing from the checkpoint: {piece}")
             info = checkpoint.info(piece)
             if rows is None and len(source.pieces) == 1 and info.shape != shapes[name]:
                 raise MegatronCheckpointError(f"{piece} is {list(info.shape)} in the checkpoint; the model's "
