@@ -16,10 +16,11 @@ from gdn_export.megatron.checkpoint import MegatronCheckpoint, MegatronCheckpoin
 from gdn_export.layers.common import LayerNorm, RMSNorm
 from gdn_export.megatron.mtp import mtp_sources
 from gdn_export.megatron.model import (MIXER_NAMES, GatedDeltaNet2Mixer, GatedDeltaNetMixer, GatedDeltaProductMixer,
-                                       MegatronConfig, MegatronHybridLM, MegatronMoE)
+                                       Mamba2Mixer, MegatronConfig, MegatronHybridLM, MegatronMoE)
 
 MODEL_TYPE = "megatron_hybrid"
-SUPPORTED_SYMBOLS = {"G": "GatedDeltaNet / GatedDeltaNet2", "M": "GatedDeltaProductMixer", "*": "SelfAttention",
+SUPPORTED_SYMBOLS = {"G": "GatedDeltaNet / GatedDeltaNet2", "M": "GatedDeltaProductMixer / MambaMixer (Mamba2)",
+                     "*": "SelfAttention",
                      "-": "MLP", "E": "MoE"}
 
 
@@ -144,17 +145,18 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
     for symbol, index in layers:
         if symbol in "-E":  # after the last mixer's block, or before the first mixer (run on the embeddings)
             (blocks[-1][2] if blocks else lead).append(index)
-        else:
-            if symbol == "M" and checkpoint.has(f"decoder.layers.{index}.mixer.D"):
-                raise MegatronCheckpointError(f"layer {index} ('M') is a Mamba2 mixer (it has D): only "
-                                              "GatedDeltaProductMixer 'M' layers are supported")
-            blocks.append((kinds[symbol], index, []))
+        else:  # an 'M' layer with a D skip is Megatron's Mamba2 MambaMixer, without one a GatedDeltaProductMixer
+            mamba2 = symbol == "M" and checkpoint.has(f"decoder.layers.{index}.mixer.D")
+            blocks.append(("mamba2" if mamba2 else kinds[symbol], index, []))
     if not blocks:
         raise MegatronCheckpointError(f"layer pattern {pattern!r} has no mixer layer (G, M or *)")
     conv = int(_arg(args, "linear_conv_kernel_dim", default=4))
     gdp_conv = 4
+    if len({kind for kind, _, _ in blocks} & {"gdp", "mamba2"}) > 1:
+        raise MegatronCheckpointError("'M' layers of both kinds (GatedDeltaProductMixer and MambaMixer) in one "
+                                      "model are not supported")
     for kind, index, _ in blocks:
-        if kind == "gdp":
+        if kind in ("gdp", "mamba2"):
             gdp_conv = int(checkpoint.info(_first(checkpoint, f"decoder.layers.{index}.mixer.conv1d.weight")).shape[-1])
             break
     return MegatronConfig(
@@ -174,7 +176,9 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
         mamba_state_dim=int(_arg(args, "mamba_state_dim", default=128)),
         mamba_head_dim=int(_arg(args, "mamba_head_dim", default=64)),
         mamba_num_groups=int(_arg(args, "mamba_num_groups", default=8)),
-        mamba_num_heads=int(_arg(args, "mamba_num_heads", default=0) or 0),
+        # MambaMixer without mamba_num_heads: d_inner = 2 · hidden (its expand), heads of mamba_head_dim
+        mamba_num_heads=int(_arg(args, "mamba_num_heads", default=0) or 0) or
+        2 * hidden // int(_arg(args, "mamba_head_dim", default=64)),
         gdp_num_householder=int(_arg(args, "gdp_num_householder", default=3)), gdp_conv_kernel_dim=gdp_conv,
         attention_output_gate=bool(_arg(args, "attention_output_gate", default=False)),
         rotary_dim=rotary_dim if rotary_dim != kv_channels else 0, rotary_interleaved=interleaved,
@@ -297,28 +301,33 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
                      layer + "input_layernorm.weight")
             _attention_sources(checkpoint, config, layer + "self_attention.", prefix + "attn.", shapes, put)
             continue
-        where = layer + ("mixer." if kind == "gdp" else "self_attention.")
+        mamba = kind in ("gdp", "mamba2")  # a MambaLayer: its mixer and pre-norm names
+        where = layer + ("mixer." if mamba else "self_attention.")
         put_norm(prefix + "attn_norm", where + "in_proj.layer_norm_weight",
-                 layer + ("norm.weight" if kind == "gdp" else "input_layernorm.weight"))
+                 layer + ("norm.weight" if mamba else "input_layernorm.weight"))
         sections = type(mixer).sections(config)
         for part, _ in sections:
             name = f"{prefix}attn.in_proj.{part}.weight"
             put(name, _sections_source(checkpoint, where + "in_proj.weight", sections, [part], shapes[name]))
-        conv_parts = ([f"V{i}" for i in range(config.gdp_num_householder)]
-                      + [f"K{i}" for i in range(config.gdp_num_householder)] + ["Q"]) if kind == "gdp" else \
-            ["query", "key", "value"]
+        conv_parts = {"gdp": [f"V{i}" for i in range(config.gdp_num_householder)]
+                      + [f"K{i}" for i in range(config.gdp_num_householder)] + ["Q"],
+                      "mamba2": ["x", "B", "C"]}.get(kind, ["query", "key", "value"])
         conv_sections = [(p, s) for p, s in sections if p in conv_parts]
         put(prefix + "attn.conv.weight", _sections_source(checkpoint, where + "conv1d.weight", conv_sections,
                                                           conv_parts, shapes[prefix + "attn.conv.weight"]))
-        for param in ("A_log", "dt_bias"):
+        params = ("A_log", "dt_bias") + (("D",) if kind == "mamba2" else ())
+        for param in params:
             put(prefix + "attn." + param, _whole(checkpoint, shapes[prefix + "attn." + param], where + param))
-        if kind == "gdp":
+        if kind == "mamba2":  # MambaMixer's conv always has a bias (its constructor asserts conv_bias)
+            put(prefix + "attn.conv_bias", _sections_source(checkpoint, where + "conv1d.bias", conv_sections,
+                                                             conv_parts, shapes[prefix + "attn.conv_bias"]))
+        if mamba:
             put(prefix + "attn.norm", _whole(checkpoint, shapes[prefix + "attn.norm"], where + "norm.weight"))
         else:
             put_norm(prefix + "attn.out_norm", where + "out_norm.weight")
         put(prefix + "attn.out_proj.weight", _whole(checkpoint, shapes[prefix + "attn.out_proj.weight"],
                                                     where + "out_proj.weight"))
-        for bias in ("in_proj.bias", "out_proj.bias", "conv1d.bias"):
+        for bias in ("in_proj.bias", "out_proj.bias") + (() if kind == "mamba2" else ("conv1d.bias",)):
             if any(n == where + bias or n.startswith(where + bias + ".") for n in checkpoint.names()):
                 raise MegatronCheckpointError(f"{where + bias}: biases in the delta-rule mixers are not supported")
     # the MLP / MoE layers: after each block's mixer, and those before the first mixer (run on the embeddings)
@@ -495,15 +504,17 @@ def _attention_sources(checkpoint, config: MegatronConfig, where: str, prefix: s
 def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
     """The part sizes of every fused projection (packed ``in_proj``, its conv, SwiGLU ``linear_fc1``), by tensor:
     how a legacy tensor-parallel checkpoint's shards are merged (each rank holds its slice of every part)."""
-    mixers = {"gdn": GatedDeltaNetMixer, "gdn2": GatedDeltaNet2Mixer, "gdp": GatedDeltaProductMixer}
+    mixers = {"gdn": GatedDeltaNetMixer, "gdn2": GatedDeltaNet2Mixer, "gdp": GatedDeltaProductMixer,
+              "mamba2": Mamba2Mixer}
     blocks: dict[str, list[int]] = {}
     for kind, index, _ in config.blocks:
         if kind in mixers:
-            where = f"decoder.layers.{index}." + ("mixer." if kind == "gdp" else "self_attention.")
+            where = f"decoder.layers.{index}." + ("mixer." if kind in ("gdp", "mamba2") else "self_attention.")
             sections = mixers[kind].sections(config)
-            conv = ("z", "beta", "alpha", "f", "b", "w", "a") + tuple(f"b{i}" for i in range(config.gdp_num_householder))
+            conv = ("z", "beta", "alpha", "f", "b", "w", "a", "dt") + tuple(f"b{i}" for i in range(config.gdp_num_householder))
             blocks[where + "in_proj.weight"] = [size for _, size in sections]
-            blocks[where + "conv1d.weight"] = [size for part, size in sections if part not in conv]
+            blocks[where + "conv1d.weight"] = blocks[where + "conv1d.bias"] = [
+                size for part, size in sections if part not in conv]
     for mlp in config.lead_mlps + [mlp for _, _, mlps in config.blocks for mlp in mlps]:
         where = f"decoder.layers.{mlp}.mlp."
         if mlp in config.moe_layers:  # every SwiGLU expert, as SequentialMLP and TEGroupedMLP name them

@@ -8,6 +8,7 @@ by the pattern's symbols; each has a pre-norm and a residual:
 | ``G`` | ``TransformerLayer`` + ``ssm.gated_delta_net.GatedDeltaNet`` | ``GatedDeltaNetMixer`` |
 | ``G`` with ``experimental_attention_variant='gdn2'`` | ``TransformerLayer`` + ``GatedDeltaNet2`` | ``GatedDeltaNet2Mixer`` |
 | ``M`` (a ``GatedDeltaProductMixer`` spec) | ``MambaLayer`` + ``ssm.gated_delta_product.GatedDeltaProductMixer`` | ``GatedDeltaProductMixer`` |
+| ``M`` (a ``MambaMixer`` spec: it has ``D``) | ``MambaLayer`` + ``ssm.mamba_mixer.MambaMixer`` (Mamba2) | ``Mamba2Mixer`` |
 | ``*`` | ``TransformerLayer`` + ``SelfAttention`` (GQA, rotary) | ``gdn_export.layers.Attention``; ``MegatronAttention`` with an output gate, partial rotary or ``kv_channels`` != hidden / heads |
 | ``-`` | ``MLPLayer`` + ``MLP`` (SwiGLU or squared ReLU) | ``MegatronMLP`` |
 | ``E`` | ``MoETransformerLayer`` + ``MoELayer`` (top-k softmax router, SwiGLU experts, gated shared expert) | ``MegatronMoE`` |
@@ -44,7 +45,7 @@ from gdn_export.models.state import StateSpec, conv_state, delta_states, recurre
 from gdn_export.ops.gated_delta_rule.op import gated_delta_rule
 
 MIXER_NAMES = {"gdn": "GatedDeltaNet", "gdn2": "GatedDeltaNet2", "gdp": "GatedDeltaProductMixer",
-               "attention": "SelfAttention"}
+               "mamba2": "MambaMixer (Mamba2)", "attention": "SelfAttention"}
 
 
 @dataclass
@@ -71,7 +72,7 @@ class MegatronConfig(LMConfig):
     mamba_num_groups: int = 0
     mamba_num_heads: int = 0
     gdp_num_householder: int = 1
-    gdp_conv_kernel_dim: int = 4
+    gdp_conv_kernel_dim: int = 4  # the 'M' layers' conv width (GDP's or Mamba2's), read from the checkpoint
     attention_output_gate: bool = False
     rotary_dim: int = 0  # channels of a head that rotary turns (Megatron's int(kv_channels * rotary_percent))
     # Megatron's rotary_interleaved (a GPTModel's): pairs of adjacent channels turn; read as NeoX halves over q/k rows
@@ -250,13 +251,64 @@ class GatedDeltaProductMixer(_DeltaMixer):
         g, beta = identity_steps(rows, gdn_decay(p["a"], self.A_log, self.dt_bias), beta)
         core, state = gated_delta_rule(q, k, v, g, beta.reshape(batch, -1, self.heads), state,
                                        num_householder=n, use_qk_l2norm=True)
-        y = core.flatten(-2).float() * F.silu(p["z"].float())
-        y = rms_normalize(y.reshape(*y.shape[:-1], self.groups, -1), 1e-5).flatten(-2) * self.norm.float()
-        return self.out_proj(y.to(x.dtype)), conv_state_, state
+        return self.out_proj(gated_group_norm(core, p["z"], self.groups, self.norm).to(x.dtype)), conv_state_, state
 
     def state_specs(self, layer: int, dtype: torch.dtype) -> list[StateSpec]:
         return [conv_state(f"conv_{layer}", layer, self.conv.hidden_size, self.conv.kernel_size, dtype),
                 recurrent_state(layer, self.heads, self.width_k, self.width_v)]
+
+
+def gated_group_norm(core: torch.Tensor, z: torch.Tensor, groups: int, weight: torch.Tensor) -> torch.Tensor:
+    """mamba_ssm's gated ``RMSNorm`` with ``norm_before_gate=False`` (GDP's and Mamba2's output norm), f32:
+    ``rmsnorm(y ⊙ silu(z)) ⊙ weight`` over ``groups`` groups of channels (``d_inner / ngroups`` each, eps 1e-5);
+    core ``[B, S, H, V]``, z ``[B, S, H·V]``."""
+    y = core.flatten(-2).float() * F.silu(z.float())
+    return rms_normalize(y.reshape(*y.shape[:-1], groups, -1), 1e-5).flatten(-2) * weight.float()
+
+
+class Mamba2Mixer(_DeltaMixer):
+    """Megatron's ``MambaMixer`` (Mamba2): ``in_proj`` = ``[z, x, B, C, dt]``, a conv with bias over ``[x|B|C]`` (then
+    SiLU), ``dt = softplus(dt + dt_bias)``, per head ``h_t = exp(dt·A) h_{t-1} + dt · B_t ⊗ x_t`` and ``y_t = C_t ·
+    h_t + D · x_t`` (``A = -exp(A_log)``; B, C shared by the heads of a group), then mamba_ssm's gated RMSNorm as
+    GDP's. The recurrence is the gated delta rule with nothing erased: decay ``g = dt·A``, erase 0, write ``dt`` on
+    every value channel, k = B, v = x, q = C at scale 1; the ``D`` skip is added after it."""
+
+    def __init__(self, config: MegatronConfig) -> None:
+        super().__init__()
+        c = config
+        self.heads, self.groups = c.mamba_num_heads, c.mamba_num_groups
+        self.width_k, self.width_v = c.mamba_state_dim, c.mamba_head_dim
+        self.d_inner = self.heads * self.width_v
+        self.in_proj = nn.ModuleDict({name: _linear(c.hidden_size, size) for name, size in self.sections(c)})
+        self.conv = ShortConvolution(self.d_inner + 2 * self.groups * self.width_k, c.gdp_conv_kernel_dim)
+        self.conv_bias = nn.Parameter(torch.zeros(self.conv.hidden_size))
+        self.A_log, self.dt_bias = decay_parameters(self.heads, self.heads, 1.0, 16.0)
+        self.D = nn.Parameter(torch.ones(self.heads))
+        self.norm = nn.Parameter(torch.ones(self.d_inner))
+        self.out_proj = _linear(self.d_inner, c.hidden_size)
+
+    @staticmethod
+    def sections(c: MegatronConfig) -> list[tuple[str, int]]:
+        d_inner, group_state = c.mamba_num_heads * c.mamba_head_dim, c.mamba_num_groups * c.mamba_state_dim
+        return [("z", d_inner), ("x", d_inner), ("B", group_state), ("C", group_state), ("dt", c.mamba_num_heads)]
+
+    def forward(self, x, conv_state_, state, rows=None):
+        p = {name: linear(x) for name, linear in self.in_proj.items()}
+        mixed = torch.cat([p["x"], p["B"], p["C"]], dim=-1)
+        convolved, conv_state_ = short_conv(mixed.transpose(1, 2), self.conv.weight.squeeze(1), conv_state_, rows,
+                                            self.conv_bias)
+        group_state = self.groups * self.width_k
+        values, keys, queries = torch.split(convolved.transpose(1, 2), [self.d_inner, group_state, group_state], -1)
+        values, keys, queries = (split_heads(t, w) for t, w in ((values, self.width_v), (keys, self.width_k),
+                                                                 (queries, self.width_k)))
+        dt = F.softplus(p["dt"].float() + self.dt_bias.float())  # [B, S, H]
+        g = -self.A_log.float().exp() * dt
+        write = dt[..., None].expand(*dt.shape, self.width_v)
+        erase = torch.zeros_like(keys[:, :, :1].float()).expand(*dt.shape, self.width_k)
+        g, erase, write = identity_steps(rows, g, erase, write)
+        core, state = gated_delta_rule(queries, keys, values, g, None, state, erase=erase, write=write, scale=1.0)
+        core = core.float() + self.D.float()[:, None] * values.float()
+        return self.out_proj(gated_group_norm(core, p["z"], self.groups, self.norm).to(x.dtype)), conv_state_, state
 
 
 class MegatronMLP(nn.Module):
@@ -433,6 +485,8 @@ def build_mixer(kind: str, config: MegatronConfig, index: int) -> nn.Module:
         return GatedDeltaNet2Mixer(config)
     if kind == "gdp":
         return GatedDeltaProductMixer(config)
+    if kind == "mamba2":
+        return Mamba2Mixer(config)
     c = config
     if c.attention_output_gate or (c.rotary_dim or c.kv_channels) != c.kv_channels or \
             c.kv_channels * c.num_attention_heads != c.hidden_size or c.normalization != "RMSNorm" or \

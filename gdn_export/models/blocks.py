@@ -174,10 +174,10 @@ def gated_delta_mixer(
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
-               rows: RowLengths | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``causal_conv1d_update`` (x ``[B, C, S]``); with ``rows``, the new state is taken at each row's own last real
-    token (``RowLengths.conv_state``) instead of after all S."""
-    out, new_state = causal_conv1d_update(x, weight, state)
+               rows: RowLengths | None = None, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``causal_conv1d_update`` (x ``[B, C, S]``, a ``bias`` ``[C]`` before the SiLU or None); with ``rows``, the new
+    state is taken at each row's own last real token (``RowLengths.conv_state``) instead of after all S."""
+    out, new_state = causal_conv1d_update(x, weight, state, bias)
     return out, new_state if rows is None else rows.conv_state(state, x)
 
 
