@@ -172,6 +172,18 @@ def test_converted_checkpoint_in_tract_matches_megatron(name, shared_session):
 
 
 @pytest.mark.slow
+def test_mamba2_checkpoint_in_onnxruntime_matches_megatron(tmp_path):
+    """The Mamba2 fixture's conv bias through the ONNX back-end (onnxruntime's contrib conv, its bias input): the
+    converted file in onnxruntime (prefill 16, then one token at a time, batch 2) against Megatron's logits."""
+    from gdn_export.run.runner import open_runner
+
+    out = tmp_path / "mamba2.onnx"
+    assert cli(["convert", str(FIXTURES / "megatron_mamba2"), "-o", str(out), "--no-check"]) == 0
+    tokens, expected = golden("mamba2")
+    judge("mamba2 (onnxruntime)", session_logits(open_runner(out), tokens, PROMPT), expected)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", by_fixture(*(f"megatron_{m}" for m in BRIDGE)))
 def test_bridge_made_checkpoint_in_tract_matches_the_hugging_face_model(name, shared_session):
     """The Megatron-Bridge conversions of fixtures/qwen3_next and fixtures/qwen3_5, in tract, against the logits of
