@@ -23,9 +23,10 @@ from gdn_export.megatron.family import open_megatron
 
 MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "gpt_mtp", "layernorm", "layernorm_1p", "mamba2", "ep2", "ep2_legacy", "bridge_qwen3_next", "bridge_qwen3_next_tp2",
           "bridge_qwen3_5")
-# read by the eager test only: the same model as megatron_layernorm (its graph is that fixture's, which tract runs)
-# saved by 2 tensor-parallel ranks; what the parallel save changes is the read (biases merged as their linears)
-READ_ONLY = ("layernorm_tp2", "layernorm_tp2_legacy")
+# read by the eager test only: the models of megatron_layernorm and megatron_mamba2 (their graphs are those fixtures',
+# which tract runs) saved by 2 tensor-parallel ranks; what the parallel save changes is the read (biases merged as
+# their linears, Mamba2's packed in_proj, conv weight and bias per part, its legacy conv1d_weight / conv1d_bias names)
+READ_ONLY = ("layernorm_tp2", "layernorm_tp2_legacy", "mamba2_tp2", "mamba2_tp2_legacy")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5", "bridge_qwen3_next_tp2")
 PROMPT = 16
 

@@ -517,12 +517,12 @@ def _stage_offsets(args: dict, stages: int) -> list[tuple[int, int]]:
 # (added after the all-reduce) and a norm's replicated.
 _ROW_PARALLEL = ("out_proj.weight", "linear_proj.weight", "linear_fc2.weight")
 _COLUMN_PARALLEL = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias", "A_log",
-                    "dt_bias", "in_proj.weight", "conv1d.weight", "conv1d.bias", "mixer.D", "linear_fc1.weight",
-                    "linear_fc1.bias", "mixer.norm.weight")
+                    "dt_bias", "in_proj.weight", "conv1d.weight", "conv1d.bias", "conv1d_weight", "conv1d_bias",
+                    "mixer.D", "linear_fc1.weight", "linear_fc1.bias", "mixer.norm.weight")
 _REPLICATED = ("layer_norm_weight", "layernorm.weight", "final_norm.weight", "out_norm.weight", "norm.weight",
                "layer_norm_bias", "norm.bias", "linear_proj.bias", "linear_fc2.bias",
                "router.weight", "router.expert_bias", "gate_weight")
-_BLOCKED = ("in_proj.weight", "conv1d.weight", "conv1d.bias")
+_BLOCKED = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "conv1d_weight", "conv1d_bias")
 
 
 def tensor_parallel_axis(name: str) -> int | None:

@@ -157,7 +157,8 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
                                       "model are not supported")
     for kind, index, _ in blocks:
         if kind in ("gdp", "mamba2"):
-            gdp_conv = int(checkpoint.info(_first(checkpoint, f"decoder.layers.{index}.mixer.conv1d.weight")).shape[-1])
+            gdp_conv = int(checkpoint.info(_first(checkpoint, _conv_name(
+                checkpoint, f"decoder.layers.{index}.mixer.", "weight"))).shape[-1])
             break
     return MegatronConfig(
         model_type=MODEL_TYPE, vocab_size=embedding.shape[0], hidden_size=hidden,
@@ -231,6 +232,13 @@ def _moe_config(args: dict, hidden: int) -> dict:
 def zero_centred(args: dict) -> bool:
     """Megatron's norms compute with ``1 + w`` (Transformer Engine's ``zero_centered_gamma``)."""
     return bool(_arg(args, "apply_layernorm_1p", "layernorm_zero_centered_gamma", default=False))
+
+
+def _conv_name(checkpoint: MegatronCheckpoint, where: str, param: str) -> str:
+    """A mixer's conv ``weight`` / ``bias``: ``conv1d.<param>`` (an ``nn.Conv1d``, and every torch_dist save), or
+    ``conv1d_<param>`` (``MambaMixer``'s own parameters, as its legacy ``state_dict`` names them)."""
+    legacy = f"{where}conv1d_{param}"
+    return legacy if checkpoint.has(legacy) else f"{where}conv1d.{param}"
 
 
 def _first(checkpoint: MegatronCheckpoint, base: str) -> str:
@@ -313,14 +321,14 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
                       + [f"K{i}" for i in range(config.gdp_num_householder)] + ["Q"],
                       "mamba2": ["x", "B", "C"]}.get(kind, ["query", "key", "value"])
         conv_sections = [(p, s) for p, s in sections if p in conv_parts]
-        put(prefix + "attn.conv.weight", _sections_source(checkpoint, where + "conv1d.weight", conv_sections,
-                                                          conv_parts, shapes[prefix + "attn.conv.weight"]))
+        put(prefix + "attn.conv.weight", _sections_source(checkpoint, _conv_name(checkpoint, where, "weight"),
+                                                          conv_sections, conv_parts, shapes[prefix + "attn.conv.weight"]))
         params = ("A_log", "dt_bias") + (("D",) if kind == "mamba2" else ())
         for param in params:
             put(prefix + "attn." + param, _whole(checkpoint, shapes[prefix + "attn." + param], where + param))
         if kind == "mamba2":  # MambaMixer's conv always has a bias (its constructor asserts conv_bias)
-            put(prefix + "attn.conv_bias", _sections_source(checkpoint, where + "conv1d.bias", conv_sections,
-                                                             conv_parts, shapes[prefix + "attn.conv_bias"]))
+            put(prefix + "attn.conv_bias", _sections_source(checkpoint, _conv_name(checkpoint, where, "bias"),
+                                                             conv_sections, conv_parts, shapes[prefix + "attn.conv_bias"]))
         if mamba:
             put(prefix + "attn.norm", _whole(checkpoint, shapes[prefix + "attn.norm"], where + "norm.weight"))
         else:
@@ -513,8 +521,8 @@ def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
             sections = mixers[kind].sections(config)
             conv = ("z", "beta", "alpha", "f", "b", "w", "a", "dt") + tuple(f"b{i}" for i in range(config.gdp_num_householder))
             blocks[where + "in_proj.weight"] = [size for _, size in sections]
-            blocks[where + "conv1d.weight"] = blocks[where + "conv1d.bias"] = [
-                size for part, size in sections if part not in conv]
+            for name in ("conv1d.weight", "conv1d.bias", "conv1d_weight", "conv1d_bias"):  # _conv_name's names
+                blocks[where + name] = [size for part, size in sections if part not in conv]
     for mlp in config.lead_mlps + [mlp for _, _, mlps in config.blocks for mlp in mlps]:
         where = f"decoder.layers.{mlp}.mlp."
         if mlp in config.moe_layers:  # every SwiGLU expert, as SequentialMLP and TEGroupedMLP name them
