@@ -21,12 +21,15 @@ from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
-MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "gpt_mtp", "layernorm", "layernorm_1p", "mamba2", "ep2", "ep2_legacy", "bridge_qwen3_next", "bridge_qwen3_next_tp2",
+MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "gpt_mtp", "layernorm", "layernorm_1p", "mamba2", "moe_bias", "ep2", "ep2_legacy", "bridge_qwen3_next", "bridge_qwen3_next_tp2",
           "bridge_qwen3_5")
 # read by the eager test only: the models of megatron_layernorm and megatron_mamba2 (their graphs are those fixtures',
 # which tract runs) saved by 2 tensor-parallel ranks; what the parallel save changes is the read (biases merged as
 # their linears, Mamba2's packed in_proj, conv weight and bias per part, its legacy conv1d_weight / conv1d_bias names)
-READ_ONLY = ("layernorm_tp2", "layernorm_tp2_legacy", "mamba2_tp2", "mamba2_tp2_legacy")
+READ_ONLY = ("layernorm_tp2", "layernorm_tp2_legacy", "mamba2_tp2", "mamba2_tp2_legacy",
+             # routings whose graph megatron_moe_sigmoid's (top-k constants aside) and the dense MoE lowering of
+             # megatron_moe_bias already run in tract: groups scored by their top-3 sum, softmax weights times -1.5
+             "moe_sigmoid_top3", "moe_softmax_negative")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5", "bridge_qwen3_next_tp2")
 PROMPT = 16
 
@@ -443,10 +446,11 @@ def test_sqrtsoftplus_scores_hold_float32_over_the_whole_range():
 
 @pytest.mark.parametrize("mixer, change, message", [
     ("moe", {"moe_router_score_function": "entmax"}, "moe_router_score_function 'entmax'"),
-    ("moe", {"moe_router_topk_scaling_factor": -1.0}, "moe_router_topk_scaling_factor -1.0"),
     ("moe", {"moe_router_enable_expert_bias": True}, "moe_router_enable_expert_bias and softmax scores"),
     ("moe", {"moe_router_num_groups": 3}, "moe_router_num_groups 3"),
-    ("moe_sigmoid", {"moe_router_group_topk": 2}, "moe_router_group_topk 2 and moe_router_topk 2"),
+    ("moe_sigmoid", {"moe_router_topk": 3}, "moe_router_group_topk 1 and moe_router_topk 3 (a group scored by its "
+                                            "top-3 sum)"),
+    ("moe_sigmoid", {"moe_router_group_topk": 2, "moe_router_topk": 1}, "(a group scored by its top-0 sum)"),
 ])
 def test_moe_routing_gdn_export_does_not_compute_is_refused(tmp_path, capsys, mixer, change, message):
     refused(capsys, _with_args(tmp_path, mixer, **change), tmp_path / "m.nnef.tgz", message)
@@ -467,7 +471,9 @@ def test_attention_and_expert_settings_gdn_export_does_not_compute_are_refused(t
 
 
 @pytest.mark.parametrize("mixer, change, message", [
-    ("moe", {"add_bias_linear": True}, "add_bias_linear with MoE ('E') layers"),
+    ("moe", {"add_bias_linear": True}, "a shared expert with add_bias_linear is not supported: Megatron's "
+                                       "SharedExpertMLP asserts"),
+    ("moe_bias", {"add_bias_linear": False}, "decoder.layers.1.mlp.router.bias, which the model's arguments do not"),
     ("gdn", {"normalization": "L2Norm"}, "normalization 'L2Norm' (RMSNorm or LayerNorm)"),
     ("gdn", {"hybrid_layer_pattern": "--"}, "has no mixer layer"),
     ("gdn", {"normalization": "LayerNorm"}, "decoder.final_norm.bias"),
@@ -475,7 +481,7 @@ def test_attention_and_expert_settings_gdn_export_does_not_compute_are_refused(t
     ("gdn", {"add_qkv_bias": True}, "weights missing from the checkpoint: decoder.layers.2.self_attention.linear_qkv.bias"),
     ("layernorm", {"add_bias_linear": False}, "the checkpoint has decoder.layers.0.mlp.linear_fc1.bias, which the "
                                               "model's arguments do not describe"),
-], ids=["moe-bias", "l2norm", "no-mixer", "layernorm-without-biases", "biases-missing", "qkv-bias-missing",
+], ids=["moe-shared-expert-bias", "moe-biases-undescribed", "l2norm", "no-mixer", "layernorm-without-biases", "biases-missing", "qkv-bias-missing",
                                "biases-undescribed"])
 def test_norms_and_biases_the_args_and_tensors_disagree_on_are_refused(tmp_path, capsys, mixer, change, message):
     """What gdn_export does not compute (MoE with biases, another normalization, no mixer) and args that disagree

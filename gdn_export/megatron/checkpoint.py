@@ -521,13 +521,13 @@ _COLUMN_PARALLEL = ("word_embeddings.weight", "output_layer.weight", "linear_qkv
                     "mixer.D", "linear_fc1.weight", "linear_fc1.bias", "mixer.norm.weight")
 _REPLICATED = ("layer_norm_weight", "layernorm.weight", "final_norm.weight", "out_norm.weight", "norm.weight",
                "layer_norm_bias", "norm.bias", "linear_proj.bias", "linear_fc2.bias",
-               "router.weight", "router.expert_bias", "gate_weight")
+               "router.weight", "router.bias", "router.expert_bias", "gate_weight")
 _BLOCKED = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "conv1d_weight", "conv1d_bias")
 
 
 def tensor_parallel_axis(name: str) -> int | None:
     """The axis Megatron splits ``name`` over tensor-parallel ranks, None when it is replicated."""
-    name = re.sub(r"\.weight\d+$", ".weight", name)  # TEGroupedMLP's per-expert linear_fc1.weight<e>
+    name = re.sub(r"\.(weight|bias)\d+$", r".\1", name)  # TEGroupedMLP's per-expert linear_fc1.weight<e> / bias<e>
     if name.endswith(_ROW_PARALLEL):
         return 1
     if name.endswith(_COLUMN_PARALLEL):
@@ -554,7 +554,7 @@ def merge_tensor_parallel(name: str, shards: list[torch.Tensor], blocks: list[in
         raise MegatronCheckpointError(f"{name}: tensor-parallel shards of unequal shapes "
                                       f"{[list(s.shape) for s in shards]}")
     if blocks is None:
-        if name.endswith(_BLOCKED) or re.search(r"experts\.(local_experts\.\d+\.)?linear_fc1\.weight\d*$", name):
+        if name.endswith(_BLOCKED) or re.search(r"experts\.(local_experts\.\d+\.)?linear_fc1\.(weight|bias)\d*$", name):
             raise MegatronCheckpointError(f"{name}: a fused projection without a known part layout")
         return torch.cat(shards, dim=axis)
     if any(size % ranks for size in blocks) or sum(blocks) != first.shape[0] * ranks:

@@ -93,10 +93,6 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
     normalization = _arg(args, "normalization", default="LayerNorm")
     refuse_if(normalization not in ("RMSNorm", "LayerNorm"), f"normalization {normalization!r} (RMSNorm or LayerNorm)")
     bias = bool(_arg(args, "add_bias_linear", default=True))
-    # Megatron's router and experts take a bias with add_bias_linear (its shared experts refuse one); the project's
-    # sparse moe_ffn node has none
-    refuse_if(bias and "E" in pattern, "add_bias_linear with MoE ('E') layers (router and expert biases: the "
-                                       "sparse MoE node has none; add_bias_linear is read for attention and MLPs)")
     interleaved = bool(_arg(args, "rotary_interleaved", default=False))
     # HybridModel builds its RotaryEmbedding without rotary_interleaved (its table in halves: cos(f[j mod r/2]))
     # while its attention rotates adjacent pairs: the two channels of a pair turn by different angles, which is not
@@ -190,13 +186,14 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
 
 def _moe_config(args: dict, hidden: int) -> dict:
     """The ``E`` layers' arguments, checked against the routings gdn_export computes: Megatron's ``TopKRouter`` with
-    softmax scores (without scaling, expert bias or groups), or with sigmoid scores (DeepSeek-V3's routing: expert
-    bias, scaling, groups scored by their top-2 sum)."""
+    softmax, sigmoid or sqrtsoftplus scores, a scaling (Megatron's ``if scaling_factor:``: 0 or none is no scaling),
+    an expert bias (sigmoid, sqrtsoftplus), groups scored by the sum of their top ``topk // group_topk``."""
     def refuse_if(condition: bool, what: str) -> None:
         if condition:
             raise MegatronCheckpointError(f"MoE layers with {what} are not supported (softmax, sigmoid or sqrtsoftplus "
-                                          "top-k routing with a positive scaling, groups scored by their top-2 sum; "
-                                          "expert bias with sigmoid or sqrtsoftplus scores)")
+                                          "top-k routing, groups of equal size each scored by the sum of its top "
+                                          "topk // group_topk >= 1 scores; expert bias with sigmoid or sqrtsoftplus "
+                                          "scores)")
 
     score = _arg(args, "moe_router_score_function", default="softmax")
     scaling = float(_arg(args, "moe_router_topk_scaling_factor", default=None) or 1.0)
@@ -209,9 +206,12 @@ def _moe_config(args: dict, hidden: int) -> dict:
         # Megatron's TransformerConfig itself refuses an expert bias with softmax scores (aux-loss-free routing
         # is for sigmoid and sqrtsoftplus); no Megatron release routes with it
         refuse_if(bias, "moe_router_enable_expert_bias and softmax scores (Megatron refuses that pair too)")
-        refuse_if(scaling <= 0, f"moe_router_topk_scaling_factor {scaling} (softmax weights times a non-positive "
-                                "factor: the top k of the weights would not be the chosen experts)")
-    refuse_if(groups > 1 and (top_k // group_topk != 2 or int(_arg(args, "num_experts", default=0) or 0) % groups),
+    expert_count = int(_arg(args, "num_experts", default=0) or 0)
+    # Megatron's TransformerConfig asserts equal groups and group_topk <= num_groups; a group scored by its top 0
+    # (topk < group_topk) ties every group (torch.topk's pick among ties is unspecified), and a top beyond the
+    # group's size makes Megatron's own topk raise: no Megatron run routes either
+    refuse_if(groups > 1 and (expert_count % groups or not 1 <= group_topk <= groups
+                              or not 1 <= top_k // group_topk <= expert_count // groups),
               f"moe_router_num_groups {groups}, moe_router_group_topk {group_topk} and moe_router_topk {top_k} "
               f"(a group scored by its top-{top_k // group_topk} sum)")
     experts = _arg(args, "num_experts", default=None)
@@ -220,6 +220,9 @@ def _moe_config(args: dict, hidden: int) -> dict:
     if not 0 < int(experts) <= MAX_EXPERTS:
         raise MegatronCheckpointError(f"num_experts {experts} in the args: 1 to {MAX_EXPERTS} experts are read")
     shared = int(_arg(args, "moe_shared_expert_intermediate_size", default=0) or 0)
+    if shared and bool(_arg(args, "add_bias_linear", default=True)):
+        raise MegatronCheckpointError("a shared expert with add_bias_linear is not supported: Megatron's "
+                                      "SharedExpertMLP asserts add_bias_linear is off, so no Megatron release writes it")
     return dict(num_experts=int(experts), moe_router_topk=top_k,
                 moe_ffn_hidden_size=int(_arg(args, "moe_ffn_hidden_size", "ffn_hidden_size", default=4 * hidden)),
                 moe_router_pre_softmax=bool(_arg(args, "moe_router_pre_softmax", default=False)),
@@ -401,16 +404,16 @@ def _mlp_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, pu
         put(prefix + "down_proj.bias", _whole(checkpoint, (hidden,), where + "linear_fc2.bias"))
 
 
-def _expert_pieces(checkpoint, where: str, linear: str, experts: int) -> list:
-    """The routed experts' ``linear`` (``linear_fc1`` / ``linear_fc2``) in expert order: one stacked tensor
-    ``experts.experts.<linear>.weight`` (torch_dist, with the expert axis first, for sequential and grouped-GEMM
-    experts alike), or one tensor per expert in a legacy checkpoint (``SequentialMLP``:
-    ``experts.local_experts.<e>.<linear>.weight``; ``TEGroupedMLP``: ``experts.<linear>.weight<e>``)."""
-    stacked = f"{where}experts.experts.{linear}.weight"
+def _expert_pieces(checkpoint, where: str, linear: str, experts: int, param: str = "weight") -> list:
+    """The routed experts' ``linear`` (``linear_fc1`` / ``linear_fc2``) ``param`` (``weight`` or ``bias``) in expert
+    order: one stacked tensor ``experts.experts.<linear>.<param>`` (torch_dist, with the expert axis first, for
+    sequential and grouped-GEMM experts alike), or one tensor per expert in a legacy checkpoint (``SequentialMLP``:
+    ``experts.local_experts.<e>.<linear>.<param>``; ``TEGroupedMLP``: ``experts.<linear>.<param><e>``)."""
+    stacked = f"{where}experts.experts.{linear}.{param}"
     if checkpoint.has(stacked):
         return [(stacked, None)]
-    for name_of in (lambda e: f"{where}experts.local_experts.{e}.{linear}.weight",
-                    lambda e: f"{where}experts.{linear}.weight{e}"):
+    for name_of in (lambda e: f"{where}experts.local_experts.{e}.{linear}.{param}",
+                    lambda e: f"{where}experts.{linear}.{param}{e}"):
         names = [name_of(e) for e in range(experts)]
         if all(checkpoint.has(name) for name in names):
             return [(name, None) for name in names]
@@ -418,18 +421,24 @@ def _expert_pieces(checkpoint, where: str, linear: str, experts: int) -> list:
         raise MegatronCheckpointError(f"{where}experts.weight1: the legacy GroupedMLP layout (weight1 / weight2) is "
                                       "not supported (save torch_dist, or SequentialMLP / TEGroupedMLP experts)")
     raise MegatronCheckpointError(f"weights missing from the checkpoint: {stacked} (or the {experts} experts' "
-                                  f"{where}experts.local_experts.<e>.{linear}.weight)")
+                                  f"{where}experts.local_experts.<e>.{linear}.{param})")
 
 
 def _moe_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, shapes, put) -> None:
     """An ``E`` layer's ``MoELayer``: router, routed experts (``linear_fc1`` = ``[gate; up]`` per expert), shared
-    expert and its gate."""
+    expert and its gate; with ``add_bias_linear`` the router's and the routed experts' biases (Megatron's
+    ``SharedExpertMLP`` refuses one)."""
     put(prefix + "router.weight", _whole(checkpoint, shapes[prefix + "router.weight"], where + "router.weight"))
+    if config.add_bias_linear:
+        put(prefix + "router.bias", _whole(checkpoint, shapes[prefix + "router.bias"], where + "router.bias"))
     if config.moe_router_expert_bias:
         put(prefix + "expert_bias", _whole(checkpoint, shapes[prefix + "expert_bias"], where + "router.expert_bias"))
-    for param, linear in (("gate_up_proj", "linear_fc1"), ("down_proj", "linear_fc2")):
+    linears = [("gate_up_proj", "linear_fc1", "weight"), ("down_proj", "linear_fc2", "weight")]
+    if config.add_bias_linear:
+        linears += [("gate_up_bias", "linear_fc1", "bias"), ("down_bias", "linear_fc2", "bias")]
+    for param, linear, kind in linears:
         name = f"{prefix}experts.{param}"
-        put(name, MegatronSource(checkpoint, _expert_pieces(checkpoint, where, linear, config.num_experts),
+        put(name, MegatronSource(checkpoint, _expert_pieces(checkpoint, where, linear, config.num_experts, kind),
                                  shapes[name]))
     if config.moe_shared_expert_size:
         size, fc1 = config.moe_shared_expert_size, where + "shared_experts.linear_fc1.weight"
@@ -527,7 +536,8 @@ def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
         where = f"decoder.layers.{mlp}.mlp."
         if mlp in config.moe_layers:  # every SwiGLU expert, as SequentialMLP and TEGroupedMLP name them
             for e in range(config.num_experts):
-                for name in (f"experts.local_experts.{e}.linear_fc1.weight", f"experts.linear_fc1.weight{e}"):
+                for name in (f"experts.local_experts.{e}.linear_fc1.weight", f"experts.linear_fc1.weight{e}",
+                             f"experts.local_experts.{e}.linear_fc1.bias", f"experts.linear_fc1.bias{e}"):
                     blocks[where + name] = [config.moe_ffn_hidden_size] * 2
             if config.moe_shared_expert_size:
                 blocks[where + "shared_experts.linear_fc1.weight"] = [config.moe_shared_expert_size] * 2

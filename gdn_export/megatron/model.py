@@ -332,13 +332,24 @@ class MegatronMLP(nn.Module):
 class MegatronExperts(nn.Module):
     """A ``MoELayer``'s routed SwiGLU experts as stacks, in the layout of transformers' ``*Experts`` that the
     project's sparse MoE path takes (``hf.blocks.ExpertStacks``): ``gate_up_proj`` ``[E, 2I, D]`` (each expert's
-    ``linear_fc1`` = ``[gate; up]``), ``down_proj`` ``[E, D, I]`` (its ``linear_fc2``)."""
+    ``linear_fc1`` = ``[gate; up]``), ``down_proj`` ``[E, D, I]`` (its ``linear_fc2``); with ``bias``
+    (``add_bias_linear``) their biases ``gate_up_bias`` ``[E, 2I]`` and ``down_bias`` ``[E, D]``."""
 
-    def __init__(self, experts: int, hidden: int, ffn: int) -> None:
+    def __init__(self, experts: int, hidden: int, ffn: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * ffn, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, ffn))
+        if bias:
+            self.gate_up_bias = nn.Parameter(torch.empty(experts, 2 * ffn))
+            self.down_bias = nn.Parameter(torch.empty(experts, hidden))
         self.act_fn = nn.SiLU()
+
+    def biases(self) -> tuple | None:
+        """``moe_ffn``'s ``(gate_bias, up_bias, down_bias)``, None without biases."""
+        if not hasattr(self, "gate_up_bias"):
+            return None
+        gate, up = self.gate_up_bias.chunk(2, dim=1)
+        return gate, up, self.down_bias
 
 
 class MegatronMoE(nn.Module):
@@ -352,7 +363,11 @@ class MegatronMoE(nn.Module):
     scores (``sqrt(softplus(logits))``) the same way. Softmax scores with groups or a scaling: the same choice over
     the logits (or, ``moe_router_pre_softmax``, the softmax over every expert), the softmax weights times the
     scaling (``grouped_softmax_routing``). Every routing but plain softmax is computed in the graph and handed to
-    tract's sparse ``tract_moe_ffn`` as a given routing (``ops/moe_ffn/op.py``)."""
+    tract's sparse ``tract_moe_ffn`` as a given routing (``ops/moe_ffn/op.py``). With ``add_bias_linear`` the
+    router's logits have a bias (so plain softmax routing too is computed in the graph: tract's softmax gates read
+    the router's weight alone) and each routed expert's ``linear_fc1`` / ``linear_fc2`` theirs, the expert's output
+    ``p · (linear_fc2(swiglu(linear_fc1(x))))`` with its bias inside, as Megatron's expert ``MLP`` scales its
+    ``linear_fc2`` bias by the routing probability (``per_token_scale``); the MoE node then stays dense."""
 
     def __init__(self, config: MegatronConfig) -> None:
         super().__init__()
@@ -361,11 +376,14 @@ class MegatronMoE(nn.Module):
         self.score, self.scaling = c.moe_router_score_function, c.moe_router_scaling
         self.sigmoid = self.score in ("sigmoid", "sqrtsoftplus")
         self.groups, self.top_groups = c.moe_router_num_groups, c.moe_router_group_topk
-        self.plain_softmax = not self.sigmoid and self.groups == 1 and self.scaling == 1.0
-        self.router = _linear(c.hidden_size, c.num_experts)
+        # Megatron's group_limited_topk scores a group by the sum of its top topk // group_topk scores
+        self.group_score_k = self.top_k // self.top_groups
+        self.plain_softmax = (not self.sigmoid and self.groups == 1 and self.scaling == 1.0
+                              and not c.add_bias_linear)
+        self.router = nn.Linear(c.hidden_size, c.num_experts, bias=c.add_bias_linear)
         if c.moe_router_expert_bias:
             self.expert_bias = nn.Parameter(torch.zeros(c.num_experts))
-        self.experts = MegatronExperts(c.num_experts, c.hidden_size, c.moe_ffn_hidden_size)
+        self.experts = MegatronExperts(c.num_experts, c.hidden_size, c.moe_ffn_hidden_size, c.add_bias_linear)
         if c.moe_shared_expert_size:
             self.shared_expert = MegatronMLP(c.hidden_size, c.moe_shared_expert_size, "swiglu")
             if c.moe_shared_expert_gate:
@@ -376,8 +394,10 @@ class MegatronMoE(nn.Module):
     def gate(self) -> str:
         if self.sigmoid:  # the weights choose the experts exactly when the scaling is positive (kimi_linear's rule)
             return f"grouped_{self.score}" if self.scaling > 0 else "grouped_sigmoid_signed"
-        # the read refuses a non-positive scaling of softmax weights (family._moe_config)
-        return softmax_gate(self.normalize) if self.plain_softmax else "grouped_softmax"
+        if self.plain_softmax:
+            return softmax_gate(self.normalize)
+        # Megatron scales by any non-zero factor (a zero one is none: family._moe_config reads it as 1)
+        return "grouped_softmax" if self.scaling > 0 else "grouped_softmax_signed"
 
     def routing(self, flat: torch.Tensor) -> torch.Tensor:
         logits = self.router(flat)
@@ -385,21 +405,23 @@ class MegatronMoE(nn.Module):
             return top_k_routing(logits, self.top_k, self.normalize)
         if not self.sigmoid:
             return grouped_softmax_routing(logits, top_k=self.top_k, groups=self.groups, top_groups=self.top_groups,
-                                           pre_softmax=not self.normalize, scaling=self.scaling).to(logits.dtype)
+                                           pre_softmax=not self.normalize, scaling=self.scaling,
+                                           group_score_k=self.group_score_k).to(logits.dtype)
         bias = self.expert_bias if hasattr(self, "expert_bias") else torch.zeros(logits.shape[-1])
         return grouped_sigmoid_routing(logits.float(), bias, top_k=self.top_k, groups=self.groups,
                                        top_groups=self.top_groups, normalize=self.top_k > 1,
-                                       scaling=self.scaling, score=self.score).to(logits.dtype)
+                                       scaling=self.scaling, score=self.score,
+                                       group_score_k=self.group_score_k).to(logits.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weights = self.routing(flat)
         if self.stacks is None:  # the eager reference: every expert, mixed by the routing
             gate, up = self.experts.gate_up_proj.chunk(2, dim=1)
-            out = dense_experts(flat, weights, gate, up, self.experts.down_proj, F.silu)
+            out = dense_experts(flat, weights, gate, up, self.experts.down_proj, F.silu, self.experts.biases())
         else:
             out = routed_moe(flat, weights, self.router.weight, self.stacks.gate_proj, self.stacks.up_proj,
-                             self.stacks.down_proj, self.top_k, self.stacks.gate)
+                             self.stacks.down_proj, self.top_k, self.stacks.gate, self.experts.biases())
         if hasattr(self, "shared_expert"):
             shared = self.shared_expert(flat)
             if hasattr(self, "shared_expert_gate"):

@@ -221,14 +221,16 @@ def cached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def routed_moe(x: torch.Tensor, routing: torch.Tensor, router_weight: torch.Tensor, gate_proj: torch.Tensor,
-               up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, gate: str) -> torch.Tensor:
+               up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, gate: str,
+               biases: tuple | None = None) -> torch.Tensor:
     """SwiGLU experts ``[N, D] -> [N, D]`` mixed by ``routing`` ``[N, E]`` as one ``t2n_extra::moe_ffn`` node
     (``gdn_export/ops/moe_ffn/op.py``: its contract, the stacks' layout), whose torch kernel is ``dense_experts``.
     ``gate`` states how ``routing`` was computed from ``x @ router_weight.T``: ``"softmax_topk"``/``"softmax_all"``
     (``top_k_routing`` with and without renormalization) let the export use tract's sparse ``tract_moe_ffn``, and so
     does ``"grouped_sigmoid"`` (``grouped_sigmoid_routing`` with a positive scaling: the routing itself chooses the
-    experts; its stacks come widened); any other name keeps the dense form."""
-    return moe_ffn(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate)
+    experts; its stacks come widened); any other name keeps the dense form, and so do ``biases`` (the experts'
+    ``(gate_bias, up_bias, down_bias)``: tract's op has none)."""
+    return moe_ffn(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate, biases)
 
 
 def gated_attention(module: Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_rotary,
