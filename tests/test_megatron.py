@@ -176,15 +176,17 @@ def test_converted_checkpoint_in_tract_matches_megatron(name, shared_session):
 
 
 @pytest.mark.slow
-def test_mamba2_checkpoint_in_onnxruntime_matches_megatron(tmp_path):
-    """The Mamba2 fixture's conv bias through the ONNX back-end (onnxruntime's contrib conv, its bias input): the
-    converted file in onnxruntime (prefill 16, then one token at a time, batch 2) against Megatron's logits."""
+@pytest.mark.parametrize("mixer", ["mamba2", "moe_bias"])
+def test_biased_checkpoint_in_onnxruntime_matches_megatron(tmp_path, mixer):
+    """Biases through the ONNX back-end: the Mamba2 fixture's conv bias (onnxruntime's contrib conv, its bias
+    input), the MoE experts' biases (the dense MoE lowering's adds); the converted file in onnxruntime (prefill 16,
+    then one token at a time, batch 2) against Megatron's logits."""
     from gdn_export.run.runner import open_runner
 
-    out = tmp_path / "mamba2.onnx"
-    assert cli(["convert", str(FIXTURES / "megatron_mamba2"), "-o", str(out), "--no-check"]) == 0
-    tokens, expected = golden("mamba2")
-    judge("mamba2 (onnxruntime)", session_logits(open_runner(out), tokens, PROMPT), expected)
+    out = tmp_path / f"{mixer}.onnx"
+    assert cli(["convert", str(FIXTURES / f"megatron_{mixer}"), "-o", str(out), "--no-check"]) == 0
+    tokens, expected = golden(mixer)
+    judge(f"{mixer} (onnxruntime)", session_logits(open_runner(out), tokens, PROMPT), expected)
 
 
 @pytest.mark.slow

@@ -603,14 +603,16 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
     used = sorted({names[kind] for kind, _, _ in config.blocks}) + (["MLP"] if "-" in config.pattern else [])
     if config.moe_layers:
         routing = (config.moe_router_score_function + (", expert bias" if config.moe_router_expert_bias else "")
-                   + (f", {config.moe_router_group_topk} of {config.moe_router_num_groups} groups"
+                   + (f", {config.moe_router_group_topk} of {config.moe_router_num_groups} groups by their top-"
+                      f"{config.moe_router_topk // config.moe_router_group_topk} sum"
                       if config.moe_router_num_groups > 1 else "")
                    + (f", scaled by {config.moe_router_scaling:g}" if config.moe_router_scaling != 1 else ""))
         used.append(f"MoE ({config.num_experts} experts, top-{config.moe_router_topk} "
                     + routing
                     + (" before top-k" if config.moe_router_pre_softmax else "")
                     + (", gated shared expert" if config.moe_shared_expert_gate else
-                       ", shared expert" if config.moe_shared_expert_size else "") + ")")
+                       ", shared expert" if config.moe_shared_expert_size else "")
+                    + (", router and expert biases" if config.add_bias_linear else "") + ")")
     if config.attention_output_gate:
         used.append("gated attention output")
     if config.rotary_dim:
