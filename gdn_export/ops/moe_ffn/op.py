@@ -44,6 +44,8 @@ that tract's fused ``tract_moe_ffn`` can compute it again by itself:
 The NNEF emission (``gdn_export/ops/moe_ffn/nnef.py``: ops import no export code) decides per node and records
 the decision with its reason on the target like the gated delta rule's: ``tract_moe_ffn`` where it computes exactly
 this function (``decide``), else ``dense``: the experts as two matmuls over the whole stacks, mixed by ``routing``.
+A node with expert biases is always dense (``BIASED_EXPERTS``): ``tract_moe_ffn`` has no bias input, and while
+``down_bias``'s share is ``routing @ down_bias`` outside any op, ``gate_bias`` and ``up_bias`` sit inside SwiGLU.
 With a softmax gate ``routing`` is unused (the fused op reads the router's weight itself): its few ops stay in
 graph.nnef and tract drops them at load (tract_quirks.MOE_UNUSED_ROUTING_DROPPED); a given routing is the op's
 router input.
