@@ -14,7 +14,7 @@ from gdn_export.hf.families.fla import FlaLM
 from gdn_export.hf.layout import Layout
 from gdn_export.megatron.checkpoint import MegatronCheckpoint, MegatronCheckpointError, MegatronSource
 from gdn_export.layers.common import LayerNorm, RMSNorm
-from gdn_export.megatron.mtp import mtp_sources
+from gdn_export.megatron.mtp import mtp_depths, mtp_sources
 from gdn_export.megatron.model import (MIXER_NAMES, GatedDeltaNet2Mixer, GatedDeltaNetMixer, GatedDeltaProductMixer,
                                        Mamba2Mixer, MegatronConfig, MegatronHybridLM, MegatronMoE)
 
@@ -661,8 +661,10 @@ def open_megatron(folder: str | os.PathLike):
                                                    "megatron": config})
     weights = MegatronWeights(sources, skipped, None)
     weights.description = describe(config, checkpoint) + (
-        f", an MTP head of 1 depth ({'MoE' if mtp[0].num_experts else 'dense MLP'}; mapped to the published "
-        "mtp.* names)" if mtp else f", its MTP block left out: {mtp_left_out}" if mtp_left_out else "")
+        (", an MTP head of 1 depth" if (depths := mtp_depths(checkpoint)) <= 1 else
+         f", an MTP head of 1 layer that Megatron runs at {depths} depths (mtp_use_repeated_layer), as chained "
+         "drafts run it") + f" ({'MoE' if mtp[0].num_experts else 'dense MLP'}; mapped to the published mtp.* names)"
+        if mtp else f", its MTP block left out: {mtp_left_out}" if mtp_left_out else "")
     weights.mtp = mtp
     return FAMILY, layout, model, weights
 

@@ -47,24 +47,39 @@ from gdn_export.models.mtp import MTPConfig, MTPError, MTPHead
 PREFIX = "mtp.layers.0."
 
 
+def mtp_depths(checkpoint: MegatronCheckpoint) -> int:
+    """The MTP depths Megatron runs (``mtp_num_layers``; a HybridModel: its pattern's ``/`` parts)."""
+    pattern = checkpoint.args.get("hybrid_layer_pattern") or checkpoint.args.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and pattern:
+        return pattern.count("/")
+    return int(checkpoint.args.get("mtp_num_layers") or 0)
+
+
 def mtp_layout(checkpoint: MegatronCheckpoint) -> tuple[str, str] | None:
-    """``(attention prefix, MLP prefix)`` of the one MTP depth's inner layer, or None when the checkpoint has no
+    """``(attention prefix, MLP prefix)`` of the one MTP layer's inner layer, or None when the checkpoint has no
     MTP tensors. A HybridModel's MTP pattern (after ``/``) must be one attention layer then one MLP or MoE layer
-    (``*E`` / ``*-``) and appear once; a GPTModel's MTP layer is one ``TransformerLayer``."""
+    (``*E`` / ``*-``); a GPTModel's MTP layer is one ``TransformerLayer``. One depth, or several of one layer
+    (``mtp_use_repeated_layer``: Megatron builds and stores ``mtp.layers.0`` alone and runs it at every depth, each
+    on the previous depth's output after its ``final_layernorm``, the ids rolled once more: what the MTP path's
+    chained drafts compute with the one head); depths of their own weights (``mtp.layers.1.*``, ...) are refused."""
     if not any(name.startswith("mtp.") for name in checkpoint.names()):
         return None
     args = checkpoint.args
     pattern = args.get("hybrid_layer_pattern") or args.get("hybrid_override_pattern")
-    depths = int(args.get("mtp_num_layers") or 0)
+    depths, repeated = mtp_depths(checkpoint), bool(args.get("mtp_use_repeated_layer", False))
+    if depths > 1 and (not repeated or any(name.startswith("mtp.layers.1.") for name in checkpoint.names())):
+        raise MegatronCheckpointError(f"{depths} MTP depths with weights of their own (mtp.layers.1.*, ...; "
+                                      "mtp_use_repeated_layer off): one MTP depth, or one layer repeated at every "
+                                      "depth (mtp_use_repeated_layer), is supported")
     if isinstance(pattern, str) and pattern:
         parts = pattern.split("/")[1:]
-        if len(parts) != 1 or parts[0] not in ("*E", "*-"):
+        if len(set(parts)) != 1 or parts[0] not in ("*E", "*-"):
             raise MegatronCheckpointError(
                 f"multi-token prediction pattern {'/'.join([''] + parts)!r} (in {pattern!r}): one MTP depth of one "
                 "attention layer then one MLP or MoE layer ('/*E' or '/*-', Qwen3-Next's MTP layer) is supported")
         inner = PREFIX + "mtp_model_layer.layers."
         return inner + "0.", inner + "1."
-    if depths != 1 or any(name.startswith("mtp.layers.1.") for name in checkpoint.names()):
+    if depths < 1 or any(name.startswith("mtp.layers.1.") for name in checkpoint.names()):
         raise MegatronCheckpointError(f"mtp_num_layers {depths or 'unset'} with mtp.* tensors: one MTP depth is "
                                       "supported")
     # torch_dist keeps the older module name (MultiTokenPredictionLayer.sharded_state_dict maps mtp_model_layer. to
@@ -205,4 +220,4 @@ def read_megatron_mtp_head(folder: str | os.PathLike, dtype: torch.dtype = torch
     return head.to(dtype).eval()
 
 
-__all__ = ["mtp_config", "mtp_layout", "mtp_sources", "read_megatron_mtp_head"]
+__all__ = ["mtp_config", "mtp_depths", "mtp_layout", "mtp_sources", "read_megatron_mtp_head"]
