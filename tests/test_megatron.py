@@ -29,7 +29,9 @@ MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe",
 READ_ONLY = ("layernorm_tp2", "layernorm_tp2_legacy", "mamba2_tp2", "mamba2_tp2_legacy",
              # routings whose graph megatron_moe_sigmoid's (top-k constants aside) and the dense MoE lowering of
              # megatron_moe_bias already run in tract: groups scored by their top-3 sum, softmax weights times -1.5
-             "moe_sigmoid_top3", "moe_softmax_negative", "moe_mtp_repeated")
+             "moe_sigmoid_top3", "moe_softmax_negative", "moe_mtp_repeated",
+             # megatron_moe_bias in the legacy layout: the experts' biases per expert (local_experts.<e>.linear_fc1.bias)
+             "moe_bias_legacy")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5", "bridge_qwen3_next_tp2")
 PROMPT = 16
 
@@ -517,27 +519,29 @@ def test_args_asking_for_too_much_or_nonsense_are_one_line(tmp_path, capsys, mix
     refused(capsys, _with_args(tmp_path, mixer, **change), tmp_path / "m.nnef.tgz", message)
 
 
-def test_grouped_gemm_legacy_experts_read_the_same_model(tmp_path):
-    """The MoE fixture's legacy save with its experts renamed as ``TEGroupedMLP`` stores them
-    (``experts.linear_fc1.weight<e>``, Megatron's grouped-GEMM experts; ``SequentialMLP`` writes
-    ``experts.local_experts.<e>.linear_fc1.weight``, as the fixture was saved) reads to the same model."""
+@pytest.mark.parametrize("mixer", ["moe_legacy", "moe_bias_legacy"])
+def test_grouped_gemm_legacy_experts_read_the_same_model(tmp_path, mixer):
+    """The MoE fixtures' legacy saves with their experts renamed as ``TEGroupedMLP`` stores them
+    (``experts.linear_fc1.weight<e>`` / ``bias<e>``, Megatron's grouped-GEMM experts; ``SequentialMLP`` writes
+    ``experts.local_experts.<e>.linear_fc1.weight``, as the fixtures were saved) read to the same model."""
     import re
 
-    folder = _copy(tmp_path, "moe_legacy")
+    folder = _copy(tmp_path, mixer)
 
     def regroup(model):
         for name in [n for n in model if ".local_experts." in n]:
-            new = re.sub(r"local_experts\.(\d+)\.(linear_fc[12])\.weight", r"\2.weight\1", name)
+            new = re.sub(r"local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)", r"\2.\3\1", name)
             model[new] = model.pop(name)
 
     _edit_rank(folder, "mp_rank_00", regroup)
     family, layout, _, weights = open_megatron(folder)
-    assert any(piece.endswith(".linear_fc1.weight3") for source in weights.entries.values()
-               for piece, _ in source.pieces)
+    pieces = [piece for source in weights.entries.values() for piece, _ in source.pieces]
+    assert any(piece.endswith(".linear_fc1.weight3") for piece in pieces)
+    assert ("bias" in mixer) == any(piece.endswith(".linear_fc2.bias3") for piece in pieces)
     model = model_in_memory(family, layout, weights)
-    tokens, expected = golden("moe_legacy")
+    tokens, expected = golden(mixer)
     with torch.no_grad():
-        judge("moe", model(torch.from_numpy(tokens)).logits.numpy(), expected)
+        judge(mixer, model(torch.from_numpy(tokens)).logits.numpy(), expected)
 
 
 def test_gpt_model_layers_are_read_per_transformer_layer():
