@@ -29,7 +29,7 @@ MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe",
 READ_ONLY = ("layernorm_tp2", "layernorm_tp2_legacy", "mamba2_tp2", "mamba2_tp2_legacy",
              # routings whose graph megatron_moe_sigmoid's (top-k constants aside) and the dense MoE lowering of
              # megatron_moe_bias already run in tract: groups scored by their top-3 sum, softmax weights times -1.5
-             "moe_sigmoid_top3", "moe_softmax_negative", "moe_mtp_repeated",
+             "moe_sigmoid_top3", "moe_softmax_negative", "moe_mtp_repeated", "moe_mtp_2depths",
              # megatron_moe_bias in the legacy layout: the experts' biases per expert (local_experts.<e>.linear_fc1.bias)
              "moe_bias_legacy")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5", "bridge_qwen3_next_tp2")
@@ -70,12 +70,12 @@ def _eager_final_hidden(mixer: str) -> torch.Tensor:
 
 
 MTP = ("moe_mtp", "gpt_mtp")  # a HybridModel's MTP pattern '/*E'; a GPTModel's MTP layer (its last: attention + MoE)
-# '/*E/*E' with mtp_use_repeated_layer: one stored layer that Megatron runs at 2 depths (read by the torch test: the
-# converted head is moe_mtp's graph)
-MTP_REPEATED = ("moe_mtp_repeated",)
+# '/*E/*E' with mtp_use_repeated_layer: one stored layer that Megatron runs at 2 depths; without: 2 depths with weights
+# of their own, depth 1 the head (read by the torch test: the converted head is moe_mtp's graph)
+MTP_DEEP = ("moe_mtp_repeated", "moe_mtp_2depths")
 
 
-@pytest.mark.parametrize("mixer", MTP + MTP_REPEATED)
+@pytest.mark.parametrize("mixer", MTP + MTP_DEEP)
 def test_mtp_head_matches_megatrons_multi_token_prediction(mixer):
     """The Megatron MTP block mapped onto the published mtp.* head (``models.mtp.MTPHead``), fed what Megatron's
     ``MultiTokenPredictionBlock`` reads (the decoder's output after its final norm, the next token at each
@@ -99,7 +99,7 @@ def test_mtp_head_matches_megatrons_multi_token_prediction(mixer):
                 steps.append(logits)
         judge(f"{mixer} (MTP head)", whole.numpy(), expected)
         judge(f"{mixer} (MTP head, cached steps)", torch.cat(steps, dim=1).numpy(), expected)
-    if "mtp2_logits" in data.files:  # depth 2: the same layer on depth 1's output, the ids rolled once more
+    if mixer == "moe_mtp_repeated":  # depth 2: the same layer on depth 1's output, the ids rolled once more
         next2 = torch.from_numpy(data["mtp2_next_ids"])
         assert torch.equal(next2[:, :-1], next_ids[:, 1:]) and not next2[:, -1].any()
         with torch.no_grad():
@@ -148,11 +148,14 @@ def test_mtp_block_is_read_and_reported():
     assert open_megatron(FIXTURES / "megatron_moe")[3].mtp is None
     repeated = open_megatron(FIXTURES / "megatron_moe_mtp_repeated")[3]
     assert "an MTP head of 1 layer that Megatron runs at 2 depths (mtp_use_repeated_layer)" in repeated.summary()
+    own = open_megatron(FIXTURES / "megatron_moe_mtp_2depths")[3]
+    assert "an MTP head of depth 1 of 2 (depth 2, with weights of its own, left out" in own.summary()
+    assert all(piece.startswith("mtp.layers.0.") for source in own.mtp[1].values() for piece, _ in source.pieces)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("change, message", [
-    ({"hybrid_layer_pattern": "GE*EGE/*E/*E"}, "2 MTP depths with weights of their own"),
+    ({"hybrid_layer_pattern": "GE*EGE/*E/*E"}, "the checkpoint has no mtp.layers.1.*"),
     ({"hybrid_layer_pattern": "GE*EGE/G-"}, "multi-token prediction pattern '/G-'"),
     ({"apply_layernorm_1p": False, "layernorm_zero_centered_gamma": False}, "norms that are not zero-centred"),
     ({"moe_router_score_function": "sigmoid"}, "sigmoid routing scores"),

@@ -14,7 +14,7 @@ from gdn_export.hf.families.fla import FlaLM
 from gdn_export.hf.layout import Layout
 from gdn_export.megatron.checkpoint import MegatronCheckpoint, MegatronCheckpointError, MegatronSource
 from gdn_export.layers.common import LayerNorm, RMSNorm
-from gdn_export.megatron.mtp import mtp_depths, mtp_sources
+from gdn_export.megatron.mtp import mtp_depths, mtp_sources, own_depths
 from gdn_export.megatron.model import (MIXER_NAMES, GatedDeltaNet2Mixer, GatedDeltaNetMixer, GatedDeltaProductMixer,
                                        Mamba2Mixer, MegatronConfig, MegatronHybridLM, MegatronMoE)
 
@@ -230,6 +230,19 @@ def _moe_config(args: dict, hidden: int) -> dict:
                 moe_router_num_groups=groups, moe_router_group_topk=group_topk if groups > 1 else 1,
                 moe_shared_expert_size=shared,
                 moe_shared_expert_gate=bool(shared and _arg(args, "moe_shared_expert_gate", default=False)))
+
+
+def _mtp_summary(checkpoint: MegatronCheckpoint) -> str:
+    """The report's words for the MTP head a checkpoint's MTP block gives (``megatron.mtp.mtp_layout``)."""
+    depths = mtp_depths(checkpoint)
+    if depths <= 1:
+        return ", an MTP head of 1 depth"
+    if own_depths(checkpoint) == 1:
+        return (f", an MTP head of 1 layer that Megatron runs at {depths} depths (mtp_use_repeated_layer), as "
+                "chained drafts run it")
+    deeper = "depth 2" if depths == 2 else f"depths 2 to {depths}"
+    return (f", an MTP head of depth 1 of {depths} ({deeper}, with weights of {'its' if depths == 2 else 'their'} "
+            "own, left out: an archive carries one MTP head, which every draft step runs)")
 
 
 def zero_centred(args: dict) -> bool:
@@ -661,10 +674,8 @@ def open_megatron(folder: str | os.PathLike):
                                                    "megatron": config})
     weights = MegatronWeights(sources, skipped, None)
     weights.description = describe(config, checkpoint) + (
-        (", an MTP head of 1 depth" if (depths := mtp_depths(checkpoint)) <= 1 else
-         f", an MTP head of 1 layer that Megatron runs at {depths} depths (mtp_use_repeated_layer), as chained "
-         "drafts run it") + f" ({'MoE' if mtp[0].num_experts else 'dense MLP'}; mapped to the published mtp.* names)"
-        if mtp else f", its MTP block left out: {mtp_left_out}" if mtp_left_out else "")
+        _mtp_summary(checkpoint) + f" ({'MoE' if mtp[0].num_experts else 'dense MLP'}; mapped to the published "
+        "mtp.* names)" if mtp else f", its MTP block left out: {mtp_left_out}" if mtp_left_out else "")
     weights.mtp = mtp
     return FAMILY, layout, model, weights
 
