@@ -21,13 +21,24 @@ from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
 from gdn_export.megatron.family import open_megatron
 
-MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "gpt_mtp", "ep2", "ep2_legacy", "bridge_qwen3_next", "bridge_qwen3_next_tp2",
-          "bridge_qwen3_5", "pp2_vpp", "gpt_pp2_uneven_legacy", "gpt_grouped_tp2_legacy", "bridge_qwen3_next_mtp",
-          "bridge_qwen3_5_mtp")
-# pipeline and rank layouts that only the reading tells apart: read against Megatron's logits by the eager model
-# (the conversion's reference); their graphs' layers are those of fixtures that convert through tract above
+MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "gpt_mtp", "layernorm", "layernorm_1p", "mamba2", "moe_bias", "ep2", "ep2_legacy", "bridge_qwen3_next", "bridge_qwen3_next_tp2",
+          "bridge_qwen3_5", "pp2_vpp", "bridge_qwen3_next_mtp", "bridge_qwen3_5_mtp")
+# read by the eager test only (the conversion's reference) against Megatron's logits: what these change is the read,
+# their graphs' layers are those of fixtures that convert through tract above.
+# pipeline and rank layouts that only the reading tells apart (the gpt fixture's layers over uneven stages, its
+# GroupedMLP experts at TP = 2):
 READ_ONLY = ("pp2_vpp_legacy", "pp2_uneven_legacy", "gpt_pp2_vpp_legacy", "moe_etp1_legacy", "bridge_qwen3_next_mtp_pp2",
-             "moe_etp1_tppdp_legacy", "moe_cp2_etp1_legacy", "tp2_cp2_legacy")
+             "moe_etp1_tppdp_legacy", "moe_cp2_etp1_legacy", "tp2_cp2_legacy", "gpt_pp2_uneven_legacy",
+             "gpt_grouped_tp2_legacy",
+             # the models of megatron_layernorm and megatron_mamba2 saved by 2 tensor-parallel ranks (biases merged as
+             # their linears, Mamba2's packed in_proj, conv weight and bias per part, its legacy conv1d_weight /
+             # conv1d_bias names)
+             "layernorm_tp2", "layernorm_tp2_legacy", "mamba2_tp2", "mamba2_tp2_legacy",
+             # routings whose graph megatron_moe_sigmoid's (top-k constants aside) and the dense MoE lowering of
+             # megatron_moe_bias already run in tract: groups scored by their top-3 sum, softmax weights times -1.5
+             "moe_sigmoid_top3", "moe_softmax_negative", "moe_mtp_repeated", "moe_mtp_2depths",
+             # megatron_moe_bias in the legacy layout: the experts' biases per expert (local_experts.<e>.linear_fc1.bias)
+             "moe_bias_legacy")
 BRIDGE = ("bridge_qwen3_next", "bridge_qwen3_5", "bridge_qwen3_next_tp2", "bridge_qwen3_next_mtp",
           "bridge_qwen3_5_mtp")
 PROMPT = 16
@@ -69,9 +80,12 @@ def _eager_final_hidden(mixer: str) -> torch.Tensor:
 # a HybridModel's MTP pattern '/*E'; a GPTModel's MTP layer (its last: attention + MoE); the same made by
 # Megatron-Bridge from a Hugging Face mtp.* head
 MTP = ("moe_mtp", "gpt_mtp", "bridge_qwen3_next_mtp", "bridge_qwen3_5_mtp")
+# '/*E/*E' with mtp_use_repeated_layer: one stored layer that Megatron runs at 2 depths; without: 2 depths with weights
+# of their own, depth 1 the head (read by the torch test: the converted head is moe_mtp's graph)
+MTP_DEEP = ("moe_mtp_repeated", "moe_mtp_2depths")
 
 
-@pytest.mark.parametrize("mixer", MTP)
+@pytest.mark.parametrize("mixer", MTP + MTP_DEEP)
 def test_mtp_head_matches_megatrons_multi_token_prediction(mixer):
     """The Megatron MTP block mapped onto the published mtp.* head (``models.mtp.MTPHead``), fed what Megatron's
     ``MultiTokenPredictionBlock`` reads (the decoder's output after its final norm, the next token at each
@@ -95,6 +109,14 @@ def test_mtp_head_matches_megatrons_multi_token_prediction(mixer):
                 steps.append(logits)
         judge(f"{mixer} (MTP head)", whole.numpy(), expected)
         judge(f"{mixer} (MTP head, cached steps)", torch.cat(steps, dim=1).numpy(), expected)
+    if mixer == "moe_mtp_repeated":  # depth 2: the same layer on depth 1's output, the ids rolled once more
+        next2 = torch.from_numpy(data["mtp2_next_ids"])
+        assert torch.equal(next2[:, :-1], next_ids[:, 1:]) and not next2[:, -1].any()
+        with torch.no_grad():
+            own = head(torch.from_numpy(data["mtp_input_hidden"]), next_ids, *head.empty_cache(2))[1]
+            for hidden in (own, torch.from_numpy(data["mtp2_input_hidden"])):
+                judge(f"{mixer} (MTP head, depth 2)", head(hidden, next2, *head.empty_cache(2))[0].numpy(),
+                      data["mtp2_logits"])
 
 
 @pytest.mark.slow
@@ -134,11 +156,16 @@ def test_mtp_block_is_read_and_reported():
     config, sources = weights.mtp
     assert config.num_experts == 4 and sources["mtp.fc.weight"].pieces == [("mtp.layers.0.eh_proj.weight", None)]
     assert open_megatron(FIXTURES / "megatron_moe")[3].mtp is None
+    repeated = open_megatron(FIXTURES / "megatron_moe_mtp_repeated")[3]
+    assert "an MTP head of 1 layer that Megatron runs at 2 depths (mtp_use_repeated_layer)" in repeated.summary()
+    own = open_megatron(FIXTURES / "megatron_moe_mtp_2depths")[3]
+    assert "an MTP head of depth 1 of 2 (depth 2, with weights of its own, left out" in own.summary()
+    assert all(piece.startswith("mtp.layers.0.") for source in own.mtp[1].values() for piece, _ in source.pieces)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("change, message", [
-    ({"hybrid_layer_pattern": "GE*EGE/*E/*E"}, "one MTP depth of one attention layer"),
+    ({"hybrid_layer_pattern": "GE*EGE/*E/*E"}, "the checkpoint has no mtp.layers.1.*"),
     ({"hybrid_layer_pattern": "GE*EGE/G-"}, "multi-token prediction pattern '/G-'"),
     ({"apply_layernorm_1p": False, "layernorm_zero_centered_gamma": False}, "norms that are not zero-centred"),
     ({"moe_router_score_function": "sigmoid"}, "sigmoid routing scores"),
@@ -174,6 +201,20 @@ def test_converted_checkpoint_in_tract_matches_megatron(name, shared_session):
     tokens, expected = golden(name.removeprefix("megatron_"))
     actual = session_logits(shared_session(name, "float32", tokens.shape[0]), tokens, PROMPT)
     judge(name.removeprefix("megatron_"), actual, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mixer", ["mamba2", "moe_bias"])
+def test_biased_checkpoint_in_onnxruntime_matches_megatron(tmp_path, mixer):
+    """Biases through the ONNX back-end: the Mamba2 fixture's conv bias (onnxruntime's contrib conv, its bias
+    input), the MoE experts' biases (the dense MoE lowering's adds); the converted file in onnxruntime (prefill 16,
+    then one token at a time, batch 2) against Megatron's logits."""
+    from gdn_export.run.runner import open_runner
+
+    out = tmp_path / f"{mixer}.onnx"
+    assert cli(["convert", str(FIXTURES / f"megatron_{mixer}"), "-o", str(out), "--no-check"]) == 0
+    tokens, expected = golden(mixer)
+    judge(f"{mixer} (onnxruntime)", session_logits(open_runner(out), tokens, PROMPT), expected)
 
 
 @pytest.mark.slow
@@ -587,10 +628,11 @@ def test_sqrtsoftplus_scores_hold_float32_over_the_whole_range():
 
 @pytest.mark.parametrize("mixer, change, message", [
     ("moe", {"moe_router_score_function": "entmax"}, "moe_router_score_function 'entmax'"),
-    ("moe", {"moe_router_topk_scaling_factor": -1.0}, "moe_router_topk_scaling_factor -1.0"),
     ("moe", {"moe_router_enable_expert_bias": True}, "moe_router_enable_expert_bias and softmax scores"),
     ("moe", {"moe_router_num_groups": 3}, "moe_router_num_groups 3"),
-    ("moe_sigmoid", {"moe_router_group_topk": 2}, "moe_router_group_topk 2 and moe_router_topk 2"),
+    ("moe_sigmoid", {"moe_router_topk": 3}, "moe_router_group_topk 1 and moe_router_topk 3 (a group scored by its "
+                                            "top-3 sum)"),
+    ("moe_sigmoid", {"moe_router_group_topk": 2, "moe_router_topk": 1}, "(a group scored by its top-0 sum)"),
 ])
 def test_moe_routing_gdn_export_does_not_compute_is_refused(tmp_path, capsys, mixer, change, message):
     refused(capsys, _with_args(tmp_path, mixer, **change), tmp_path / "m.nnef.tgz", message)
@@ -611,6 +653,26 @@ def test_attention_and_expert_settings_gdn_export_does_not_compute_are_refused(t
 
 
 @pytest.mark.parametrize("mixer, change, message", [
+    ("moe", {"add_bias_linear": True}, "a shared expert with add_bias_linear is not supported: Megatron's "
+                                       "SharedExpertMLP asserts"),
+    ("moe_bias", {"add_bias_linear": False}, "decoder.layers.1.mlp.router.bias, which the model's arguments do not"),
+    ("gdn", {"normalization": "L2Norm"}, "normalization 'L2Norm' (RMSNorm or LayerNorm)"),
+    ("gdn", {"hybrid_layer_pattern": "--"}, "has no mixer layer"),
+    ("gdn", {"normalization": "LayerNorm"}, "decoder.final_norm.bias"),
+    ("gdn", {"add_bias_linear": True}, "decoder.layers.2.self_attention.linear_proj.bias"),
+    ("gdn", {"add_qkv_bias": True}, "weights missing from the checkpoint: decoder.layers.2.self_attention.linear_qkv.bias"),
+    ("layernorm", {"add_bias_linear": False}, "the checkpoint has decoder.layers.0.mlp.linear_fc1.bias, which the "
+                                              "model's arguments do not describe"),
+], ids=["moe-shared-expert-bias", "moe-biases-undescribed", "l2norm", "no-mixer", "layernorm-without-biases", "biases-missing", "qkv-bias-missing",
+                               "biases-undescribed"])
+def test_norms_and_biases_the_args_and_tensors_disagree_on_are_refused(tmp_path, capsys, mixer, change, message):
+    """What gdn_export does not compute (MoE with biases, another normalization, no mixer) and args that disagree
+    with the tensors (LayerNorm or add_bias_linear without the biases, biases the args do not describe): one line,
+    nothing written, never a model with a bias dropped or invented."""
+    refused(capsys, _with_args(tmp_path, mixer, **change), tmp_path / "m.nnef.tgz", message)
+
+
+@pytest.mark.parametrize("mixer, change, message", [
     ("gdn", {"hybrid_layer_pattern": "G-" * 10_000}, "at most 4096 layers are read"),
     ("gpt", {"num_layers": 10 ** 9}, "num_layers 1000000000 in the args"),
     ("moe", {"num_experts": 10 ** 8}, "num_experts 100000000 in the args"),
@@ -622,27 +684,29 @@ def test_args_asking_for_too_much_or_nonsense_are_one_line(tmp_path, capsys, mix
     refused(capsys, _with_args(tmp_path, mixer, **change), tmp_path / "m.nnef.tgz", message)
 
 
-def test_grouped_gemm_legacy_experts_read_the_same_model(tmp_path):
-    """The MoE fixture's legacy save with its experts renamed as ``TEGroupedMLP`` stores them
-    (``experts.linear_fc1.weight<e>``, Megatron's grouped-GEMM experts; ``SequentialMLP`` writes
-    ``experts.local_experts.<e>.linear_fc1.weight``, as the fixture was saved) reads to the same model."""
+@pytest.mark.parametrize("mixer", ["moe_legacy", "moe_bias_legacy"])
+def test_grouped_gemm_legacy_experts_read_the_same_model(tmp_path, mixer):
+    """The MoE fixtures' legacy saves with their experts renamed as ``TEGroupedMLP`` stores them
+    (``experts.linear_fc1.weight<e>`` / ``bias<e>``, Megatron's grouped-GEMM experts; ``SequentialMLP`` writes
+    ``experts.local_experts.<e>.linear_fc1.weight``, as the fixtures were saved) read to the same model."""
     import re
 
-    folder = _copy(tmp_path, "moe_legacy")
+    folder = _copy(tmp_path, mixer)
 
     def regroup(model):
         for name in [n for n in model if ".local_experts." in n]:
-            new = re.sub(r"local_experts\.(\d+)\.(linear_fc[12])\.weight", r"\2.weight\1", name)
+            new = re.sub(r"local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)", r"\2.\3\1", name)
             model[new] = model.pop(name)
 
     _edit_rank(folder, "mp_rank_00", regroup)
     family, layout, _, weights = open_megatron(folder)
-    assert any(piece.endswith(".linear_fc1.weight3") for source in weights.entries.values()
-               for piece, _ in source.pieces)
+    pieces = [piece for source in weights.entries.values() for piece, _ in source.pieces]
+    assert any(piece.endswith(".linear_fc1.weight3") for piece in pieces)
+    assert ("bias" in mixer) == any(piece.endswith(".linear_fc2.bias3") for piece in pieces)
     model = model_in_memory(family, layout, weights)
-    tokens, expected = golden("moe_legacy")
+    tokens, expected = golden(mixer)
     with torch.no_grad():
-        judge("moe", model(torch.from_numpy(tokens)).logits.numpy(), expected)
+        judge(mixer, model(torch.from_numpy(tokens)).logits.numpy(), expected)
 
 
 def test_gpt_model_layers_are_read_per_transformer_layer():

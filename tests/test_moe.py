@@ -263,6 +263,14 @@ def test_older_tract_is_dense():
     assert decision.lowering == "dense" and "0.23.9" in decision.reason
 
 
+def test_expert_biases_keep_the_node_dense():
+    """tract_moe_ffn has no bias input and a bias inside SwiGLU cannot leave the op: dense, whatever the gate
+    (the Megatron fixture megatron_moe_bias checks the dense form against Megatron's logits)."""
+    for gate in ("softmax_topk", "grouped_softmax"):
+        decision = decide(moe_ffn.MoeNode("y", gate, biased=True), NnefOptions(tract_version=(0, 23, 9), runtime="cpu"))
+        assert decision.lowering == "dense" and "expert biases" in decision.reason
+
+
 def test_operands_are_validated():
     x, router = torch.zeros(3, 8), torch.zeros(4, 8)
     stack = torch.zeros(4, 3, 8)
@@ -275,6 +283,11 @@ def test_operands_are_validated():
         moe_ffn.moe_ffn(x, torch.zeros(3, 4), router, stack, stack, torch.zeros(4, 8, 3), 5, "softmax_topk")
     with pytest.raises(gdn_export.OperandError, match="D \\+ W = 12"):  # a given routing's stacks come widened
         moe_ffn.moe_ffn(x, torch.zeros(3, 4), router, stack, stack, torch.zeros(4, 8, 3), 2, "grouped_sigmoid")
+    down, bias = torch.zeros(4, 8, 3), torch.zeros(4, 3)
+    with pytest.raises(gdn_export.OperandError, match="all three or none"):
+        torch.ops.t2n_extra.moe_ffn(x, torch.zeros(3, 4), router, stack, stack, down, 2, "softmax_topk", bias, bias)
+    with pytest.raises(gdn_export.OperandError, match="down_bias"):  # [E, D], not [E, I]
+        moe_ffn.moe_ffn(x, torch.zeros(3, 4), router, stack, stack, down, 2, "softmax_topk", (bias, bias, bias))
 
 
 # --- 3. the fixtures ------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gdn_export.models.blocks import rms_normalize, short_conv, swiglu
+from gdn_export.models.blocks import layer_normalize, rms_normalize, short_conv, swiglu
 from gdn_export.models.row_lengths import RowLengths
 
 
@@ -60,6 +60,20 @@ class RMSNorm(nn.Module):
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """``torch.nn.LayerNorm`` over the last axis with its ``weight`` (init ones) and ``bias`` (init zeros), f32 math
+    (``models.blocks.layer_normalize``), one cast back; Megatron's ``normalization: LayerNorm``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.hidden_size, self.eps = hidden_size, eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (layer_normalize(x, self.eps) * self.weight.float() + self.bias.float()).to(x.dtype)
 
 
 class FusedRMSNormGated(nn.Module):

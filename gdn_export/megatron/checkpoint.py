@@ -720,17 +720,21 @@ def pipeline_chunks(args: dict, stages: int, virtual: int = 1) -> list[list[tupl
 # ColumnParallelLinear / VocabParallelEmbedding and the mixers' per-head parameters on axis 0, RowParallelLinear on
 # axis 1, norms replicated. A fused projection (packed in_proj, conv1d, SwiGLU linear_fc1) is split per part: each
 # rank holds its slice of every part, so its rows are merged through the block layout the model's arguments give.
+# Biases (add_bias_linear, LayerNorm): a ColumnParallelLinear's split as its output rows, a RowParallelLinear's
+# (added after the all-reduce) and a norm's replicated.
 _ROW_PARALLEL = ("out_proj.weight", "linear_proj.weight", "linear_fc2.weight")
 _COLUMN_PARALLEL = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias", "A_log",
-                    "dt_bias", "in_proj.weight", "conv1d.weight", "linear_fc1.weight", "mixer.norm.weight")
+                    "dt_bias", "in_proj.weight", "conv1d.weight", "conv1d.bias", "conv1d_weight", "conv1d_bias",
+                    "mixer.D", "linear_fc1.weight", "linear_fc1.bias", "mixer.norm.weight")
 _REPLICATED = ("layer_norm_weight", "layernorm.weight", "final_norm.weight", "out_norm.weight", "norm.weight",
-               "router.weight", "router.expert_bias", "gate_weight")
-_BLOCKED = ("in_proj.weight", "conv1d.weight")
+               "layer_norm_bias", "norm.bias", "linear_proj.bias", "linear_fc2.bias",
+               "router.weight", "router.bias", "router.expert_bias", "gate_weight")
+_BLOCKED = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "conv1d_weight", "conv1d_bias")
 
 
 def tensor_parallel_axis(name: str) -> int | None:
     """The axis Megatron splits ``name`` over tensor-parallel ranks, None when it is replicated."""
-    name = re.sub(r"\.weight\d+$", ".weight", name)  # TEGroupedMLP's per-expert linear_fc1.weight<e>
+    name = re.sub(r"\.(weight|bias)\d+$", r".\1", name)  # TEGroupedMLP's per-expert linear_fc1.weight<e> / bias<e>
     if name.endswith(_ROW_PARALLEL):
         return 1
     if name.endswith(_COLUMN_PARALLEL):
@@ -757,7 +761,7 @@ def merge_tensor_parallel(name: str, shards: list[torch.Tensor], blocks: list[in
         raise MegatronCheckpointError(f"{name}: tensor-parallel shards of unequal shapes "
                                       f"{[list(s.shape) for s in shards]}")
     if blocks is None:
-        if name.endswith(_BLOCKED) or re.search(r"experts\.(local_experts\.\d+\.)?linear_fc1\.weight\d*$", name):
+        if name.endswith(_BLOCKED) or re.search(r"experts\.(local_experts\.\d+\.)?linear_fc1\.(weight|bias)\d*$", name):
             raise MegatronCheckpointError(f"{name}: a fused projection without a known part layout")
         return torch.cat(shards, dim=axis)
     if any(size % ranks for size in blocks) or sum(blocks) != first.shape[0] * ranks:

@@ -13,13 +13,14 @@ from gdn_export.hf.families.base import Family
 from gdn_export.hf.families.fla import FlaLM
 from gdn_export.hf.layout import Layout
 from gdn_export.megatron.checkpoint import MegatronCheckpoint, MegatronCheckpointError, MegatronSource
-from gdn_export.layers.common import RMSNorm
-from gdn_export.megatron.mtp import mtp_sources
+from gdn_export.layers.common import LayerNorm, RMSNorm
+from gdn_export.megatron.mtp import mtp_depths, mtp_sources, own_depths
 from gdn_export.megatron.model import (MIXER_NAMES, GatedDeltaNet2Mixer, GatedDeltaNetMixer, GatedDeltaProductMixer,
-                                       MegatronConfig, MegatronHybridLM, MegatronMoE)
+                                       Mamba2Mixer, MegatronConfig, MegatronHybridLM, MegatronMoE)
 
 MODEL_TYPE = "megatron_hybrid"
-SUPPORTED_SYMBOLS = {"G": "GatedDeltaNet / GatedDeltaNet2", "M": "GatedDeltaProductMixer", "*": "SelfAttention",
+SUPPORTED_SYMBOLS = {"G": "GatedDeltaNet / GatedDeltaNet2", "M": "GatedDeltaProductMixer / MambaMixer (Mamba2)",
+                     "*": "SelfAttention",
                      "-": "MLP", "E": "MoE"}
 
 
@@ -88,9 +89,10 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
         if condition:
             raise MegatronCheckpointError(f"{what} is not supported")
 
-    refuse_if(_arg(args, "normalization", default="LayerNorm") != "RMSNorm",
-              f"normalization {_arg(args, 'normalization', default='LayerNorm')!r} (only RMSNorm)")
-    refuse_if(bool(_arg(args, "add_bias_linear", default=False)), "add_bias_linear (linear layers with biases)")
+    # Megatron-LM's arguments default to LayerNorm and add_bias_linear (its GPT defaults)
+    normalization = _arg(args, "normalization", default="LayerNorm")
+    refuse_if(normalization not in ("RMSNorm", "LayerNorm"), f"normalization {normalization!r} (RMSNorm or LayerNorm)")
+    bias = bool(_arg(args, "add_bias_linear", default=True))
     interleaved = bool(_arg(args, "rotary_interleaved", default=False))
     # HybridModel builds its RotaryEmbedding without rotary_interleaved (its table in halves: cos(f[j mod r/2]))
     # while its attention rotates adjacent pairs: the two channels of a pair turn by different angles, which is not
@@ -135,23 +137,24 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
         raise MegatronCheckpointError("the checkpoint has no embedding.word_embeddings.weight")
     tied = not bool(_arg(args, "untie_embeddings_and_output_weights", default=False))
     kinds = {"G": "gdn2" if variant == "gdn2" else "gdn", "M": "gdp", "*": "attention"}
-    blocks = []
+    blocks, lead = [], []
     for symbol, index in layers:
-        if symbol in "-E":
-            if not blocks:
-                raise MegatronCheckpointError(f"layer pattern {pattern!r} starts with an MLP or MoE layer: a mixer "
-                                              "must come first")
-            blocks[-1][2].append(index)
-        else:
-            if symbol == "M" and checkpoint.has(f"decoder.layers.{index}.mixer.D"):
-                raise MegatronCheckpointError(f"layer {index} ('M') is a Mamba2 mixer (it has D): only "
-                                              "GatedDeltaProductMixer 'M' layers are supported")
-            blocks.append((kinds[symbol], index, []))
+        if symbol in "-E":  # after the last mixer's block, or before the first mixer (run on the embeddings)
+            (blocks[-1][2] if blocks else lead).append(index)
+        else:  # an 'M' layer with a D skip is Megatron's Mamba2 MambaMixer, without one a GatedDeltaProductMixer
+            mamba2 = symbol == "M" and checkpoint.has(f"decoder.layers.{index}.mixer.D")
+            blocks.append(("mamba2" if mamba2 else kinds[symbol], index, []))
+    if not blocks:
+        raise MegatronCheckpointError(f"layer pattern {pattern!r} has no mixer layer (G, M or *)")
     conv = int(_arg(args, "linear_conv_kernel_dim", default=4))
     gdp_conv = 4
+    if len({kind for kind, _, _ in blocks} & {"gdp", "mamba2"}) > 1:
+        raise MegatronCheckpointError("'M' layers of both kinds (GatedDeltaProductMixer and MambaMixer) in one "
+                                      "model are not supported")
     for kind, index, _ in blocks:
-        if kind == "gdp":
-            gdp_conv = int(checkpoint.info(_first(checkpoint, f"decoder.layers.{index}.mixer.conv1d.weight")).shape[-1])
+        if kind in ("gdp", "mamba2"):
+            gdp_conv = int(checkpoint.info(_first(checkpoint, _conv_name(
+                checkpoint, f"decoder.layers.{index}.mixer.", "weight"))).shape[-1])
             break
     return MegatronConfig(
         model_type=MODEL_TYPE, vocab_size=embedding.shape[0], hidden_size=hidden,
@@ -170,23 +173,27 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
         mamba_state_dim=int(_arg(args, "mamba_state_dim", default=128)),
         mamba_head_dim=int(_arg(args, "mamba_head_dim", default=64)),
         mamba_num_groups=int(_arg(args, "mamba_num_groups", default=8)),
-        mamba_num_heads=int(_arg(args, "mamba_num_heads", default=0) or 0),
+        # MambaMixer without mamba_num_heads: d_inner = 2 · hidden (its expand), heads of mamba_head_dim
+        mamba_num_heads=int(_arg(args, "mamba_num_heads", default=0) or 0) or
+        2 * hidden // int(_arg(args, "mamba_head_dim", default=64)),
         gdp_num_householder=int(_arg(args, "gdp_num_householder", default=3)), gdp_conv_kernel_dim=gdp_conv,
         attention_output_gate=bool(_arg(args, "attention_output_gate", default=False)),
         rotary_dim=rotary_dim if rotary_dim != kv_channels else 0, rotary_interleaved=interleaved,
         **(_moe_config(args, hidden) if "E" in pattern else {}),
-        moe_layers=[i for s, i in layers if s == "E"])
+        moe_layers=[i for s, i in layers if s == "E"], normalization=normalization, add_bias_linear=bias,
+        lead_mlps=lead)
 
 
 def _moe_config(args: dict, hidden: int) -> dict:
     """The ``E`` layers' arguments, checked against the routings gdn_export computes: Megatron's ``TopKRouter`` with
-    softmax scores (without scaling, expert bias or groups), or with sigmoid scores (DeepSeek-V3's routing: expert
-    bias, scaling, groups scored by their top-2 sum)."""
+    softmax, sigmoid or sqrtsoftplus scores, a scaling (Megatron's ``if scaling_factor:``: 0 or none is no scaling),
+    an expert bias (sigmoid, sqrtsoftplus), groups scored by the sum of their top ``topk // group_topk``."""
     def refuse_if(condition: bool, what: str) -> None:
         if condition:
             raise MegatronCheckpointError(f"MoE layers with {what} are not supported (softmax, sigmoid or sqrtsoftplus "
-                                          "top-k routing with a positive scaling, groups scored by their top-2 sum; "
-                                          "expert bias with sigmoid or sqrtsoftplus scores)")
+                                          "top-k routing, groups of equal size each scored by the sum of its top "
+                                          "topk // group_topk >= 1 scores; expert bias with sigmoid or sqrtsoftplus "
+                                          "scores)")
 
     score = _arg(args, "moe_router_score_function", default="softmax")
     scaling = float(_arg(args, "moe_router_topk_scaling_factor", default=None) or 1.0)
@@ -199,9 +206,12 @@ def _moe_config(args: dict, hidden: int) -> dict:
         # Megatron's TransformerConfig itself refuses an expert bias with softmax scores (aux-loss-free routing
         # is for sigmoid and sqrtsoftplus); no Megatron release routes with it
         refuse_if(bias, "moe_router_enable_expert_bias and softmax scores (Megatron refuses that pair too)")
-        refuse_if(scaling <= 0, f"moe_router_topk_scaling_factor {scaling} (softmax weights times a non-positive "
-                                "factor: the top k of the weights would not be the chosen experts)")
-    refuse_if(groups > 1 and (top_k // group_topk != 2 or int(_arg(args, "num_experts", default=0) or 0) % groups),
+    expert_count = int(_arg(args, "num_experts", default=0) or 0)
+    # Megatron's TransformerConfig asserts equal groups and group_topk <= num_groups; a group scored by its top 0
+    # (topk < group_topk) ties every group (torch.topk's pick among ties is unspecified), and a top beyond the
+    # group's size makes Megatron's own topk raise: no Megatron run routes either
+    refuse_if(groups > 1 and (expert_count % groups or not 1 <= group_topk <= groups
+                              or not 1 <= top_k // group_topk <= expert_count // groups),
               f"moe_router_num_groups {groups}, moe_router_group_topk {group_topk} and moe_router_topk {top_k} "
               f"(a group scored by its top-{top_k // group_topk} sum)")
     experts = _arg(args, "num_experts", default=None)
@@ -210,6 +220,9 @@ def _moe_config(args: dict, hidden: int) -> dict:
     if not 0 < int(experts) <= MAX_EXPERTS:
         raise MegatronCheckpointError(f"num_experts {experts} in the args: 1 to {MAX_EXPERTS} experts are read")
     shared = int(_arg(args, "moe_shared_expert_intermediate_size", default=0) or 0)
+    if shared and bool(_arg(args, "add_bias_linear", default=True)):
+        raise MegatronCheckpointError("a shared expert with add_bias_linear is not supported: Megatron's "
+                                      "SharedExpertMLP asserts add_bias_linear is off, so no Megatron release writes it")
     return dict(num_experts=int(experts), moe_router_topk=top_k,
                 moe_ffn_hidden_size=int(_arg(args, "moe_ffn_hidden_size", "ffn_hidden_size", default=4 * hidden)),
                 moe_router_pre_softmax=bool(_arg(args, "moe_router_pre_softmax", default=False)),
@@ -219,9 +232,29 @@ def _moe_config(args: dict, hidden: int) -> dict:
                 moe_shared_expert_gate=bool(shared and _arg(args, "moe_shared_expert_gate", default=False)))
 
 
+def _mtp_summary(checkpoint: MegatronCheckpoint) -> str:
+    """The report's words for the MTP head a checkpoint's MTP block gives (``megatron.mtp.mtp_layout``)."""
+    depths = mtp_depths(checkpoint)
+    if depths <= 1:
+        return ", an MTP head of 1 depth"
+    if own_depths(checkpoint) == 1:
+        return (f", an MTP head of 1 layer that Megatron runs at {depths} depths (mtp_use_repeated_layer), as "
+                "chained drafts run it")
+    deeper = "depth 2" if depths == 2 else f"depths 2 to {depths}"
+    return (f", an MTP head of depth 1 of {depths} ({deeper}, with weights of {'its' if depths == 2 else 'their'} "
+            "own, left out: an archive carries one MTP head, which every draft step runs)")
+
+
 def zero_centred(args: dict) -> bool:
     """Megatron's norms compute with ``1 + w`` (Transformer Engine's ``zero_centered_gamma``)."""
     return bool(_arg(args, "apply_layernorm_1p", "layernorm_zero_centered_gamma", default=False))
+
+
+def _conv_name(checkpoint: MegatronCheckpoint, where: str, param: str) -> str:
+    """A mixer's conv ``weight`` / ``bias``: ``conv1d.<param>`` (an ``nn.Conv1d``, and every torch_dist save), or
+    ``conv1d_<param>`` (``MambaMixer``'s own parameters, as its legacy ``state_dict`` names them)."""
+    legacy = f"{where}conv1d_{param}"
+    return legacy if checkpoint.has(legacy) else f"{where}conv1d.{param}"
 
 
 def _first(checkpoint: MegatronCheckpoint, base: str) -> str:
@@ -271,78 +304,78 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
         sources[name] = source
         used.update(piece for piece, _ in source.pieces)
 
+    def put_norm(param: str, *names: str) -> None:
+        """A norm's ``weight`` from the first of ``names`` the checkpoint holds and, for a LayerNorm, its ``bias``
+        stored beside it (``...layer_norm_bias`` beside ``...layer_norm_weight``, ``<norm>.bias``)."""
+        weight = _whole(checkpoint, shapes[param + ".weight"], *names)
+        put(param + ".weight", weight)
+        if config.normalization == "LayerNorm":
+            put(param + ".bias", _whole(checkpoint, shapes[param + ".bias"],
+                                        weight.pieces[0][0].removesuffix("weight") + "bias"))
+
     put("model.embeddings.weight", _whole(checkpoint, shapes["model.embeddings.weight"], "embedding.word_embeddings.weight"))
-    put("model.norm.weight", _whole(checkpoint, shapes["model.norm.weight"], "decoder.final_norm.weight",
-                                    "decoder.final_layernorm.weight"))
+    put_norm("model.norm", "decoder.final_norm.weight", "decoder.final_layernorm.weight")
     if not config.tie_word_embeddings:
         put("lm_head.weight", _whole(checkpoint, shapes["lm_head.weight"], "output_layer.weight"))
     for b, (kind, index, mlps) in enumerate(config.blocks):
         layer, prefix = f"decoder.layers.{index}.", f"model.layers.{b}."
         mixer = model.model.layers[b].attn
         if kind == "attention":
-            put(prefix + "attn_norm.weight", _whole(checkpoint, (config.hidden_size,),
-                                                    layer + "self_attention.linear_qkv.layer_norm_weight",
-                                                    layer + "input_layernorm.weight"))
+            put_norm(prefix + "attn_norm", layer + "self_attention.linear_qkv.layer_norm_weight",
+                     layer + "input_layernorm.weight")
             _attention_sources(checkpoint, config, layer + "self_attention.", prefix + "attn.", shapes, put)
             continue
-        where = layer + ("mixer." if kind == "gdp" else "self_attention.")
-        put(prefix + "attn_norm.weight", _whole(checkpoint, (config.hidden_size,), where + "in_proj.layer_norm_weight",
-                                                layer + ("norm.weight" if kind == "gdp" else "input_layernorm.weight")))
+        mamba = kind in ("gdp", "mamba2")  # a MambaLayer: its mixer and pre-norm names
+        where = layer + ("mixer." if mamba else "self_attention.")
+        put_norm(prefix + "attn_norm", where + "in_proj.layer_norm_weight",
+                 layer + ("norm.weight" if mamba else "input_layernorm.weight"))
         sections = type(mixer).sections(config)
         for part, _ in sections:
             name = f"{prefix}attn.in_proj.{part}.weight"
             put(name, _sections_source(checkpoint, where + "in_proj.weight", sections, [part], shapes[name]))
-        conv_parts = ([f"V{i}" for i in range(config.gdp_num_householder)]
-                      + [f"K{i}" for i in range(config.gdp_num_householder)] + ["Q"]) if kind == "gdp" else \
-            ["query", "key", "value"]
+        conv_parts = {"gdp": [f"V{i}" for i in range(config.gdp_num_householder)]
+                      + [f"K{i}" for i in range(config.gdp_num_householder)] + ["Q"],
+                      "mamba2": ["x", "B", "C"]}.get(kind, ["query", "key", "value"])
         conv_sections = [(p, s) for p, s in sections if p in conv_parts]
-        put(prefix + "attn.conv.weight", _sections_source(checkpoint, where + "conv1d.weight", conv_sections,
-                                                          conv_parts, shapes[prefix + "attn.conv.weight"]))
-        for param in ("A_log", "dt_bias"):
+        put(prefix + "attn.conv.weight", _sections_source(checkpoint, _conv_name(checkpoint, where, "weight"),
+                                                          conv_sections, conv_parts, shapes[prefix + "attn.conv.weight"]))
+        params = ("A_log", "dt_bias") + (("D",) if kind == "mamba2" else ())
+        for param in params:
             put(prefix + "attn." + param, _whole(checkpoint, shapes[prefix + "attn." + param], where + param))
-        if kind == "gdp":
+        if kind == "mamba2":  # MambaMixer's conv always has a bias (its constructor asserts conv_bias)
+            put(prefix + "attn.conv_bias", _sections_source(checkpoint, _conv_name(checkpoint, where, "bias"),
+                                                             conv_sections, conv_parts, shapes[prefix + "attn.conv_bias"]))
+        if mamba:
             put(prefix + "attn.norm", _whole(checkpoint, shapes[prefix + "attn.norm"], where + "norm.weight"))
         else:
-            put(prefix + "attn.out_norm.weight", _whole(checkpoint, shapes[prefix + "attn.out_norm.weight"],
-                                                        where + "out_norm.weight"))
+            put_norm(prefix + "attn.out_norm", where + "out_norm.weight")
         put(prefix + "attn.out_proj.weight", _whole(checkpoint, shapes[prefix + "attn.out_proj.weight"],
                                                     where + "out_proj.weight"))
-        for bias in ("in_proj.bias", "out_proj.bias", "conv1d.bias"):
+        for bias in ("in_proj.bias", "out_proj.bias") + (() if kind == "mamba2" else ("conv1d.bias",)):
             if any(n == where + bias or n.startswith(where + bias + ".") for n in checkpoint.names()):
                 raise MegatronCheckpointError(f"{where + bias}: biases in the delta-rule mixers are not supported")
-    for b, (_, _, mlps) in enumerate(config.blocks):
-        for j, index in enumerate(mlps):
-            layer, prefix = f"decoder.layers.{index}.", f"model.layers.{b}.mlps.{j}."
-            put(f"model.layers.{b}.mlp_norms.{j}.weight", _whole(
-                checkpoint, (config.hidden_size,), layer + "mlp.linear_fc1.layer_norm_weight",
-                layer + "pre_mlp_layernorm.weight"))
-            if index in config.moe_layers:
-                _moe_sources(checkpoint, config, layer + "mlp.", prefix, shapes, put)
-                continue
-            ffn = config.ffn_hidden_size
-            if config.mlp_activation == "swiglu":
-                put(prefix + "gate_proj.weight", MegatronSource(checkpoint, [(layer + "mlp.linear_fc1.weight",
-                                                                              slice(0, ffn))], (ffn, config.hidden_size)))
-                put(prefix + "up_proj.weight", MegatronSource(checkpoint, [(layer + "mlp.linear_fc1.weight",
-                                                                            slice(ffn, 2 * ffn))], (ffn, config.hidden_size)))
-                fc1 = checkpoint.info(layer + "mlp.linear_fc1.weight") if checkpoint.has(
-                    layer + "mlp.linear_fc1.weight") else None
-                if fc1 is None or fc1.shape != (2 * ffn, config.hidden_size):
-                    raise MegatronCheckpointError(f"{layer}mlp.linear_fc1.weight should be [{2 * ffn}, "
-                                                  f"{config.hidden_size}] (SwiGLU), got {fc1 and list(fc1.shape)}")
-            else:
-                put(prefix + "up_proj.weight", _whole(checkpoint, (ffn, config.hidden_size), layer + "mlp.linear_fc1.weight"))
-            put(prefix + "down_proj.weight", _whole(checkpoint, shapes[prefix + "down_proj.weight"],
-                                                    layer + "mlp.linear_fc2.weight"))
-    if zero_centred(checkpoint.args):  # every RMSNorm Megatron builds from its config; not GDP's gated norm
-        for name, module in model.named_modules():
-            if isinstance(module, RMSNorm):
+    # the MLP / MoE layers: after each block's mixer, and those before the first mixer (run on the embeddings)
+    mlp_layers = [(f"model.layers.{b}.mlp_norms.{j}", f"model.layers.{b}.mlps.{j}.", index)
+                  for b, (_, _, mlps) in enumerate(config.blocks) for j, index in enumerate(mlps)]
+    mlp_layers += [(f"model.lead_norms.{j}", f"model.lead_mlps.{j}.", index) for j, index in enumerate(config.lead_mlps)]
+    for norm, prefix, index in mlp_layers:
+        layer = f"decoder.layers.{index}."
+        put_norm(norm, layer + "mlp.linear_fc1.layer_norm_weight", layer + "pre_mlp_layernorm.weight")
+        if index in config.moe_layers:
+            _moe_sources(checkpoint, config, layer + "mlp.", prefix, shapes, put)
+        else:
+            _mlp_sources(checkpoint, config, layer + "mlp.", prefix, put)
+    if zero_centred(checkpoint.args):  # every norm Megatron builds from its config (1 + w; a LayerNorm's bias as
+        for name, module in model.named_modules():  # stored); not GDP's gated norm
+            if isinstance(module, (RMSNorm, LayerNorm)):
                 sources[name + ".weight"].offset = 1.0
     missing = sorted(set(shapes) - set(sources))
     if missing:
         raise MegatronCheckpointError(f"no checkpoint tensor for {', '.join(missing[:5])}")
     for name, source in sources.items():
         for piece, rows in source.pieces:
+            if not checkpoint.has(piece):  # a part of a fused tensor (rows of linear_qkv, ...) the args ask for
+                raise MegatronCheckpointError(f"weights missing from the checkpoint: {piece}")
             info = checkpoint.info(piece)
             if rows is None and len(source.pieces) == 1 and info.shape != shapes[name]:
                 raise MegatronCheckpointError(f"{piece} is {list(info.shape)} in the checkpoint; the model's "
@@ -362,33 +395,61 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
     return sources, skipped
 
 
-def _expert_pieces(checkpoint, where: str, linear: str, experts: int) -> list:
-    """The routed experts' ``linear`` (``linear_fc1`` / ``linear_fc2``) in expert order: one stacked tensor
-    ``experts.experts.<linear>.weight`` (torch_dist, with the expert axis first, for sequential and grouped-GEMM
-    experts alike), or one tensor per expert in a legacy checkpoint (``SequentialMLP``:
-    ``experts.local_experts.<e>.<linear>.weight``; ``TEGroupedMLP``: ``experts.<linear>.weight<e>``; the old
+def _mlp_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, put) -> None:
+    """A dense ``MLP``: SwiGLU ``linear_fc1`` = ``[gate; up]`` (or squared ReLU's ``up``), ``linear_fc2``; their
+    biases with ``add_bias_linear`` (``linear_fc1.bias`` split as its weight)."""
+    ffn, hidden = config.ffn_hidden_size, config.hidden_size
+    fc1 = checkpoint.info(where + "linear_fc1.weight") if checkpoint.has(where + "linear_fc1.weight") else None
+    swiglu = config.mlp_activation == "swiglu"
+    if fc1 is None or fc1.shape != ((1 + swiglu) * ffn, hidden):
+        raise MegatronCheckpointError(f"{where}linear_fc1.weight should be [{(1 + swiglu) * ffn}, {hidden}] "
+                                      f"({config.mlp_activation}), got {fc1 and list(fc1.shape)}")
+    parts = [("gate_proj", slice(0, ffn)), ("up_proj", slice(ffn, 2 * ffn))] if swiglu else [("up_proj", None)]
+    biases = [("weight", (ffn, hidden))] + ([("bias", (ffn,))] if config.add_bias_linear else [])
+    for param, rows in parts:
+        for kind, shape in biases:
+            name = f"{where}linear_fc1.{kind}"
+            if not checkpoint.has(name):
+                raise MegatronCheckpointError(f"weights missing from the checkpoint: {name}")
+            put(f"{prefix}{param}.{kind}", MegatronSource(checkpoint, [(name, rows)], shape))
+    put(prefix + "down_proj.weight", _whole(checkpoint, (hidden, ffn), where + "linear_fc2.weight"))
+    if config.add_bias_linear:
+        put(prefix + "down_proj.bias", _whole(checkpoint, (hidden,), where + "linear_fc2.bias"))
+
+
+def _expert_pieces(checkpoint, where: str, linear: str, experts: int, param: str = "weight") -> list:
+    """The routed experts' ``linear`` (``linear_fc1`` / ``linear_fc2``) ``param`` (``weight`` or ``bias``) in expert
+    order: one stacked tensor ``experts.experts.<linear>.<param>`` (torch_dist, with the expert axis first, for
+    sequential and grouped-GEMM experts alike), or one tensor per expert in a legacy checkpoint (``SequentialMLP``:
+    ``experts.local_experts.<e>.<linear>.<param>``; ``TEGroupedMLP``: ``experts.<linear>.<param><e>``; the old
     ``GroupedMLP``'s ``weight1`` / ``weight2`` are cut into the latter when the checkpoint is opened)."""
-    stacked = f"{where}experts.experts.{linear}.weight"
+    stacked = f"{where}experts.experts.{linear}.{param}"
     if checkpoint.has(stacked):
         return [(stacked, None)]
-    for name_of in (lambda e: f"{where}experts.local_experts.{e}.{linear}.weight",
-                    lambda e: f"{where}experts.{linear}.weight{e}"):
+    for name_of in (lambda e: f"{where}experts.local_experts.{e}.{linear}.{param}",
+                    lambda e: f"{where}experts.{linear}.{param}{e}"):
         names = [name_of(e) for e in range(experts)]
         if all(checkpoint.has(name) for name in names):
             return [(name, None) for name in names]
     raise MegatronCheckpointError(f"weights missing from the checkpoint: {stacked} (or the {experts} experts' "
-                                  f"{where}experts.local_experts.<e>.{linear}.weight)")
+                                  f"{where}experts.local_experts.<e>.{linear}.{param})")
 
 
 def _moe_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, shapes, put) -> None:
     """An ``E`` layer's ``MoELayer``: router, routed experts (``linear_fc1`` = ``[gate; up]`` per expert), shared
-    expert and its gate."""
+    expert and its gate; with ``add_bias_linear`` the router's and the routed experts' biases (Megatron's
+    ``SharedExpertMLP`` refuses one)."""
     put(prefix + "router.weight", _whole(checkpoint, shapes[prefix + "router.weight"], where + "router.weight"))
+    if config.add_bias_linear:
+        put(prefix + "router.bias", _whole(checkpoint, shapes[prefix + "router.bias"], where + "router.bias"))
     if config.moe_router_expert_bias:
         put(prefix + "expert_bias", _whole(checkpoint, shapes[prefix + "expert_bias"], where + "router.expert_bias"))
-    for param, linear in (("gate_up_proj", "linear_fc1"), ("down_proj", "linear_fc2")):
+    linears = [("gate_up_proj", "linear_fc1", "weight"), ("down_proj", "linear_fc2", "weight")]
+    if config.add_bias_linear:
+        linears += [("gate_up_bias", "linear_fc1", "bias"), ("down_bias", "linear_fc2", "bias")]
+    for param, linear, kind in linears:
         name = f"{prefix}experts.{param}"
-        put(name, MegatronSource(checkpoint, _expert_pieces(checkpoint, where, linear, config.num_experts),
+        put(name, MegatronSource(checkpoint, _expert_pieces(checkpoint, where, linear, config.num_experts, kind),
                                  shapes[name]))
     if config.moe_shared_expert_size:
         size, fc1 = config.moe_shared_expert_size, where + "shared_experts.linear_fc1.weight"
@@ -436,7 +497,7 @@ def head_channel_order(config: MegatronConfig) -> list[int]:
 
 
 def head_norm_source(checkpoint, config: MegatronConfig, name: str) -> MegatronSource:
-    """A q / k norm weight (one per head channel) in ``head_channel_order``."""
+    """A q / k norm weight or LayerNorm bias (one per head channel) in ``head_channel_order``."""
     if not checkpoint.has(name):
         raise MegatronCheckpointError(f"weights missing from the checkpoint: {name}")
     if tuple(checkpoint.info(name).shape) != (config.kv_channels,):
@@ -454,37 +515,45 @@ def _attention_sources(checkpoint, config: MegatronConfig, where: str, prefix: s
     for part in ("q", "k", "v"):
         put(f"{prefix}{part}_proj.weight", MegatronSource(checkpoint, [(where + "linear_qkv.weight", rows[part])],
                                                           shapes[f"{prefix}{part}_proj.weight"]))
-        if config.add_qkv_bias:
+    if config.add_qkv_bias or config.add_bias_linear:  # linear_qkv's bias, rows as its weight's
+        for part in ("q", "k", "v") + (("gate",) if config.attention_output_gate else ()):
             put(f"{prefix}{part}_proj.bias", MegatronSource(checkpoint, [(where + "linear_qkv.bias", rows[part])],
                                                             shapes[f"{prefix}{part}_proj.bias"]))
     put(prefix + "o_proj.weight", _whole(checkpoint, shapes[prefix + "o_proj.weight"], where + "linear_proj.weight"))
+    if config.add_bias_linear:
+        put(prefix + "o_proj.bias", _whole(checkpoint, shapes[prefix + "o_proj.bias"], where + "linear_proj.bias"))
     if config.qk_layernorm:
-        put(prefix + "q_norm.weight", head_norm_source(checkpoint, config, where + "q_layernorm.weight"))
-        put(prefix + "k_norm.weight", head_norm_source(checkpoint, config, where + "k_layernorm.weight"))
+        for which in ("q", "k"):
+            for param in ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",):
+                put(f"{prefix}{which}_norm.{param}",
+                    head_norm_source(checkpoint, config, f"{where}{which}_layernorm.{param}"))
 
 
 def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
     """The part sizes of every fused projection (packed ``in_proj``, its conv, SwiGLU ``linear_fc1``), by tensor:
     how a legacy tensor-parallel checkpoint's shards are merged (each rank holds its slice of every part)."""
-    mixers = {"gdn": GatedDeltaNetMixer, "gdn2": GatedDeltaNet2Mixer, "gdp": GatedDeltaProductMixer}
+    mixers = {"gdn": GatedDeltaNetMixer, "gdn2": GatedDeltaNet2Mixer, "gdp": GatedDeltaProductMixer,
+              "mamba2": Mamba2Mixer}
     blocks: dict[str, list[int]] = {}
-    for kind, index, mlps in config.blocks:
+    for kind, index, _ in config.blocks:
         if kind in mixers:
-            where = f"decoder.layers.{index}." + ("mixer." if kind == "gdp" else "self_attention.")
+            where = f"decoder.layers.{index}." + ("mixer." if kind in ("gdp", "mamba2") else "self_attention.")
             sections = mixers[kind].sections(config)
-            conv = ("z", "beta", "alpha", "f", "b", "w", "a") + tuple(f"b{i}" for i in range(config.gdp_num_householder))
+            conv = ("z", "beta", "alpha", "f", "b", "w", "a", "dt") + tuple(f"b{i}" for i in range(config.gdp_num_householder))
             blocks[where + "in_proj.weight"] = [size for _, size in sections]
-            blocks[where + "conv1d.weight"] = [size for part, size in sections if part not in conv]
-        for mlp in mlps:
-            where = f"decoder.layers.{mlp}.mlp."
-            if mlp in config.moe_layers:  # every SwiGLU expert, as SequentialMLP and TEGroupedMLP name them
-                for e in range(config.num_experts):
-                    for name in (f"experts.local_experts.{e}.linear_fc1.weight", f"experts.linear_fc1.weight{e}"):
-                        blocks[where + name] = [config.moe_ffn_hidden_size] * 2
-                if config.moe_shared_expert_size:
-                    blocks[where + "shared_experts.linear_fc1.weight"] = [config.moe_shared_expert_size] * 2
-            elif config.mlp_activation == "swiglu":
-                blocks[where + "linear_fc1.weight"] = [config.ffn_hidden_size] * 2
+            for name in ("conv1d.weight", "conv1d.bias", "conv1d_weight", "conv1d_bias"):  # _conv_name's names
+                blocks[where + name] = [size for part, size in sections if part not in conv]
+    for mlp in config.lead_mlps + [mlp for _, _, mlps in config.blocks for mlp in mlps]:
+        where = f"decoder.layers.{mlp}.mlp."
+        if mlp in config.moe_layers:  # every SwiGLU expert, as SequentialMLP and TEGroupedMLP name them
+            for e in range(config.num_experts):
+                for name in (f"experts.local_experts.{e}.linear_fc1.weight", f"experts.linear_fc1.weight{e}",
+                             f"experts.local_experts.{e}.linear_fc1.bias", f"experts.linear_fc1.bias{e}"):
+                    blocks[where + name] = [config.moe_ffn_hidden_size] * 2
+            if config.moe_shared_expert_size:
+                blocks[where + "shared_experts.linear_fc1.weight"] = [config.moe_shared_expert_size] * 2
+        elif config.mlp_activation == "swiglu":
+            blocks[where + "linear_fc1.weight"] = blocks[where + "linear_fc1.bias"] = [config.ffn_hidden_size] * 2
     return blocks
 
 
@@ -536,22 +605,30 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
     used = sorted({names[kind] for kind, _, _ in config.blocks}) + (["MLP"] if "-" in config.pattern else [])
     if config.moe_layers:
         routing = (config.moe_router_score_function + (", expert bias" if config.moe_router_expert_bias else "")
-                   + (f", {config.moe_router_group_topk} of {config.moe_router_num_groups} groups"
+                   + (f", {config.moe_router_group_topk} of {config.moe_router_num_groups} groups by their top-"
+                      f"{config.moe_router_topk // config.moe_router_group_topk} sum"
                       if config.moe_router_num_groups > 1 else "")
                    + (f", scaled by {config.moe_router_scaling:g}" if config.moe_router_scaling != 1 else ""))
         used.append(f"MoE ({config.num_experts} experts, top-{config.moe_router_topk} "
                     + routing
                     + (" before top-k" if config.moe_router_pre_softmax else "")
                     + (", gated shared expert" if config.moe_shared_expert_gate else
-                       ", shared expert" if config.moe_shared_expert_size else "") + ")")
+                       ", shared expert" if config.moe_shared_expert_size else "")
+                    + (", router and expert biases" if config.add_bias_linear else "") + ")")
     if config.attention_output_gate:
         used.append("gated attention output")
     if config.rotary_dim:
         used.append(f"rotary on {config.rotary_dim} of {config.kv_channels} channels")
     if config.rotary_interleaved:
         used.append("interleaved rotary (read as halves over reordered q/k channels)")
+    if config.normalization == "LayerNorm":
+        used.append("LayerNorm norms")
     if zero_centred(checkpoint.args):
         used.append("zero-centred (1 + w) norms")
+    if config.add_bias_linear:
+        used.append("linear biases (add_bias_linear)")
+    if config.lead_mlps:
+        used.append(f"{len(config.lead_mlps)} MLP / MoE layer(s) before the first mixer, run on the embeddings")
     sizes = {what: int(checkpoint.args.get(f"{key}_model_parallel_size", 1) or 1)
              for what, key in (("tensor", "tensor"), ("pipeline", "pipeline"), ("expert", "expert"))}
     context = int(checkpoint.args.get("context_parallel_size") or 1)
@@ -592,7 +669,7 @@ def open_megatron(folder: str | os.PathLike):
                                                    "megatron": config})
     weights = MegatronWeights(sources, skipped, None)
     weights.description = describe(config, checkpoint) + (
-        f", an MTP head of 1 depth ({'MoE' if mtp[0].num_experts else 'dense MLP'}; mapped to the published "
+        _mtp_summary(checkpoint) + f" ({'MoE' if mtp[0].num_experts else 'dense MLP'}; mapped to the published "
         "mtp.* names)" if mtp else f", its MTP block left out: {mtp_left_out}" if mtp_left_out else "")
     weights.mtp = mtp
     return FAMILY, layout, model, weights

@@ -47,26 +47,49 @@ from gdn_export.models.mtp import MTPConfig, MTPError, MTPHead
 PREFIX = "mtp.layers.0."
 
 
+def mtp_depths(checkpoint: MegatronCheckpoint) -> int:
+    """The MTP depths Megatron runs (``mtp_num_layers``; a HybridModel: its pattern's ``/`` parts)."""
+    pattern = checkpoint.args.get("hybrid_layer_pattern") or checkpoint.args.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and pattern:
+        return pattern.count("/")
+    return int(checkpoint.args.get("mtp_num_layers") or 0)
+
+
+def own_depths(checkpoint: MegatronCheckpoint) -> int:
+    """The MTP depths with weights of their own (``mtp.layers.<d>.*``): 1 with ``mtp_use_repeated_layer``."""
+    return 1 if checkpoint.args.get("mtp_use_repeated_layer", False) else mtp_depths(checkpoint)
+
+
 def mtp_layout(checkpoint: MegatronCheckpoint) -> tuple[str, str] | None:
-    """``(attention prefix, MLP prefix)`` of the one MTP depth's inner layer, or None when the checkpoint has no
-    MTP tensors. A HybridModel's MTP pattern (after ``/``) must be one attention layer then one MLP or MoE layer
-    (``*E`` / ``*-``) and appear once; a GPTModel's MTP layer is one ``TransformerLayer``."""
+    """``(attention prefix, MLP prefix)`` of depth 1's inner layer, or None when the checkpoint has no MTP tensors.
+    A HybridModel's MTP pattern (after ``/``) must be one attention layer then one MLP or MoE layer (``*E`` /
+    ``*-``) at every depth; a GPTModel's MTP layer is one ``TransformerLayer``. Several depths of one layer
+    (``mtp_use_repeated_layer``: Megatron builds and stores ``mtp.layers.0`` alone and runs it at every depth, each
+    on the previous depth's output after its ``final_layernorm``, the ids rolled once more) are what the MTP path's
+    chained drafts compute with the one head; of depths with weights of their own (``mtp.layers.1.*``, ...) depth 1
+    is the head and the others are left out (``mtp_sources``; an archive carries one head)."""
     if not any(name.startswith("mtp.") for name in checkpoint.names()):
         return None
     args = checkpoint.args
     pattern = args.get("hybrid_layer_pattern") or args.get("hybrid_override_pattern")
-    depths = int(args.get("mtp_num_layers") or 0)
+    depths = mtp_depths(checkpoint)
+    if own_depths(checkpoint) == 1 and any(name.startswith("mtp.layers.1.") for name in checkpoint.names()):
+        raise MegatronCheckpointError(f"mtp.layers.1.* in a checkpoint of {depths} MTP depth(s) of one layer "
+                                      "(mtp_num_layers, mtp_use_repeated_layer): the args do not describe it")
+    for depth in range(1, own_depths(checkpoint)):
+        if not any(name.startswith(f"mtp.layers.{depth}.") for name in checkpoint.names()):
+            raise MegatronCheckpointError(f"the args give {depths} MTP depths with weights of their own "
+                                          f"(mtp_use_repeated_layer off) but the checkpoint has no mtp.layers.{depth}.*")
     if isinstance(pattern, str) and pattern:
         parts = pattern.split("/")[1:]
-        if len(parts) != 1 or parts[0] not in ("*E", "*-"):
+        if len(set(parts)) != 1 or parts[0] not in ("*E", "*-"):
             raise MegatronCheckpointError(
                 f"multi-token prediction pattern {'/'.join([''] + parts)!r} (in {pattern!r}): one MTP depth of one "
                 "attention layer then one MLP or MoE layer ('/*E' or '/*-', Qwen3-Next's MTP layer) is supported")
         inner = PREFIX + "mtp_model_layer.layers."
         return inner + "0.", inner + "1."
-    if depths != 1 or any(name.startswith("mtp.layers.1.") for name in checkpoint.names()):
-        raise MegatronCheckpointError(f"mtp_num_layers {depths or 'unset'} with mtp.* tensors: one MTP depth is "
-                                      "supported")
+    if depths < 1:
+        raise MegatronCheckpointError("mtp_num_layers unset with mtp.* tensors: the args do not describe them")
     # torch_dist keeps the older module name (MultiTokenPredictionLayer.sharded_state_dict maps mtp_model_layer. to
     # transformer_layer.); a legacy save (state_dict) has the module's own
     inner = PREFIX + ("transformer_layer." if any(name.startswith(PREFIX + "transformer_layer.")
@@ -91,7 +114,8 @@ def mtp_config(config: MegatronConfig, checkpoint: MegatronCheckpoint, mlp: str)
     refuse_if(not zero_centred(checkpoint.args), "norms that are not zero-centred (apply_layernorm_1p off)")
     refuse_if(not config.attention_output_gate, "no attention output gate")
     refuse_if(not config.qk_layernorm, "no q/k norms")
-    refuse_if(config.add_qkv_bias, "q/k/v biases")
+    refuse_if(config.add_qkv_bias or config.add_bias_linear, "linear biases (add_qkv_bias / add_bias_linear)")
+    refuse_if(config.normalization != "RMSNorm", f"{config.normalization} norms")
     refuse_if(config.mlp_activation != "swiglu", f"a {config.mlp_activation} MLP")
     if moe:
         refuse_if(config.moe_router_score_function != "softmax",
@@ -169,8 +193,11 @@ def mtp_sources(checkpoint: MegatronCheckpoint, config: MegatronConfig) -> tuple
     for part, span in (("gate_proj", slice(0, ffn)), ("up_proj", slice(ffn, 2 * ffn))):
         sources[f"{where}{part}.weight"] = MegatronSource(checkpoint, [(fc1, span)], (ffn, hidden))
     used = {piece for source in sources.values() for piece, _ in source.pieces}
+    # depths 2.. of their own weights: left out (the report says so), each as its args describe it
+    deeper = tuple(f"mtp.layers.{d}." for d in range(1, own_depths(checkpoint)))
     for name in checkpoint.names():
-        if name.startswith("mtp.") and name not in used and not name.endswith("_extra_state"):
+        if name.startswith("mtp.") and name not in used and not name.endswith("_extra_state") and \
+                not name.startswith(deeper or ("\0",)):
             raise MegatronCheckpointError(f"the checkpoint has {name}, which gdn_export's MTP head does not read "
                                           "(one MTP depth: enorm, hnorm, eh_proj, one attention and one MLP or MoE "
                                           "layer, final_layernorm)")
@@ -204,4 +231,4 @@ def read_megatron_mtp_head(folder: str | os.PathLike, dtype: torch.dtype = torch
     return head.to(dtype).eval()
 
 
-__all__ = ["mtp_config", "mtp_layout", "mtp_sources", "read_megatron_mtp_head"]
+__all__ = ["mtp_config", "mtp_depths", "mtp_layout", "mtp_sources", "own_depths", "read_megatron_mtp_head"]

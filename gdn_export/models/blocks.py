@@ -44,6 +44,15 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def layer_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(x - mean(x)) · rsqrt(var(x) + eps)`` over the last axis, the biased variance (torch's and Megatron's
+    ``LayerNorm``; apex's and Transformer Engine's kernels), in f32. Spelled as the mean of the centred squares:
+    the plain ops that lower to NNEF (no ``layer_norm`` node)."""
+    x = x.float()
+    centred = x - x.mean(-1, keepdim=True)
+    return centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def swiglu(x: torch.Tensor, gate_proj, up_proj, down_proj) -> torch.Tensor:
     """The SwiGLU feed-forward ``down_proj(silu(gate_proj(x)) · up_proj(x))`` (the three bias-free linears given)."""
     return down_proj(F.silu(gate_proj(x)) * up_proj(x))
@@ -165,10 +174,10 @@ def gated_delta_mixer(
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
-               rows: RowLengths | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``causal_conv1d_update`` (x ``[B, C, S]``); with ``rows``, the new state is taken at each row's own last real
-    token (``RowLengths.conv_state``) instead of after all S."""
-    out, new_state = causal_conv1d_update(x, weight, state)
+               rows: RowLengths | None = None, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``causal_conv1d_update`` (x ``[B, C, S]``, a ``bias`` ``[C]`` before the SiLU or None); with ``rows``, the new
+    state is taken at each row's own last real token (``RowLengths.conv_state``) instead of after all S."""
+    out, new_state = causal_conv1d_update(x, weight, state, bias)
     return out, new_state if rows is None else rows.conv_state(state, x)
 
 
@@ -212,14 +221,16 @@ def cached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def routed_moe(x: torch.Tensor, routing: torch.Tensor, router_weight: torch.Tensor, gate_proj: torch.Tensor,
-               up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, gate: str) -> torch.Tensor:
+               up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, gate: str,
+               biases: tuple | None = None) -> torch.Tensor:
     """SwiGLU experts ``[N, D] -> [N, D]`` mixed by ``routing`` ``[N, E]`` as one ``t2n_extra::moe_ffn`` node
     (``gdn_export/ops/moe_ffn/op.py``: its contract, the stacks' layout), whose torch kernel is ``dense_experts``.
     ``gate`` states how ``routing`` was computed from ``x @ router_weight.T``: ``"softmax_topk"``/``"softmax_all"``
     (``top_k_routing`` with and without renormalization) let the export use tract's sparse ``tract_moe_ffn``, and so
     does ``"grouped_sigmoid"`` (``grouped_sigmoid_routing`` with a positive scaling: the routing itself chooses the
-    experts; its stacks come widened); any other name keeps the dense form."""
-    return moe_ffn(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate)
+    experts; its stacks come widened); any other name keeps the dense form, and so do ``biases`` (the experts'
+    ``(gate_bias, up_bias, down_bias)``: tract's op has none)."""
+    return moe_ffn(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate, biases)
 
 
 def gated_attention(module: Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_rotary,

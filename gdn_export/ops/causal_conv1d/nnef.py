@@ -50,20 +50,24 @@ CHUNK = 4  # tokens per scan iteration (bench_short_conv.py, C = 6144: S = 128 i
 # a decode step computes one whole chunk: S = 1 in 0.11 ms at 4, 0.19 at 8, 0.3-1.8 at 16)
 
 
-def fragment(width: int, chunk: int = CHUNK) -> Fragment:
+def fragment(width: int, chunk: int = CHUNK, bias: bool = False) -> Fragment:
     """The short conv of width ``width`` over chunks of ``chunk`` tokens: ``gdn_export_conv_w{W}_c{chunk}(x [B, S, C],
-    window [B, W, C], weight [1, W, C]) -> (y [B, S, C], last [B, W, C])``, SiLU applied, in the operands' dtype."""
-    name = f"gdn_export_conv_w{width}_c{chunk}"
+    window [B, W, C], weight [1, W, C]) -> (y [B, S, C], last [B, W, C])``, SiLU applied, in the operands' dtype;
+    with ``bias`` (``..._bias``), a fourth operand ``bias [1, 1, C]`` added to the sum before the SiLU."""
+    name = f"gdn_export_conv_w{width}_c{chunk}" + ("_bias" if bias else "")
     taps = [f"    t{i} = mul(slice(full, axes = [1], begin = [{1 + i}], end = [{1 + i + chunk}]), "
             f"slice(weight, axes = [1], begin = [{i}], end = [{i + 1}]));" for i in range(width)]
     total = "t0"
     for i in range(1, width):  # ((t0 + t1) + t2) + t3: the reference's order of the sum
         total = f"add({total}, t{i})"
+    if bias:  # after the taps' sum, as the reference adds it
+        total = f"add({total}, bias)"
     body = ["    full = concat([window_prev, x_c], axis = 1);", *taps, f"    acc = {total};", "    y_c = acc * sigmoid(acc);",
             f"    window_c = slice(full, axes = [1], begin = [{chunk}], end = [{chunk + width}]);"]
     return nnef_scan.scan_fragment(
-        name, f"{name}_step", body, params=("x", "window", "weight"), results=("y", "last"), bound=("unused", "padded"),
-        scan=[("x_c", "x", 1, chunk)], full=[("weight", "weight")], state=[("window_prev", "window", "window_c")],
+        name, f"{name}_step", body, params=("x", "window", "weight") + (("bias",) if bias else ()), results=("y", "last"),
+        bound=("unused", "padded"), scan=[("x_c", "x", 1, chunk)],
+        full=[("weight", "weight")] + ([("bias", "bias")] if bias else []), state=[("window_prev", "window", "window_c")],
         output=[("window_c", "last", 1, 1), ("y_c", "full", 1, chunk)],
         before=["    # a last partial chunk runs padded: its window is never read, its rows past S are cut"],
         after=["    length = squeeze(slice(tract_core_shape_of(x), axes = [0], begin = [1], end = [2]), axes = [0]);",
@@ -79,7 +83,7 @@ def fragment(width: int, chunk: int = CHUNK) -> Fragment:
 def decide(node: ConvNode, options: NnefOptions) -> Decision:
     """The short conv (``ops.protocol.Decide``): "chunks" where it computes in f32 (f32 and int8 archives; the
     module docstring) for a CPU (runtime "cpu" or "any"), else tract's fused op ("native", from 0.23.5), else NNEF's
-    depthwise conv ("portable")."""
+    depthwise conv ("portable"); a conv with a bias never takes the fused op, which has none."""
     if node.dtype == "float32" and options.runtime != "cuda":
         return Decision(node.name, node.entry, "chunks", f"a tract_core_scan over chunks of {CHUNK} tokens, channels "
                         "last (f32: S = 128 ~4x and S = 1 ~2.5x faster than the fused op, benchmarks/"
@@ -88,17 +92,20 @@ def decide(node: ConvNode, options: NnefOptions) -> Decision:
            if node.dtype != "float32" else
            # measured on CPU only; tract's CUDA runtime ran the GDN's scans at CPU speed (ops/gated_delta_rule/nnef/policy.py)
            "runtime cuda: the chunk scan is not measured there, the fused op is kept")
+    if node.bias:
+        return Decision(node.name, node.entry, "portable", f"a conv bias: {OP_NAME} has none ({why})", None)
     if options.tract_version >= FUSED_CONV_FIRST_VERSION:
         return Decision(node.name, node.entry, "native", f"{OP_NAME} exists on this tract ({why})", None)
     return Decision(node.name, node.entry, "portable", f"{OP_NAME} is not in tract before 0.23.5 ({why})", None)
 
 
 def lower(builder: NnefBuilder, x: NTensor, weight: NTensor, state: NTensor, y: NTensor, new_state: NTensor,
-          lowering: str) -> list:
+          lowering: str, bias: NTensor | None = None) -> list:
     width = int(weight.shape[1])
     if lowering == "chunks":
-        return _lower_chunks(builder, x, weight, state, y, new_state)
+        return _lower_chunks(builder, x, weight, state, y, new_state, bias)
     if lowering == "native":
+        assert bias is None, "decide never gives a conv with a bias the fused op"
         weight = builder.cast(weight, x.dtype)
         state_in = builder.cast(state, x.dtype)
         out = builder.tensor("conv_y", x.shape, x.dtype)
@@ -117,7 +124,9 @@ def lower(builder: NnefBuilder, x: NTensor, weight: NTensor, state: NTensor, y: 
     full = builder.op("concat", [tail, x], shape=full_shape, dtype=x.dtype, attribs={"axis": 2}, what="conv_full")
     full = builder.cast(full, dtype)
     kernel = builder.unsqueeze(weight, [1])  # [C, 1, W]: one input channel per group
-    total = builder.op("conv", (full, kernel, builder.scalar(0.0, dtype)), shape=x.shape, dtype=dtype, what="conv",
+    offset = builder.scalar(0.0, dtype) if bias is None else \
+        builder.unsqueeze(builder.cast(bias, dtype), [0])  # NNEF conv's bias [1, C]
+    total = builder.op("conv", (full, kernel, offset), shape=x.shape, dtype=dtype, what="conv",
                        attribs={"border": "constant", "padding": [(0, 0)], "stride": [1], "dilation": [1],
                                 "groups": 0})
     activated = builder.binary("mul", total, builder.unary("sigmoid", total))
@@ -130,17 +139,18 @@ def lower(builder: NnefBuilder, x: NTensor, weight: NTensor, state: NTensor, y: 
 
 
 def _lower_chunks(builder: NnefBuilder, x: NTensor, weight: NTensor, state: NTensor, y: NTensor,
-                  new_state: NTensor) -> list:
+                  new_state: NTensor, bias: NTensor | None = None) -> list:
     batch, channels, seq = x.shape
     width = int(weight.shape[1])
     dtype = np.dtype(weight.dtype)  # the reference's arithmetic: (state ++ x) in the weight's dtype
     rows = builder.cast(builder.transpose(x, [0, 2, 1]), dtype)  # [B, S, C]: cancels the model's own transpose
     window = builder.transpose(builder.cast(state, dtype), [0, 2, 1])  # [B, W, C]
     taps = builder.unsqueeze(builder.transpose(weight, [1, 0]), [0])  # [1, W, C]
-    conv = fragment(width)
+    conv = fragment(width, bias=bias is not None)
     out = builder.tensor("conv_y", (batch, seq, channels), dtype)
     last = builder.tensor("conv_last", (batch, width, channels), dtype)
-    builder.multi_op(conv.name, (rows, window, taps), (out, last))
+    offset = () if bias is None else (builder.unsqueeze(builder.cast(bias, dtype), [0, 1]),)  # [1, 1, C]
+    builder.multi_op(conv.name, (rows, window, taps, *offset), (out, last))
     builder.transpose(builder.cast(out, y.dtype), [0, 2, 1], out=y)
     builder.transpose(builder.cast(last, new_state.dtype), [0, 2, 1], out=new_state)
     return [conv]
@@ -150,10 +160,12 @@ def _lower_chunks(builder: NnefBuilder, x: NTensor, weight: NTensor, state: NTen
 def handle_causal_conv1d_update(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
     """The GDN short conv: a scan over chunks of tokens in f32, tract's fused op or a depthwise conv (``decide``)."""
     require_tract(inference_target, node.kind)
-    x, weight, state = positional(op_helper, node)
-    check_conv_operands(x.shape, weight.shape, state.shape)
+    x, weight, state, *rest = positional(op_helper, node)
+    bias = rest[0] if rest else None
+    check_conv_operands(x.shape, weight.shape, state.shape, None if bias is None else bias.shape)
     y, new_state = output_tensors(op_helper, node, name_to_tensor)
     target = policy_of(inference_target)
     dtype = np.dtype(weight.dtype)  # the dtype the conv computes in (the reference's)
-    decision = record(decide, ConvNode(y.name, dtype=str(dtype)), target.gdn_options, target.gdn_decisions)
-    return lower(NnefBuilder(g, y.name), x, weight, state, y, new_state, decision.lowering)
+    decision = record(decide, ConvNode(y.name, dtype=str(dtype), bias=bias is not None), target.gdn_options,
+                      target.gdn_decisions)
+    return lower(NnefBuilder(g, y.name), x, weight, state, y, new_state, decision.lowering, bias)

@@ -22,7 +22,8 @@ def top_k_routing(router_logits: torch.Tensor, top_k: int, normalize: bool) -> t
 
 
 def grouped_sigmoid_routing(router_logits: torch.Tensor, score_bias: torch.Tensor, *, top_k: int, groups: int,
-                            top_groups: int, normalize: bool, scaling: float, score: str = "sigmoid") -> torch.Tensor:
+                            top_groups: int, normalize: bool, scaling: float, score: str = "sigmoid",
+                            group_score_k: int = 2) -> torch.Tensor:
     """DeepSeek-V3 routing (transformers' ``KimiLinearTopkRouter``) as dense weights ``[N, E]``, zero for unselected
     experts.
 
@@ -32,7 +33,8 @@ def grouped_sigmoid_routing(router_logits: torch.Tensor, score_bias: torch.Tenso
     reaches Python. The topks are sorted (transformers' are not: torch_to_nnef exports only sorted topk; the
     chosen set, hence the scattered weights, is the same). The scatter names axis 1: tract 0.23 panics on
     torch_to_nnef's unnormalized axis -1. ``score="sqrtsoftplus"``: the scores are ``sqrt(softplus(logits))``
-    instead (Megatron's ``moe_router_score_function``), the rest the same.
+    instead (Megatron's ``moe_router_score_function``), the rest the same. ``group_score_k``: a group is scored by
+    the sum of its top ``group_score_k`` (Megatron: ``topk // group_topk``; DeepSeek-V3 and transformers: 2).
     """
     if score == "sqrtsoftplus":
         scores = torch.sqrt(softplus(router_logits))
@@ -40,7 +42,7 @@ def grouped_sigmoid_routing(router_logits: torch.Tensor, score_bias: torch.Tenso
         # spelled with exp: tract's sigmoid bottoms out at ~4.5e-7 below x ~ -14.6, and renormalizing top-k scores
         # of that size would turn the floor into O(1) weight errors
         scores = 1.0 / (1.0 + torch.exp(-router_logits))
-    top_index = _group_limited_top_k(scores + score_bias.float(), top_k, groups, top_groups)
+    top_index = _group_limited_top_k(scores + score_bias.float(), top_k, groups, top_groups, group_score_k)
     top_weights = scores.gather(1, top_index)
     if normalize:
         top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -60,27 +62,30 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_softmax_routing(router_logits: torch.Tensor, *, top_k: int, groups: int, top_groups: int,
-                            pre_softmax: bool, scaling: float) -> torch.Tensor:
+                            pre_softmax: bool, scaling: float, group_score_k: int = 2) -> torch.Tensor:
     """Megatron's softmax routing (``topk_routing_with_score_function``, score function ``softmax``) with expert
     groups and a scaling, as dense weights ``[N, E]``: the top k experts within the ``top_groups`` groups of best
-    top-2 sum, chosen by the logits and weighted by the softmax over the chosen logits, or (``pre_softmax``) chosen
+    top-``group_score_k`` sum, chosen by the logits and weighted by the softmax over the chosen logits, or (``pre_softmax``) chosen
     by and weighted by the softmax over every expert; times ``scaling``."""
     logits = router_logits.float()
     if pre_softmax:
         scores = F.softmax(logits, dim=-1)
-        top_index = _group_limited_top_k(scores, top_k, groups, top_groups)
+        top_index = _group_limited_top_k(scores, top_k, groups, top_groups, group_score_k)
         top_weights = scores.gather(1, top_index)
     else:
-        top_index = _group_limited_top_k(logits, top_k, groups, top_groups)
+        top_index = _group_limited_top_k(logits, top_k, groups, top_groups, group_score_k)
         top_weights = F.softmax(logits.gather(1, top_index), dim=-1)
     return torch.zeros_like(logits).scatter(1, top_index, top_weights * scaling)
 
 
-def _group_limited_top_k(choice: torch.Tensor, top_k: int, groups: int, top_groups: int) -> torch.Tensor:
+def _group_limited_top_k(choice: torch.Tensor, top_k: int, groups: int, top_groups: int,
+                         group_score_k: int = 2) -> torch.Tensor:
     """The indices ``[N, top_k]`` of the top k of ``choice`` within the ``top_groups`` of ``groups`` equal groups of
-    best top-2 sum (one group: every expert; the same ops then, so that a model's graph does not depend on it)."""
+    best top-``group_score_k`` sum (one group: every expert; the same ops then, so that a model's graph does not
+    depend on it). DeepSeek-V3 scores a group by its top 2; Megatron's ``group_limited_topk`` by its top
+    ``topk // group_topk``."""
     experts = choice.shape[-1]
-    group_scores = choice.reshape(-1, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)  # [N, G]
+    group_scores = choice.reshape(-1, groups, experts // groups).topk(group_score_k, dim=-1)[0].sum(dim=-1)  # [N, G]
     group_index = torch.topk(group_scores, k=top_groups, dim=-1)[1]
     # one-hot rows summed, not a scatter: tract panics on torch_to_nnef's scatter of a scalar source
     group_mask = (group_index[:, :, None] == torch.arange(groups)).sum(1)  # [N, G], 1 for a chosen group
@@ -90,14 +95,21 @@ def _group_limited_top_k(choice: torch.Tensor, top_k: int, groups: int, top_grou
 
 
 def dense_experts(x: torch.Tensor, weights: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor,
-                  down_proj: torch.Tensor, act) -> torch.Tensor:
+                  down_proj: torch.Tensor, act, biases: tuple | None = None) -> torch.Tensor:
     """Every expert on every token, mixed by dense ``weights`` ``[N, E]`` (zero for unselected experts).
 
     x ``[N, D]``; gate_proj, up_proj ``[E, I, D]``; down_proj ``[E, D, I]``; the weights are cast to x's dtype
-    before mixing, as transformers casts its routing scores.
+    before mixing, as transformers casts its routing scores. ``biases``: the experts' ``(gate_bias, up_bias,
+    down_bias)`` ``[E, I]``, ``[E, I]``, ``[E, D]`` (Megatron's ``add_bias_linear``), each added to its linear's
+    output, so that a token's share of expert e is ``weight · (down_e h + down_bias_e)``, as Megatron's expert MLP
+    scales its ``linear_fc2`` bias by the routing probability.
     """
     gate, up = torch.einsum("nd,eid->nei", x, gate_proj), torch.einsum("nd,eid->nei", x, up_proj)
+    if biases is not None:
+        gate, up = gate + biases[0].to(gate.dtype), up + biases[1].to(up.dtype)
     expert_out = torch.einsum("nei,edi->ned", act(gate) * up, down_proj)  # [N, E, D]
+    if biases is not None:
+        expert_out = expert_out + biases[2].to(expert_out.dtype)
     return (expert_out * weights[..., None].to(expert_out.dtype)).sum(1)
 
 

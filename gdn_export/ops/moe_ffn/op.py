@@ -2,13 +2,18 @@
 
 Contract::
 
-    y = moe_ffn(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate)
+    y = moe_ffn(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate[, gate_bias, up_bias,
+                down_bias])
     x [N, D]                   tokens (model dtype)
     routing [N, E]             the routing weights the caller computed for x: zero for unselected experts
     router_weight [E, D]       the router (its logits are x @ router_weight.T)
     gate_proj, up_proj [E, I, D + W]   the experts' gate and up matrices (nn.Linear layout, tract's w1 and w3)
     down_proj [E, D + W, I]            their down matrices (tract's w2)
+    gate_bias, up_bias [E, I], down_bias [E, D]   optional, all three or none: the experts' linear biases
+                                                  (Megatron's add_bias_linear)
     y[n] = sum_e routing[n, e] * down_e @ (silu(gate_e x_n) * (up_e x_n))      (in x's dtype)
+    with biases: sum_e routing[n, e] * (down_e @ (silu(gate_e x_n + gate_bias_e) * (up_e x_n + up_bias_e))
+                                        + down_bias_e)
 
 with gate_e, up_e, down_e the stacks' first D columns (rows for down_proj). ``W`` is 0, except for a given
 routing (below), where it is E and the last E columns of gate_proj and up_proj and the last E rows of down_proj
@@ -39,6 +44,8 @@ that tract's fused ``tract_moe_ffn`` can compute it again by itself:
 The NNEF emission (``gdn_export/ops/moe_ffn/nnef.py``: ops import no export code) decides per node and records
 the decision with its reason on the target like the gated delta rule's: ``tract_moe_ffn`` where it computes exactly
 this function (``decide``), else ``dense``: the experts as two matmuls over the whole stacks, mixed by ``routing``.
+A node with expert biases is always dense (``BIASED_EXPERTS``): ``tract_moe_ffn`` has no bias input, and while
+``down_bias``'s share is ``routing @ down_bias`` outside any op, ``gate_bias`` and ``up_bias`` sit inside SwiGLU.
 With a softmax gate ``routing`` is unused (the fused op reads the router's weight itself): its few ops stay in
 graph.nnef and tract drops them at load (tract_quirks.MOE_UNUSED_ROUTING_DROPPED); a given routing is the op's
 router input.
@@ -65,7 +72,7 @@ from gdn_export.ops.registration import define_or_reuse
 
 QUALNAME = "t2n_extra::moe_ffn"
 SCHEMA = ("(Tensor x, Tensor routing, Tensor router_weight, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
-          "int top_k, str gate) -> Tensor")
+          "int top_k, str gate, Tensor? gate_bias=None, Tensor? up_bias=None, Tensor? down_bias=None) -> Tensor")
 
 OP_NAME = "tract_moe_ffn"
 # caller's gate -> tract_moe_ffn's gate mode computing the same routing
@@ -82,7 +89,12 @@ GIVEN_ROUTING_GATES = {
 UNSUPPORTED_GATES = {
     "grouped_sigmoid_signed": "DeepSeek-V3 routing with a routed scaling factor <= 0 (negative or zero weights: the "
                               "top k of the routing would not be the chosen experts)",
+    "grouped_softmax_signed": "Megatron's softmax routing times a negative moe_router_topk_scaling_factor (negative "
+                              "weights: the top k of the routing would not be the chosen experts)",
 }
+# why a node with expert biases stays dense
+BIASED_EXPERTS = ("expert biases (add_bias_linear): tract_moe_ffn has no bias inputs, and a bias inside SwiGLU "
+                  "(gate_bias, up_bias) cannot be moved outside the op")
 # measured exact on this version (tests/test_moe.py); earlier versions were not checked
 FIRST_VERSION = (0, 23, 9)
 
@@ -97,6 +109,7 @@ class MoeNode:
     top_k: int | None = None
     experts: int | None = None
     entry: str = QUALNAME
+    biased: bool = False  # the experts' gate_bias, up_bias and down_bias are given
 
 
 def widening(gate: str, experts: int) -> int:
@@ -105,8 +118,9 @@ def widening(gate: str, experts: int) -> int:
 
 
 def check_moe_operands(x_shape, routing_shape, router_shape, gate_shape, up_shape, down_shape, top_k: int,
-                       gate: str) -> tuple:
-    """(N, D, E, I) of consistent operands; OperandError names the first that disagrees."""
+                       gate: str, bias_shapes: tuple | None = None) -> tuple:
+    """(N, D, E, I) of consistent operands (``bias_shapes``: those of gate_bias, up_bias, down_bias, each None when
+    absent); OperandError names the first that disagrees."""
     x_shape, routing_shape, router_shape, gate_shape, up_shape, down_shape = (
         tuple(int(d) for d in s) for s in (x_shape, routing_shape, router_shape, gate_shape, up_shape, down_shape))
     if len(x_shape) != 2:
@@ -128,17 +142,34 @@ def check_moe_operands(x_shape, routing_shape, router_shape, gate_shape, up_shap
         raise OperandError("routing", f"[N, E] = {[tokens, experts]}", str(list(routing_shape)))
     if not 1 <= top_k <= experts:
         raise OperandError("top_k", f"1 <= top_k <= E = {experts}", str(top_k))
+    given = [shape is not None for shape in bias_shapes or ()]
+    if any(given) and not all(given):
+        raise OperandError("gate_bias, up_bias, down_bias", "all three or none",
+                           ", ".join(n for n, g in zip(("gate_bias", "up_bias", "down_bias"), given) if g) + " only")
+    if all(given) and given:
+        for name, shape, want in zip(("gate_bias", "up_bias", "down_bias"), bias_shapes,
+                                     ((experts, inner), (experts, inner), (experts, width))):
+            if tuple(int(d) for d in shape) != want:
+                raise OperandError(name, str(list(want)), str(list(shape)))
     return tokens, width, experts, inner
 
 
-def _reference(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate):
+def _bias_shapes(*biases) -> tuple:
+    return tuple(None if b is None else b.shape for b in biases)
+
+
+def _reference(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate, gate_bias=None, up_bias=None,
+               down_bias=None):
     tokens, width, _, _ = check_moe_operands(x.shape, routing.shape, router_weight.shape, gate_proj.shape,
-                                             up_proj.shape, down_proj.shape, top_k, gate)
+                                             up_proj.shape, down_proj.shape, top_k, gate,
+                                             _bias_shapes(gate_bias, up_bias, down_bias))
+    biases = None if gate_bias is None else (gate_bias, up_bias, down_bias)
     return dense_experts(x, routing, gate_proj[..., :width], up_proj[..., :width], down_proj[:, :width],
-                         F.silu).contiguous()
+                         F.silu, biases).contiguous()
 
 
-def _fake(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate):
+def _fake(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate, gate_bias=None, up_bias=None,
+          down_bias=None):
     return torch.empty_like(x)
 
 
@@ -146,9 +177,14 @@ define_or_reuse(QUALNAME, SCHEMA, _reference, _fake)
 
 
 def moe_ffn(x: torch.Tensor, routing: torch.Tensor, router_weight: torch.Tensor, gate_proj: torch.Tensor,
-            up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, gate: str) -> torch.Tensor:
-    """Call ``torch.ops.t2n_extra.moe_ffn`` (see the module docstring for the contract)."""
-    return torch.ops.t2n_extra.moe_ffn(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate)
+            up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, gate: str,
+            biases: tuple | None = None) -> torch.Tensor:
+    """Call ``torch.ops.t2n_extra.moe_ffn`` (see the module docstring for the contract); ``biases``: the experts'
+    ``(gate_bias, up_bias, down_bias)`` or None."""
+    if biases is None:
+        return torch.ops.t2n_extra.moe_ffn(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate)
+    return torch.ops.t2n_extra.moe_ffn(x, routing, router_weight, gate_proj, up_proj, down_proj, top_k, gate,
+                                       *biases)
 
 
 def moe_report(decisions) -> list[str]:
