@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable
 
+import numpy as np
+
 
 @dataclass
 class Encoding:
@@ -46,3 +48,8 @@ class Encoding:
 
     def nbytes(self, shape: tuple[int, ...]) -> int:
         return self.codec.nbytes(shape)
+
+
+def write_array(file: BinaryIO, value: np.ndarray) -> None:
+    """``value``'s bytes in C order, written from the array itself (``tobytes`` copied every weight once more)."""
+    file.write(memoryview(np.ascontiguousarray(value).reshape(-1)).cast("B"))
