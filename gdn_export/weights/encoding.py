@@ -36,6 +36,10 @@ class Encoding:
     graph_passes: tuple = ()  # passes over torch-to-nnef's graph these tensors need (StreamedWeights.graph_passes)
     extra: dict = field(default_factory=dict)  # label -> writer of a tensor the passes added (e.g. int8 scales)
     table_words: str = ""  # the report's words for embedding tables stored so
+    # tract's float type of the stored values ("f16"), where tract reads them as they are: such a tensor's file may
+    # then be written after the trace (``StreamedWeights.deferrable``), as a float matrix of the export dtype is;
+    # None for codes (int8, Q4_0 blocks), which the graph's load for its output names reads
+    float_type: str | None = None
 
     def write(self, file: BinaryIO, shape: tuple[int, ...], read_rows: Callable, label: str, aliases: tuple,
               source: str) -> None:

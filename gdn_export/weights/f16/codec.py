@@ -109,7 +109,7 @@ class F16Encoding(Encoding):
 
     def __init__(self, labels: frozenset, negated: bool = False) -> None:
         passes = (functools.partial(lower_gathers, labels=labels),) if negated else ()
-        super().__init__(sys.modules[__name__], labels, graph_passes=passes)
+        super().__init__(sys.modules[__name__], labels, graph_passes=passes, float_type="f16")
         self.negated = negated
         self.table_words = "F16 (negated, the gathered rows negated back"
 
