@@ -234,15 +234,24 @@ def convert(checkpoint: Path, fmt: str, out: Path) -> dict:
     """Convert ``checkpoint`` to ``out`` in ``fmt`` in a process of its own: wall seconds and the report's split."""
     command = [sys.executable, "-m", "gdn_export.cli", "convert", str(checkpoint), "-o", str(out), "--force", "--no-check",
                "--logits", "last", *FORMATS[fmt]]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), children_cpu()
     done = subprocess.run(["/usr/bin/time", "-f", "PEAK_RSS_KB %M", *command], capture_output=True, text=True)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, children_cpu() - cpu
     if done.returncode != 0:
         raise SystemExit(f"converting {checkpoint} ({fmt}) failed:\n{done.stderr[-3000:]}")
     split = next((line.split("time:", 1)[1].strip() for line in done.stdout.splitlines() if "time:" in line), "")
     peak = next((int(line.split()[1]) * 1024 / 1e9 for line in done.stderr.splitlines()
                  if line.startswith("PEAK_RSS_KB")), float("nan"))
-    return {"seconds": seconds, "split": split, "peak_rss_gb": peak}
+    return {"seconds": seconds, "split": split, "peak_rss_gb": peak, "cpu_seconds": cpu}
+
+
+def children_cpu() -> float:
+    """CPU seconds (user + system) of this process's ended children: a conversion's own work, which a busy shared
+    machine stretches in wall time far less than its wall seconds."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def checkpoint_for(layers: int, workdir: Path, given: dict[int, Path]) -> Path:
@@ -336,22 +345,26 @@ def make_ggufs(llama, checkpoint: Path, workdir: Path, layers: int, formats: lis
         if not (reuse and out.exists() and label in record):
             source = source or gguf_source(checkpoint, workdir, layers)
             if kind in ("F32", "F16"):
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), children_cpu()
                 llama.convert(source, out, kind.lower())
-                record[label] = {"seconds": time.perf_counter() - start, "split": f"convert_hf_to_gguf {kind}"}
+                record[label] = {"seconds": time.perf_counter() - start, "split": f"convert_hf_to_gguf {kind}",
+                                 "cpu_seconds": children_cpu() - cpu}
             else:
-                if f32[1] is None and not (reuse and f32[0].exists() and f"{layers} layers F32 (llama.cpp)" in record):
-                    start = time.perf_counter()
+                f32_label = f"{layers} layers F32 (llama.cpp)"
+                if f32[1] is None and not (reuse and f32[0].exists() and f32_label in record):
+                    start, cpu = time.perf_counter(), children_cpu()
                     llama.convert(source, f32[0], "f32")
-                    record[f"{layers} layers F32 (llama.cpp)"] = {"seconds": time.perf_counter() - start,
-                                                                  "split": "convert_hf_to_gguf F32"}
-                f32 = (f32[0], record[f"{layers} layers F32 (llama.cpp)"]["seconds"])
-                start = time.perf_counter()
+                    record[f32_label] = {"seconds": time.perf_counter() - start, "split": "convert_hf_to_gguf F32",
+                                         "cpu_seconds": children_cpu() - cpu}
+                f32 = (f32[0], record[f32_label]["seconds"])
+                start, cpu = time.perf_counter(), children_cpu()
                 llama.quantize(f32[0], out, kind)
-                quantized = time.perf_counter() - start
+                quantized, cpu = time.perf_counter() - start, children_cpu() - cpu
                 record[label] = {"seconds": f32[1] + quantized,
-                                 "split": f"convert_hf_to_gguf F32 {f32[1]:.1f}s, llama-quantize {quantized:.1f}s"}
-            log(f"{label}: made in {record[label]['seconds']:.1f} s ({record[label]['split']})")
+                                 "split": f"convert_hf_to_gguf F32 {f32[1]:.1f}s, llama-quantize {quantized:.1f}s",
+                                 "cpu_seconds": record[f32_label].get("cpu_seconds", float("nan")) + cpu}
+            log(f"{label}: made in {record[label]['seconds']:.1f} s, {record[label]['cpu_seconds']:.1f} s of CPU "
+                f"({record[label]['split']})")
         made.append((fmt, label, out))
     if "f32" not in formats and f32[0].exists() and not reuse:
         f32[0].unlink()
@@ -410,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"{label}: reusing {out}")
                 else:
                     conversions[label] = convert(checkpoint, fmt, out)
-                    log(f"{label}: converted in {conversions[label]['seconds']:.1f} s "
+                    log(f"{label}: converted in {conversions[label]['seconds']:.1f} s, "
+                        f"{conversions[label]['cpu_seconds']:.1f} s of CPU "
                         f"({conversions[label]['split']}), peak RSS {conversions[label]['peak_rss_gb']:.2f} GB")
                     made.append(out)
                 archives.append((label, out))

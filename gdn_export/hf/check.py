@@ -249,22 +249,28 @@ def check_archive(path, vocab_size: int, prompt_len: int, decode_steps: int, bat
     rounding inputs perturbed by a few float32 roundings (``gdn_export.weights.int8``); the archive is then judged
     by the float16 rule against it, with the float32 rule's allowance in place of one float16 rounding."""
     from gdn_export.run.runner import Runner, open_runner
+    from gdn_export.run.runtime import alongside
 
     validate_check(prompt_len, decode_steps, batch)
 
-    # an open runner (a Session, an OnnxSession), or a file opened by its suffix (.onnx: onnxruntime)
-    session = path if isinstance(path, Runner) else open_runner(path)
+    tokens = sample_tokens(vocab_size, batch, prompt_len + decode_steps, seed)
+    # an open runner (a Session, an OnnxSession), or a file opened by its suffix (.onnx: onnxruntime); a file is
+    # opened while the reference computes (tract and torch release the GIL: a large model's load and its reference
+    # overlap instead of adding up; the memory both take is what ``reference_fits`` budgets)
+    if isinstance(path, Runner):
+        session, computed = path, reference(tokens)
+    else:
+        (session, _), computed = alongside(lambda: open_runner(path), lambda: reference(tokens))
     # the precision judged: the archive's dtype, or a float32 archive's reduced core (--core-dtype float16)
     dtype = session.metadata["dtype"]
     if dtype == "float32" and session.metadata.get("core_dtype") in HALF_DTYPES:
         dtype = session.metadata["core_dtype"]
     if dtype != "float32" and dtype not in HALF_DTYPES:
         raise GdnExportError(f"{session.path} has dtype {dtype!r}; the check knows float32 and float16")
-    tokens = sample_tokens(vocab_size, batch, prompt_len + decode_steps, seed)
     # an archive of last-position logits gives the prefill's last and each decode step's: compared at those
     first = prompt_len - 1 if session.metadata.get("logits") == "last" else 0
     judged_prefill = prompt_len - first
-    expected = reference(tokens)[:, first:]
+    expected = computed[:, first:]
     actual = session_logits(session, tokens, prompt_len)
     baseline = None
     if dtype != "float32":

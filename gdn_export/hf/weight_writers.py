@@ -216,6 +216,10 @@ def plan_writes(lm: nn.Module, model: nn.Module, weights, dtype: torch.dtype, qu
                   for label in labels[key]}
     deferrable = {label: NNEF_DATUM[str(dtype).removeprefix("torch.")] for key, group in labels.items()
                   if key not in chosen | table_keys and params[key].dim() >= 2 for label in group}
+    for keys, encoding in ((chosen, weights_encoding), (table_keys, tables_encoding)):  # stored in a float type too
+        if encoding is not None and encoding.float_type is not None:
+            deferrable.update({label: encoding.float_type for key in keys if params[key].dim() >= 2
+                               for label in labels[key]})
     graph_passes: tuple = ()
     for encoding in (weights_encoding, tables_encoding):  # their own tensors (int8 scales): written after the passes
         if encoding is not None:

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable
 
+import numpy as np
+
 
 @dataclass
 class Encoding:
@@ -34,6 +36,10 @@ class Encoding:
     graph_passes: tuple = ()  # passes over torch-to-nnef's graph these tensors need (StreamedWeights.graph_passes)
     extra: dict = field(default_factory=dict)  # label -> writer of a tensor the passes added (e.g. int8 scales)
     table_words: str = ""  # the report's words for embedding tables stored so
+    # tract's float type of the stored values ("f16"), where tract reads them as they are: such a tensor's file may
+    # then be written after the trace (``StreamedWeights.deferrable``), as a float matrix of the export dtype is;
+    # None for codes (int8, Q4_0 blocks), which the graph's load for its output names reads
+    float_type: str | None = None
 
     def write(self, file: BinaryIO, shape: tuple[int, ...], read_rows: Callable, label: str, aliases: tuple,
               source: str) -> None:
@@ -46,3 +52,8 @@ class Encoding:
 
     def nbytes(self, shape: tuple[int, ...]) -> int:
         return self.codec.nbytes(shape)
+
+
+def write_array(file: BinaryIO, value: np.ndarray) -> None:
+    """``value``'s bytes in C order, written from the array itself (``tobytes`` copied every weight once more)."""
+    file.write(memoryview(np.ascontiguousarray(value).reshape(-1)).cast("B"))

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from gdn_export.errors import GdnExportError
-from gdn_export.weights.encoding import Encoding
+from gdn_export.weights.encoding import Encoding, write_array
 from gdn_export.backends.nnef.builder import NnefBuilder, readers_left, table_gathers, variables
 from gdn_export.weights.int8.codec import write_header
 
@@ -52,6 +52,7 @@ def round_trip(x: torch.Tensor) -> torch.Tensor:
     return x.detach().to(torch.float16).to(x.dtype)
 
 
+EXPONENT, SIGN = np.uint16(0x7C00), np.uint16(0x8000)  # float16's exponent and sign bits
 LARGEST = float(np.finfo(np.float16).max)  # 65504: a weight beyond it would be stored as infinity
 
 
@@ -67,13 +68,14 @@ def write_nnef(file: BinaryIO, shape: tuple[int, ...], read_rows: Callable[[int,
         values = np.asarray(read_rows(start, min(shape[0], start + step)), dtype=np.float32)
         with np.errstate(over="ignore"):
             rows = values.astype(np.float16)
-        if not np.isfinite(rows).all():
+        bits = rows.view(np.uint16)  # float16 arithmetic is emulated in numpy: its bits are tested and flipped instead
+        if ((bits & EXPONENT) == EXPONENT).any():  # an all-ones exponent: infinity or nan
             if not np.isfinite(values).all():
                 raise GdnExportError(f"{name} holds a non-finite value (inf or nan) in the checkpoint")
             worst = float(np.abs(values[~np.isfinite(rows)]).max())
             raise GdnExportError(f"{name} has a value of magnitude {worst:g}, beyond float16's range (largest "
                                  f"{LARGEST:g}): --quantize f16 cannot store it; convert it in float32")
-        file.write(np.ascontiguousarray(-rows if negated else rows).tobytes())
+        write_array(file, bits ^ SIGN if negated else bits)  # negation: the sign bit flipped, as -rows flips it
 
 
 def lower_gathers(graph, labels: frozenset) -> None:
@@ -107,7 +109,7 @@ class F16Encoding(Encoding):
 
     def __init__(self, labels: frozenset, negated: bool = False) -> None:
         passes = (functools.partial(lower_gathers, labels=labels),) if negated else ()
-        super().__init__(sys.modules[__name__], labels, graph_passes=passes)
+        super().__init__(sys.modules[__name__], labels, graph_passes=passes, float_type="f16")
         self.negated = negated
         self.table_words = "F16 (negated, the gathered rows negated back"
 
