@@ -224,6 +224,7 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--gdn-layers", type=int, default=18, help="GDN layers of the model the totals are for")
     args = parser.parse_args()
     torch.set_num_threads(1)
     h, w = args.heads, args.width
@@ -267,7 +268,33 @@ def main() -> int:
         cells = [f"{statistics.median(times[form, k]) * 1e3:.3f} ms ({statistics.median(times[form, k]) / base:.3f}x)"
                  for form in FORMS]
         print(f"| {'decode step (S = 1)' if k == 'decode' else f'k = {k}'} | " + " | ".join(cells) + " |")
+    for form in FORMS[1:]:
+        extra = statistics.median(times[form, "decode"]) - statistics.median(times[FORMS[0], "decode"])
+        print(f"\n{form}: {extra * 1e3:+.3f} ms a decode step per GDN layer, {extra * 1e3 * args.gdn_layers:+.2f} ms "
+              f"for the {args.gdn_layers} GDN layers of the 0.8B shape")
+    cut = cache_cut_ms(args.reps)
+    print(f"\nA partial accept with per-position states must also cut the attention caches by length, on the host "
+          f"for a Session's graph (its caches grow by concat in the graph): the 0.8B shape's 6 attention layers' K and V "
+          f"([1, 2, L, 256] float32, L = 384) out of tract, sliced, back in: {cut:.2f} ms (median of {args.reps}); "
+          "going back to the states before the call, as commit does today, costs nothing (the tensors are kept)")
     return 0
+
+
+def cache_cut_ms(reps: int, context: int = 384, layers: int = 6, drop: int = 2) -> float:
+    """Milliseconds to cut ``layers`` attention layers' K and V caches ``[1, 2, context + 5, 256]`` by ``drop``
+    positions through numpy (tract tensors out, sliced, in), median of ``reps``."""
+    import tract
+
+    rng = np.random.default_rng(0)
+    caches = [tract.Tensor.from_numpy(rng.standard_normal((1, 2, context + 5, 256)).astype(np.float32))
+              for _ in range(2 * layers)]
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        cut = [tract.Tensor.from_numpy(np.ascontiguousarray(t.to_numpy()[:, :, :-drop])) for t in caches]
+        times.append(time.perf_counter() - start)
+        del cut
+    return statistics.median(times[1:]) * 1e3
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@
    and priced as if the kept tokens of a step whose drafts were not all kept ran at once in a call of their own
    (the simplest rollback) instead of with the next call (what ``Session.commit`` does), and as if they never ran
    again (every call returning the states after each of its positions: what such states could save at most).
-   "recomputed per token": the kept tokens run a second time, per token generated.
+   "recomputed per token": the kept tokens run a second time, per token generated; "steps partly kept per token":
+   the calls that ran such tokens (each one a step whose drafts were not all kept), per token generated.
 3. The MTP step (``--mtp-shape CHECKPOINT``: a Qwen3.5-shape checkpoint folder, e.g. the 0.8B one of
    ``large_checkpoint.py``): an MTP head of that config (its embedding table and head from the folder, seeded random
    ``mtp.*``: its cost does not depend on the values) exported as ``convert`` exports it (float32, and float16
@@ -397,7 +398,8 @@ def main() -> int:
              "sampled T=0.7": (args.new_tokens, dict(temperature=0.7, top_k=20, top_p=0.8, seed=0)),
              "greedy, first 32": (32, dict(temperature=0.0))}
     print(f"\n## Held-out continuations of the trained fixture ({args.prompts} prompts of 256 tokens)\n")
-    head = "| mode | method | tokens per call | drafts kept | recomputed per token | tokens/s | x plain | same tokens |"
+    head = ("| mode | method | tokens per call | drafts kept | recomputed per token | steps partly kept per token | "
+            "tokens/s | x plain | same tokens |")
     if curve:
         head += (f" 0.8B projection ({next(iter(curves))}) | the same, kept tokens rerun at once |"
                  " the same, kept tokens never rerun (per-position states) |")
@@ -415,7 +417,8 @@ def main() -> int:
             kept = f"{result['accepted']}/{result['drafted']}" if spec else "-"
             same = ("yes" if result["tokens"] == plain["tokens"] else "NO") if sampling["temperature"] == 0 else "n/a"
             recomputed = sum(pending for _, pending in result["calls"]) / result["count"]
-            row = (f"| {mode} | {name} | {per_call:.2f} | {kept} | {recomputed:.2f} | {rate:.1f} | "
+            partly = sum(1 for _, pending in result["calls"] if pending) / result["count"]
+            row = (f"| {mode} | {name} | {per_call:.2f} | {kept} | {recomputed:.2f} | {partly:.3f} | {rate:.1f} | "
                    f"{rate / plain['rate']:.2f}x | {same} |")
             if curve:
                 plain_cost = result["count"] * curve[1]
