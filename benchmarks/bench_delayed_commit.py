@@ -130,10 +130,12 @@ def rewrite(old: Path, new: Path, heads: int, width: int, lean: bool = False) ->
                         f"graph network(q, k, v, g, beta, s0, {ins}) -> (o, state, {outs})")
     externals = f"    kf = tract_core_external(shape = [1, {TAIL}, {heads}, {width}], datum_type = 'f32');\n"
     if lean:
-        externals += (f"    wdf = tract_core_external(shape = [1, 1, {heads}, 1, {TAIL}, {width}], datum_type = 'f32');\n"
+        factor = f"[1, 1, {heads}, 1, {TAIL}, {width}]"
+        externals += (f"    wdf = tract_core_external(shape = {factor}, datum_type = 'f32');\n"
                       f"    w0 = tract_core_external(shape = [1, 1, {heads}, 1, 1, 1], datum_type = 'f32');\n")
     else:
-        externals += (f"    df = tract_core_external(shape = [1, 1, {heads}, 1, {TAIL}, {width}], datum_type = 'f32');\n"
+        factor = f"[1, 1, {heads}, 1, {TAIL}, {width}]"
+        externals += (f"    df = tract_core_external(shape = {factor}, datum_type = 'f32');\n"
                       f"    gp = tract_core_external(shape = [1, 1, {heads}, 1, {TAIL}, 1], datum_type = 'f32');\n"
                       f"    sel = tract_core_external(shape = [1, 1, 1, 1, 1, {TAIL}], datum_type = 'f32');\n"
                       f"    keep = tract_core_external(shape = [1, 1, 1, 1, {TAIL}, 1], datum_type = 'f32');\n"
@@ -174,7 +176,7 @@ def lean_inputs(factors, keep: int, heads: int, width: int):
     kf, wdf, w0, d, g = factors
     if keep == TAIL:
         return [kf, wdf, w0]
-    d, g = np.asarray(d.to_numpy() if hasattr(d, "to_numpy") else d), np.asarray(g.to_numpy() if hasattr(g, "to_numpy") else g)
+    d, g = (np.asarray(x.to_numpy() if hasattr(x, "to_numpy") else x) for x in (d, g))
     last = g[..., keep - 1:keep, :] if keep else np.zeros_like(g[..., :1, :])
     kept = (np.arange(TAIL) < keep).reshape(1, 1, 1, 1, TAIL, 1)
     weights = np.exp(np.where(kept, last - g, -1e30)).astype(np.float32)
@@ -274,7 +276,8 @@ def main() -> int:
               f"for the {args.gdn_layers} GDN layers of the 0.8B shape")
     cut = cache_cut_ms(args.reps)
     print(f"\nA partial accept with per-position states must also cut the attention caches by length, on the host "
-          f"for a Session's graph (its caches grow by concat in the graph): the 0.8B shape's 6 attention layers' K and V "
+          f"for a Session's graph (its caches grow by concat in the graph): the 0.8B shape's 6 attention layers' "
+          "K and V "
           f"([1, 2, L, 256] float32, L = 384) out of tract, sliced, back in: {cut:.2f} ms (median of {args.reps}); "
           "going back to the states before the call, as commit does today, costs nothing (the tensors are kept)")
     return 0
