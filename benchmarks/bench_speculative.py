@@ -11,7 +11,7 @@
 2. On the trained fixture (``--trained``: its archive, every position's logits), held-out continuations: ``--prompts``
    prompts of 256 tokens cut from ``heldout.txt`` (the code the model never saw in training) at evenly spaced line
    starts, ``--new-tokens`` new tokens each, per method (plain decoding; prompt lookup with K = 2, 4, 8 drafts of
-   n-grams of 1-3 tokens, and K = 2, 4 of n-grams of 2-3 tokens, the default): greedy, sampled (temperature
+   n-grams of 1-3 tokens, and K = 2, 3, 4 of n-grams of 2-3 tokens, K = 4 the default): greedy, sampled (temperature
    0.7, the fixture's top-k 20 and top-p 0.8, seeded), and the first 32 greedy tokens
    (before the repetition loops the small model falls into). Per method: tokens per model call after the first
    token (the mean accepted length: 1 for plain decoding), the drafts kept over the drafts made, tokens/s after the
@@ -70,6 +70,7 @@ METHODS = {"plain": None,
            "ngram K=4, n 1-3": SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1),
            "ngram K=8, n 1-3": SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_min=1),
            "ngram K=2, n 2-3": SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=2),
+           "ngram K=3, n 2-3": SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2),
            "ngram K=4, n 2-3 (default)": SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2)}
 
 
