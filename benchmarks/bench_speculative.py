@@ -11,7 +11,7 @@
 2. On the trained fixture (``--trained``: its archive, every position's logits), held-out continuations: ``--prompts``
    prompts of 256 tokens cut from ``heldout.txt`` (the code the model never saw in training) at evenly spaced line
    starts, ``--new-tokens`` new tokens each, per method (plain decoding; prompt lookup with K = 2, 4, 8 drafts of
-   n-grams of 1-3 tokens, and K = 2, 4 of n-grams of 2-3 tokens, the default): greedy, sampled (temperature
+   n-grams of 1-3 tokens, and K = 2, 3, 4 of n-grams of 2-3 tokens, K = 4 the default): greedy, sampled (temperature
    0.7, the fixture's top-k 20 and top-p 0.8, seeded), and the first 32 greedy tokens
    (before the repetition loops the small model falls into). Per method: tokens per model call after the first
    token (the mean accepted length: 1 for plain decoding), the drafts kept over the drafts made, tokens/s after the
@@ -21,8 +21,10 @@
    ``--curve`` archive): every call the method made on the fixture (its token count: kept tokens recomputed, the
    sampled one, the drafts) priced at that curve's time for as many tokens, against one one-token call per token;
    and priced as if the kept tokens of a step whose drafts were not all kept ran at once in a call of their own
-   (the simplest rollback) instead of with the next call (what ``Session.commit`` does). "recomputed per token":
-   the kept tokens run a second time, per token generated.
+   (the simplest rollback) instead of with the next call (what ``Session.commit`` does), and as if they never ran
+   again (every call returning the states after each of its positions: what such states could save at most).
+   "recomputed per token": the kept tokens run a second time, per token generated; "steps partly kept per token":
+   the calls that ran such tokens (each one a step whose drafts were not all kept), per token generated.
 3. The MTP step (``--mtp-shape CHECKPOINT``: a Qwen3.5-shape checkpoint folder, e.g. the 0.8B one of
    ``large_checkpoint.py``): an MTP head of that config (its embedding table and head from the folder, seeded random
    ``mtp.*``: its cost does not depend on the values) exported as ``convert`` exports it (float32, and float16
@@ -68,6 +70,7 @@ METHODS = {"plain": None,
            "ngram K=4, n 1-3": SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1),
            "ngram K=8, n 1-3": SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_min=1),
            "ngram K=2, n 2-3": SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=2),
+           "ngram K=3, n 2-3": SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2),
            "ngram K=4, n 2-3 (default)": SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2)}
 
 
@@ -144,18 +147,22 @@ def run_method(session: CountingSession, prompts, spec, new_tokens: int, **sampl
     return out
 
 
-def projected_cost(calls: list[tuple[int, int]], curve: dict[int, float], eager: bool = False) -> float:
-    """Seconds the calls take at the curve's prices (beyond its longest k: its last step's slope). ``eager``: as if
-    the kept tokens of a step that went back ran at once in a call of their own (``commit(j, recompute=True)``)
-    instead of with the next call."""
+def projected_cost(calls: list[tuple[int, int]], curve: dict[int, float], rerun: str = "next") -> float:
+    """Seconds the calls take at the curve's prices (beyond its longest k: its last step's slope). ``rerun``: how
+    the kept tokens of a step that went back run again: with the next call (``"next"``, what ``Session.commit``
+    does), at once in a call of their own (``"eager"``, ``commit(j, recompute=True)``), or never (``"never"``: as
+    if every call returned the states after each of its positions, issue 37 item 2; the bound of what those
+    states could save)."""
     longest = max(curve)
     slope = curve[longest] - curve[longest - 1]
 
     def price(k: int) -> float:
         return curve[k] if k in curve else curve[longest] + (k - longest) * slope
 
-    if not eager:
+    if rerun == "next":
         return sum(price(k) for k, _ in calls)
+    if rerun == "never":
+        return sum(price(k - pending) for k, pending in calls)
     return sum(price(k - pending) + (price(pending) if pending else 0.0) for k, pending in calls)
 
 
@@ -392,9 +399,11 @@ def main() -> int:
              "sampled T=0.7": (args.new_tokens, dict(temperature=0.7, top_k=20, top_p=0.8, seed=0)),
              "greedy, first 32": (32, dict(temperature=0.0))}
     print(f"\n## Held-out continuations of the trained fixture ({args.prompts} prompts of 256 tokens)\n")
-    head = "| mode | method | tokens per call | drafts kept | recomputed per token | tokens/s | x plain | same tokens |"
+    head = ("| mode | method | tokens per call | drafts kept | recomputed per token | steps partly kept per token | "
+            "tokens/s | x plain | same tokens |")
     if curve:
-        head += f" 0.8B projection ({next(iter(curves))}) | the same, kept tokens rerun at once |"
+        head += (f" 0.8B projection ({next(iter(curves))}) | the same, kept tokens rerun at once |"
+                 " the same, kept tokens never rerun (per-position states) |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for mode, (count, sampling) in modes.items():
@@ -409,14 +418,15 @@ def main() -> int:
             kept = f"{result['accepted']}/{result['drafted']}" if spec else "-"
             same = ("yes" if result["tokens"] == plain["tokens"] else "NO") if sampling["temperature"] == 0 else "n/a"
             recomputed = sum(pending for _, pending in result["calls"]) / result["count"]
-            row = (f"| {mode} | {name} | {per_call:.2f} | {kept} | {recomputed:.2f} | {rate:.1f} | "
+            partly = sum(1 for _, pending in result["calls"] if pending) / result["count"]
+            row = (f"| {mode} | {name} | {per_call:.2f} | {kept} | {recomputed:.2f} | {partly:.3f} | {rate:.1f} | "
                    f"{rate / plain['rate']:.2f}x | {same} |")
             if curve:
                 plain_cost = result["count"] * curve[1]
                 # an MTP method also pays its head: one call per draft (the catch-up priced as one position)
                 drafting = result["drafted"] * mtp_cost if spec is not None and spec.method == "mtp" and mtp_cost else 0.0
-                row += (f" {plain_cost / (projected_cost(result['calls'], curve) + drafting):.2f}x |"
-                        f" {plain_cost / (projected_cost(result['calls'], curve, eager=True) + drafting):.2f}x |")
+                row += "".join(f" {plain_cost / (projected_cost(result['calls'], curve, rerun) + drafting):.2f}x |"
+                               for rerun in ("next", "eager", "never"))
             print(row, flush=True)
     if args.llama_cpp is not None:
         llama_section(args, [session.tokenizer.decode(ids) for ids in prompts], {})
