@@ -364,8 +364,9 @@ def _add_speculative(parser, what: str) -> None:
                              "docs/GENERATING.md)")
     parser.add_argument("--draft", type=_existing_archive, default=None, metavar="ARCHIVE",
                         help="--speculative draft: the draft model's archive (the same tokenizer)")
-    parser.add_argument("--draft-max", type=_count(1), default=4, metavar="K",
-                        help="at most K drafted tokens per step (default 4)")
+    parser.add_argument("--draft-max", type=_count(1), default=3, metavar="K",  # SpeculativeConfig.num_speculative_tokens
+                        help="at most K drafted tokens per step (default 3: a verify call of 4 tokens, one short "
+                             "chunk of the chunked lowering's tail)")
     parser.add_argument("--prompt-lookup-max", type=_count(1), default=3, metavar="N",
                         help="ngram: the longest n-gram looked up (default 3)")
     parser.add_argument("--prompt-lookup-min", type=_count(1), default=2, metavar="N",
