@@ -238,7 +238,7 @@ class SplitFC(nn.Module):
     """``fc`` as two products, one per half of its input: ``W[:, :H] e + W[:, H:] h`` = ``W cat[e, h]`` (each half
     its own ``nn.Linear``, ``embedding`` and ``hidden``). How the archive's member computes it
     (``MTPHead.split_fc``): tract 0.23.9 rewrites a matmul over a concatenation into matmuls over slices of its
-    weight, which a Q4_0 weight cannot take (``tract_quirks.MATMUL_OVER_CONCAT_SLICES_ITS_WEIGHT``); with two
+    weight, which a Q4_0 weight cannot take (``tract_quirks.MATMUL_OF_CONCAT_SPLIT``); with two
     weights of their own nothing is sliced, in every weight format."""
 
     def __init__(self, fc: nn.Linear) -> None:

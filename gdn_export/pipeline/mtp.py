@@ -217,7 +217,7 @@ def export_head(head: MTPHead, path: Path, *, tract_version: str | None, runtime
     own = {"family": "MTP head", "inputs": INPUTS, "outputs": OUTPUTS, "states": states, "dtype": dtype,
            "vocab_size": config.vocab_size, "logits": "last", "quantize": quantize}
     head.last_only = True
-    head.split_fc()  # (tract_quirks.MATMUL_OVER_CONCAT_SLICES_ITS_WEIGHT)
+    head.split_fc()  # (tract_quirks.MATMUL_OF_CONCAT_SPLIT)
     writers = quantization = weights = None
     if quantize is not None:
         writers, quantization, weights = quantized_writes(head, quantize, quantize_embeddings=quantize_embeddings,
