@@ -217,8 +217,6 @@ def mtp_step_cost(folder: Path, reps: int, context: int = 128, keep: Path | None
 def mtp_child(path: str, hidden_size: int, vocab: int, context: int, reps: int) -> dict:
     """``--mtp-child``: the exported head at ``path`` loaded and called as ``mtp_step_cost`` says (``-``: nothing
     loaded, the baseline RSS); its median seconds of 1 and 2 positions and the process's peak RSS in bytes."""
-    import resource
-
     from gdn_export.run.mtp import OUTPUTS, MTPRunner
     from gdn_export.run.reading import read_metadata
     from gdn_export.run.runtime import load_tract_model
@@ -244,8 +242,10 @@ def mtp_child(path: str, hidden_size: int, vocab: int, context: int, reps: int) 
                 runner.run(hidden[context:context + k], ids[context:context + k])
                 if rep:
                     times[k].append(time.perf_counter() - start)
+    # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over an exec (the parent's peak at the fork)
+    peak = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
     return {"times": {str(k): statistics.median(v) if v else None for k, v in times.items()},
-            "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "rss": int(peak.split()[1]) * 1024}
 
 
 # llama.cpp's modes that run without a draft model: (name, --spec-type and its options)

@@ -447,7 +447,6 @@ class NnefSteps:
         start = time.perf_counter()
         say(f"reading {plan.checkpoint_dir}")
         family, layout, model, weights = open_checkpoint(plan.checkpoint_dir)
-        say(f"  {weights.summary()}")
         materialize(model, weights, plan.export_dtype, placeholders=plan.streamed)
         cast_buffers(model, plan.export_dtype)
         seconds["read"] = time.perf_counter() - start
@@ -479,6 +478,7 @@ class NnefSteps:
                                          fold_scales=folding is not None and any(
                                              reader.endswith("lm_head.weight") for fold in folding.folds
                                              for reader in fold.readers), weights=weights)
+        say(f"  {weights.summary()}")  # once the MTP decision counted its tensors as carried or left out
         lm.emits_hidden = mtp is not None  # the main graph's last output: what the MTP head reads
         writers, quantization = plan_writes(lm, model, exported, plan.export_dtype, plan.weights.quantize,
                                             plan.weights.quantize_embeddings,
