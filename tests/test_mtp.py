@@ -194,30 +194,36 @@ def mtp_member_plan(path, batch: int):
         return load_tract_model(copy, {"B": batch})
 
 
+def member_against_head(plan, head: MTPHead, batch: int, seed: int):
+    """Yields (first position, the member's outputs in tract, the torch head's: logits and mtp_hidden of the last
+    position, the caches) over a prefill of 5 positions then 3 one-position steps, each through the caches the
+    member returned, on seeded random states and tokens of ``batch`` rows."""
+    from gdn_export.run.runtime import run_tract
+
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, 8, head.config.hidden_size, generator=generator)
+    next_ids = torch.randint(0, head.config.vocab_size, (batch, 8), generator=generator)
+    key, value = head.empty_cache(batch)
+    tract_key, tract_value = key.numpy(), value.numpy()
+    for start, stop in ((0, 5), (5, 6), (6, 7), (7, 8)):
+        with torch.no_grad():
+            logits, mtp_hidden, key, value = head(hidden[:, start:stop], next_ids[:, start:stop], key, value)
+        out = run_tract(plan, [hidden[:, start:stop].numpy(), next_ids[:, start:stop].numpy(), tract_key, tract_value])
+        yield start, out, (logits[:, -1:], mtp_hidden[:, -1:], key, value)
+        tract_key, tract_value = out[2], out[3]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", by_fixture(*MTP_FIXTURES))
 def test_mtp_graph_in_tract_matches_the_torch_head(name, converted):
     """The archive's MTP graph in tract, a prefill of 5 positions then 3 one-position steps through its cache outputs,
     batch 2, against the torch head (models/mtp.py) over the same inputs: the float32 rule on every output (the
     member's logits and mtp_hidden are the last position's, what a drafter reads; its caches every position's)."""
-    from gdn_export.run.runtime import run_tract
-
-    plan = mtp_member_plan(converted(name), 2)
-    head = read_mtp_head(FIXTURES / name)
-    generator = torch.Generator().manual_seed(2)
-    hidden = torch.randn(2, 8, head.config.hidden_size, generator=generator)
-    next_ids = torch.randint(0, head.config.vocab_size, (2, 8), generator=generator)
-    key, value = head.empty_cache(2)
-    tract_key, tract_value = key.numpy(), value.numpy()
-    for start, stop in ((0, 5), (5, 6), (6, 7), (7, 8)):
-        with torch.no_grad():
-            logits, mtp_hidden, key, value = head(hidden[:, start:stop], next_ids[:, start:stop], key, value)
-        out = run_tract(plan, [hidden[:, start:stop].numpy(), next_ids[:, start:stop].numpy(), tract_key, tract_value])
+    for start, out, expected in member_against_head(mtp_member_plan(converted(name), 2), read_mtp_head(FIXTURES / name),
+                                                    2, seed=2):
         assert out[0].shape[1] == out[1].shape[1] == 1
-        for actual, expected, what in zip(out, (logits[:, -1:], mtp_hidden[:, -1:], key, value),
-                                          ("logits", "mtp_hidden", "key", "value")):
-            assert_close(actual, expected.numpy(), 1e-4, f"{name} {what} at {start}")
-        tract_key, tract_value = out[2], out[3]
+        for actual, reference, what in zip(out, expected, ("logits", "mtp_hidden", "key", "value")):
+            assert_close(actual, reference.numpy(), 1e-4, f"{name} {what} at {start}")
 
 
 @pytest.mark.slow
@@ -455,7 +461,6 @@ def test_quantized_archive_carries_its_head_in_its_weight_format(quantize, quant
     a prefill of 5 positions then 3 one-position steps, matches the torch head (models/mtp.py) on the weights read
     back from the member's own bytes (``stored_head``): every linear layer's weight in Q4_0, the table in int8."""
     from gdn_export.run.generation import SpeculativeConfig, generate
-    from gdn_export.run.runtime import run_tract
     from gdn_export.run.session import Session
 
     report = quantized_mtp(quantize)
@@ -475,15 +480,5 @@ def test_quantized_archive_carries_its_head_in_its_weight_format(quantize, quant
     head, formats = stored_head(report.path)
     linears = {f"{name}.weight" for name, m in head.named_modules() if isinstance(m, torch.nn.Linear)}
     assert {k for k, v in formats.items() if v == "q4_0"} == linears and formats["embed_tokens.weight"] == "int8"
-    plan = mtp_member_plan(report.path, 1)
-    generator = torch.Generator().manual_seed(4)
-    hidden = torch.randn(1, 8, head.config.hidden_size, generator=generator)
-    next_ids = torch.randint(0, head.config.vocab_size, (1, 8), generator=generator)
-    key, value = head.empty_cache(1)
-    tract_key, tract_value = key.numpy(), value.numpy()
-    for start, stop in ((0, 5), (5, 6), (6, 7), (7, 8)):
-        with torch.no_grad():
-            logits, mtp_hidden, key, value = head(hidden[:, start:stop], next_ids[:, start:stop], key, value)
-        out = run_tract(plan, [hidden[:, start:stop].numpy(), next_ids[:, start:stop].numpy(), tract_key, tract_value])
-        assert_close(out[0], logits[:, -1:].numpy(), 1e-4, f"Q4_0 head logits at {start}")
-        tract_key, tract_value = out[2], out[3]
+    for start, out, expected in member_against_head(mtp_member_plan(report.path, 1), head, 1, seed=4):
+        assert_close(out[0], expected[0].numpy(), 1e-4, f"Q4_0 head logits at {start}")
