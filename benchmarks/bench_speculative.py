@@ -27,12 +27,14 @@
    the calls that ran such tokens (each one a step whose drafts were not all kept), per token generated.
 3. The MTP step (``--mtp-shape CHECKPOINT``: a Qwen3.5-shape checkpoint folder, e.g. the 0.8B one of
    ``large_checkpoint.py``): an MTP head of that config (its embedding table and head from the folder, seeded random
-   ``mtp.*``: its cost does not depend on the values) exported as ``convert`` exports it (float32, and float16
-   weights), then one call of its graph after 128 positions of its cache, of 1 position (a chained draft) and of
-   2 (the catch-up after a step that kept one draft), median of ``--reps``; and its ratio to the first ``--curve``
-   archive's one-token call. Acceptance needs a trained head: where the ``--trained`` archive carries an MTP head
-   (the trained fixture's, issue 37), the table of step 2 gains ``mtp K=1, 2, 4`` rows, their projection adding one
-   MTP call per draft at the float32 step's price.
+   ``mtp.*``: its cost does not depend on the values) exported as ``convert`` exports it, in float32 and in the
+   weight formats ``--quantize`` writes it in (f16, int8, q4_0), then one call of its graph after 128 positions of
+   its cache, of 1 position (a chained draft) and of 2 (the catch-up after a step that kept one draft), median of
+   ``--reps``, and the peak RSS of a process that loads and calls it (over one that loads nothing), each in a
+   process of its own; and its ratio to the first ``--curve`` archive's one-token call. Acceptance needs a trained
+   head: where the ``--trained`` archive carries an MTP head (the trained fixture's, issue 37), the table of step 2
+   gains ``mtp K=1, 2, 4`` rows, their projection adding one MTP call per draft at the price of the head in
+   ``--mtp-price``'s format (default int8: the head an int8 archive carries).
 4. llama.cpp beside it (``--llama-cpp DIR``, ``--llama-cpp-build DIR`` or $LLAMA_CPP_DIR / $LLAMA_CPP_BUILD; docs/
    PERFORMANCE.md says how to build one): ``--gguf-curve GGUF`` (repeatable: the same 0.8B shape's GGUF, e.g. Q8_0
    beside int8) gives llama.cpp's verify cost curve, ``llama-bench -p 1,...,16 -n 0 -d 128 -t 1`` (a batch of k
@@ -166,9 +168,20 @@ def projected_cost(calls: list[tuple[int, int]], curve: dict[int, float], rerun:
     return sum(price(k - pending) + (price(pending) if pending else 0.0) for k, pending in calls)
 
 
-def mtp_step_cost(folder: Path, reps: int, context: int = 128) -> dict[str, dict[int, float]]:
-    """Seconds of one MTP graph call of S = 1 and 2 positions after ``context`` cached ones, per weight dtype, for an
-    MTP head of ``folder``'s config (random seeded ``mtp.*``, the folder's embedding table and head)."""
+# the MTP heads measured: (name, export dtype, --quantize), each exported as convert exports it
+MTP_FORMATS = (("float32", "float32", None), ("f16 weights", "float32", "f16"), ("int8", "float32", "int8"),
+               ("q4_0", "float32", "q4_0"))
+
+
+def mtp_step_cost(folder: Path, reps: int, context: int = 128, keep: Path | None = None) -> dict[str, dict]:
+    """Per weight format (``MTP_FORMATS``): seconds of one MTP graph call of S = 1 and 2 positions after ``context``
+    cached ones, and the peak RSS of a process that loads the head and makes those calls (``mtp_child``, one child
+    per format, after a child that loads nothing: ``rss_base``), for an MTP head of ``folder``'s config (random
+    seeded ``mtp.*``, the folder's embedding table and head) exported by ``pipeline.mtp.export_head`` with that
+    weight format (unchecked: its cost does not depend on the values). ``keep``: a folder where the exported heads
+    are kept and, when already there, reused (export once, time under a lock later)."""
+    import json
+    import subprocess
     import tempfile
 
     import torch
@@ -178,40 +191,68 @@ def mtp_step_cost(folder: Path, reps: int, context: int = 128) -> dict[str, dict
     from gdn_export.hf.tensors import TensorIndex
     from gdn_export.models.mtp import MTPConfig, MTPHead, init_random
     from gdn_export.pipeline.mtp import MEMBER, export_head
-    from gdn_export.run.mtp import OUTPUTS, MTPRunner
-    from gdn_export.run.runtime import load_tract_model
 
     layout = resolve_layout(read_config(folder))
     config = MTPConfig.from_config({**layout.config, "mtp_num_hidden_layers": 1})
     index = TensorIndex(folder)
     names = {layout.model_name(n): e for n, e in index.entries.items()}
     costs = {}
-    for dtype in (torch.float32, torch.float16):  # a head each: the export leaves its parameters as named tensors
-        name = str(dtype).removeprefix("torch.")
-        head = MTPHead(config, names["model.embed_tokens.weight"].read(),
-                       None if config.tie_word_embeddings else names["lm_head.weight"].read())
-        init_random(head, torch.Generator().manual_seed(0))
-        with tempfile.TemporaryDirectory() as tmp:  # TMPDIR: where the exported heads go
-            path = Path(tmp) / MEMBER
-            log(f"MTP head ({name}) exported to {path}")
-            _, recorded = export_head(head.to(dtype), path, tract_version=None, runtime="cpu", check=False)
-            del head
-            metadata = {"outputs": ["hidden"], "mtp": {**recorded, "member": MEMBER}}
-            runner = MTPRunner(path, metadata, plan=load_tract_model(path, {"B": 1}, expect_outputs=OUTPUTS))
-            rng = np.random.default_rng(0)
-            hidden = rng.standard_normal((context + 64, config.hidden_size)).astype(np.float32)
-            ids = rng.integers(0, config.vocab_size, context + 64)
-            times = {1: [], 2: []}
-            for rep in range(reps + 1):  # the first round warms up
-                for k in times:
-                    runner.reset()
-                    runner.run(hidden[:context], ids[:context])
-                    start = time.perf_counter()
-                    runner.run(hidden[context:context + k], ids[context:context + k])
-                    if rep:
-                        times[k].append(time.perf_counter() - start)
-            costs[name] = {k: statistics.median(v) for k, v in times.items()}
+
+    def child(*options) -> dict:
+        out = subprocess.run([sys.executable, __file__, "--mtp-child", *map(str, options)], capture_output=True,
+                             text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    base = child("-", config.hidden_size, config.vocab_size, context, reps)["rss"]
+    for name, dtype, quantize in MTP_FORMATS:
+        with tempfile.TemporaryDirectory() as tmp:  # TMPDIR: where the exported heads go (without keep)
+            path = (keep or Path(tmp)) / f"{name.replace(' ', '_')}.{MEMBER}"
+            if not path.is_file():
+                head = MTPHead(config, names["model.embed_tokens.weight"].read(),
+                               None if config.tie_word_embeddings else names["lm_head.weight"].read())
+                init_random(head, torch.Generator().manual_seed(0))
+                log(f"MTP head ({name}) exported to {path}")
+                export_head(head.to(getattr(torch, dtype)), path, tract_version=None, runtime="cpu", check=False,
+                            quantize=quantize)
+                del head
+            measured = child(path, config.hidden_size, config.vocab_size, context, reps)
+            costs[name] = {1: measured["times"]["1"], 2: measured["times"]["2"], "rss": measured["rss"] - base,
+                           "bytes": path.stat().st_size}
     return costs
+
+
+def mtp_child(path: str, hidden_size: int, vocab: int, context: int, reps: int) -> dict:
+    """``--mtp-child``: the exported head at ``path`` loaded and called as ``mtp_step_cost`` says (``-``: nothing
+    loaded, the baseline RSS); its median seconds of 1 and 2 positions and the process's peak RSS in bytes."""
+    from gdn_export.run.mtp import OUTPUTS, MTPRunner
+    from gdn_export.run.reading import read_metadata
+    from gdn_export.run.runtime import load_tract_model
+
+    import tract
+
+    tract.nnef().with_tract_transformers()  # the library loaded in the baseline too
+    times = {1: [], 2: []}
+    if path != "-":
+        recorded = read_metadata(Path(path))
+        metadata = {"outputs": ["hidden"], "mtp": {"member": "mtp.nnef.tgz", "dtype": recorded["dtype"],
+                                                   "num_key_value_heads": recorded["states"][0]["shape"][1],
+                                                   "head_dim": recorded["states"][0]["shape"][3]}}
+        runner = MTPRunner(Path(path), metadata, plan=load_tract_model(path, {"B": 1}, expect_outputs=OUTPUTS))
+        rng = np.random.default_rng(0)
+        hidden = rng.standard_normal((context + 64, hidden_size)).astype(np.float32)
+        ids = rng.integers(0, vocab, context + 64)
+        for rep in range(reps + 1):  # the first round warms up
+            for k in times:
+                runner.reset()
+                runner.run(hidden[:context], ids[:context])
+                start = time.perf_counter()
+                runner.run(hidden[context:context + k], ids[context:context + k])
+                if rep:
+                    times[k].append(time.perf_counter() - start)
+    # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over an exec (the parent's peak at the fork)
+    peak = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
+    return {"times": {str(k): statistics.median(v) if v else None for k, v in times.items()},
+            "rss": int(peak.split()[1]) * 1024}
 
 
 # llama.cpp's modes that run without a draft model: (name, --spec-type and its options)
@@ -355,7 +396,18 @@ def main() -> int:
     from bench_vs_llamacpp import add_llama_cpp_options
 
     add_llama_cpp_options(parser)
+    parser.add_argument("--mtp-price", default="int8", choices=[name for name, _, _ in MTP_FORMATS],
+                        help="with --mtp-shape: the MTP head whose step prices the projection of the mtp rows")
+    parser.add_argument("--mtp-dir", type=Path, default=None,
+                        help="with --mtp-shape: keep the exported heads there, and reuse those already there")
+    parser.add_argument("--mtp-child", nargs=5, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.mtp_child is not None:  # one measurement of mtp_step_cost, in a process of its own
+        import json
+
+        path, hidden, vocab, context, reps = args.mtp_child
+        print(json.dumps(mtp_child(path, int(hidden), int(vocab), int(context), int(reps))))
+        return 0
 
     curves = {}
     if args.curve:
@@ -372,16 +424,17 @@ def main() -> int:
 
     mtp_cost = None
     if args.mtp_shape is not None:
-        costs = mtp_step_cost(args.mtp_shape, args.reps)
-        mtp_cost = costs["float32"][1]
+        costs = mtp_step_cost(args.mtp_shape, args.reps, keep=args.mtp_dir)
+        mtp_cost = costs[args.mtp_price][1]
         base = curves[next(iter(curves))][1] if curves else None
-        print(f"\n## The MTP step ({args.mtp_shape.name}'s config, after 128 cached positions; median)\n")
-        print("| MTP weights | 1 position ms | 2 positions ms |" + (f" 1 position / {next(iter(curves))} k=1 |"
-                                                                 if base else ""))
-        print("|---|---|---|" + ("---|" if base else ""))
+        print(f"\n## The MTP step ({args.mtp_shape.name}'s config, after 128 cached positions; median; RSS: a "
+              "process's peak over one that loads nothing)\n")
+        print("| MTP weights | member MB | peak RSS MB | 1 position ms | 2 positions ms |"
+              + (f" 1 position / {next(iter(curves))} k=1 |" if base else ""))
+        print("|---|---|---|---|---|" + ("---|" if base else ""))
         for name, cost in costs.items():
-            print(f"| {name} | {cost[1] * 1e3:.1f} | {cost[2] * 1e3:.1f} |"
-                  + (f" {cost[1] / base:.2f}x |" if base else ""))
+            print(f"| {name} | {cost['bytes'] / 1e6:.0f} | {cost['rss'] / 1e6:.0f} | {cost[1] * 1e3:.1f} | "
+                  f"{cost[2] * 1e3:.1f} |" + (f" {cost[1] / base:.2f}x |" if base else ""))
 
     if args.trained is None:
         if args.llama_cpp is not None:
@@ -423,7 +476,8 @@ def main() -> int:
                    f"{rate / plain['rate']:.2f}x | {same} |")
             if curve:
                 plain_cost = result["count"] * curve[1]
-                # an MTP method also pays its head: one call per draft (the catch-up priced as one position)
+                # an MTP method also pays its head (--mtp-price's): one call per draft (the catch-up priced as one
+                # position: the member projects the last position's logits only)
                 drafting = result["drafted"] * mtp_cost if spec is not None and spec.method == "mtp" and mtp_cost else 0.0
                 row += "".join(f" {plain_cost / (projected_cost(result['calls'], curve, rerun) + drafting):.2f}x |"
                                for rerun in ("next", "eager", "never"))

@@ -2,6 +2,7 @@
 
     python benchmarks/large_checkpoint.py DIR [--size-gb 3.2] [--layers N] [--hidden 2048] [--vocab 151936]
                                           [--intermediate N] [--tied] [--experts E [--expert-width I] [--top-k K]]
+                                          [--mtp]
                                           [--shard-gb 1.0] [--seed 0]
 
 Real shapes (Qwen3.5 2B-class text model: hidden 2048, intermediate 6144, vocab 151936, 16 linear key / value
@@ -16,6 +17,9 @@ one shard, never the whole model. bench_convert.py --large converts what this wr
 ``--tied`` ties the head to the embedding table (``tie_word_embeddings: true``; no ``lm_head.weight`` is written,
 as in published tied checkpoints) and ``--intermediate`` sets the MLP width: Qwen3.5 0.8B's text model is
 ``--layers 24 --hidden 1024 --intermediate 3584 --tied`` (bench_vs_llamacpp.py builds it so).
+
+``--mtp`` adds an MTP head as published Qwen3.5 checkpoints carry one (``mtp_num_hidden_layers: 1``, random
+``mtp.*`` under the published names: ``gdn_export/models/mtp.py``), which ``convert`` carries as ``mtp.nnef.tgz``.
 
 ``--experts E`` makes it Qwen3.5-MoE's text model instead (``qwen3_5_moe_text``): every feed-forward a routed MoE of
 E SwiGLU experts of width ``--expert-width`` (default 512), ``--top-k`` of them per token (default 8), plus a shared
@@ -68,9 +72,11 @@ class Built:
 
 
 def make_config(layers: int, hidden: int | None = None, vocab: int | None = None, intermediate: int | None = None,
-                tied: bool = False, experts: int | None = None, expert_width: int = 512, top_k: int = 8):
+                tied: bool = False, experts: int | None = None, expert_width: int = 512, top_k: int = 8,
+                mtp: bool = False):
     """The transformers config; a smaller --hidden scales the MLP with it (3x, as in the real shape); ``experts``:
-    Qwen3.5-MoE's text model with that many routed experts."""
+    Qwen3.5-MoE's text model with that many routed experts; ``mtp``: with an MTP head (``mtp_num_hidden_layers: 1``,
+    random ``mtp.*`` under the published names)."""
     import transformers
 
     fields = dict(QWEN3_5_LARGE)
@@ -90,9 +96,11 @@ def make_config(layers: int, hidden: int | None = None, vocab: int | None = None
             num_hidden_layers=layers, layer_types=layer_types, num_experts=experts, moe_intermediate_size=expert_width,
             shared_expert_intermediate_size=expert_width, num_experts_per_tok=top_k, **fields)
         config.architectures = ["Qwen3_5MoeForCausalLM"]
-        return config
-    config = transformers.Qwen3_5TextConfig(num_hidden_layers=layers, layer_types=layer_types, **fields)
-    config.architectures = ["Qwen3_5ForCausalLM"]
+    else:
+        config = transformers.Qwen3_5TextConfig(num_hidden_layers=layers, layer_types=layer_types, **fields)
+        config.architectures = ["Qwen3_5ForCausalLM"]
+    if mtp:
+        config.mtp_num_hidden_layers = 1
     return config
 
 
@@ -121,6 +129,16 @@ def parameter_specs(config) -> dict[str, tuple[tuple[int, ...], torch.dtype, str
                     specs[f"{owner}.{e}.{part}.weight"] = ((rows, tensor.shape[2]), dtype, "Linear")
             continue
         specs[name] = (tuple(tensor.shape), dtype, type(module).__name__)
+    if getattr(config, "mtp_num_hidden_layers", 0):  # --mtp: the published mtp.* head (models/mtp.py's names)
+        from gdn_export.models.mtp import MTPConfig, MTPHead
+
+        head_config = MTPConfig.from_config(config.to_dict())
+        with torch.device("meta"):
+            head = MTPHead(head_config, torch.empty(head_config.vocab_size, head_config.hidden_size), None)
+            for name, tensor in head.published_state_dict().items():
+                norm = tensor.dim() == 1 and "norm" in name
+                specs[name] = (tuple(tensor.shape), torch.float32 if norm else torch.bfloat16,
+                               "Qwen3_5RMSNorm" if norm else "Linear")
     return specs
 
 
@@ -253,6 +271,8 @@ def add_shape_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", type=int, default=None, help="Qwen3.5-MoE: routed experts per layer")
     parser.add_argument("--expert-width", type=int, default=512, help="with --experts: each expert's width")
     parser.add_argument("--top-k", type=int, default=8, help="with --experts: experts per token")
+    parser.add_argument("--mtp", action="store_true",
+                        help="with an MTP head: random mtp.* under the published names, mtp_num_hidden_layers 1")
     parser.add_argument("--shard-gb", type=float, default=1.0, help="largest shard, GB")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -264,7 +284,7 @@ def config_from_args(args: argparse.Namespace):
     if moe["experts"] and not args.layers:
         raise SystemExit("--experts needs --layers (the size rule counts dense layers)")
     layers = args.layers or layers_for_size(args.size_gb, args.hidden, args.vocab, intermediate)
-    return make_config(layers, args.hidden, args.vocab, intermediate, tied, **moe)
+    return make_config(layers, args.hidden, args.vocab, intermediate, tied, **moe, mtp=getattr(args, "mtp", False))
 
 
 def main(argv: list[str] | None = None) -> None:

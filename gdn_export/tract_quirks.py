@@ -302,10 +302,14 @@ SLICES_PUSHED_INTO_MATMULS = Quirk(
 MATMUL_OF_CONCAT_SPLIT = Quirk(
     name="a matmul over a concat along the contraction axis is split per piece",
     does="matmul(concat([a, b], axis = 1), w) becomes one matmul per piece plus an add ('concat-einsum-k'), "
-         "each packing again; a concat along the rows is kept",
-    workaround="the forward substitution concatenates solved blocks on a block axis of a reshaped view",
-    applied_in=(f"{CHUNKED}body.py",),
-    when_fixed="solved blocks could be concatenated on the token axis",
+         "each packing again; a concat along the rows is kept. With a constant w the pieces are slices of w: a "
+         "Q4_0 w then aborts the load (Q4_0_GATHER_NEEDS_DATUM_TYPE: a Q4_0 constant cannot be sliced)",
+    workaround="the forward substitution concatenates solved blocks on a block axis of a reshaped view; the MTP "
+               "head's fc over [normed embedding | normed hidden] is exported as two linear layers of their own "
+               "(models/mtp.py SplitFC), in every weight format",
+    applied_in=(f"{CHUNKED}body.py", "gdn_export/models/mtp.py"),
+    when_fixed="solved blocks could be concatenated on the token axis; MTPHead.split_fc could go for float "
+               "weights (a Q4_0 fc still needs it while a Q4_0 constant cannot be sliced)",
     canary="test_matmul_of_concat_split",
 )
 

@@ -202,14 +202,18 @@ def test_wrapper_report_counts_the_vision_tower(converted_here):
 
 
 @pytest.mark.xdist_group(SHARDED)
-def test_sharded_report_counts_mtp_as_ignored_by_transformers(converted_here):
+def test_sharded_report_counts_mtp_as_left_out(converted_here):
+    """The checkpoint's mtp.* tensors, which transformers ignores, are counted as the MTP head's in the weights line:
+    left out here (the MTP line says why), carried apart where the head is carried (test_mtp.py)."""
     weight_map = json.loads((FIXTURES / SHARDED / INDEX).read_text())["weight_map"]
     mtp = sum(1 for key in weight_map if key.startswith("mtp."))
     assert mtp > 0 and len(set(weight_map.values())) > 1
     tensors = header_tensors(FIXTURES / SHARDED)
     kept = {key: dtype for key, (_, dtype, _) in tensors.items() if not key.startswith("mtp.")}
-    weights = converted_here(SHARDED).weights
-    assert weights.endswith(f"; left out: {mtp} ignored by transformers on load"), weights
+    report = converted_here(SHARDED)
+    weights = report.weights
+    assert weights.endswith(f"; left out: {mtp} multi-token prediction head (mtp.*)"), weights
+    assert report.mtp.startswith("MTP head left out: "), report.mtp
     # the tensors no conversion merges keep their dtype: F16 and F32 ones are counted as they are in the headers
     for dtype in ("F16", "F32"):
         count = sum(1 for d in kept.values() if d == dtype)

@@ -124,7 +124,7 @@ def test_mtp_head_matches_megatrons_multi_token_prediction(mixer):
 def test_converted_mtp_head_in_tract_matches_megatron(name, shared_session):
     """``gdn-export convert fixtures/megatron_moe_mtp``: the archive carries the Megatron MTP block as its MTP head
     (``mtp.nnef.tgz``); the main graph's ``hidden`` (prefill 16, then one token at a time, batch 2) fed to the head
-    in tract (``MTPRunner``: 16 positions, then one at a time on its cache, per row) against the MTP logits of
+    in tract (``MTPRunner``: each prefix of 16 positions, then one at a time on its cache, per row) against the MTP logits of
     Megatron's own forward."""
     from gdn_export.run.mtp import MTPRunner
 
@@ -143,15 +143,24 @@ def test_converted_mtp_head_in_tract_matches_megatron(name, shared_session):
     runner = MTPRunner(session.path, session.metadata)
     rows = []
     for row in range(tokens.shape[0]):
-        runner.reset()
-        steps = [runner.run(states[row, :PROMPT], next_ids[row, :PROMPT])[0]]
+        steps = []
+        for t in range(PROMPT):  # the member gives the last position's logits: each prefix of the prompt, from empty
+            runner.reset()
+            steps.append(runner.run(states[row, :t + 1], next_ids[row, :t + 1])[0])
         steps += [runner.run(states[row, t:t + 1], next_ids[row, t:t + 1])[0] for t in range(PROMPT, tokens.shape[1])]
         rows.append(np.concatenate(steps))
     judge(f"{name} (MTP head in tract)", np.stack(rows), expected)
 
 
-def test_mtp_block_is_read_and_reported():
-    _, _, _, weights = open_megatron(FIXTURES / "megatron_moe_mtp")
+def test_mtp_block_is_read_and_reported(monkeypatch):
+    """The MTP block is mapped when the checkpoint is opened; the conversion's MTP decision then asks that opened
+    checkpoint (``has_mtp``, ``read_mtp_head`` given the weights): no second open, the same head as one read alone."""
+    from gdn_export.megatron import source
+    from gdn_export.megatron.checkpoint import MegatronCheckpoint
+    from gdn_export.megatron.mtp import read_megatron_mtp_head
+
+    folder = FIXTURES / "megatron_moe_mtp"
+    _, _, _, weights = open_megatron(folder)
     assert "an MTP head of 1 depth (MoE" in weights.summary(), weights.summary()
     config, sources = weights.mtp
     assert config.num_experts == 4 and sources["mtp.fc.weight"].pieces == [("mtp.layers.0.eh_proj.weight", None)]
@@ -160,7 +169,14 @@ def test_mtp_block_is_read_and_reported():
     assert "an MTP head of 1 layer that Megatron runs at 2 depths (mtp_use_repeated_layer)" in repeated.summary()
     own = open_megatron(FIXTURES / "megatron_moe_mtp_2depths")[3]
     assert "an MTP head of depth 1 of 2 (depth 2, with weights of its own, left out" in own.summary()
-    assert all(piece.startswith("mtp.layers.0.") for source in own.mtp[1].values() for piece, _ in source.pieces)
+    assert all(piece.startswith("mtp.layers.0.") for sources_of in own.mtp[1].values() for piece, _ in sources_of.pieces)
+    alone = read_megatron_mtp_head(folder).state_dict()
+    opened, init = [], MegatronCheckpoint.__init__
+    monkeypatch.setattr(MegatronCheckpoint, "__init__", lambda self, *a, **k: opened.append(a) or init(self, *a, **k))
+    assert source.has_mtp(folder, weights)
+    head = source.read_mtp_head(folder, torch.float32, weights)
+    assert opened == [] and head.state_dict().keys() == alone.keys()
+    assert all(torch.equal(value, alone[name]) for name, value in head.state_dict().items())
 
 
 @pytest.mark.slow

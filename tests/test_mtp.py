@@ -194,27 +194,36 @@ def mtp_member_plan(path, batch: int):
         return load_tract_model(copy, {"B": batch})
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", by_fixture(*MTP_FIXTURES))
-def test_mtp_graph_in_tract_matches_the_torch_head(name, converted):
-    """The archive's MTP graph in tract, a prefill of 5 positions then 3 one-position steps through its cache outputs,
-    batch 2, against the torch head (models/mtp.py) over the same inputs: the float32 rule on every output."""
+def member_against_head(plan, head: MTPHead, batch: int, seed: int):
+    """Yields (first position, the member's outputs in tract, the torch head's: logits and mtp_hidden of the last
+    position, the caches) over a prefill of 5 positions then 3 one-position steps, each through the caches the
+    member returned, on seeded random states and tokens of ``batch`` rows."""
     from gdn_export.run.runtime import run_tract
 
-    plan = mtp_member_plan(converted(name), 2)
-    head = read_mtp_head(FIXTURES / name)
-    generator = torch.Generator().manual_seed(2)
-    hidden = torch.randn(2, 8, head.config.hidden_size, generator=generator)
-    next_ids = torch.randint(0, head.config.vocab_size, (2, 8), generator=generator)
-    key, value = head.empty_cache(2)
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, 8, head.config.hidden_size, generator=generator)
+    next_ids = torch.randint(0, head.config.vocab_size, (batch, 8), generator=generator)
+    key, value = head.empty_cache(batch)
     tract_key, tract_value = key.numpy(), value.numpy()
     for start, stop in ((0, 5), (5, 6), (6, 7), (7, 8)):
         with torch.no_grad():
             logits, mtp_hidden, key, value = head(hidden[:, start:stop], next_ids[:, start:stop], key, value)
         out = run_tract(plan, [hidden[:, start:stop].numpy(), next_ids[:, start:stop].numpy(), tract_key, tract_value])
-        for actual, expected, what in zip(out, (logits, mtp_hidden, key, value), ("logits", "mtp_hidden", "key", "value")):
-            assert_close(actual, expected.numpy(), 1e-4, f"{name} {what} at {start}")
+        yield start, out, (logits[:, -1:], mtp_hidden[:, -1:], key, value)
         tract_key, tract_value = out[2], out[3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", by_fixture(*MTP_FIXTURES))
+def test_mtp_graph_in_tract_matches_the_torch_head(name, converted):
+    """The archive's MTP graph in tract, a prefill of 5 positions then 3 one-position steps through its cache outputs,
+    batch 2, against the torch head (models/mtp.py) over the same inputs: the float32 rule on every output (the
+    member's logits and mtp_hidden are the last position's, what a drafter reads; its caches every position's)."""
+    for start, out, expected in member_against_head(mtp_member_plan(converted(name), 2), read_mtp_head(FIXTURES / name),
+                                                    2, seed=2):
+        assert out[0].shape[1] == out[1].shape[1] == 1
+        for actual, reference, what in zip(out, expected, ("logits", "mtp_hidden", "key", "value")):
+            assert_close(actual, reference.numpy(), 1e-4, f"{name} {what} at {start}")
 
 
 @pytest.mark.slow
@@ -389,3 +398,87 @@ def test_mtp_head_left_out_is_reported(tmp_path):
     assert "mtp" not in metadata and "hidden" not in metadata["outputs"]
     with tarfile.open(path) as tar:
         assert "mtp.nnef.tgz" not in tar.getnames()
+
+
+# --- a quantized archive's head (slow: converts a fixture per weight format) -------------------------------------
+
+@pytest.fixture(scope="module")
+def quantized_mtp(tmp_path_factory):
+    """``quantized_mtp(quantize) -> ConvertReport``: fixtures/qwen3_5 converted with ``--quantize``, once per module;
+    int8 with the conversion's check (its MTP head's check included), q4_0 without."""
+    import gdn_export
+
+    folder = tmp_path_factory.mktemp("quantized_mtp")
+    cache = {}
+
+    def get(quantize: str):
+        if quantize not in cache:
+            out = folder / f"qwen3_5-{quantize}.nnef.tgz"
+            cache[quantize] = gdn_export.convert(FIXTURES / "qwen3_5", out, quantize=quantize,
+                                                 check=quantize == "int8")
+        return cache[quantize]
+
+    return get
+
+
+def stored_head(path) -> tuple[MTPHead, dict]:
+    """The torch head of fixtures/qwen3_5 in the member's form (``split_fc``), every weight the member stores in a
+    weight format replaced by its values read back from the member's own bytes: Q4_0 blocks (``q4_0.dequantize``)
+    and int8 codes times their scales, told apart by their sizes; and {label: format} of those."""
+    import io
+    import tarfile
+
+    from gdn_export.weights.q4_0 import codec as q4_0
+
+    header = 128
+    head = read_mtp_head(FIXTURES / "qwen3_5").split_fc()
+    with tarfile.open(path) as outer, tarfile.open(fileobj=io.BytesIO(outer.extractfile("mtp.nnef.tgz").read())) as tar:
+        files = {m.name[:-4]: tar.extractfile(m).read()[header:] for m in tar if m.name.endswith(".dat")}
+    formats = {}
+    with torch.no_grad():
+        for label, param in head.named_parameters():
+            data, numel = files[label], param.numel()
+            if len(data) == numel // 32 * 18:
+                value, formats[label] = q4_0.dequantize(np.frombuffer(data, np.uint8).reshape(-1, 18), param.shape), "q4_0"
+            elif len(data) == numel:
+                scales = np.frombuffer(files[label + ".int8_scale"], np.float32).reshape(-1, 1)
+                codes = np.frombuffer(data, np.int8).reshape(param.shape[0], -1).astype(np.float32)
+                value, formats[label] = codes * scales, "int8"
+            else:
+                assert len(data) == 4 * numel, label
+                continue
+            param.copy_(torch.from_numpy(np.asarray(value, np.float32)).reshape(param.shape))
+    return head, formats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", ["int8", "q4_0"])
+def test_quantized_archive_carries_its_head_in_its_weight_format(quantize, quantized_mtp):
+    """Under ``--quantize`` the MTP head comes along in the archive's weight format: the report's MTP line says what
+    it stored (int8: and its check in tract against the torch head on the same stored weights, judged by the main
+    graph's int8 rule, passed), the weights line counts ``mtp.*`` as carried, not left out; greedy ``--speculative
+    mtp`` is plain decoding token for token; and (Q4_0: no input rounding, so the float32 rule) the member in tract,
+    a prefill of 5 positions then 3 one-position steps, matches the torch head (models/mtp.py) on the weights read
+    back from the member's own bytes (``stored_head``): every linear layer's weight in Q4_0, the table in int8."""
+    from gdn_export.run.generation import SpeculativeConfig, generate
+    from gdn_export.run.session import Session
+
+    report = quantized_mtp(quantize)
+    label = quantize.upper()
+    assert report.mtp.startswith("MTP head: carried (mtp.nnef.tgz") and f"weights in {label}" in report.mtp, report.mtp
+    assert "carried apart: 15 mtp.* as the MTP head" in report.weights and "left out" not in report.weights
+    if quantize == "int8":
+        assert "checked in tract against torch on the same stored weights: typical |logit error|" in report.mtp
+    session = Session(report.path)
+    assert session.mtp["quantize"] == quantize and session.mtp["logits"] == "last"
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, session.metadata["vocab_size"], 9)]
+    plain = [t.token_id for t in generate(session, prompt, 12, temperature=0, stop_token_ids=[])]
+    tokens = generate(session, prompt, 12, temperature=0, stop_token_ids=[], speculative=SpeculativeConfig("mtp", 2))
+    assert [t.token_id for t in tokens] == plain and tokens.generation.drafted > 0
+    if quantize != "q4_0":
+        return
+    head, formats = stored_head(report.path)
+    linears = {f"{name}.weight" for name, m in head.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert {k for k, v in formats.items() if v == "q4_0"} == linears and formats["embed_tokens.weight"] == "int8"
+    for start, out, expected in member_against_head(mtp_member_plan(report.path, 1), head, 1, seed=4):
+        assert_close(out[0], expected[0].numpy(), 1e-4, f"Q4_0 head logits at {start}")

@@ -24,6 +24,7 @@ from torch import nn
 
 from gdn_export.hf.layout import Layout, resolve_layout
 from gdn_export.hf.tensors import CheckpointError, TensorEntry, TensorIndex
+from gdn_export.models.mtp import PREFIX as MTP_PREFIX, SKIPPED as MTP_TENSORS
 
 __all__ = ["CheckpointError", "CheckpointWeights", "copy_in_dtype", "empty_model", "load_model", "open_checkpoint",
            "read_config"]
@@ -141,6 +142,14 @@ class CheckpointWeights:
     entries: dict[str, object]  # TensorEntry, or a ParameterSource made by a transformers conversion
     skipped: Counter = field(default_factory=Counter)
     layout: Layout | None = None
+    carried: Counter = field(default_factory=Counter)  # tensors written apart from the model, by what carries them
+
+    def carry_apart(self, reason: str, words: str) -> None:
+        """The tensors ``skipped`` counted under ``reason`` are written after all, apart from the model (an MTP
+        head's ``mtp.*``: its own member): the summary counts them under ``words`` instead of as left out."""
+        count = self.skipped.pop(reason, 0)
+        if count:
+            self.carried[words] += count
 
     @classmethod
     def match(cls, index: TensorIndex, layout: Layout, model: nn.Module) -> "CheckpointWeights":
@@ -152,8 +161,8 @@ class CheckpointWeights:
         kept: dict[str, TensorEntry] = {}
         for entry in index:
             why = layout.left_out(entry.name)
-            if why is not None:
-                skipped[why] += 1
+            if why is not None:  # an MTP head's tensors counted apart: convert may carry them (carry_apart)
+                skipped[MTP_TENSORS if entry.name.startswith(MTP_PREFIX) else why] += 1
             else:
                 kept[layout.model_name(entry.name)] = entry
         sources, unexpected = parameter_sources(model, kept)
@@ -193,6 +202,8 @@ class CheckpointWeights:
             text += f" of the language model of a {self.layout.wrapper} checkpoint"
         if self.skipped:
             text += "; left out: " + ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items()))
+        if self.carried:
+            text += "; carried apart: " + ", ".join(f"{n} {what}" for what, n in sorted(self.carried.items()))
         return text
 
 

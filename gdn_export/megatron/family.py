@@ -15,6 +15,7 @@ from gdn_export.hf.layout import Layout
 from gdn_export.megatron.checkpoint import MegatronCheckpoint, MegatronCheckpointError, MegatronSource
 from gdn_export.layers.common import LayerNorm, RMSNorm
 from gdn_export.megatron.mtp import mtp_depths, mtp_sources, own_depths
+from gdn_export.models.mtp import SKIPPED as MTP_TENSORS
 from gdn_export.megatron.model import (MIXER_NAMES, GatedDeltaNet2Mixer, GatedDeltaNetMixer, GatedDeltaProductMixer,
                                        Mamba2Mixer, MegatronConfig, MegatronHybridLM, MegatronMoE)
 
@@ -385,7 +386,7 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
         if name in used:
             continue
         if name.startswith("mtp."):  # mapped onto the published mtp.* head by megatron.mtp (checked there)
-            skipped["multi-token prediction head (read as mtp.*)"] += 1
+            skipped[MTP_TENSORS] += 1
         elif name.endswith("rotary_pos_emb.inv_freq") or name.endswith("_extra_state"):
             skipped["buffers"] += 1
         elif name == "output_layer.weight" and config.tie_word_embeddings:
@@ -563,6 +564,7 @@ class MegatronWeights(CheckpointWeights):
 
     description: str = ""
     mtp: tuple | None = None
+    checkpoint: MegatronCheckpoint | None = None  # the opened folder (the MTP head is read through it)
 
     def summary(self) -> str:
         return f"{self.description}; {super().summary()}"
@@ -671,7 +673,7 @@ def open_megatron(folder: str | os.PathLike):
     weights.description = describe(config, checkpoint) + (
         _mtp_summary(checkpoint) + f" ({'MoE' if mtp[0].num_experts else 'dense MLP'}; mapped to the published "
         "mtp.* names)" if mtp else f", its MTP block left out: {mtp_left_out}" if mtp_left_out else "")
-    weights.mtp = mtp
+    weights.mtp, weights.checkpoint = mtp, checkpoint
     return FAMILY, layout, model, weights
 
 

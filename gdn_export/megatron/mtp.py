@@ -210,12 +210,13 @@ def mtp_sources(checkpoint: MegatronCheckpoint, config: MegatronConfig) -> tuple
     return head, sources
 
 
-def read_megatron_mtp_head(folder: str | os.PathLike, dtype: torch.dtype = torch.float32) -> MTPHead | None:
+def read_megatron_mtp_head(folder: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                           checkpoint: MegatronCheckpoint | None = None) -> MTPHead | None:
     """The Megatron checkpoint's MTP head as ``MTPHead`` (its embedding and output layer the main model's), or
-    None when it has none."""
+    None when it has none; ``checkpoint``: the folder already opened (a conversion's), else opened here."""
     from gdn_export.megatron.family import read_config
 
-    checkpoint = MegatronCheckpoint(Path(folder))
+    checkpoint = checkpoint if checkpoint is not None else MegatronCheckpoint(Path(folder))
     config = read_config(checkpoint)
     found = mtp_sources(checkpoint, config)
     if found is None:

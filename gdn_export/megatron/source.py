@@ -29,15 +29,22 @@ def families() -> list:
     return [FAMILY]
 
 
-def has_mtp(folder: Path) -> bool:
-    """Whether the checkpoint holds a multi-token-prediction block (``mtp.*``)."""
+def _opened(folder: Path, weights):
+    """The checkpoint ``open_folder`` opened (``weights``: its ``MegatronWeights``), else opened now."""
     from gdn_export.megatron.checkpoint import MegatronCheckpoint
 
-    return any(name.startswith("mtp.") for name in MegatronCheckpoint(folder).names())
+    checkpoint = getattr(weights, "checkpoint", None)
+    return checkpoint if checkpoint is not None else MegatronCheckpoint(folder)
 
 
-def read_mtp_head(folder: Path, dtype):
-    """The checkpoint's MTP block as the published MTP head (``megatron.mtp``), or None."""
+def has_mtp(folder: Path, weights=None) -> bool:
+    """Whether the checkpoint holds a multi-token-prediction block (``mtp.*``); ``weights``: what ``open_folder``
+    gave, whose opened checkpoint is asked (not opened a second time)."""
+    return any(name.startswith("mtp.") for name in _opened(folder, weights).names())
+
+
+def read_mtp_head(folder: Path, dtype, weights=None):
+    """The checkpoint's MTP block as the published MTP head (``megatron.mtp``), or None; ``weights`` as ``has_mtp``."""
     from gdn_export.megatron.mtp import read_megatron_mtp_head
 
-    return read_megatron_mtp_head(folder, dtype)
+    return read_megatron_mtp_head(folder, dtype, _opened(folder, weights))

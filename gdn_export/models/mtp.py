@@ -33,6 +33,8 @@ API (stable: the trained fixture's head and Megatron's MTP block build on it)::
                                           # mtp.layers.0.*, mtp.norm.weight (experts per expert or fused)
     key, value = head.empty_cache(batch)  # [B, Hkv, 0, D] each
     logits, hidden, key, value = head(h, next_ids, key, value)   # h [B, S, H], next_ids [B, S] -> [B, S, V], [B, S, H]
+    head.last_only = True                 # then logits [B, 1, V] and hidden [B, 1, H] of the last position (the cache
+                                          # still of all S): what the archive's member computes
 
 ``head.published_state_dict()`` gives the tensors back under the published names (per-expert MoE names), which is
 how a trained head is saved.
@@ -52,6 +54,8 @@ from gdn_export.models.decoder import vocab_projection
 
 PREFIX = "mtp."
 LAYER = "mtp.layers.0."
+SKIPPED = "multi-token prediction head (mtp.*)"  # how a checkpoint's summary counts these tensors left out
+CARRIED = "mtp.* as the MTP head (mtp.nnef.tgz)"  # ... and carried (CheckpointWeights.carry_apart)
 
 
 class MTPError(ValueError):
@@ -214,7 +218,8 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(config) if config.num_experts else SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                positions: torch.Tensor, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``last_only``: the MLP (per position) and the output on the last position only (the cache on all)."""
         attn = self.self_attn
         cos, sin = blocks.rope_cos_sin(attn.inv_freq, positions, 1.0, x.dtype)
 
@@ -224,7 +229,29 @@ class DecoderLayer(nn.Module):
         out, key, value = blocks.gated_attention(attn, self.input_layernorm(x), cos, sin, partial_rotary, past_key,
                                                  past_value, mask)
         x = x + out
+        if last_only:
+            x = x[:, -1:]
         return x + self.mlp(self.post_attention_layernorm(x)), key, value
+
+
+class SplitFC(nn.Module):
+    """``fc`` as two products, one per half of its input: ``W[:, :H] e + W[:, H:] h`` = ``W cat[e, h]`` (each half
+    its own ``nn.Linear``, ``embedding`` and ``hidden``). How the archive's member computes it
+    (``MTPHead.split_fc``): tract 0.23.9 rewrites a matmul over a concatenation into matmuls over slices of its
+    weight, which a Q4_0 weight cannot take (``tract_quirks.MATMUL_OF_CONCAT_SPLIT``); with two
+    weights of their own nothing is sliced, in every weight format."""
+
+    def __init__(self, fc: nn.Linear) -> None:
+        super().__init__()
+        width = fc.out_features
+        self.embedding = nn.Linear(width, width, bias=False).to(fc.weight.dtype)
+        self.hidden = nn.Linear(width, width, bias=False).to(fc.weight.dtype)
+        with torch.no_grad():
+            self.embedding.weight.copy_(fc.weight[:, :width])
+            self.hidden.weight.copy_(fc.weight[:, width:])
+
+    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.embedding(embedded) + self.hidden(hidden)
 
 
 class MTPHead(nn.Module):
@@ -246,7 +273,6 @@ class MTPHead(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.embed_tokens.weight = nn.Parameter(embed_weight.detach().clone(), requires_grad=False)
         self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
-        self.tied_head = head_weight is None
         self.lm_head.weight = (self.embed_tokens.weight if head_weight is None else
                                nn.Parameter(head_weight.detach().clone(), requires_grad=False))
         self.pre_fc_norm_embedding = ZeroCentredRMSNorm(hidden, config.rms_norm_eps)
@@ -256,6 +282,9 @@ class MTPHead(nn.Module):
         self.norm = ZeroCentredRMSNorm(hidden, config.rms_norm_eps)
 
     reads = "final_norm"  # which main-model state it reads: after model.norm (vLLM; see the module doc)
+    # True: logits and mtp_hidden of the last position only (the cache of every position): what a drafter reads, the
+    # archive's member computes (pipeline/mtp.py); False: every position's (the reference, training)
+    last_only = False
 
     def empty_cache(self, batch: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (batch, self.config.num_key_value_heads, 0, self.config.head_dim)
@@ -264,11 +293,24 @@ class MTPHead(nn.Module):
     def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, past_key: torch.Tensor,
                 past_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         embedded = self.pre_fc_norm_embedding(self.embed_tokens(next_ids))
-        x = self.fc(torch.cat([embedded, self.pre_fc_norm_hidden(hidden)], dim=-1))
+        normed = self.pre_fc_norm_hidden(hidden)
+        x = self.fc(embedded, normed) if isinstance(self.fc, SplitFC) else self.fc(torch.cat([embedded, normed], -1))
         positions = blocks.positions(next_ids, past_key)
-        x, key, value = self.layers[0](x, past_key, past_value, positions)
+        x, key, value = self.layers[0](x, past_key, past_value, positions, self.last_only)
         out = self.norm(x)
         return vocab_projection(out, self.lm_head, self.tied_head), out, key, value
+
+    def split_fc(self) -> MTPHead:
+        """``fc`` as ``SplitFC`` (in place; the archive's form): its parameters are then ``fc.embedding.weight`` and
+        ``fc.hidden.weight``, no longer the published names (load and save before)."""
+        if not isinstance(self.fc, SplitFC):
+            self.fc = SplitFC(self.fc)
+        return self
+
+    @property
+    def tied_head(self) -> bool:
+        """Whether the head reads the embedding table itself (a quantized export gives it a copy of its own)."""
+        return self.lm_head.weight is self.embed_tokens.weight
 
     # ---- the published names ----
 

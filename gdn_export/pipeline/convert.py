@@ -447,7 +447,6 @@ class NnefSteps:
         start = time.perf_counter()
         say(f"reading {plan.checkpoint_dir}")
         family, layout, model, weights = open_checkpoint(plan.checkpoint_dir)
-        say(f"  {weights.summary()}")
         materialize(model, weights, plan.export_dtype, placeholders=plan.streamed)
         cast_buffers(model, plan.export_dtype)
         seconds["read"] = time.perf_counter() - start
@@ -475,7 +474,11 @@ class NnefSteps:
         from gdn_export.pipeline.mtp import mtp_decision
 
         mtp, mtp_left_out = mtp_decision(plan.checkpoint_dir, layout.model_type, layout.config,
-                                         logits=plan.logits, quantize=plan.weights.quantize, dtype=plan.export_dtype)
+                                         logits=plan.logits, dtype=plan.export_dtype,
+                                         fold_scales=folding is not None and any(
+                                             reader.endswith("lm_head.weight") for fold in folding.folds
+                                             for reader in fold.readers), weights=weights)
+        say(f"  {weights.summary()}")  # once the MTP decision counted its tensors as carried or left out
         lm.emits_hidden = mtp is not None  # the main graph's last output: what the MTP head reads
         writers, quantization = plan_writes(lm, model, exported, plan.export_dtype, plan.weights.quantize,
                                             plan.weights.quantize_embeddings,
@@ -520,12 +523,16 @@ class NnefSteps:
 
             say(f"exporting the MTP head ({MEMBER})")
             (staging / "mtp").mkdir()
-            mtp_report, metadata["mtp"] = export_head(extras["mtp"], staging / "mtp" / MEMBER,
-                                                      tract_version=plan.backend.tract_version,
-                                                      runtime=plan.backend.runtime, check=bool(plan.check))
+            choice = plan.weights
+            _, metadata["mtp"], words = export_head(extras["mtp"], staging / "mtp" / MEMBER,
+                                                    tract_version=plan.backend.tract_version,
+                                                    runtime=plan.backend.runtime, check=bool(plan.check),
+                                                    quantize=choice.quantize,
+                                                    quantize_embeddings=choice.quantize_embeddings,
+                                                    q4_rule=choice.q4_rule, int8_passes=choice.int8_passes)
             members[MEMBER] = staging / "mtp" / MEMBER
-            mtp_line = (f"MTP head: carried ({MEMBER}; reads the state after the final norm)"
-                        + (f", checked in tract against torch: {mtp_report.parity}" if mtp_report.parity else ""))
+            mtp_line = (f"MTP head: carried ({MEMBER}; reads the state after the final norm; logits of the last "
+                        f"position){words}")
         say(f"exporting {traced.family.name} ({len(lm.layer_types) if hasattr(lm, 'layer_types') else '?'} layers, "
             f"{plan.dtype}{', weights streamed from the checkpoint' if plan.streamed else ''}) to {plan.out_path}")
         report = export(lm, example_inputs(lm, metadata["vocab_size"], plan.export_dtype), path,
