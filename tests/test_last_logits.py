@@ -27,8 +27,10 @@ def test_last_position_logits_match_transformers(name, tmp_path, reference_model
 
     with torch.no_grad():
         expected = model(input_ids=torch.from_numpy(tokens)).logits[:, -1:].numpy()
-    whole = Session(out, prefill_piece=None).prefill(tokens)
-    pieces = Session(out, prefill_piece=5).prefill(tokens)  # three calls: the last one's logits are the prompt's
+    whole = Session(out, prefill_piece=None)
+    pieces = Session.sharing_plan(whole, batch=2)  # tract's plan for batch 2 made once, states of its own
+    pieces.prefill_piece = 5  # three calls: the last one's logits are the prompt's
+    whole, pieces = whole.prefill(tokens), pieces.prefill(tokens)
     assert whole.shape == pieces.shape == (2, 1, vocab)
     tolerance = 1e-4 * max(1.0, float(np.abs(expected).max()))
     assert np.abs(whole - expected).max() <= tolerance
