@@ -7,6 +7,7 @@ run side's API: no fixture is converted); every test that uses ``converted``, ``
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,7 @@ def converted(tmp_path_factory):
         root = root.parent
     folder = root / "converted"
     folder.mkdir(exist_ok=True)
+    _plan_converted_archives_once(folder)
 
     def get(name: str, dtype: str = "float32", serving: bool = False) -> Path:
         out = folder / f"{name}-{dtype}{'-serving' if serving else ''}.nnef.tgz"
@@ -75,6 +77,43 @@ def converted(tmp_path_factory):
         return out
 
     return get
+
+
+_PLANS: dict = {}  # (archive name, its file's identity, symbols) -> tract runnable: converted archives only
+_PLANS_LOCK = threading.Lock()
+
+
+def _plan_converted_archives_once(folder: Path) -> None:
+    """tract's plan of a ``converted`` archive made once per process and symbols (batch size), whichever Session,
+    Engine or WorkerPool asks: planning is most of a small fixture's test (1-12 s a plan against milliseconds a
+    call; half of the suite's plans were the same archive planned again for the same batch by the next test). A plan
+    is what tract makes of the file, deterministically, and a runnable spawns a fresh state for every call
+    (``Session.sharing_plan`` and the Engine share one likewise), so a test sees the same tract model either way.
+    Only archives in ``converted``'s folder, which no test writes to (a test that changes an archive works on a copy
+    of its own, planned afresh); keyed by the file's identity too (inode, size, times), so a changed file would be
+    planned again; errors are not kept. Loads with ``expect_outputs`` (the exporter's own check) are not kept."""
+    import gdn_export.run.runtime as runtime
+    import gdn_export.run.session as session
+
+    if getattr(runtime.load_tract_model, "plans_converted_once", False):
+        return
+    load = runtime.load_tract_model
+
+    def load_tract_model(path, symbols=None, **options):
+        path = Path(path)
+        if options or path.parent != folder or not path.is_file():
+            return load(path, symbols, **options)
+        stat = path.stat()
+        key = (path.name, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns,
+               tuple(sorted((symbols or {}).items())))
+        with _PLANS_LOCK:
+            if key not in _PLANS:
+                _PLANS[key] = load(path, symbols)
+            return _PLANS[key]
+
+    load_tract_model.plans_converted_once = True
+    # session.py imported the function by name; the Engine and the MTP drafter import it from runtime when they plan
+    runtime.load_tract_model = session.load_tract_model = load_tract_model
 
 
 @pytest.fixture(scope="session")
