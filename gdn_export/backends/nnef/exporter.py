@@ -82,6 +82,7 @@ def export_nnef(
     from gdn_export.backends.compat.torch_to_nnef import conversion
     from gdn_export.backends.nnef.last_step import LAST_STEP, rewrite_last_step
     from gdn_export.backends.nnef.registry import CUSTOM_OPS
+    from gdn_export.backends.nnef.shared_constants import share_identical_constants
 
     if weights is not None and check:
         raise GdnExportError("an export with streamed weights cannot be checked against its module (its parameters "
@@ -105,6 +106,7 @@ def export_nnef(
                 target.pass_fragments[LAST_STEP.name] = LAST_STEP.definition
 
         passes.append(last_step)
+    passes.append(share_identical_constants)  # last: every constant written, each distinct one once
     target = OfflineTractTarget(tract_version, options=plan(tract_version), dynamic_axes=dynamic_axes,
                                 graph_passes=passes)
 
