@@ -338,6 +338,34 @@ def pad_to_chunks(b: NnefBuilder, x: NTensor, axis: int, chunk: int) -> NTensor:
     return out
 
 
+def pad_together(b: NnefBuilder, tails: dict[str, NTensor], axis: int, chunk: int) -> dict[str, NTensor]:
+    """Every tail padded as ``pad_to_chunks`` pads it, with one padding for all those of one type whose time axis is
+    the second (seq-major ``[B, R, ...]``): their trailing axes merged, concatenated along them, padded, then cut
+    back on static bounds. A padding's bounds are symbolic expressions of S (``((max(S mod C, 1) + c - 1) / c) * c``)
+    that tract's NNEF reader compares with every constant before it: measured, five of them per layer were ~60%
+    of its slice wiring (issue 36). The tails are at most C - 1 tokens: the concatenation copies little."""
+    if axis != 1:
+        return {name: pad_to_chunks(b, x, axis, chunk) for name, x in tails.items()}
+    padded = {}
+    for dtype in dict.fromkeys(x.dtype for x in tails.values()):
+        group = {name: x for name, x in tails.items() if x.dtype == dtype}
+        flat = {name: b.merge_axes(x, 2, len(x.shape) - 2) if len(x.shape) > 3 else x for name, x in group.items()}
+        if len(flat) == 1 or any(len(x.shape) != 3 for x in flat.values()):
+            padded.update({name: pad_to_chunks(b, x, axis, chunk) for name, x in group.items()})
+            continue
+        width = sum(x.shape[2] for x in flat.values())
+        both = b.op("concat", list(flat.values()), shape=(*next(iter(flat.values())).shape[:2], width),
+                    attribs={"axis": 2})
+        joined, start = pad_to_chunks(b, both, axis, chunk), 0
+        for name, x in group.items():
+            end = start + flat[name].shape[2]
+            cut = b.op("slice", joined, shape=(*joined.shape[:2], end - start),
+                       attribs={"axes": [2], "begin": [start], "end": [end]})
+            padded[name] = b.split_axis(cut, 2, x.shape[2:]) if len(x.shape) > 3 else cut
+            start = end
+    return padded
+
+
 def take_tail(b: NnefBuilder, x: NTensor, like: NTensor, axis: int) -> NTensor:
     """The first ``len(like)`` entries of x's ``axis``."""
     shape = list(x.shape)
@@ -353,7 +381,7 @@ def chunk_tail(b: NnefBuilder, body: ModuleType, node, dims: Dims, tails: dict[s
     from ``state [1, B, Hk, G, K, V]``: (y in the node's layout, final state ``[1, B, Hk, G, K, V]``, fragment).
     The scan always runs one chunk at least (a zero chunk when R = 0), so its state is a "last" output."""
     time_axis = 2 if node.head_major else 1
-    padded = {name: pad_to_chunks(b, x, time_axis, chunk) for name, x in tails.items()}
+    padded = pad_together(b, tails, time_axis, chunk)
     y, final, scan = chunk_scan(b, body, body.variant(node, dims, chunk), padded, padded, state, dims, last=True)
     return take_tail(b, y, tails["q"], time_axis), final, scan
 
