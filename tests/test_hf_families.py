@@ -1,6 +1,8 @@
 """Every Hugging Face family: the CLI converts its fixture, and tract's logits match transformers' eager model."""
 
 import json
+import re
+import tarfile
 
 import numpy as np
 import pytest
@@ -87,3 +89,17 @@ def test_state_names_are_stable(name, converted, shared_session):
     assert inputs == metadata["inputs"] and inputs[0] == "input_ids"
     assert outputs == metadata["outputs"] and outputs[0] == "logits"
     assert all(o == "out_" + i.removeprefix("in_") for i, o in zip(inputs[1:], outputs[1:]))
+
+
+@pytest.mark.xdist_group("qwen3_5")
+def test_each_constant_is_written_once(converted):
+    """tract's NNEF reader compares every constant it reads with every node read before it (issue 36): the export
+    writes each distinct constant once (backends/nnef/shared_constants.py), and every layer reads that one; the
+    chunked lowering's masks, one per GDN layer before, are then one per chunk size (a 64-token and a tail chunk)."""
+    with tarfile.open(converted("qwen3_5", "float32")) as tar:
+        graph = tar.extractfile("graph.nnef").read().decode()
+        constants = {label: tar.extractfile(f"{label}.dat").read() for name, label in re.findall(
+            r"^\s*(\w+)\s*=\s*variable<scalar>\(label\s*=\s*'([^']+)'", graph, re.M) if name == label}
+    assert len(set(constants.values())) == len(constants)
+    layers = json.loads((FIXTURES / "qwen3_5" / "config.json").read_text())["layer_types"].count("linear_attention")
+    assert layers > 1 and len([label for label in constants if label.endswith("_causal_log")]) == 2

@@ -62,6 +62,7 @@ class ConvertReport:
     quantized_as: str = ""  # "Q4_0", or "int8" (the reference then rounds the inputs of those layers as tract)
     moe: list[str] = field(default_factory=list)  # MoE feed-forwards: sparse or dense, and why (ops/moe_ffn.py)
     mtp: str = ""  # the checkpoint's MTP head: carried (and checked) or left out, and why (pipeline/mtp.py)
+    shared_constants: int = 0  # constants equal to an earlier one, written once (backends/nnef/shared_constants.py)
 
     @property
     def quality(self) -> LogitCheck | None:
@@ -80,6 +81,9 @@ class ConvertReport:
             lines.append(f"  {self.mtp}")
         if self.weights:
             lines.append(f"  weights: {self.weights}")
+        if self.shared_constants:
+            lines.append(f"  constants: {self.shared_constants} equal to an earlier one, written once (tract's reader "
+                         "compares each constant it reads with every node before it)")
         lines.append("  for generation: " + (", ".join(self.generation_files) if self.generation_files else
                                              "no tokenizer, chat template or generation config in the checkpoint: "
                                              "the archive takes token ids"))
@@ -551,7 +555,8 @@ class NnefSteps:
                                generation_files=sorted(carried),
                                quantization=str(quantization) + (f"; {folding}" if folding is not None else ""),
                                moe=moe_report(report.decisions),
-                               quantized_as=weight_format(plan.weights.quantize).reference, mtp=mtp_line)
+                               quantized_as=weight_format(plan.weights.quantize).reference, mtp=mtp_line,
+                               shared_constants=report.shared_constants)
         return Staged(path, result, lambda: os.replace(path, plan.out_path))
 
     @staticmethod

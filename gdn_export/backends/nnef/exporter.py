@@ -45,6 +45,7 @@ class ExportReport:
     # trace (torch-to-nnef), write (streamed weights), names (tract's output names; while most weights are written),
     # pack
     seconds: dict[str, float] = field(default_factory=dict)
+    shared_constants: int = 0  # constant variables equal to an earlier one, read from it (shared_constants.py)
 
     def lowerings(self) -> list[str]:
         return [d.lowering for d in self.decisions]
@@ -53,6 +54,8 @@ class ExportReport:
         lines = [f"wrote {self.path} for tract {self.tract_version}"]
         for d in self.decisions:
             lines.append(f"  {d.node} ({d.entry}): {d.lowering} - {d.reason}")
+        if self.shared_constants:
+            lines.append(f"  constants: {self.shared_constants} equal to an earlier one, written once")
         if self.parity is not None:
             lines.append(str(self.parity))
         return "\n".join(lines)
@@ -82,6 +85,7 @@ def export_nnef(
     from gdn_export.backends.compat.torch_to_nnef import conversion
     from gdn_export.backends.nnef.last_step import LAST_STEP, rewrite_last_step
     from gdn_export.backends.nnef.registry import CUSTOM_OPS
+    from gdn_export.backends.nnef.shared_constants import share_identical_constants
 
     if weights is not None and check:
         raise GdnExportError("an export with streamed weights cannot be checked against its module (its parameters "
@@ -105,6 +109,8 @@ def export_nnef(
                 target.pass_fragments[LAST_STEP.name] = LAST_STEP.definition
 
         passes.append(last_step)
+    shared = {"constants": 0}  # last: every constant written, each distinct one once
+    passes.append(lambda graph: shared.update(constants=share_identical_constants(graph)))
     target = OfflineTractTarget(tract_version, options=plan(tract_version), dynamic_axes=dynamic_axes,
                                 graph_passes=passes)
 
@@ -147,7 +153,7 @@ def export_nnef(
         pack(folder, staged)
         seconds["pack"] = time.perf_counter() - start
         report = ExportReport(path=path, tract_version=tract_version, decisions=list(target.gdn_decisions),
-                              seconds=seconds)
+                              seconds=seconds, shared_constants=shared["constants"])
         if check:
             declared = declared_outputs(folder)
             report.parity = _check_against_torch(module, args, staged, declared, half=half)

@@ -47,15 +47,16 @@ def solve_block(chunk: int) -> int:
 
 
 def solve_masks(chunk: int) -> dict[str, np.ndarray]:
-    """The constants ``solve_unit_lower`` reads (``[.., n, s, s]`` blocks): the identity and, per doubling
-    level h, the h x h blocks below the diagonal joined at that level."""
+    """The constants ``solve_unit_lower`` reads (``[.., n, s, s]`` blocks, or ``[.., s, s]`` where the chunk is
+    one block): the identity and, per doubling level h, the h x h blocks below the diagonal joined at that level."""
     s = solve_block(chunk)
+    rank = 6 if s == chunk else 7
     index = np.arange(s)
-    found = {"identity": mask(np.eye(s), 7)}
+    found = {"identity": mask(np.eye(s), rank)}
     h = 1
     while h < s:
         found[f"join{h}"] = mask((index[:, None] // (2 * h) == index[None, :] // (2 * h))
-                                 & (index[:, None] // h % 2 == 1) & (index[None, :] // h % 2 == 0), 7)
+                                 & (index[:, None] // h % 2 == 1) & (index[None, :] // h % 2 == 0), rank)
         h *= 2
     return found
 
@@ -67,9 +68,14 @@ def solve_unit_lower(x: Body, a: str, rhs: str, chunk: int) -> str:
 
     Blocks are cut from reshaped views ``[.., n, s, ...]`` (a slice and a concat on a block axis): tract
     0.23.9 pushes slices of the token axis itself up into the matmuls that made it (splitting k S into
-    four matmuls that each pack the state) and splits matmuls that read a concat into per-block pieces."""
+    four matmuls that each pack the state) and splits matmuls that read a concat into per-block pieces.
+
+    A chunk of one block (the short-sequence tail's) is solved as ``T rhs`` without block views: the same
+    products, and no size-1 block axes for tract's optimizer to try removing from the scan body at every load."""
     s = solve_block(chunk)
     n = chunk // s
+    if n == 1:
+        return x(f"matmul({diagonal_inverses(x, s, a)}, {rhs})")
     grid = x(f"reshape({a}, shape = [{n}, {s}, {n}, {s}], axis_start = 4, axis_count = 2)")  # [.., n, s, n, s]
     parts = x(f"reshape({rhs}, shape = [{n}, {s}], axis_start = 4, axis_count = 1)")  # [.., n, s, F]
 

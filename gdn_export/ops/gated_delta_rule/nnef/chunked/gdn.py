@@ -31,6 +31,10 @@ from gdn_export.backends.nnef.builder import NnefBuilder
 from gdn_export.ops.gated_delta_rule.operands import Dims
 
 
+# the operands whose whole chunks this body's scan reads cut (``scan_inputs``): q, k, v enter uncut
+HEADS_READ = ("beta", "g")
+
+
 def covers(dims: Dims) -> bool:
     """Whether this body computes the node: scalar decay or none, beta, one step per token (GDN, DeltaNet)."""
     return not dims.channel_decay and not dims.gated_writes and dims.num_householder == 1

@@ -37,6 +37,8 @@ from gdn_export.ops.gated_delta_rule.operands import Dims
 SUB_BLOCK = 4  # tokens per exact per-channel decay block (channel_decay_pairs; measured: outer.CHANNEL_CHUNK)
 
 
+HEADS_READ = None  # scan_inputs reads every operand cut to its whole chunks (outer.py)
+
 def refusal(dims: Dims) -> str | None:
     """Why this body would not compute the node (None: it does)."""
     if dims.channel_decay and dims.num_householder != 1:

@@ -33,7 +33,8 @@ How the graph is shaped by tract 0.23.9 (read in its source, then measured, with
 
 A body is a module with ``variant(node, dims, tokens)`` (a ``Variant`` with a ``name``, one fragment per
 distinct one), ``scan_inputs(b, variant, heads, whole, dims)`` (the scan's inputs, per-chunk
-ones first), ``masks(variant)`` (constants it reads whole) and ``lines(variant)`` (its NNEF lines).
+ones first), ``masks(variant)`` (constants it reads whole), ``lines(variant)`` (its NNEF lines) and
+``HEADS_READ`` (the operands whose cut heads ``scan_inputs`` reads; None: all of them).
 """
 
 from __future__ import annotations
@@ -89,18 +90,30 @@ class Variant:
 # --- cutting S ------------------------------------------------------------------------------------
 EXTENSIONS = ("tract_registry tract_core",)
 
-SPLIT = Fragment(name="gdn_export_chunk_split", extensions=EXTENSIONS, definition="""fragment gdn_export_chunk_split(
+CUT = """    length = squeeze(slice(tract_core_shape_of(like), axes = [0], begin = [axis], end = [axis + 1]), axes = [0]);
+    total = squeeze(slice(tract_core_shape_of(input), axes = [0], begin = [axis], end = [axis + 1]), axes = [0]);
+    cut = (length / chunk) * chunk;
+"""  # where SPLIT and REST cut: after the whole chunks
+
+SPLIT = Fragment(name="gdn_export_chunk_split", extensions=EXTENSIONS, definition=f"""fragment gdn_export_chunk_split(
     input: tensor<scalar>, like: tensor<scalar>, axis: integer, chunk: integer
-) -> ( head: tensor<scalar>, tail: tensor<scalar> ) {
+) -> ( head: tensor<scalar>, tail: tensor<scalar> ) {{
     # the first chunk*floor(len(like)/chunk) entries of input's axis, and the rest; bounds are shape expressions
     # (a symbolic axis is cut into chunk*(S/chunk) and the rest), and every operand is cut where q's is, so
     # tract knows the parts' lengths equal
-    length = squeeze(slice(tract_core_shape_of(like), axes = [0], begin = [axis], end = [axis + 1]), axes = [0]);
-    total = squeeze(slice(tract_core_shape_of(input), axes = [0], begin = [axis], end = [axis + 1]), axes = [0]);
-    cut = (length / chunk) * chunk;
-    head = slice(input, axes = [axis], begin = [0], end = [cut]);
+{CUT}    head = slice(input, axes = [axis], begin = [0], end = [cut]);
     tail = slice(input, axes = [axis], begin = [cut], end = [total]);
-}
+}}
+
+""")
+
+REST = Fragment(name="gdn_export_chunk_rest", extensions=EXTENSIONS, definition=f"""fragment gdn_export_chunk_rest(
+    input: tensor<scalar>, like: tensor<scalar>, axis: integer, chunk: integer
+) -> ( tail: tensor<scalar> ) {{
+    # the rest of gdn_export_chunk_split alone, for an operand whose whole chunks the scan reads uncut: a head
+    # nobody reads would still be a slice for tract's NNEF reader to wire, its bounds compared with every constant
+{CUT}    tail = slice(input, axes = [axis], begin = [cut], end = [total]);
+}}
 
 """)
 
@@ -140,19 +153,26 @@ TAKE = Fragment(name="gdn_export_take_steps", extensions=EXTENSIONS, definition=
 """)
 
 
-def split_like(b: NnefBuilder, x: NTensor, like: NTensor, axis: int, chunk: int) -> tuple[NTensor, NTensor]:
+def split_like(b: NnefBuilder, x: NTensor, like: NTensor, axis: int, chunk: int,
+               head_read: bool = True) -> tuple[NTensor, NTensor]:
     """Cut x's time axis where ``like``'s (q's) whole chunks end: ``chunk * floor(T / chunk)`` and the rest
-    (either may be empty)."""
+    (either may be empty). Without ``head_read`` only the rest is written (REST); the head returned is then a
+    traced tensor no operation writes, for its shape only."""
     whole = like.shape[axis] // chunk * chunk
     shape = list(x.shape)
     head = b.tensor("head", shape[:axis] + [whole] + shape[axis + 1:], x.dtype)
     tail = b.tensor("tail", shape[:axis] + [x.shape[axis] - whole] + shape[axis + 1:], x.dtype)
-    b.multi_op(SPLIT.name, (x, like), (head, tail), attribs={"axis": axis, "chunk": chunk})
+    attribs = {"axis": axis, "chunk": chunk}
+    if head_read:
+        b.multi_op(SPLIT.name, (x, like), (head, tail), attribs=attribs)
+    else:
+        b.multi_op(REST.name, (x, like), (tail,), attribs=attribs)
     return head, tail
 
 
-def cut_operands(b: NnefBuilder, node, dims: Dims, tokens: int):
-    """The node's operands (``whole``), each cut into its whole chunks (``heads``) and the rest (``tails``).
+def cut_operands(b: NnefBuilder, node, dims: Dims, tokens: int, heads_read: tuple[str, ...] | None = None):
+    """The node's operands (``whole``), each cut into its whole chunks (``heads``) and the rest (``tails``);
+    only the heads named in ``heads_read`` (None: all) are written, the others' are traced shapes.
 
     With n > 1 sub-steps, k, v and beta get their sub-steps on an axis of their own first (``[B, T, n, ...]``,
     head-major ``[B, H, T, n, ...]``): tract 0.23.9 gets the length of a reshape of a symbolic tail wrong
@@ -167,7 +187,8 @@ def cut_operands(b: NnefBuilder, node, dims: Dims, tokens: int):
         if dims.num_householder > 1 and name in ("k", "v", "beta"):
             x = b.split_axis(x, time_axis, [-1, dims.num_householder])
         whole[name] = x
-        heads[name], tails[name] = split_like(b, x, node.q, time_axis, tokens)
+        heads[name], tails[name] = split_like(b, x, node.q, time_axis, tokens,
+                                              heads_read is None or name in heads_read)
     return heads, whole, tails
 
 
@@ -317,6 +338,34 @@ def pad_to_chunks(b: NnefBuilder, x: NTensor, axis: int, chunk: int) -> NTensor:
     return out
 
 
+def pad_together(b: NnefBuilder, tails: dict[str, NTensor], axis: int, chunk: int) -> dict[str, NTensor]:
+    """Every tail padded as ``pad_to_chunks`` pads it, with one padding for all those of one type whose time axis is
+    the second (seq-major ``[B, R, ...]``): their trailing axes merged, concatenated along them, padded, then cut
+    back on static bounds. A padding's bounds are symbolic expressions of S (``((max(S mod C, 1) + c - 1) / c) * c``)
+    that tract's NNEF reader compares with every constant before it: measured, five of them per layer were ~60%
+    of its slice wiring (issue 36). The tails are at most C - 1 tokens: the concatenation copies little."""
+    if axis != 1:
+        return {name: pad_to_chunks(b, x, axis, chunk) for name, x in tails.items()}
+    padded = {}
+    for dtype in dict.fromkeys(x.dtype for x in tails.values()):
+        group = {name: x for name, x in tails.items() if x.dtype == dtype}
+        flat = {name: b.merge_axes(x, 2, len(x.shape) - 2) if len(x.shape) > 3 else x for name, x in group.items()}
+        if len(flat) == 1 or any(len(x.shape) != 3 for x in flat.values()):
+            padded.update({name: pad_to_chunks(b, x, axis, chunk) for name, x in group.items()})
+            continue
+        width = sum(x.shape[2] for x in flat.values())
+        both = b.op("concat", list(flat.values()), shape=(*next(iter(flat.values())).shape[:2], width),
+                    attribs={"axis": 2})
+        joined, start = pad_to_chunks(b, both, axis, chunk), 0
+        for name, x in group.items():
+            end = start + flat[name].shape[2]
+            cut = b.op("slice", joined, shape=(*joined.shape[:2], end - start),
+                       attribs={"axes": [2], "begin": [start], "end": [end]})
+            padded[name] = b.split_axis(cut, 2, x.shape[2:]) if len(x.shape) > 3 else cut
+            start = end
+    return padded
+
+
 def take_tail(b: NnefBuilder, x: NTensor, like: NTensor, axis: int) -> NTensor:
     """The first ``len(like)`` entries of x's ``axis``."""
     shape = list(x.shape)
@@ -332,7 +381,7 @@ def chunk_tail(b: NnefBuilder, body: ModuleType, node, dims: Dims, tails: dict[s
     from ``state [1, B, Hk, G, K, V]``: (y in the node's layout, final state ``[1, B, Hk, G, K, V]``, fragment).
     The scan always runs one chunk at least (a zero chunk when R = 0), so its state is a "last" output."""
     time_axis = 2 if node.head_major else 1
-    padded = {name: pad_to_chunks(b, x, time_axis, chunk) for name, x in tails.items()}
+    padded = pad_together(b, tails, time_axis, chunk)
     y, final, scan = chunk_scan(b, body, body.variant(node, dims, chunk), padded, padded, state, dims, last=True)
     return take_tail(b, y, tails["q"], time_axis), final, scan
 
@@ -362,14 +411,15 @@ def lower(b: NnefBuilder, node, dims: Dims, body: ModuleType, tokens: int, tail_
     chunk (``tokens_per_chunk``), the tail in chunks of ``tail_tokens`` (None: token by token); return the
     fragments it uses."""
     variant = body.variant(node, dims, tokens)
-    heads, whole, tails = cut_operands(b, node, dims, tokens)
+    heads, whole, tails = cut_operands(b, node, dims, tokens, body.HEADS_READ)
+    cuts = [SPLIT] if body.HEADS_READ is None else [SPLIT, REST]
     s0 = b.unsqueeze(b.split_axis(b.cast(node.s0, F32), 1, [dims.key_heads, dims.groups]), [0])  # [1, B, Hk, G, K, V]
     y_head, state, scan = chunk_scan(b, body, variant, heads, whole, s0, dims)
     if tail_tokens:
         y_tail, final, tail_scan = chunk_tail(b, body, node, dims, tails, state, tail_tokens)
         write_outputs(b, node, dims, y_head, y_tail, b.merge_axes(final, 2, 2))  # [1, B, H, K, V]
-        return [SPLIT, FINAL, TAIL_PAD, TAIL_TAKE, scan, tail_scan]
+        return [*cuts, FINAL, TAIL_PAD, TAIL_TAKE, scan, tail_scan]
     tail_ops = step_operands(b, dataclasses.replace(node, **tails), dims, substeps_split=dims.num_householder > 1)
     y_tail, final = token_part(b, tail_ops, state, dims)
     write_outputs(b, node, dims, y_head, y_tail, final)
-    return [SPLIT, FINAL, PAD, TAKE, scan, tail_fragment(dims.num_householder, tail_ops.log_decay is not None)]
+    return [*cuts, FINAL, PAD, TAKE, scan, tail_fragment(dims.num_householder, tail_ops.log_decay is not None)]
