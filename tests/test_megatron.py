@@ -23,11 +23,11 @@ from gdn_export.megatron.family import open_megatron
 
 MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "gpt_mtp", "layernorm", "layernorm_1p", "mamba2", "moe_bias", "ep2", "ep2_legacy", "bridge_qwen3_next", "bridge_qwen3_next_tp2",
           "bridge_qwen3_5", "pp2_vpp", "bridge_qwen3_next_mtp", "bridge_qwen3_5_mtp")
-# read by the eager test only (the conversion's reference) against Megatron's logits: what these change is the read,
-# their graphs' layers are those of fixtures that convert through tract above.
+# fixtures whose layers are those of a fixture above (what they change is the read: layouts, ranks, routing constants);
+# converted and run in tract like the others, kept apart from MIXERS for the tests that need one of each graph.
 # pipeline and rank layouts that only the reading tells apart (the gpt fixture's layers over uneven stages, its
 # GroupedMLP experts at TP = 2):
-READ_ONLY = ("pp2_vpp_legacy", "pp2_uneven_legacy", "gpt_pp2_vpp_legacy", "moe_etp1_legacy", "bridge_qwen3_next_mtp_pp2",
+SAME_LAYERS = ("pp2_vpp_legacy", "pp2_uneven_legacy", "gpt_pp2_vpp_legacy", "moe_etp1_legacy", "bridge_qwen3_next_mtp_pp2",
              "moe_etp1_tppdp_legacy", "moe_cp2_etp1_legacy", "tp2_cp2_legacy", "gpt_pp2_uneven_legacy",
              "gpt_grouped_tp2_legacy",
              # the models of megatron_layernorm and megatron_mamba2 saved by 2 tensor-parallel ranks (biases merged as
@@ -56,7 +56,7 @@ def judge(mixer: str, actual: np.ndarray, expected: np.ndarray) -> None:
     assert result.ok, f"{mixer}: {result}"
 
 
-@pytest.mark.parametrize("mixer", MIXERS + READ_ONLY)
+@pytest.mark.parametrize("mixer", MIXERS + SAME_LAYERS)
 def test_eager_model_matches_megatron(mixer):
     """gdn_export's eager model of the checkpoint (the conversion's reference) against Megatron's forward."""
     family, layout, _, weights = open_megatron(FIXTURES / f"megatron_{mixer}")
@@ -210,7 +210,7 @@ def test_perplexity_reference_reads_a_megatron_folder():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", by_fixture(*(f"megatron_{m}" for m in MIXERS)))
+@pytest.mark.parametrize("name", by_fixture(*(f"megatron_{m}" for m in MIXERS + SAME_LAYERS)))
 def test_converted_checkpoint_in_tract_matches_megatron(name, shared_session):
     """``gdn-export convert fixtures/megatron_<mixer>``, run in tract (batch 2: a prefill of 16 tokens then one
     token at a time) against Megatron's own logits over the same tokens."""
