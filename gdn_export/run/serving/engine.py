@@ -168,9 +168,9 @@ class Engine(QueuedExecutor):
         self.prefill_rows = min(prefill_rows, max(per_worker))
         self.keep_logits = keep_logits
         self.serving_inputs = session.serving_inputs
-        self.state_specs = session.state_specs
         self.metadata = session.metadata
         self.emits_hidden = session.emits_hidden  # an archive with an MTP head (--speculative mtp)
+        self.mtp = session.mtp  # its head's metadata where the graph has the hidden output it reads (Session.mtp)
         self.plans = Plans(session.path, one_plan)
         self.calls: collections.Counter[tuple[str, int]] = collections.Counter()  # (kind, rows) -> tract calls
         self.prefix_cache = PrefixCache(int(prefix_cache_mib * MIB))
@@ -202,8 +202,7 @@ class Engine(QueuedExecutor):
         if request.speculative is not None and not self.every_position:
             raise GdnExportError(f"{self.path.name} returns the last position's logits only (converted with --logits "
                                  "last): speculative decoding needs every position's")
-        if request.speculative is not None and request.speculative.method == "mtp" and \
-                not isinstance(self.metadata.get("mtp"), dict):
+        if request.speculative is not None and request.speculative.method == "mtp" and self.mtp is None:
             from gdn_export.run.mtp import no_mtp_message
 
             raise GdnExportError(no_mtp_message(self.path))
