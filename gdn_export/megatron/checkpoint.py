@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import io
 import itertools
+import math
 import os
 import pickle
 import re
@@ -41,6 +42,10 @@ TORCH_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F1
 BRIDGE_CONFIG = "run_config.yaml"
 # a Bridge run_config.yaml is ~20 KB; PyYAML takes ~15 s a MiB of mappings in pure Python, so this bounds the read
 BRIDGE_CONFIG_LIMIT = 256 << 10
+# a torch_dist tensor's bounds, far above any model's, so that a hostile .metadata is one line, not a 2^64-element
+# allocation or an hour of chunk comparisons: 2^40 elements (4 TiB of float32), 2^16 chunks
+MAX_TENSOR_ELEMENTS = 1 << 40
+MAX_CHUNKS = 1 << 16
 LEGACY_RANK = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 # a legacy expert's name: SequentialMLP's local_experts.<i>. or TEGroupedMLP's linear_fc<n>.weight<i>, i local to
 # the expert-parallel rank
@@ -216,8 +221,11 @@ def check_chunks(name: str, meta) -> None:
     its global shape exactly: each lies inside it, no two overlap, and together they cover it (disjoint boxes whose
     volumes sum to the whole). Otherwise a one-line error naming the chunk, before anything is read or written."""
     size = [int(n) for n in meta.size]
-    if any(n < 0 for n in size):
-        raise MegatronCheckpointError(f"{name}: global shape {size} in the metadata")
+    if any(n < 0 for n in size) or math.prod(size) > MAX_TENSOR_ELEMENTS:
+        raise MegatronCheckpointError(f"{name}: global shape {size} in the metadata (at most "
+                                      f"{MAX_TENSOR_ELEMENTS} elements)")
+    if len(meta.chunks) > MAX_CHUNKS:  # the overlap test below is quadratic in the count
+        raise MegatronCheckpointError(f"{name}: {len(meta.chunks)} chunks in the metadata (at most {MAX_CHUNKS})")
     starts, stops = [], []
     for chunk in meta.chunks:
         offsets, sizes = [int(o) for o in chunk.offsets], [int(n) for n in chunk.sizes]
@@ -227,14 +235,15 @@ def check_chunks(name: str, meta) -> None:
                                           f"{size}")
         starts.append(offsets)
         stops.append([o + n for o, n in zip(offsets, sizes)])
-    starts_, stops_ = np.array(starts, np.int64).reshape(-1, len(size)), np.array(stops, np.int64).reshape(-1, len(size))
+    starts_ = np.array(starts, np.int64).reshape(len(starts), len(size))  # bounded by the global shape: no overflow
+    stops_ = np.array(stops, np.int64).reshape(len(stops), len(size))
     for i in range(len(starts) - 1):  # boxes overlap when their intervals overlap on every axis
         overlap = ((starts_[i + 1:] < stops_[i]) & (stops_[i + 1:] > starts_[i])).all(axis=1)
         if overlap.any():
             j = i + 1 + int(np.argmax(overlap))
             raise MegatronCheckpointError(f"{name}: the chunks at {starts[i]} and {starts[j]} overlap")
-    covered = int(np.prod(stops_ - starts_, axis=1, dtype=np.int64).sum()) if starts else 0
-    total = int(np.prod(size, dtype=np.int64))
+    covered = sum(math.prod(n - o for o, n in zip(start, stop)) for start, stop in zip(starts, stops))
+    total = math.prod(size)
     if covered != total:
         raise MegatronCheckpointError(f"{name}: its chunks cover {covered} of the {total} elements of its global "
                                       f"shape {size} (a gap)")
