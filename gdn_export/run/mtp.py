@@ -25,6 +25,7 @@ import numpy as np
 from gdn_export.errors import GdnExportError
 
 MEMBER = "mtp.nnef.tgz"
+PIECE = 128  # positions per call of the head at most (the prompt pieces' unit, generation.executor.PROMPT_PIECE)
 INPUTS = ["hidden", "next_ids", "in_mtp_key", "in_mtp_value"]
 OUTPUTS = ["logits", "mtp_hidden", "out_mtp_key", "out_mtp_value"]
 
@@ -93,10 +94,13 @@ class MTPRunner:
     def run(self, hidden: np.ndarray, next_ids) -> tuple[np.ndarray, np.ndarray]:
         from gdn_export.run.runtime import run_tract_tensors
 
-        hidden = np.asarray(hidden, self.dtype)[None]
-        ids = np.asarray(next_ids, np.int64)[None]
-        outputs = run_tract_tensors(self.plan, [hidden, ids, self.key, self.value])
-        logits, mtp_hidden, self.key, self.value = (o.to_numpy() for o in outputs)
+        hidden, ids = np.asarray(hidden, self.dtype), np.asarray(next_ids, np.int64)
+        # in pieces, as the main model's prompt: a drafter's first call catches up over the whole prompt, whose
+        # attention scores in one call would grow with its square
+        for start in range(0, max(len(ids), 1), PIECE):
+            piece = slice(start, start + PIECE)
+            outputs = run_tract_tensors(self.plan, [hidden[None, piece], ids[None, piece], self.key, self.value])
+            logits, mtp_hidden, self.key, self.value = (o.to_numpy() for o in outputs)
         return logits[0], mtp_hidden[0]
 
     def truncate(self, length: int) -> None:
