@@ -166,7 +166,8 @@ def check_quantized_head(path: Path, head: MTPHead, report, weights: HeadWeights
     dtype = str(head.norm.weight.dtype).removeprefix("torch.")
     rounded = int8_reference_linears(report)
 
-    def logits(model: MTPHead, jitter_seed: int | None = None, in_dtype: torch.dtype = torch.float32) -> np.ndarray:
+    def logits(model: MTPHead, rounded: frozenset, jitter_seed: int | None = None,
+               in_dtype: torch.dtype = torch.float32) -> np.ndarray:
         handles = int8.reference_hooks(model, rounded, jitter_seed, report.own.get("int8_passes", 1))
         try:
             with torch.no_grad():
@@ -181,19 +182,19 @@ def check_quantized_head(path: Path, head: MTPHead, report, weights: HeadWeights
     actual = np.concatenate([run_tract(plan, [t[:, :end].numpy() if t is hidden or t is next_ids else t.numpy()
                                               for t in (hidden, next_ids, key, value)])[0]
                              for end in range(1, CHECK_POSITIONS + 1)], axis=1)
-    expected = logits(reference)
+    expected = logits(reference, rounded)
     if rounded:
-        runs = [logits(reference, seed) for seed in range(int8.ROUNDING_SEEDS)]
+        runs = [logits(reference, rounded, seed) for seed in range(int8.ROUNDING_SEEDS)]
         result = compare_logits(actual, expected, "float32 (int8 rounding)", int8.rounding_envelope(expected, runs),
                                 allowance=F32_TOLERANCE)
     elif dtype in HALF_DTYPES:
-        result = compare_logits(actual, expected, dtype, logits(reference.to(HALF_DTYPES[dtype]), None,
+        result = compare_logits(actual, expected, dtype, logits(reference.to(HALF_DTYPES[dtype]), rounded, None,
                                                                HALF_DTYPES[dtype]))
     else:
         result = compare_logits(actual, expected, "float32")
     del reference
-    rounded = frozenset()  # the float head: what the format costs, reported, not judged (as the main graph's quality)
-    result.quality = compare_logits(actual, logits(head_of(weights.entries)), "float32")
+    # the float head, no activation rounding: what the format costs, reported, not judged (as the main graph's quality)
+    result.quality = compare_logits(actual, logits(head_of(weights.entries), frozenset()), "float32")
     return result
 
 
