@@ -34,6 +34,12 @@ API in a fresh process: ``load`` = ``llama_model_load_from_file`` (the library d
 ``first`` = ``llama_decode`` of one token (the weights' pages read as they are first touched); ``read`` is the same
 Python read of the file. ``--generate N`` adds the wall time of ``gdn-export generate --max-new-tokens 1`` on the int8
 archive (fresh processes, a 4-token prompt of ids) and, with llama.cpp, of ``llama-simple -n 1`` on the Q8_0 GGUF.
+
+``--segments 1,2`` times each archive once per segment count through the loader a Session uses
+(``runtime.load_tract_model`` with ``GDN_EXPORT_SEGMENTS``; docs/PERFORMANCE.md "Planning in segments"): then ``load`` is
+the whole of it (the integrity pass over the archive, which also writes the weights out for the segments, tract's
+loads and plans side by side) and ``plan`` is 0; the first start of a graph records the facts of its cuts (under a
+cache folder of the benchmark's own, made once before the rounds), so the rounds time what every later start does.
 """
 
 from __future__ import annotations
@@ -127,14 +133,33 @@ def read_seconds(path: Path) -> float:
     return time.perf_counter() - start
 
 
-def worker(path: Path) -> dict:
-    """Each stage's seconds for one start of ``path`` in this (fresh) process, and the peak RSS."""
+def worker(path: Path, segments: int | None = None) -> dict:
+    """Each stage's seconds for one start of ``path`` in this (fresh) process, and the peak RSS; with ``segments``,
+    through ``load_tract_model`` planning that many segments (``load`` its whole time, ``plan`` 0)."""
     import tract
 
     from gdn_export.run import session as session_module
     from gdn_export.run.session import Session
 
     times = {"read": read_seconds(path)}
+    if segments is not None:
+        os.environ["GDN_EXPORT_SEGMENTS"] = str(segments)
+        real_load = session_module.load_tract_model
+
+        def timed_load(model_path, symbols=None, **options):
+            start = time.perf_counter()
+            runnable = real_load(model_path, symbols, **options)
+            times["load"], times["plan"] = time.perf_counter() - start, 0.0
+            return runnable
+
+        session_module.load_tract_model = timed_load
+        session = Session(path)
+        start = time.perf_counter()
+        session.prefill([[0]])
+        times["first"] = time.perf_counter() - start - times["load"]
+        times["ready"] = times["load"] + times["first"]
+        times["peak_rss_gb"] = peak_rss_bytes() / 1e9
+        return times
 
     def staged_load(model_path, symbols=None, **_):  # Session's loader, split into tract's two stages
         start = time.perf_counter()
@@ -176,12 +201,17 @@ def peak_rss_bytes() -> int:
 LLAMA_LOAD: Path | None = None  # the compiled LOAD_C program, once a llama.cpp build is given
 
 
-def one_start(path: Path, cpu: int | None) -> dict:
+SEGMENTS: dict[str, int] = {}  # an archive's label -> the segments it is planned in (--segments)
+
+
+def one_start(path: Path, cpu: int | None, label: str | None = None) -> dict:
     """Each stage of one start of ``path`` in a fresh process: an archive by the worker above, a GGUF by LOAD_C."""
     if path.suffix == ".gguf":
         command = [str(LLAMA_LOAD), str(path)]
     else:
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(path)]
+        if label in SEGMENTS:
+            command.append(str(SEGMENTS[label]))
     if cpu is not None:
         command = ["taskset", "-c", str(cpu), *command]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -223,7 +253,7 @@ def measure(archives: list[tuple[str, Path]], runs: int, cpu: int | None) -> dic
     results: dict[str, list[dict]] = {label: [] for label, _ in archives}
     for round_ in range(runs):
         for label, path in archives:
-            times = one_start(path, cpu)
+            times = one_start(path, cpu, label)
             results[label].append(times)
             log(f"round {round_ + 1}/{runs} {label}: " + ", ".join(f"{k} {times[k]:.2f}" for k in (*STAGES, "ready"))
                 + f" s, peak RSS {times['peak_rss_gb']:.2f} GB")
@@ -374,7 +404,7 @@ def make_ggufs(llama, checkpoint: Path, workdir: Path, layers: int, formats: lis
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        print(json.dumps(worker(Path(argv[1]))))
+        print(json.dumps(worker(Path(argv[1]), int(argv[2]) if len(argv) > 2 else None)))
         return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("archives", nargs="*", type=Path, help="archives (.nnef.tgz or folders) to time as they are")
@@ -390,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generate", type=int, default=0, metavar="N", help="with --workdir and int8: also time "
                         "`gdn-export generate --max-new-tokens 1` (and llama-simple -n 1 on the Q8_0 GGUF), N fresh "
                         "processes each")
+    parser.add_argument("--segments", default=None, metavar="N,M", help="time each archive once per segment count, "
+                        "through the Session's own loader (GDN_EXPORT_SEGMENTS)")
     parser.add_argument("--markdown", action="store_true")
     from bench_vs_llamacpp import LlamaCpp, add_llama_cpp_options
 
@@ -438,6 +470,20 @@ def main(argv: list[str] | None = None) -> int:
                 record_path.write_text(json.dumps(conversions, indent=1))
     if not archives:
         parser.error("give archives, or --workdir with --layers and --formats")
+    if args.segments:
+        counts = [int(n) for n in args.segments.split(",")]
+        os.environ.setdefault("GDN_EXPORT_CACHE", tempfile.mkdtemp(prefix="bench_load_cache_"))
+        spread = []
+        for label, path in archives:
+            if path.suffix == ".gguf" or path.is_dir():
+                spread.append((label, path))
+                continue
+            for count in counts:
+                SEGMENTS[f"{label} in {count}"] = count
+                spread.append((f"{label} in {count}", path))
+                if count > 1:  # the first start of a graph records its cuts' facts: made once, not timed
+                    one_start(path, args.cpu, f"{label} in {count}")
+        archives = spread
     try:
         if args.runs > 0:
             results = measure(archives, args.runs, args.cpu)

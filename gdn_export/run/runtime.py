@@ -34,9 +34,15 @@ def load_tract_model(path: str | os.PathLike, symbols: dict[str, int] | None = N
     if not path.exists():
         raise TractRuntimeError(f"no model at {path}")
     if path.is_file():  # what tract would read checked first (members, headers, digests, states): ArchiveError
+        from gdn_export.run.segments import segment_count
         from gdn_export.run.reading import read_metadata
         from gdn_export.run.integrity import check_archive
 
+        count = segment_count(path.stat().st_size)
+        if count > 1:
+            runnable = _load_in_segments(path, count, symbols, expect_outputs)
+            if runnable is not None:
+                return runnable
         interruptible(lambda: check_archive(path, read_metadata(path)))
 
     def load():
@@ -63,6 +69,57 @@ def load_tract_model(path: str | os.PathLike, symbols: dict[str, int] | None = N
         if damaged is not None:  # say what is wrong with the file rather than what tract tripped on
             raise TractRuntimeError(damaged_message(path, damaged)) from None
         raise TractRuntimeError(f"tract could not load {path}: {tract_fault(str(err))}") from err
+
+
+def _load_in_segments(path: Path, count: int, symbols: dict[str, int] | None, expect_outputs: Sequence[str] | None):
+    """The archive at ``path`` planned as ``count`` segments side by side (``run/segments.py``), or None when its graph
+    is better loaded whole (one segment's worth of statements); a graph that cannot be cut, or a segment tract refuses,
+    is loaded whole after a one-line warning. A damaged archive raises (ArchiveError) as a whole load would."""
+    import shutil
+    import sys
+    import tempfile
+
+    import tract
+
+    from gdn_export.run import segments
+    from gdn_export.run.integrity import check_archive
+    from gdn_export.run.reading import read_metadata
+
+    folder = Path(tempfile.mkdtemp(prefix="gdn_export_segments_", dir=segments.unpack_root(path.stat().st_size)))
+    try:
+        text = interruptible(lambda: check_archive(path, read_metadata(path), unpack_to=folder))
+        count = segments.segments_for(text or "", count)
+        if text is None or count < 2:
+            return None
+        try:
+            graph = segments.plan(text, count)
+            if expect_outputs is not None and list(expect_outputs) != graph.outputs:
+                raise TractRuntimeError(f"the graph declares outputs {graph.outputs} where {list(expect_outputs)} "
+                                        "were expected")
+
+            def load_one(segment_folder: Path, segment: segments.Segment):
+                model = tract.nnef().with_tract_transformers().load(str(segment_folder))
+                reported = [model.output_name(i) for i in range(len(segment.outputs))]
+                if expect_outputs is not None and reported != segment.outputs:
+                    raise TractRuntimeError(f"tract reports outputs {reported} where {segment.outputs} were declared")
+                return model
+
+            def plan_one(model):
+                if symbols:
+                    model.transform(tract.SetSymbols(symbols))
+                return model.into_runnable()
+
+            with _planning_allocator():
+                return segments.load_segments(graph, text, folder, load_one, plan_one, _started,
+                                          lambda handle: _joined(*handle)[0])
+        except TractRuntimeError:
+            raise
+        except (segments.NotCut, Exception) as err:  # noqa: B014 - tract raises plain Exceptions
+            print(f"gdn_export: {path.name} loaded whole, not in {count} segments: {tract_fault(str(err))}",
+                  file=sys.stderr, flush=True)
+            return None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def tract_fault(message: str) -> str:

@@ -1,0 +1,397 @@
+"""Loading a big archive as consecutive segments planned side by side: the graph cut at layer boundaries, each segment a
+graph of its own that tract loads and plans in its own thread, run one after the other on every call.
+
+Why: tract's load and plan of a graph are single-threaded and grow faster than the graph (the 0.8B shape: 24 layers
+ready in ~13 s, 4 layers in ~2 s), while two loads in two threads run side by side (the bindings release the GIL).
+The 0.8B int8 graph cut in two halves was planned in 5.2 s on two cores against 11.4 s whole, and 10.1 s for the two
+halves one after the other (benchmarks/RESULTS.md). Each call then runs the segments in turn; what one segment computes
+and a later one reads (the residual stream, the attention mask) passes between them as tract tensors, not copied.
+
+How a graph is cut (``plan``): every statement of the graph body is classified by what it depends on. A *weight*
+statement reads only variables (a variable, a cast or reshape of one); a *light* one reads graph inputs and small
+variables only (positions, rotary tables, a state input's cast); an *activation* reads both a graph input and a
+large variable, or another activation. Weight and light statements are copied into every segment that needs them (a
+large weight read by two segments, such as a tied embedding, is then read twice); an activation belongs to the segment
+whose range holds it, and one read by a later segment is an output of its own segment and an input of the later one. A
+cut is placed where the fewest activations cross it, near equal shares of the activations.
+
+What tract needs and the text cannot say: the type and shape of a tensor that crosses a cut (``B,S,1024,f32``),
+declared as an external input of the later segment. tract states them as the output facts of the earlier segment, so
+the first load of a graph plans its segments one after the other and records the facts (``facts_file``: a small JSON
+keyed by the graph's SHA-256, the cuts and tract's version, under ``GDN_EXPORT_CACHE`` or ``~/.cache/gdn_export``);
+every later load, in any process, plans the segments side by side. tract reads a graph and its weights from a
+folder; the archive's members are written to a temporary folder during the integrity pass that reads them anyway
+(``integrity.check_archive(..., unpack_to=...)``), and removed once the segments are planned.
+
+Any fault on this path (a graph this module cannot cut, a fact it cannot declare, a segment tract refuses) falls back
+to loading the archive whole, with a one-line warning: slower, never different. Outputs are the same to the bit:
+tests/test_segments.py runs every position's logits and every state of whole and cut plans side by side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+SEGMENTS_ENV = "GDN_EXPORT_SEGMENTS"  # a number of segments (1: never cut), else chosen from the cores and the graph
+CACHE_ENV = "GDN_EXPORT_CACHE"  # the folder of the recorded facts (default ~/.cache/gdn_export)
+UNPACK_ENV = "GDN_EXPORT_UNPACK_DIR"  # where the weights are written for tract to read (default: unpack_root)
+STATEMENTS_PER_SEGMENT = 2000  # below this a segment's own overhead (its inputs, its copied statements) is not worth it
+MAX_SEGMENTS = 8
+MIN_ARCHIVE_BYTES = 64 << 20  # smaller archives plan in a few seconds: loaded whole unless SEGMENTS_ENV says otherwise
+HEAVY_ELEMENTS = 4096  # a variable of this many elements or more is a weight worth reading once
+MAX_CROSSING = 8  # a cut where more activations cross is not taken
+FACT_TYPES = {"f32", "f16", "f64", "i64", "i32", "i8", "u8", "bool"}
+
+_STRING = re.compile(r"'[^']*'|\"[^\"]*\"")
+_GENERIC = re.compile(r"\s*<\s*\w+\s*>")
+_IDENTIFIER = re.compile(r"(?<![\w.])[A-Za-z_][A-Za-z0-9_]*")
+_VARIABLE = re.compile(r"variable\s*<\s*\w+\s*>\s*\(\s*label\s*=\s*(['\"])(.*?)\1\s*,\s*shape\s*=\s*\[([^\]]*)\]")
+_SIGNATURE = re.compile(r"graph\s+(\w+)\s*\(([^)]*)\)\s*->\s*\(([^)]*)\)\s*\{", re.S)
+_SYMBOL = re.compile(r"^\s*extension\s+tract_symbol\s+(\w+)\s*;", re.M)
+WEIGHT, HEAVY_WEIGHT, LIGHT, ACTIVATION = "weight", "heavy weight", "light", "activation"
+
+
+class NotCut(Exception):
+    """This graph is loaded whole (why: the message)."""
+
+
+@dataclass
+class Segment:
+    """One segment: the graph statements it runs (indexes into the body), the archive inputs and outputs it takes and
+    gives, the activations it reads from earlier segments and those it gives later ones (statement indexes)."""
+
+    statements: list[int]
+    inputs: list[str]
+    outputs: list[str]
+    crossing_in: list[int]
+    crossing_out: list[int]
+
+
+@dataclass
+class Plan:
+    """A graph cut into segments: its header (everything before the graph), name, body and the segments."""
+
+    header: str
+    name: str
+    inputs: list[str]
+    outputs: list[str]
+    body: list[str]
+    defined: list[list[str]]
+    segments: list[Segment] = field(default_factory=list)
+
+    def crossing_name(self, index: int) -> str:
+        return self.defined[index][0]
+
+    def text(self, k: int, facts: dict[int, str]) -> str:
+        """Segment ``k``'s graph.nnef, its crossing inputs declared from ``facts`` (statement index: tract's fact)."""
+        segment = self.segments[k]
+        declared = [f"    {self.crossing_name(j)} = {external(facts[j])};" for j in segment.crossing_in]
+        # the crossing inputs first, in the signature as in the body: tract numbers a graph's inputs in the order
+        # their declarations come in the body
+        inputs = [self.crossing_name(j) for j in segment.crossing_in] + segment.inputs
+        outputs = segment.outputs + [self.crossing_name(j) for j in segment.crossing_out]
+        body = "\n".join(declared + ["    " + self.body[i] for i in segment.statements])
+        return (f"{self.header}graph {self.name}({', '.join(inputs)}) -> ({', '.join(outputs)})\n{{\n{body}\n}}\n")
+
+    def labels(self, k: int) -> list[str]:
+        """The variable labels segment ``k`` reads (one ``<label>.dat`` each)."""
+        return [m.group(2) for i in self.segments[k].statements if (m := _VARIABLE.search(self.body[i]))]
+
+
+def external(fact: str) -> str:
+    """``tract_core_external(...)`` declaring a tensor of tract's fact ``fact`` (``B,S,1024,f32``)."""
+    parts = [p.strip() for p in fact.split(",")]
+    dtype = parts[-1].lower()
+    if dtype not in FACT_TYPES or any(not re.fullmatch(r"[\w+\-*/ ()]+", d) for d in parts[:-1]):
+        raise NotCut(f"a tensor crossing a cut has the fact {fact!r}, which a segment cannot declare")
+    return f"tract_core_external(shape = [{', '.join(parts[:-1])}], datum_type = '{dtype}')"
+
+
+def split_graph(text: str) -> tuple[str, str, list[str], list[str], list[str]]:
+    """(header, graph name, inputs, outputs, body statements) of an NNEF graph text."""
+    match = _SIGNATURE.search(text)
+    if match is None:
+        raise NotCut("graph.nnef has no graph declaration this module reads")
+    header = text[:match.start()]
+    rest = text[match.end():]
+    end = rest.rfind("}")
+    if end < 0:
+        raise NotCut("graph.nnef's graph body does not end")
+    statements, current = [], []
+    for line in rest[:end].splitlines():
+        if not line.strip():
+            continue
+        current.append(line.strip())
+        if line.rstrip().endswith(";"):
+            statements.append(" ".join(current))
+            current = []
+    if current:
+        raise NotCut("graph.nnef's graph body ends inside a statement")
+    names = lambda group: [x.strip() for x in group.split(",") if x.strip()]  # noqa: E731
+    return header, match.group(1), names(match.group(2)), names(match.group(3)), statements
+
+
+def _defines_and_reads(statement: str) -> tuple[list[str], list[str]]:
+    if "=" not in statement:
+        raise NotCut(f"a graph statement without an assignment: {statement[:80]}")
+    left, right = statement.split("=", 1)
+    right = _GENERIC.sub("", _STRING.sub("''", right))  # variable<scalar>(...): neither name is a tensor
+    reads = []
+    for found in _IDENTIFIER.finditer(right):
+        after = right[found.end():].lstrip()
+        if after.startswith("(") or (after.startswith("=") and not after.startswith("==")):
+            continue  # an operation's or a keyword argument's name
+        reads.append(found.group(0))
+    return _IDENTIFIER.findall(left), reads
+
+
+def plan(text: str, count: int) -> Plan:
+    """``text`` (a graph.nnef) cut into ``count`` segments, or NotCut saying why it cannot be."""
+    header, name, inputs, outputs, body = split_graph(text)
+    symbols = set(_SYMBOL.findall(header)) | {"true", "false", "inf", "nan"}  # and the literals NNEF names
+    defined, producers = [], []
+    latest: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for i, statement in enumerate(body):
+        names, reads = _defines_and_reads(statement)
+        producers.append(sorted({latest[r] for r in reads if r in latest}))
+        unknown = [r for r in reads if r not in latest and r not in symbols]
+        if unknown:
+            raise NotCut(f"statement {i} reads {unknown[0]}, defined by no earlier statement")
+        defined.append(names)
+        for n in names:
+            latest[n] = i
+            first.setdefault(n, i)
+    if any(x not in first for x in inputs) or any(o not in latest for o in outputs):
+        raise NotCut("an input or output of the graph is defined by no statement")
+    kinds: list[str] = []
+    for i, statement in enumerate(body):
+        variable = _VARIABLE.search(statement)
+        if variable is not None:
+            size = 1
+            for dim in variable.group(3).split(","):
+                size *= int(dim) if dim.strip().isdigit() else 1
+            kind = HEAVY_WEIGHT if size >= HEAVY_ELEMENTS else WEIGHT
+        elif "tract_core_external" in statement or re.match(r"\w+\s*=\s*external\s*<", statement):
+            kind = LIGHT
+        else:
+            read = {kinds[j] for j in producers[i]}
+            if ACTIVATION in read or (HEAVY_WEIGHT in read and LIGHT in read):
+                kind = ACTIVATION
+            elif HEAVY_WEIGHT in read:
+                kind = HEAVY_WEIGHT
+            elif LIGHT in read:
+                kind = LIGHT
+            else:
+                kind = WEIGHT
+        kinds.append(kind)
+    last_read = [-1] * len(body)  # the last statement reading each one
+    for i, reads in enumerate(producers):
+        for j in reads:
+            last_read[j] = i
+    final = {o: latest[o] for o in outputs}
+    activations = [i for i, k in enumerate(kinds) if k == ACTIVATION]
+    if len(activations) < count * 2:
+        raise NotCut(f"the graph has {len(activations)} computing statements, too few for {count} segments")
+
+    live = [0] * (len(body) + 2)  # live[c]: activations made before statement c and read from c on
+    for j in activations:
+        if last_read[j] > j:
+            live[j + 1] += 1
+            live[last_read[j] + 1] -= 1
+    for c in range(1, len(live)):
+        live[c] += live[c - 1]
+    given_names = Counter(name for names in defined for name in names)
+    # a crossing tensor is declared by its name in the later segment: a name given twice could read the other one
+    ambiguous = {j for j in activations if len(defined[j]) != 1 or given_names[defined[j][0]] > 1}
+    blocked = [0] * (len(body) + 2)  # cuts that an activation of an ambiguous name would cross
+    for j in ambiguous:
+        if last_read[j] > j:
+            blocked[j + 1] += 1
+            blocked[last_read[j] + 1] -= 1
+    for c in range(1, len(blocked)):
+        blocked[c] += blocked[c - 1]
+    cuts: list[int] = []
+    for k in range(1, count):
+        target = activations[len(activations) * k // count]
+        window = len(body) // (4 * count)
+        candidates = [c for c in activations if abs(c - target) <= window and (not cuts or c > cuts[-1])
+                      and not blocked[c]]
+        if not candidates:
+            raise NotCut(f"no place to cut the graph into {count} segments")
+        best = min(candidates, key=lambda c: (live[c], abs(c - target)))
+        if live[best] > MAX_CROSSING:
+            raise NotCut(f"no place to cut the graph into {count} segments with at most {MAX_CROSSING} tensors "
+                         "crossing")
+        cuts.append(best)
+    bounds = [0, *cuts, len(body)]
+    result = Plan(header, name, inputs, outputs, body, defined)
+    for k in range(count):
+        low, high = bounds[k], bounds[k + 1]
+        own_outputs = [o for o in outputs if low <= final[o] < high]
+        given = [j for j in activations if low <= j < high and last_read[j] >= high]
+        roots = [final[o] for o in own_outputs] + given
+        needed, taken = set(), set()
+        todo = list(roots)
+        while todo:
+            i = todo.pop()
+            if i in needed or i in taken:
+                continue
+            if kinds[i] == ACTIVATION and i < low:
+                taken.add(i)
+                continue
+            if kinds[i] == ACTIVATION and i >= high:
+                raise NotCut("a segment reads an activation of a later segment")
+            needed.add(i)
+            todo.extend(producers[i])
+        segment_inputs = [x for x in inputs if first[x] in needed]
+        result.segments.append(Segment(sorted(needed), segment_inputs, own_outputs, sorted(taken), given))
+    produced = {j for p in result.segments for j in p.crossing_out}
+    if any(j not in produced for p in result.segments for j in p.crossing_in):
+        raise NotCut("a segment reads an activation no earlier segment gives")
+    return result
+
+
+def segment_count(archive_bytes: int) -> int:
+    """How many segments to plan an archive of ``archive_bytes`` in: ``GDN_EXPORT_SEGMENTS`` when set, else one per
+    core this process may use (at most MAX_SEGMENTS) for an archive of MIN_ARCHIVE_BYTES or more, else 1. The graph
+    may then lower it (``segments_for``: STATEMENTS_PER_SEGMENT)."""
+    forced = os.environ.get(SEGMENTS_ENV)
+    if forced is not None:
+        if not forced.strip().isdigit() or int(forced) < 1:
+            from gdn_export.errors import GdnExportError
+
+            raise GdnExportError(f"{SEGMENTS_ENV}={forced!r}: expected a whole number of segments, 1 or more")
+        return min(int(forced), MAX_SEGMENTS)
+    if archive_bytes < MIN_ARCHIVE_BYTES:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_SEGMENTS))
+
+
+def unpack_root(archive_bytes: int) -> str | None:
+    """The folder the archive's weights are written to while its segments load: ``GDN_EXPORT_UNPACK_DIR`` when set;
+    else ``/dev/shm`` (memory: writing 0.8 GB there took 0.4 s against 1.2 s to /tmp's disk here) when it and the
+    machine's available memory hold twice the archive (its files, and tract's copy of them while it reads); else
+    the system's temporary folder (None)."""
+    forced = os.environ.get(UNPACK_ENV)
+    if forced:
+        return forced
+    shm = Path("/dev/shm")
+    try:
+        if not (shm.is_dir() and os.access(shm, os.W_OK)) or shutil.disk_usage(shm).free < 2 * archive_bytes:
+            return None
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return str(shm) if available >= 2 * archive_bytes else None
+
+
+def segments_for(text: str, wanted: int) -> int:
+    """``wanted`` lowered so each segment has STATEMENTS_PER_SEGMENT statements or more (unless forced by the env)."""
+    if os.environ.get(SEGMENTS_ENV) is not None:
+        return wanted
+    return max(1, min(wanted, text.count(";\n") // STATEMENTS_PER_SEGMENT))
+
+
+def facts_file(text: str, graph: Plan) -> Path:
+    """Where the facts of ``graph``'s crossing tensors are recorded: keyed by the graph text, its cuts and tract."""
+    from gdn_export.run.runtime import tract_version
+
+    cuts = ",".join(str(p.statements[0]) + ":" + ",".join(map(str, p.crossing_in)) for p in graph.segments)
+    key = hashlib.sha256(f"{tract_version()}\n{cuts}\n{text}".encode()).hexdigest()[:40]
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "gdn_export")
+    return root / "segments" / f"{key}.json"
+
+
+def _read_facts(path: Path) -> dict[int, str] | None:
+    try:
+        data = json.loads(path.read_text())
+        return {int(k): str(v) for k, v in data["facts"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _write_facts(path: Path, facts: dict[int, str]) -> None:
+    """Recorded atomically (a temporary file renamed); a folder that cannot be written is skipped: the next load
+    plans the segments one after the other again."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
+            json.dump({"facts": {str(k): v for k, v in facts.items()}}, handle)
+        os.replace(handle.name, path)
+    except OSError:
+        pass
+
+
+class SegmentsRunnable:
+    """The segments' plans run in turn, as one runnable: ``run(inputs)`` takes the archive's inputs in their order and
+    gives its outputs in theirs (``runtime.run_tract_tensors``'s protocol)."""
+
+    def __init__(self, graph: Plan, runnables: Sequence) -> None:
+        self.graph, self.runnables = graph, list(runnables)
+        self.position = {name: i for i, name in enumerate(graph.inputs)}
+        self.output_position = {name: i for i, name in enumerate(graph.outputs)}
+
+    def run(self, values: Sequence) -> list:
+        if len(values) != len(self.graph.inputs):
+            raise ValueError(f"{len(values)} inputs where the graph takes {len(self.graph.inputs)}")
+        crossing: dict[int, object] = {}
+        outputs: list = [None] * len(self.graph.outputs)
+        for segment, runnable in zip(self.graph.segments, self.runnables):
+            given = [crossing[j] for j in segment.crossing_in] + [values[self.position[x]] for x in segment.inputs]
+            result = list(runnable.run(given))
+            for name, value in zip(segment.outputs, result):
+                outputs[self.output_position[name]] = value
+            for j, value in zip(segment.crossing_out, result[len(segment.outputs):]):
+                crossing[j] = value
+        return outputs
+
+
+def load_segments(graph: Plan, text: str, folder: Path, load_one: Callable[[Path, Segment], object],
+                plan_one: Callable[[object], object], start: Callable[[Callable], object],
+                finish: Callable[[object], object]) -> SegmentsRunnable:
+    """The runnable of ``graph``'s segments, the archive's weights in ``folder / "weights"`` (one ``<label>.dat`` per
+    variable). ``load_one(segment folder, segment)``: tract's model of a segment; ``plan_one(model)``: its runnable;
+    ``start(work)`` runs a work in a thread and ``finish(handle)`` waits for its result (its error raised)."""
+    record = facts_file(text, graph)
+    facts = _read_facts(record)
+    folders = [folder / f"segment{k}" for k in range(len(graph.segments))]
+    for k, segment_folder in enumerate(folders):
+        segment_folder.mkdir()
+        for label in dict.fromkeys(graph.labels(k)):
+            source, target = folder / "weights" / f"{label}.dat", segment_folder / f"{label}.dat"
+            if not source.is_file():
+                raise NotCut(f"the archive has no weight {label}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(source.resolve(), target)
+    wanted = {j for p in graph.segments for j in p.crossing_in}
+    if facts is not None and wanted <= facts.keys():  # every segment declared: all planned side by side
+        for k, segment_folder in enumerate(folders):
+            (segment_folder / "graph.nnef").write_text(graph.text(k, facts))
+        handles = [start(lambda f=f, p=p: plan_one(load_one(f, p))) for f, p in zip(folders, graph.segments)]
+        return SegmentsRunnable(graph, [finish(h) for h in handles])
+    facts, handles = {}, []
+    for k, segment in enumerate(graph.segments):  # this graph's first load: a segment's facts before the next is read
+        (folders[k] / "graph.nnef").write_text(graph.text(k, facts))
+        model = finish(start(lambda f=folders[k], p=segment: load_one(f, p)))
+        given = [str(model.output_fact(i)) for i in range(model.output_count())][len(segment.outputs):]
+        for j, fact in zip(segment.crossing_out, given):
+            external(fact)  # NotCut for a fact a segment could not declare
+            facts[j] = fact.strip()
+        handles.append(start(lambda m=model: plan_one(m)))  # planned while the next segment loads
+    runnables = [finish(h) for h in handles]
+    _write_facts(record, facts)
+    return SegmentsRunnable(graph, runnables)
+
+
