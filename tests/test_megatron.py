@@ -56,7 +56,12 @@ def judge(mixer: str, actual: np.ndarray, expected: np.ndarray) -> None:
     assert result.ok, f"{mixer}: {result}"
 
 
-@pytest.mark.parametrize("mixer", MIXERS + SAME_LAYERS)
+# MTP layers other than Qwen3-Next's, built by the decoder's own layer code: LayerNorm with biases, no output gate,
+# a dense MLP ('/*-'); sigmoid routing with an expert bias, groups and a scaling; MoE biases without a shared expert
+MTP_OTHER = ("layernorm_mtp", "moe_sigmoid_mtp", "moe_bias_mtp")
+
+
+@pytest.mark.parametrize("mixer", MIXERS + SAME_LAYERS + MTP_OTHER)
 def test_eager_model_matches_megatron(mixer):
     """gdn_export's eager model of the checkpoint (the conversion's reference) against Megatron's forward."""
     family, layout, _, weights = open_megatron(FIXTURES / f"megatron_{mixer}")
@@ -85,7 +90,7 @@ MTP = ("moe_mtp", "gpt_mtp", "bridge_qwen3_next_mtp", "bridge_qwen3_5_mtp")
 MTP_DEEP = ("moe_mtp_repeated", "moe_mtp_2depths")
 
 
-@pytest.mark.parametrize("mixer", MTP + MTP_DEEP)
+@pytest.mark.parametrize("mixer", MTP + MTP_OTHER + MTP_DEEP)
 def test_mtp_head_matches_megatrons_multi_token_prediction(mixer):
     """The Megatron MTP block mapped onto the published mtp.* head (``models.mtp.MTPHead``), fed what Megatron's
     ``MultiTokenPredictionBlock`` reads (the decoder's output after its final norm, the next token at each
@@ -109,18 +114,21 @@ def test_mtp_head_matches_megatrons_multi_token_prediction(mixer):
                 steps.append(logits)
         judge(f"{mixer} (MTP head)", whole.numpy(), expected)
         judge(f"{mixer} (MTP head, cached steps)", torch.cat(steps, dim=1).numpy(), expected)
-    if mixer == "moe_mtp_repeated":  # depth 2: the same layer on depth 1's output, the ids rolled once more
+    if mixer in MTP_DEEP:  # depth 2 on depth 1's output, the ids rolled once more: the same layer
+        # (mtp_use_repeated_layer) or depth 2's own weights (mtp.layers.1.*), read as a head of its own
+        second = head if mixer == "moe_mtp_repeated" else read_megatron_mtp_head(FIXTURES / f"megatron_{mixer}",
+                                                                                 depth=2)
         next2 = torch.from_numpy(data["mtp2_next_ids"])
         assert torch.equal(next2[:, :-1], next_ids[:, 1:]) and not next2[:, -1].any()
         with torch.no_grad():
             own = head(torch.from_numpy(data["mtp_input_hidden"]), next_ids, *head.empty_cache(2))[1]
             for hidden in (own, torch.from_numpy(data["mtp2_input_hidden"])):
-                judge(f"{mixer} (MTP head, depth 2)", head(hidden, next2, *head.empty_cache(2))[0].numpy(),
+                judge(f"{mixer} (MTP head, depth 2)", second(hidden, next2, *second.empty_cache(2))[0].numpy(),
                       data["mtp2_logits"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", by_fixture(*(f"megatron_{m}" for m in MTP)))
+@pytest.mark.parametrize("name", by_fixture(*(f"megatron_{m}" for m in MTP + MTP_OTHER)))
 def test_converted_mtp_head_in_tract_matches_megatron(name, shared_session):
     """``gdn-export convert fixtures/megatron_moe_mtp``: the archive carries the Megatron MTP block as its MTP head
     (``mtp.nnef.tgz``); the main graph's ``hidden`` (prefill 16, then one token at a time, batch 2) fed to the head
@@ -161,15 +169,15 @@ def test_mtp_block_is_read_and_reported(monkeypatch):
 
     folder = FIXTURES / "megatron_moe_mtp"
     _, _, _, weights = open_megatron(folder)
-    assert "an MTP head of 1 depth (MoE" in weights.summary(), weights.summary()
-    config, sources = weights.mtp
-    assert config.num_experts == 4 and sources["mtp.fc.weight"].pieces == [("mtp.layers.0.eh_proj.weight", None)]
+    assert "an MTP head of 1 depth (attention + MoE; the decoder's layers)" in weights.summary(), weights.summary()
+    assert weights.mtp.config.num_experts == 4
+    assert weights.mtp.sources["fc.weight"].pieces == [("mtp.layers.0.eh_proj.weight", None)]
     assert open_megatron(FIXTURES / "megatron_moe")[3].mtp is None
     repeated = open_megatron(FIXTURES / "megatron_moe_mtp_repeated")[3]
     assert "an MTP head of 1 layer that Megatron runs at 2 depths (mtp_use_repeated_layer)" in repeated.summary()
     own = open_megatron(FIXTURES / "megatron_moe_mtp_2depths")[3]
     assert "an MTP head of depth 1 of 2 (depth 2, with weights of its own, left out" in own.summary()
-    assert all(piece.startswith("mtp.layers.0.") for sources_of in own.mtp[1].values() for piece, _ in sources_of.pieces)
+    assert all(piece.startswith("mtp.layers.0.") for source in own.mtp.sources.values() for piece, _ in source.pieces)
     alone = read_megatron_mtp_head(folder).state_dict()
     opened, init = [], MegatronCheckpoint.__init__
     monkeypatch.setattr(MegatronCheckpoint, "__init__", lambda self, *a, **k: opened.append(a) or init(self, *a, **k))
@@ -182,10 +190,9 @@ def test_mtp_block_is_read_and_reported(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("change, message", [
     ({"hybrid_layer_pattern": "GE*EGE/*E/*E"}, "the checkpoint has no mtp.layers.1.*"),
-    ({"hybrid_layer_pattern": "GE*EGE/G-"}, "multi-token prediction pattern '/G-'"),
-    ({"apply_layernorm_1p": False, "layernorm_zero_centered_gamma": False}, "norms that are not zero-centred"),
-    ({"moe_router_score_function": "sigmoid"}, "sigmoid routing scores"),
-], ids=["two-depths", "gdn-layer", "plain-norms", "sigmoid"])
+    ({"hybrid_layer_pattern": "GE*EGE/G-"}, "multi-token prediction pattern '/G-' has a delta-rule mixer ('G')"),
+    ({"hybrid_layer_pattern": "GE*EGE/*E*E"}, "multi-token prediction pattern '/*E*E' has not one attention layer"),
+], ids=["two-depths", "gdn-layer", "two-attention-layers"])
 def test_mtp_blocks_the_head_does_not_compute_are_left_out_with_the_reason(tmp_path, capsys, change, message):
     """An MTP block the head does not compute: the model converts as before, without an MTP head, and the report
     (its weights line and its MTP line) says why, as for a Hugging Face checkpoint's unreadable mtp.* layout."""
@@ -491,24 +498,35 @@ def test_one_model_saved_two_ways_reads_alike(first, second):
     for name, entry in one.entries.items():
         np.testing.assert_array_equal(entry.read().numpy(), two.entries[name].read().numpy(), err_msg=name)
     assert (one.mtp is None) == (two.mtp is None)
-    for name, entry in (one.mtp[1] if one.mtp else {}).items():
-        np.testing.assert_array_equal(entry.read().numpy(), two.mtp[1][name].read().numpy(), err_msg=name)
+    for name, entry in (one.mtp.sources if one.mtp else {}).items():
+        np.testing.assert_array_equal(entry.read().numpy(), two.mtp.sources[name].read().numpy(), err_msg=name)
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
 def test_bridge_made_mtp_head_is_the_hugging_face_head_it_came_from(name):
     """``megatron_bridge_qwen3_next_mtp`` / ``_qwen3_5_mtp``: the bundled fixture (its first 2 layers) through
-    Megatron-Bridge's HF -> Megatron conversion with its ``mtp.*`` head (MoE / dense) (Bridge's MTP mappings: ``eh_proj``, ``enorm``, ``hnorm``,
-    ``mtp_model_layer.*`` ...): the head gdn_export reads from the Megatron checkpoint holds the very tensors of the
-    Hugging Face head (read by ``hf.mtp.read_mtp_head`` from ``fixtures/<name>``)."""
+    Megatron-Bridge's HF -> Megatron conversion with its ``mtp.*`` head (MoE / dense) (Bridge's MTP mappings:
+    ``eh_proj``, ``enorm``, ``hnorm``, ``mtp_model_layer.*`` ...): the head gdn_export builds from the Megatron
+    checkpoint (the decoder's layers) computes what the Hugging Face head computes (the published layout, read by
+    ``hf.mtp.read_mtp_head`` from ``fixtures/<name>``), on the same random states and ids, in every position and
+    on a cache."""
     from gdn_export.hf.mtp import read_mtp_head
     from gdn_export.megatron.mtp import read_megatron_mtp_head
 
-    megatron = read_megatron_mtp_head(FIXTURES / f"megatron_bridge_{name}_mtp").state_dict()
-    hugging_face = read_mtp_head(FIXTURES / name).state_dict()
-    assert megatron.keys() == hugging_face.keys() and len(megatron) > 10
-    for name, value in hugging_face.items():
-        assert torch.equal(megatron[name], value), name
+    megatron = read_megatron_mtp_head(FIXTURES / f"megatron_bridge_{name}_mtp")
+    hugging_face = read_mtp_head(FIXTURES / name)
+    assert megatron.parts is not None and hugging_face.parts is None
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 12, hugging_face.config.hidden_size, generator=gen)
+    ids = torch.randint(0, hugging_face.config.vocab_size, (2, 12), generator=gen)
+    outputs = []
+    with torch.no_grad():
+        for head in (megatron, hugging_face):  # 8 positions from an empty cache, then 4 on it
+            first = head(hidden[:, :8], ids[:, :8], *head.empty_cache(2))
+            outputs.append((first, head(hidden[:, 8:], ids[:, 8:], *first[2:])))
+    for got, want in zip(*outputs):
+        judge(f"{name} (logits)", got[0].numpy(), want[0].numpy())
+        judge(f"{name} (hidden)", got[1].numpy(), want[1].numpy())
 
 
 def _legacy_rank_args(folder: Path, **changes) -> Path:
