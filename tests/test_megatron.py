@@ -19,6 +19,7 @@ from helpers import FIXTURES, by_fixture
 from gdn_export.cli import main as cli
 from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
+from gdn_export.megatron.checkpoint import MegatronCheckpointError
 from gdn_export.megatron.family import open_megatron
 
 MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "gpt_mtp", "layernorm", "layernorm_1p", "mamba2", "moe_bias", "ep2", "ep2_legacy", "bridge_qwen3_next", "bridge_qwen3_next_tp2",
@@ -480,6 +481,12 @@ def test_pipeline_chunks_match_megatrons_layer_offsets():
         got = [[[start if count else expected[0], count] for (start, count), expected in zip(stage, stage_ref)]
                for stage, stage_ref in zip(chunks, split["chunks"])]
         assert got == split["chunks"], args
+    # both the first and the last stage's sizes with no middle stage and virtual stages: Megatron's
+    # get_transformer_layer_offset divides by the 0 middle stages; one stage given both: its TransformerConfig refuses
+    for stages, virtual in ((2, 2), (1, 2)):
+        with pytest.raises(MegatronCheckpointError, match="no middle stage"):
+            pipeline_chunks(dict(num_layers=8, decoder_first_pipeline_num_layers=4,
+                                 decoder_last_pipeline_num_layers=4), stages, virtual)
 
 
 @pytest.mark.parametrize("first, second", [("pp2_vpp", "pp2_vpp_legacy"),
@@ -602,6 +609,9 @@ def test_legacy_saved_with_context_parallelism_or_the_tp_pp_dp_order(tmp_path, c
                          ("moe_cp2_etp1_legacy", "expert-parallel size 4, context-parallel size 2 (experts: "),
                          ("moe_etp1_tppdp_legacy", "expert-parallel size 2 (ranks numbered tp-pp-dp) (experts: ")):
         assert saved in open_megatron(FIXTURES / f"megatron_{mixer}")[3].summary()
+    # moe_cp2_etp1 has no attention layer (its args' attention_output_gate, rotary_percent stay unnamed)
+    summary = open_megatron(FIXTURES / "megatron_moe_cp2_etp1_legacy")[3].summary()
+    assert "rotary" not in summary and "attention" not in summary and "MoE (4 experts" in summary, summary
     folder = _copy(tmp_path, "moe_cp2_etp1_legacy")
     shutil.rmtree(folder / "iter_0000001" / "mp_rank_00_002")
     refused(capsys, folder, tmp_path / "m.nnef.tgz", "lacks mp_rank_00_002")
@@ -741,6 +751,43 @@ def test_grouped_gemm_legacy_experts_read_the_same_model(tmp_path, mixer):
     tokens, expected = golden(mixer)
     with torch.no_grad():
         judge(mixer, model(torch.from_numpy(tokens)).logits.numpy(), expected)
+
+
+def test_grouped_gemm_legacy_experts_over_expert_parallel_ranks_read_the_same_model(tmp_path, capsys):
+    """``moe_bias_legacy`` rewritten as 2 expert-parallel ranks would save it with ``TEGroupedMLP`` experts
+    (``mp_rank_00_000`` / ``_001``, each with its 2 local experts' ``linear_fc1.weight<i>`` / ``bias<i>``, i from
+    0; the other tensors on both): every expert's weight and bias renumbered to its global index, the same model
+    (one rank file in torch's pre-1.6 format, loaded whole: torch maps only its zip format); ``num_experts`` not a
+    multiple of the expert-parallel size is a one-line error."""
+    import re
+
+    folder = _copy(tmp_path, "moe_bias_legacy")
+    iteration = folder / "iter_0000001"
+    state = torch.load(iteration / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    shutil.rmtree(iteration / "mp_rank_00")
+    vars(state["args"]).update(expert_model_parallel_size=2)
+    model = state["model"]
+    for rank in range(2):
+        local = {}
+        for name, value in model.items():
+            match = re.fullmatch(r"(.*experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)", name)
+            if match is None:
+                local[name] = value
+            elif int(match[2]) // 2 == rank:
+                local[f"{match[1]}{match[3]}.{match[4]}{int(match[2]) % 2}"] = value
+        (iteration / f"mp_rank_00_{rank:03d}").mkdir()
+        # rank 1 in torch's pre-1.6 format, which torch cannot map: loaded whole (a typed check of the format)
+        torch.save(dict(state, model=local), iteration / f"mp_rank_00_{rank:03d}" / "model_optim_rng.pt",
+                   _use_new_zipfile_serialization=rank == 0)
+    family, layout, _, weights = open_megatron(folder)
+    pieces = [piece for source in weights.entries.values() for piece, _ in source.pieces]
+    assert any(piece.endswith(".linear_fc1.bias3") for piece in pieces)
+    tokens, expected = golden("moe_bias_legacy")
+    with torch.no_grad():
+        judge("moe_bias over 2 expert-parallel ranks", model_in_memory(family, layout, weights)(
+            torch.from_numpy(tokens)).logits.numpy(), expected)
+    _legacy_rank_args(folder, num_experts=5)
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "num_experts 5 is not a multiple of the expert-parallel size 2")
 
 
 def test_gpt_model_layers_are_read_per_transformer_layer():

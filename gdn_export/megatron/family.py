@@ -12,7 +12,8 @@ from gdn_export.hf.checkpoint import CheckpointWeights
 from gdn_export.hf.families.base import Family
 from gdn_export.hf.families.fla import FlaLM
 from gdn_export.hf.layout import Layout
-from gdn_export.megatron.checkpoint import MegatronCheckpoint, MegatronCheckpointError, MegatronSource
+from gdn_export.megatron.checkpoint import (MegatronCheckpoint, MegatronCheckpointError, MegatronSource, expert_names,
+                                            stacked_expert_name)
 from gdn_export.layers.common import LayerNorm, RMSNorm
 from gdn_export.megatron.mtp import mtp_depths, mtp_sources, own_depths
 from gdn_export.models.mtp import SKIPPED as MTP_TENSORS
@@ -453,12 +454,11 @@ def _expert_pieces(checkpoint, where: str, linear: str, experts: int, param: str
     sequential and grouped-GEMM experts alike), or one tensor per expert in a legacy checkpoint (``SequentialMLP``:
     ``experts.local_experts.<e>.<linear>.<param>``; ``TEGroupedMLP``: ``experts.<linear>.<param><e>``; the old
     ``GroupedMLP``'s ``weight1`` / ``weight2`` are cut into the latter when the checkpoint is opened)."""
-    stacked = f"{where}experts.experts.{linear}.{param}"
+    stacked = stacked_expert_name(where + "experts.", f"{linear}.{param}")
     if checkpoint.has(stacked):
         return [(stacked, None)]
-    for name_of in (lambda e: f"{where}experts.local_experts.{e}.{linear}.{param}",
-                    lambda e: f"{where}experts.{linear}.{param}{e}"):
-        names = [name_of(e) for e in range(experts)]
+    for layout in range(2):  # SequentialMLP's names, TEGroupedMLP's
+        names = [expert_names(where + "experts.", f"{linear}.{param}", e)[layout] for e in range(experts)]
         if all(checkpoint.has(name) for name in names):
             return [(name, None) for name in names]
     raise MegatronCheckpointError(f"weights missing from the checkpoint: {stacked} (or the {experts} experts' "
@@ -577,9 +577,9 @@ def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
         where = f"decoder.layers.{mlp}.mlp."
         if mlp in config.moe_layers:  # every SwiGLU expert, as SequentialMLP and TEGroupedMLP name them
             for e in range(config.num_experts):
-                for name in (f"experts.local_experts.{e}.linear_fc1.weight", f"experts.linear_fc1.weight{e}",
-                             f"experts.local_experts.{e}.linear_fc1.bias", f"experts.linear_fc1.bias{e}"):
-                    blocks[where + name] = [config.moe_ffn_hidden_size] * 2
+                for param in ("weight", "bias"):
+                    for name in expert_names(where + "experts.", f"linear_fc1.{param}", e):
+                        blocks[name] = [config.moe_ffn_hidden_size] * 2
             if config.moe_shared_expert_size:
                 blocks[where + "shared_experts.linear_fc1.weight"] = [config.moe_shared_expert_size] * 2
         elif config.mlp_activation == "swiglu":
@@ -646,11 +646,12 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
                     + (", gated shared expert" if config.moe_shared_expert_gate else
                        ", shared expert" if config.moe_shared_expert_size else "")
                     + (", router and expert biases" if config.add_bias_linear else "") + ")")
-    if config.attention_output_gate:
+    attention = any(kind == "attention" for kind, _, _ in config.blocks)  # the args name these for any model
+    if attention and config.attention_output_gate:
         used.append("gated attention output")
-    if config.rotary_dim:
+    if attention and config.rotary_dim:
         used.append(f"rotary on {config.rotary_dim} of {config.kv_channels} channels")
-    if config.rotary_interleaved:
+    if attention and config.rotary_interleaved:
         used.append("interleaved rotary (read as halves over reordered q/k channels)")
     if config.normalization == "LayerNorm":
         used.append("LayerNorm norms")
