@@ -360,17 +360,7 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
         mlp_layer_sources(checkpoint, config, shapes, put, norm, prefix, f"decoder.layers.{index}.",
                           index in config.moe_layers)
     zero_centred_norms(model, sources, checkpoint.args)
-    missing = sorted(set(shapes) - set(sources))
-    if missing:
-        raise MegatronCheckpointError(f"no checkpoint tensor for {', '.join(missing[:5])}")
-    for name, source in sources.items():
-        for piece, rows in source.pieces:
-            if not checkpoint.has(piece):  # a part of a fused tensor (rows of linear_qkv, ...) the args ask for
-                raise MegatronCheckpointError(f"weights missing from the checkpoint: {piece}")
-            info = checkpoint.info(piece)
-            if rows is None and len(source.pieces) == 1 and info.shape != shapes[name]:
-                raise MegatronCheckpointError(f"{piece} is {list(info.shape)} in the checkpoint; the model's "
-                                              f"arguments give {list(shapes[name])}")
+    check_sources(checkpoint, shapes, sources, "")
     skipped: Counter = Counter()
     for name in checkpoint.names():
         if name in used:
@@ -384,6 +374,22 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
         else:
             raise MegatronCheckpointError(f"the checkpoint has {name}, which the model's arguments do not describe")
     return sources, skipped
+
+
+def check_sources(checkpoint, shapes: dict, sources: dict, what: str) -> None:
+    """Every parameter of ``shapes`` has a source, every piece is in the checkpoint, and a whole tensor has the
+    parameter's shape (``what``: whose parameters, for the message)."""
+    missing = sorted(set(shapes) - set(sources))
+    if missing:
+        raise MegatronCheckpointError(f"no checkpoint tensor for {what}{', '.join(missing[:5])}")
+    for name, source in sources.items():
+        for piece, rows in source.pieces:
+            if not checkpoint.has(piece):  # a part of a fused tensor (rows of linear_qkv, ...) the args ask for
+                raise MegatronCheckpointError(f"weights missing from the checkpoint: {piece}")
+            info = checkpoint.info(piece)
+            if rows is None and len(source.pieces) == 1 and info.shape != shapes[name]:
+                raise MegatronCheckpointError(f"{piece} is {list(info.shape)} in the checkpoint; the model's "
+                                              f"arguments give {list(shapes[name])}")
 
 
 def norm_sources(checkpoint, config: MegatronConfig, shapes: dict, put, param: str, *names: str) -> None:

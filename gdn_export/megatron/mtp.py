@@ -160,8 +160,8 @@ def mtp_sources(checkpoint: MegatronCheckpoint, config: MegatronConfig, depth: i
     must make a parameter (one that does not is an error naming it), and every ``mtp.*`` tensor must belong to a
     depth the args give."""
     from gdn_export.hf.checkpoint import parameters_on_meta
-    from gdn_export.megatron.family import (_whole, attention_layer_sources, mlp_layer_sources, norm_sources,
-                                            zero_centred_norms)
+    from gdn_export.megatron.family import (_whole, attention_layer_sources, check_sources, mlp_layer_sources,
+                                            norm_sources, zero_centred_norms)
 
     layers = mtp_layout(checkpoint, depth)
     if layers is None:
@@ -190,17 +190,7 @@ def mtp_sources(checkpoint: MegatronCheckpoint, config: MegatronConfig, depth: i
         mlp_layer_sources(checkpoint, model_config, shapes, put, f"layers.0.block.mlp_norms.{j}",
                           f"layers.0.block.mlps.{j}.", where, symbol == "E")
     zero_centred_norms(shaped, sources, checkpoint.args)
-    missing = sorted(set(shapes) - set(sources))
-    if missing:
-        raise MegatronCheckpointError(f"no checkpoint tensor for the MTP head's {', '.join(missing[:5])}")
-    for name, source in sources.items():
-        for piece, rows in source.pieces:
-            if not checkpoint.has(piece):
-                raise MegatronCheckpointError(f"weights missing from the checkpoint: {piece}")
-            stored = tuple(checkpoint.info(piece).shape)
-            if rows is None and len(source.pieces) == 1 and stored != shapes[name]:
-                raise MegatronCheckpointError(f"{piece} is {list(stored)} in the checkpoint; the model's arguments "
-                                              f"give {list(shapes[name])}")
+    check_sources(checkpoint, shapes, sources, "the MTP head's ")
     used = {piece for source in sources.values() for piece, _ in source.pieces}
     depths = tuple(f"mtp.layers.{d}." for d in range(own_depths(checkpoint)))
     for name in checkpoint.names():
