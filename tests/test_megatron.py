@@ -19,6 +19,7 @@ from helpers import FIXTURES, by_fixture
 from gdn_export.cli import main as cli
 from gdn_export.hf.check import compare_logits, session_logits
 from gdn_export.hf.checkpoint import model_in_memory
+from gdn_export.megatron.checkpoint import MegatronCheckpointError
 from gdn_export.megatron.family import open_megatron
 
 MIXERS = ("gdn", "gdn2", "gdp", "tp2", "tp2_legacy", "pp2", "pp2_legacy", "moe", "moe_legacy", "moe_sigmoid", "moe_tp2", "moe_tp2_legacy", "moe_mtp", "moe_sqrtsoftplus", "moe_softmax_groups", "moe_softmax_pre_groups", "gpt", "gpt_interleaved", "gpt_mtp", "layernorm", "layernorm_1p", "mamba2", "moe_bias", "ep2", "ep2_legacy", "bridge_qwen3_next", "bridge_qwen3_next_tp2",
@@ -56,7 +57,12 @@ def judge(mixer: str, actual: np.ndarray, expected: np.ndarray) -> None:
     assert result.ok, f"{mixer}: {result}"
 
 
-@pytest.mark.parametrize("mixer", MIXERS + SAME_LAYERS)
+# MTP layers other than Qwen3-Next's, built by the decoder's own layer code: LayerNorm with biases, no output gate,
+# a dense MLP ('/*-'); sigmoid routing with an expert bias, groups and a scaling; MoE biases without a shared expert
+MTP_OTHER = ("layernorm_mtp", "moe_sigmoid_mtp", "moe_bias_mtp")
+
+
+@pytest.mark.parametrize("mixer", MIXERS + SAME_LAYERS + MTP_OTHER)
 def test_eager_model_matches_megatron(mixer):
     """gdn_export's eager model of the checkpoint (the conversion's reference) against Megatron's forward."""
     family, layout, _, weights = open_megatron(FIXTURES / f"megatron_{mixer}")
@@ -85,7 +91,7 @@ MTP = ("moe_mtp", "gpt_mtp", "bridge_qwen3_next_mtp", "bridge_qwen3_5_mtp")
 MTP_DEEP = ("moe_mtp_repeated", "moe_mtp_2depths")
 
 
-@pytest.mark.parametrize("mixer", MTP + MTP_DEEP)
+@pytest.mark.parametrize("mixer", MTP + MTP_OTHER + MTP_DEEP)
 def test_mtp_head_matches_megatrons_multi_token_prediction(mixer):
     """The Megatron MTP block mapped onto the published mtp.* head (``models.mtp.MTPHead``), fed what Megatron's
     ``MultiTokenPredictionBlock`` reads (the decoder's output after its final norm, the next token at each
@@ -109,18 +115,21 @@ def test_mtp_head_matches_megatrons_multi_token_prediction(mixer):
                 steps.append(logits)
         judge(f"{mixer} (MTP head)", whole.numpy(), expected)
         judge(f"{mixer} (MTP head, cached steps)", torch.cat(steps, dim=1).numpy(), expected)
-    if mixer == "moe_mtp_repeated":  # depth 2: the same layer on depth 1's output, the ids rolled once more
+    if mixer in MTP_DEEP:  # depth 2 on depth 1's output, the ids rolled once more: the same layer
+        # (mtp_use_repeated_layer) or depth 2's own weights (mtp.layers.1.*), read as a head of its own
+        second = head if mixer == "moe_mtp_repeated" else read_megatron_mtp_head(FIXTURES / f"megatron_{mixer}",
+                                                                                 depth=2)
         next2 = torch.from_numpy(data["mtp2_next_ids"])
         assert torch.equal(next2[:, :-1], next_ids[:, 1:]) and not next2[:, -1].any()
         with torch.no_grad():
             own = head(torch.from_numpy(data["mtp_input_hidden"]), next_ids, *head.empty_cache(2))[1]
             for hidden in (own, torch.from_numpy(data["mtp2_input_hidden"])):
-                judge(f"{mixer} (MTP head, depth 2)", head(hidden, next2, *head.empty_cache(2))[0].numpy(),
+                judge(f"{mixer} (MTP head, depth 2)", second(hidden, next2, *second.empty_cache(2))[0].numpy(),
                       data["mtp2_logits"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", by_fixture(*(f"megatron_{m}" for m in MTP)))
+@pytest.mark.parametrize("name", by_fixture(*(f"megatron_{m}" for m in MTP + MTP_OTHER)))
 def test_converted_mtp_head_in_tract_matches_megatron(name, shared_session):
     """``gdn-export convert fixtures/megatron_moe_mtp``: the archive carries the Megatron MTP block as its MTP head
     (``mtp.nnef.tgz``); the main graph's ``hidden`` (prefill 16, then one token at a time, batch 2) fed to the head
@@ -161,15 +170,15 @@ def test_mtp_block_is_read_and_reported(monkeypatch):
 
     folder = FIXTURES / "megatron_moe_mtp"
     _, _, _, weights = open_megatron(folder)
-    assert "an MTP head of 1 depth (MoE" in weights.summary(), weights.summary()
-    config, sources = weights.mtp
-    assert config.num_experts == 4 and sources["mtp.fc.weight"].pieces == [("mtp.layers.0.eh_proj.weight", None)]
+    assert "an MTP head of 1 depth (attention + MoE; the decoder's layers)" in weights.summary(), weights.summary()
+    assert weights.mtp.config.num_experts == 4
+    assert weights.mtp.sources["fc.weight"].pieces == [("mtp.layers.0.eh_proj.weight", None)]
     assert open_megatron(FIXTURES / "megatron_moe")[3].mtp is None
     repeated = open_megatron(FIXTURES / "megatron_moe_mtp_repeated")[3]
     assert "an MTP head of 1 layer that Megatron runs at 2 depths (mtp_use_repeated_layer)" in repeated.summary()
     own = open_megatron(FIXTURES / "megatron_moe_mtp_2depths")[3]
     assert "an MTP head of depth 1 of 2 (depth 2, with weights of its own, left out" in own.summary()
-    assert all(piece.startswith("mtp.layers.0.") for sources_of in own.mtp[1].values() for piece, _ in sources_of.pieces)
+    assert all(piece.startswith("mtp.layers.0.") for source in own.mtp.sources.values() for piece, _ in source.pieces)
     alone = read_megatron_mtp_head(folder).state_dict()
     opened, init = [], MegatronCheckpoint.__init__
     monkeypatch.setattr(MegatronCheckpoint, "__init__", lambda self, *a, **k: opened.append(a) or init(self, *a, **k))
@@ -182,10 +191,9 @@ def test_mtp_block_is_read_and_reported(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("change, message", [
     ({"hybrid_layer_pattern": "GE*EGE/*E/*E"}, "the checkpoint has no mtp.layers.1.*"),
-    ({"hybrid_layer_pattern": "GE*EGE/G-"}, "multi-token prediction pattern '/G-'"),
-    ({"apply_layernorm_1p": False, "layernorm_zero_centered_gamma": False}, "norms that are not zero-centred"),
-    ({"moe_router_score_function": "sigmoid"}, "sigmoid routing scores"),
-], ids=["two-depths", "gdn-layer", "plain-norms", "sigmoid"])
+    ({"hybrid_layer_pattern": "GE*EGE/G-"}, "multi-token prediction pattern '/G-' has a delta-rule mixer ('G')"),
+    ({"hybrid_layer_pattern": "GE*EGE/*E*E"}, "multi-token prediction pattern '/*E*E' has not one attention layer"),
+], ids=["two-depths", "gdn-layer", "two-attention-layers"])
 def test_mtp_blocks_the_head_does_not_compute_are_left_out_with_the_reason(tmp_path, capsys, change, message):
     """An MTP block the head does not compute: the model converts as before, without an MTP head, and the report
     (its weights line and its MTP line) says why, as for a Hugging Face checkpoint's unreadable mtp.* layout."""
@@ -473,6 +481,12 @@ def test_pipeline_chunks_match_megatrons_layer_offsets():
         got = [[[start if count else expected[0], count] for (start, count), expected in zip(stage, stage_ref)]
                for stage, stage_ref in zip(chunks, split["chunks"])]
         assert got == split["chunks"], args
+    # both the first and the last stage's sizes with no middle stage and virtual stages: Megatron's
+    # get_transformer_layer_offset divides by the 0 middle stages; one stage given both: its TransformerConfig refuses
+    for stages, virtual in ((2, 2), (1, 2)):
+        with pytest.raises(MegatronCheckpointError, match="no middle stage"):
+            pipeline_chunks(dict(num_layers=8, decoder_first_pipeline_num_layers=4,
+                                 decoder_last_pipeline_num_layers=4), stages, virtual)
 
 
 @pytest.mark.parametrize("first, second", [("pp2_vpp", "pp2_vpp_legacy"),
@@ -491,24 +505,35 @@ def test_one_model_saved_two_ways_reads_alike(first, second):
     for name, entry in one.entries.items():
         np.testing.assert_array_equal(entry.read().numpy(), two.entries[name].read().numpy(), err_msg=name)
     assert (one.mtp is None) == (two.mtp is None)
-    for name, entry in (one.mtp[1] if one.mtp else {}).items():
-        np.testing.assert_array_equal(entry.read().numpy(), two.mtp[1][name].read().numpy(), err_msg=name)
+    for name, entry in (one.mtp.sources if one.mtp else {}).items():
+        np.testing.assert_array_equal(entry.read().numpy(), two.mtp.sources[name].read().numpy(), err_msg=name)
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
 def test_bridge_made_mtp_head_is_the_hugging_face_head_it_came_from(name):
     """``megatron_bridge_qwen3_next_mtp`` / ``_qwen3_5_mtp``: the bundled fixture (its first 2 layers) through
-    Megatron-Bridge's HF -> Megatron conversion with its ``mtp.*`` head (MoE / dense) (Bridge's MTP mappings: ``eh_proj``, ``enorm``, ``hnorm``,
-    ``mtp_model_layer.*`` ...): the head gdn_export reads from the Megatron checkpoint holds the very tensors of the
-    Hugging Face head (read by ``hf.mtp.read_mtp_head`` from ``fixtures/<name>``)."""
+    Megatron-Bridge's HF -> Megatron conversion with its ``mtp.*`` head (MoE / dense) (Bridge's MTP mappings:
+    ``eh_proj``, ``enorm``, ``hnorm``, ``mtp_model_layer.*`` ...): the head gdn_export builds from the Megatron
+    checkpoint (the decoder's layers) computes what the Hugging Face head computes (the published layout, read by
+    ``hf.mtp.read_mtp_head`` from ``fixtures/<name>``), on the same random states and ids, in every position and
+    on a cache."""
     from gdn_export.hf.mtp import read_mtp_head
     from gdn_export.megatron.mtp import read_megatron_mtp_head
 
-    megatron = read_megatron_mtp_head(FIXTURES / f"megatron_bridge_{name}_mtp").state_dict()
-    hugging_face = read_mtp_head(FIXTURES / name).state_dict()
-    assert megatron.keys() == hugging_face.keys() and len(megatron) > 10
-    for name, value in hugging_face.items():
-        assert torch.equal(megatron[name], value), name
+    megatron = read_megatron_mtp_head(FIXTURES / f"megatron_bridge_{name}_mtp")
+    hugging_face = read_mtp_head(FIXTURES / name)
+    assert megatron.parts is not None and hugging_face.parts is None
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 12, hugging_face.config.hidden_size, generator=gen)
+    ids = torch.randint(0, hugging_face.config.vocab_size, (2, 12), generator=gen)
+    outputs = []
+    with torch.no_grad():
+        for head in (megatron, hugging_face):  # 8 positions from an empty cache, then 4 on it
+            first = head(hidden[:, :8], ids[:, :8], *head.empty_cache(2))
+            outputs.append((first, head(hidden[:, 8:], ids[:, 8:], *first[2:])))
+    for got, want in zip(*outputs):
+        judge(f"{name} (logits)", got[0].numpy(), want[0].numpy())
+        judge(f"{name} (hidden)", got[1].numpy(), want[1].numpy())
 
 
 def _legacy_rank_args(folder: Path, **changes) -> Path:
@@ -584,6 +609,9 @@ def test_legacy_saved_with_context_parallelism_or_the_tp_pp_dp_order(tmp_path, c
                          ("moe_cp2_etp1_legacy", "expert-parallel size 4, context-parallel size 2 (experts: "),
                          ("moe_etp1_tppdp_legacy", "expert-parallel size 2 (ranks numbered tp-pp-dp) (experts: ")):
         assert saved in open_megatron(FIXTURES / f"megatron_{mixer}")[3].summary()
+    # moe_cp2_etp1 has no attention layer (its args' attention_output_gate, rotary_percent stay unnamed)
+    summary = open_megatron(FIXTURES / "megatron_moe_cp2_etp1_legacy")[3].summary()
+    assert "rotary" not in summary and "attention" not in summary and "MoE (4 experts" in summary, summary
     folder = _copy(tmp_path, "moe_cp2_etp1_legacy")
     shutil.rmtree(folder / "iter_0000001" / "mp_rank_00_002")
     refused(capsys, folder, tmp_path / "m.nnef.tgz", "lacks mp_rank_00_002")
@@ -723,6 +751,43 @@ def test_grouped_gemm_legacy_experts_read_the_same_model(tmp_path, mixer):
     tokens, expected = golden(mixer)
     with torch.no_grad():
         judge(mixer, model(torch.from_numpy(tokens)).logits.numpy(), expected)
+
+
+def test_grouped_gemm_legacy_experts_over_expert_parallel_ranks_read_the_same_model(tmp_path, capsys):
+    """``moe_bias_legacy`` rewritten as 2 expert-parallel ranks would save it with ``TEGroupedMLP`` experts
+    (``mp_rank_00_000`` / ``_001``, each with its 2 local experts' ``linear_fc1.weight<i>`` / ``bias<i>``, i from
+    0; the other tensors on both): every expert's weight and bias renumbered to its global index, the same model
+    (one rank file in torch's pre-1.6 format, loaded whole: torch maps only its zip format); ``num_experts`` not a
+    multiple of the expert-parallel size is a one-line error."""
+    import re
+
+    folder = _copy(tmp_path, "moe_bias_legacy")
+    iteration = folder / "iter_0000001"
+    state = torch.load(iteration / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    shutil.rmtree(iteration / "mp_rank_00")
+    vars(state["args"]).update(expert_model_parallel_size=2)
+    model = state["model"]
+    for rank in range(2):
+        local = {}
+        for name, value in model.items():
+            match = re.fullmatch(r"(.*experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)", name)
+            if match is None:
+                local[name] = value
+            elif int(match[2]) // 2 == rank:
+                local[f"{match[1]}{match[3]}.{match[4]}{int(match[2]) % 2}"] = value
+        (iteration / f"mp_rank_00_{rank:03d}").mkdir()
+        # rank 1 in torch's pre-1.6 format, which torch cannot map: loaded whole (a typed check of the format)
+        torch.save(dict(state, model=local), iteration / f"mp_rank_00_{rank:03d}" / "model_optim_rng.pt",
+                   _use_new_zipfile_serialization=rank == 0)
+    family, layout, _, weights = open_megatron(folder)
+    pieces = [piece for source in weights.entries.values() for piece, _ in source.pieces]
+    assert any(piece.endswith(".linear_fc1.bias3") for piece in pieces)
+    tokens, expected = golden("moe_bias_legacy")
+    with torch.no_grad():
+        judge("moe_bias over 2 expert-parallel ranks", model_in_memory(family, layout, weights)(
+            torch.from_numpy(tokens)).logits.numpy(), expected)
+    _legacy_rank_args(folder, num_experts=5)
+    refused(capsys, folder, tmp_path / "m.nnef.tgz", "num_experts 5 is not a multiple of the expert-parallel size 2")
 
 
 def test_gpt_model_layers_are_read_per_transformer_layer():

@@ -28,6 +28,7 @@ import math
 import os
 import pickle
 import re
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,9 +48,53 @@ BRIDGE_CONFIG_LIMIT = 256 << 10
 MAX_TENSOR_ELEMENTS = 1 << 40
 MAX_CHUNKS = 1 << 16
 LEGACY_RANK = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
-# a legacy expert's name: SequentialMLP's local_experts.<i>. or TEGroupedMLP's linear_fc<n>.weight<i>, i local to
-# the expert-parallel rank
-LEGACY_EXPERT = re.compile(r"(.*\.mlp\.experts\.)(?:local_experts\.(\d+)(\..*)|(linear_fc[12]\.weight)(\d+))")
+# The names Megatron gives a routed expert's tensors, in one place (every reader of expert names goes through
+# expert_names / stacked_expert_name / parse_legacy_expert): torch_dist stacks the experts of a layer
+# (``<mlp>experts.experts.<linear>.<param>``, expert axis first); a legacy save holds one tensor per expert,
+# SequentialMLP's ``<mlp>experts.local_experts.<i>.<linear>.<param>`` or TEGroupedMLP's
+# ``<mlp>experts.<linear>.<param><i>`` (weight and bias alike), i local to the expert-parallel rank.
+LEGACY_EXPERT = re.compile(r"(.*\.mlp\.experts\.)(?:local_experts\.(\d+)\.(.*)|(linear_fc[12]\.(?:weight|bias))(\d+))")
+
+
+@dataclass(frozen=True)
+class LegacyExpert:
+    """A legacy per-expert tensor name, parsed: ``experts`` (the prefix up to ``experts.``), the expert's index,
+    ``tensor`` (``linear_fc1.weight``, ``linear_fc2.bias``...) and whether TEGroupedMLP names it (index last)."""
+
+    experts: str
+    index: int
+    tensor: str
+    grouped: bool
+
+    def name(self, index: int | None = None) -> str:
+        """The name with ``index`` (default: its own) in the same layout."""
+        return expert_names(self.experts, self.tensor, self.index if index is None else index)[self.grouped]
+
+    @property
+    def unnumbered(self) -> str:
+        """The name without its expert index, as a layer's tensor (``...experts.linear_fc1.weight``)."""
+        return f"{self.experts}{self.tensor}"
+
+
+def parse_legacy_expert(name: str) -> LegacyExpert | None:
+    """``name`` as a legacy per-expert tensor (``LEGACY_EXPERT``), None when it is none."""
+    match = LEGACY_EXPERT.fullmatch(name)
+    if match is None:
+        return None
+    if match[2] is not None:
+        return LegacyExpert(match[1], int(match[2]), match[3], False)
+    return LegacyExpert(match[1], int(match[5]), match[4], True)
+
+
+def expert_names(experts: str, tensor: str, index: int) -> tuple[str, str]:
+    """Expert ``index``'s ``tensor`` (``linear_fc1.weight``...) under ``experts`` (``<mlp>experts.``) as a legacy
+    save names it: (SequentialMLP's, TEGroupedMLP's)."""
+    return f"{experts}local_experts.{index}.{tensor}", f"{experts}{tensor}{index}"
+
+
+def stacked_expert_name(experts: str, tensor: str) -> str:
+    """A layer's routed experts' ``tensor`` stacked (torch_dist, expert axis first) under ``experts``."""
+    return f"{experts}experts.{tensor}"
 
 
 class MegatronCheckpointError(CheckpointError):
@@ -406,6 +451,9 @@ class MegatronCheckpoint:
                                                                             else "") + " grid of its args")
         virtual = _virtual_stages(states[first], iteration / first / LEGACY_FILE, self.args)
         chunks = pipeline_chunks(self.args, pp, virtual)
+        if experts and experts % ep:  # Megatron asserts it: each expert-parallel rank holds num_experts / EP
+            raise MegatronCheckpointError(f"{iteration}: num_experts {experts} is not a multiple of the "
+                                          f"expert-parallel size {ep} (each expert-parallel rank holds an equal share)")
         local_experts = experts // ep
         hidden = int(self.args.get("hidden_size") or 0)
         # the dense layers' shards by tensor-parallel rank, the experts' by expert tensor-parallel rank
@@ -419,7 +467,7 @@ class MegatronCheckpoint:
                 stage = self._stage_model(state, path, s, chunks[s])
                 for name, value in _split_grouped_mlp(stage, local_experts, hidden, path).items():
                     name = _global_expert(name, e, local_experts, path) if ep > 1 else name
-                    merged = expert[et] if LEGACY_EXPERT.fullmatch(name) else dense[t]
+                    merged = expert[et] if parse_legacy_expert(name) else dense[t]
                     if name in merged and not torch.equal(merged[name], value):
                         raise MegatronCheckpointError(f"{name} differs between the pipeline stages or "
                                                       f"expert-parallel ranks of tensor-parallel rank {t}")
@@ -440,12 +488,8 @@ class MegatronCheckpoint:
             raise MegatronCheckpointError(f"{path} is missing")
         # mapped, not loaded: a rank's file is read tensor by tensor as the conversion reads them (the page cache
         # holds what was read), so a checkpoint of several ranks is not held in memory at once
-        try:
-            state = safe_torch_load(str(path), str(path), mmap=True)
-        except MegatronCheckpointError as err:  # a file of torch's pre-1.6 format cannot be mapped: loaded whole
-            if "mmap" not in str(err):
-                raise
-            state = safe_torch_load(str(path), str(path))
+        # torch maps only its zip format (torch.save since 1.6); a file of the older format is loaded whole
+        state = safe_torch_load(str(path), str(path), mmap=zipfile.is_zipfile(path))
         if not isinstance(state, dict) or not (isinstance(state.get("model"), dict) or
                                                isinstance(state.get("model0"), dict)):
             raise MegatronCheckpointError(f"{path} holds no 'model' state dict (nor model0, model1... of virtual "
@@ -582,7 +626,7 @@ def _split_grouped_mlp(tensors: dict[str, torch.Tensor], local: int, hidden: int
                                           f"local experts of hidden size {hidden}")
         stacked = value.reshape(local, hidden, -1) if match[2] == "1" else value.reshape(local, -1, hidden)
         for i in range(local):
-            out[f"{match[1]}linear_fc{match[2]}.weight{i}"] = stacked[i].t()
+            out[expert_names(match[1], f"linear_fc{match[2]}.weight", i)[1]] = stacked[i].t()
     return out
 
 
@@ -605,15 +649,12 @@ def _virtual_stages(state: dict, path: Path, args: dict) -> int:
 def _global_expert(name: str, rank: int, local: int, path: Path) -> str:
     """A legacy expert tensor's name with its expert-parallel rank's local index made global (``rank · local + i``);
     other names unchanged. A local index outside the rank's ``local`` experts is an error."""
-    match = LEGACY_EXPERT.fullmatch(name)
-    if match is None:
+    expert = parse_legacy_expert(name)
+    if expert is None:
         return name
-    index = int(match[2] if match[2] is not None else match[5])
-    if index >= local:
+    if expert.index >= local:
         raise MegatronCheckpointError(f"{path}: {name} is outside the {local} experts of an expert-parallel rank")
-    if match[2] is not None:
-        return f"{match[1]}local_experts.{rank * local + index}{match[3]}"
-    return f"{match[1]}{match[4]}{rank * local + index}"
+    return expert.name(rank * local + expert.index)
 
 
 def _layout_layers(layout: str) -> list[int]:
@@ -666,6 +707,11 @@ def _chunk_counts(args: dict, stages: int, virtual: int, layers: int, hybrid: bo
                                           "needs '|' in the pattern for virtual stages)")
         given = [n for n in (first, last) if n is not None]
         middle_stages = stages - len(given)
+        if middle_stages < 0 or (virtual > 1 and middle_stages == 0 and len(given) == 2):
+            # one stage given both sizes: Megatron's TransformerConfig refuses it; virtual stages with no middle
+            # stage: its get_transformer_layer_offset divides by the 0 middle stages (no run saves either)
+            raise MegatronCheckpointError(f"{first} layers on the first pipeline stage and {last} on the last with "
+                                          f"{where}: Megatron cannot place them (no middle stage)")
         middle = layers - sum(given)
         if any(n <= 0 or n % virtual for n in given) or middle < 0 or (middle_stages == 0) != (middle == 0) or \
                 (middle_stages and middle % (middle_stages * virtual)):
@@ -743,7 +789,9 @@ _BLOCKED = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "conv1d_weight", "
 
 def tensor_parallel_axis(name: str) -> int | None:
     """The axis Megatron splits ``name`` over tensor-parallel ranks, None when it is replicated."""
-    name = re.sub(r"\.(weight|bias)\d+$", r".\1", name)  # TEGroupedMLP's per-expert linear_fc1.weight<e> / bias<e>
+    expert = parse_legacy_expert(name)
+    if expert is not None and expert.grouped:  # TEGroupedMLP's per-expert linear_fc1.weight<e> / bias<e>
+        name = expert.unnumbered
     if name.endswith(_ROW_PARALLEL):
         return 1
     if name.endswith(_COLUMN_PARALLEL):
@@ -770,7 +818,8 @@ def merge_tensor_parallel(name: str, shards: list[torch.Tensor], blocks: list[in
         raise MegatronCheckpointError(f"{name}: tensor-parallel shards of unequal shapes "
                                       f"{[list(s.shape) for s in shards]}")
     if blocks is None:
-        if name.endswith(_BLOCKED) or re.search(r"experts\.(local_experts\.\d+\.)?linear_fc1\.(weight|bias)\d*$", name):
+        expert = parse_legacy_expert(name)
+        if name.endswith(_BLOCKED) or (expert is not None and expert.tensor.startswith("linear_fc1.")):
             raise MegatronCheckpointError(f"{name}: a fused projection without a known part layout")
         return torch.cat(shards, dim=axis)
     if any(size % ranks for size in blocks) or sum(blocks) != first.shape[0] * ranks:

@@ -12,7 +12,8 @@ from gdn_export.hf.checkpoint import CheckpointWeights
 from gdn_export.hf.families.base import Family
 from gdn_export.hf.families.fla import FlaLM
 from gdn_export.hf.layout import Layout
-from gdn_export.megatron.checkpoint import MegatronCheckpoint, MegatronCheckpointError, MegatronSource
+from gdn_export.megatron.checkpoint import (MegatronCheckpoint, MegatronCheckpointError, MegatronSource, expert_names,
+                                            stacked_expert_name)
 from gdn_export.layers.common import LayerNorm, RMSNorm
 from gdn_export.megatron.mtp import mtp_depths, mtp_sources, own_depths
 from gdn_export.models.mtp import SKIPPED as MTP_TENSORS
@@ -90,6 +91,10 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
         if condition:
             raise MegatronCheckpointError(f"{what} is not supported")
 
+    # the layers the arguments must describe: the decoder's and a HybridModel's MTP layers (after '/'; a GPTModel's
+    # MTP layer is its last layer's kind)
+    raw = _arg(args, "hybrid_layer_pattern", "hybrid_override_pattern", default="")
+    every = pattern + ("".join(raw.split("/")[1:]) if isinstance(raw, str) else "")
     # Megatron-LM's arguments default to LayerNorm and add_bias_linear (its GPT defaults)
     normalization = _arg(args, "normalization", default="LayerNorm")
     refuse_if(normalization not in ("RMSNorm", "LayerNorm"), f"normalization {normalization!r} (RMSNorm or LayerNorm)")
@@ -101,11 +106,11 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
     refuse_if(interleaved and "*" in str(_arg(args, "hybrid_layer_pattern", "hybrid_override_pattern", default="")),
               "rotary_interleaved in a HybridModel (its rotary table is built in halves while pairs of adjacent "
               "channels are rotated: not a rotation; GPTModels with rotary_interleaved are read)")
-    if "*" in pattern:
+    if "*" in every:
         refuse_if(_arg(args, "position_embedding_type", default="rope") != "rope",
                   f"position_embedding_type {_arg(args, 'position_embedding_type')!r} (only rope)")
     swiglu, squared = bool(_arg(args, "swiglu", default=False)), bool(_arg(args, "squared_relu", default=False))
-    if "-" in pattern and not (swiglu or squared):
+    if "-" in every and not (swiglu or squared):
         raise MegatronCheckpointError("the MLP activation is neither swiglu nor squared_relu (only those are supported)")
     variant = _arg(args, "experimental_attention_variant", default="gdn")
     refuse_if("G" in pattern and variant not in ("gdn", "gdn2", "gated_delta_net"),
@@ -116,7 +121,7 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
                  else heads)
     kv_channels = int(_arg(args, "kv_channels", default=hidden // heads))
     rotary_dim = int(kv_channels * float(_arg(args, "rotary_percent", default=1.0) or 1.0))
-    if "*" in pattern:  # what the attention computes otherwise than scaled dot products on plain rotary: refused
+    if "*" in every:  # what the attention computes otherwise than scaled dot products on plain rotary: refused
         scale = _arg(args, "softmax_scale")
         refuse_if(scale is not None and abs(float(scale) - kv_channels ** -0.5) > 1e-9 * kv_channels ** -0.5,
                   f"softmax_scale {scale} (attention scales by kv_channels ** -0.5 = {kv_channels ** -0.5:.6g})")
@@ -126,9 +131,9 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
         refuse_if(factor not in (None, 1, 1.0), f"rotary_seq_len_interpolation_factor {factor} (plain rotary only)")
         refuse_if(_arg(args, "mrope_section") is not None,
                   f"mrope_section {_arg(args, 'mrope_section')} (multimodal rotary; plain rotary only)")
-    if "E" in pattern:  # the experts are SwiGLU (MegatronMoE)
+    if "E" in every:  # the experts are SwiGLU (MegatronMoE)
         refuse_if(not swiglu, "MoE experts without swiglu (only SwiGLU experts)")
-    if "*" in pattern:
+    if "*" in every:
         refuse_if(rotary_dim % 2 or not 0 < rotary_dim <= kv_channels,
                   f"rotary_percent {_arg(args, 'rotary_percent')} ({rotary_dim} of {kv_channels} channels; an even "
                   "number of at least 2)")
@@ -180,7 +185,7 @@ def read_config(checkpoint: MegatronCheckpoint) -> MegatronConfig:
         gdp_num_householder=int(_arg(args, "gdp_num_householder", default=3)), gdp_conv_kernel_dim=gdp_conv,
         attention_output_gate=bool(_arg(args, "attention_output_gate", default=False)),
         rotary_dim=rotary_dim if rotary_dim != kv_channels else 0, rotary_interleaved=interleaved,
-        **(_moe_config(args, hidden) if "E" in pattern else {}),
+        **(_moe_config(args, hidden) if "E" in every else {}),
         moe_layers=[i for s, i in layers if s == "E"], normalization=normalization, add_bias_linear=bias,
         lead_mlps=lead)
 
@@ -306,13 +311,7 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
         used.update(piece for piece, _ in source.pieces)
 
     def put_norm(param: str, *names: str) -> None:
-        """A norm's ``weight`` from the first of ``names`` the checkpoint holds and, for a LayerNorm, its ``bias``
-        stored beside it (``...layer_norm_bias`` beside ``...layer_norm_weight``, ``<norm>.bias``)."""
-        weight = _whole(checkpoint, shapes[param + ".weight"], *names)
-        put(param + ".weight", weight)
-        if config.normalization == "LayerNorm":
-            put(param + ".bias", _whole(checkpoint, shapes[param + ".bias"],
-                                        weight.pieces[0][0].removesuffix("weight") + "bias"))
+        norm_sources(checkpoint, config, shapes, put, param, *names)
 
     put("model.embeddings.weight", _whole(checkpoint, shapes["model.embeddings.weight"], "embedding.word_embeddings.weight"))
     put_norm("model.norm", "decoder.final_norm.weight", "decoder.final_layernorm.weight")
@@ -322,9 +321,7 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
         layer, prefix = f"decoder.layers.{index}.", f"model.layers.{b}."
         mixer = model.model.layers[b].attn
         if kind == "attention":
-            put_norm(prefix + "attn_norm", layer + "self_attention.linear_qkv.layer_norm_weight",
-                     layer + "input_layernorm.weight")
-            _attention_sources(checkpoint, config, layer + "self_attention.", prefix + "attn.", shapes, put)
+            attention_layer_sources(checkpoint, config, shapes, put, prefix + "attn_norm", prefix + "attn.", layer)
             continue
         mamba = kind in ("gdp", "mamba2")  # a MambaLayer: its mixer and pre-norm names
         where = layer + ("mixer." if mamba else "self_attention.")
@@ -360,32 +357,15 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
                   for b, (_, _, mlps) in enumerate(config.blocks) for j, index in enumerate(mlps)]
     mlp_layers += [(f"model.lead_norms.{j}", f"model.lead_mlps.{j}.", index) for j, index in enumerate(config.lead_mlps)]
     for norm, prefix, index in mlp_layers:
-        layer = f"decoder.layers.{index}."
-        put_norm(norm, layer + "mlp.linear_fc1.layer_norm_weight", layer + "pre_mlp_layernorm.weight")
-        if index in config.moe_layers:
-            _moe_sources(checkpoint, config, layer + "mlp.", prefix, shapes, put)
-        else:
-            _mlp_sources(checkpoint, config, layer + "mlp.", prefix, put)
-    if zero_centred(checkpoint.args):  # every norm Megatron builds from its config (1 + w; a LayerNorm's bias as
-        for name, module in model.named_modules():  # stored); not GDP's gated norm
-            if isinstance(module, (RMSNorm, LayerNorm)):
-                sources[name + ".weight"].offset = 1.0
-    missing = sorted(set(shapes) - set(sources))
-    if missing:
-        raise MegatronCheckpointError(f"no checkpoint tensor for {', '.join(missing[:5])}")
-    for name, source in sources.items():
-        for piece, rows in source.pieces:
-            if not checkpoint.has(piece):  # a part of a fused tensor (rows of linear_qkv, ...) the args ask for
-                raise MegatronCheckpointError(f"weights missing from the checkpoint: {piece}")
-            info = checkpoint.info(piece)
-            if rows is None and len(source.pieces) == 1 and info.shape != shapes[name]:
-                raise MegatronCheckpointError(f"{piece} is {list(info.shape)} in the checkpoint; the model's "
-                                              f"arguments give {list(shapes[name])}")
+        mlp_layer_sources(checkpoint, config, shapes, put, norm, prefix, f"decoder.layers.{index}.",
+                          index in config.moe_layers)
+    zero_centred_norms(model, sources, checkpoint.args)
+    check_sources(checkpoint, shapes, sources, "")
     skipped: Counter = Counter()
     for name in checkpoint.names():
         if name in used:
             continue
-        if name.startswith("mtp."):  # mapped onto the published mtp.* head by megatron.mtp (checked there)
+        if name.startswith("mtp."):  # read as the MTP head by megatron.mtp (checked there)
             skipped[MTP_TENSORS] += 1
         elif name.endswith("rotary_pos_emb.inv_freq") or name.endswith("_extra_state"):
             skipped["buffers"] += 1
@@ -394,6 +374,62 @@ def parameter_sources(model: MegatronHybridLM, checkpoint: MegatronCheckpoint) -
         else:
             raise MegatronCheckpointError(f"the checkpoint has {name}, which the model's arguments do not describe")
     return sources, skipped
+
+
+def check_sources(checkpoint, shapes: dict, sources: dict, what: str) -> None:
+    """Every parameter of ``shapes`` has a source, every piece is in the checkpoint, and a whole tensor has the
+    parameter's shape (``what``: whose parameters, for the message)."""
+    missing = sorted(set(shapes) - set(sources))
+    if missing:
+        raise MegatronCheckpointError(f"no checkpoint tensor for {what}{', '.join(missing[:5])}")
+    for name, source in sources.items():
+        for piece, rows in source.pieces:
+            if not checkpoint.has(piece):  # a part of a fused tensor (rows of linear_qkv, ...) the args ask for
+                raise MegatronCheckpointError(f"weights missing from the checkpoint: {piece}")
+            info = checkpoint.info(piece)
+            if rows is None and len(source.pieces) == 1 and info.shape != shapes[name]:
+                raise MegatronCheckpointError(f"{piece} is {list(info.shape)} in the checkpoint; the model's "
+                                              f"arguments give {list(shapes[name])}")
+
+
+def norm_sources(checkpoint, config: MegatronConfig, shapes: dict, put, param: str, *names: str) -> None:
+    """A norm's ``weight`` from the first of ``names`` the checkpoint holds and, for a LayerNorm, its ``bias``
+    stored beside it (``...layer_norm_bias`` beside ``...layer_norm_weight``, ``<norm>.bias``)."""
+    weight = _whole(checkpoint, shapes[param + ".weight"], *names)
+    put(param + ".weight", weight)
+    if config.normalization == "LayerNorm":
+        put(param + ".bias", _whole(checkpoint, shapes[param + ".bias"],
+                                    weight.pieces[0][0].removesuffix("weight") + "bias"))
+
+
+def mlp_layer_sources(checkpoint, config: MegatronConfig, shapes: dict, put, norm: str, prefix: str, layer: str,
+                      moe: bool) -> None:
+    """One Megatron MLP or MoE layer (``layer``: its Megatron prefix, ``decoder.layers.<i>.``): its pre-norm as
+    ``norm``, its ``MegatronMLP`` / ``MegatronMoE`` under ``prefix``."""
+    norm_sources(checkpoint, config, shapes, put, norm, layer + "mlp.linear_fc1.layer_norm_weight",
+                 layer + "pre_mlp_layernorm.weight")
+    if moe:
+        _moe_sources(checkpoint, config, layer + "mlp.", prefix, shapes, put)
+    else:
+        _mlp_sources(checkpoint, config, layer + "mlp.", prefix, put)
+
+
+def attention_layer_sources(checkpoint, config: MegatronConfig, shapes: dict, put, norm: str, prefix: str,
+                            layer: str) -> None:
+    """One Megatron attention layer (``layer``: its Megatron prefix): its pre-norm as ``norm``, its attention
+    under ``prefix``."""
+    norm_sources(checkpoint, config, shapes, put, norm, layer + "self_attention.linear_qkv.layer_norm_weight",
+                 layer + "input_layernorm.weight")
+    _attention_sources(checkpoint, config, layer + "self_attention.", prefix, shapes, put)
+
+
+def zero_centred_norms(model: nn.Module, sources: dict, args: dict) -> None:
+    """With zero-centred norms, every norm Megatron builds from its config (``RMSNorm`` / ``LayerNorm`` modules of
+    ``model``) reads ``1 + w`` (a LayerNorm's bias as stored); not GDP's gated norm."""
+    if zero_centred(args):
+        for name, module in model.named_modules():
+            if isinstance(module, (RMSNorm, LayerNorm)):
+                sources[name + ".weight"].offset = 1.0
 
 
 def _mlp_sources(checkpoint, config: MegatronConfig, where: str, prefix: str, put) -> None:
@@ -424,12 +460,11 @@ def _expert_pieces(checkpoint, where: str, linear: str, experts: int, param: str
     sequential and grouped-GEMM experts alike), or one tensor per expert in a legacy checkpoint (``SequentialMLP``:
     ``experts.local_experts.<e>.<linear>.<param>``; ``TEGroupedMLP``: ``experts.<linear>.<param><e>``; the old
     ``GroupedMLP``'s ``weight1`` / ``weight2`` are cut into the latter when the checkpoint is opened)."""
-    stacked = f"{where}experts.experts.{linear}.{param}"
+    stacked = stacked_expert_name(where + "experts.", f"{linear}.{param}")
     if checkpoint.has(stacked):
         return [(stacked, None)]
-    for name_of in (lambda e: f"{where}experts.local_experts.{e}.{linear}.{param}",
-                    lambda e: f"{where}experts.{linear}.{param}{e}"):
-        names = [name_of(e) for e in range(experts)]
+    for layout in range(2):  # SequentialMLP's names, TEGroupedMLP's
+        names = [expert_names(where + "experts.", f"{linear}.{param}", e)[layout] for e in range(experts)]
         if all(checkpoint.has(name) for name in names):
             return [(name, None) for name in names]
     raise MegatronCheckpointError(f"weights missing from the checkpoint: {stacked} (or the {experts} experts' "
@@ -548,9 +583,9 @@ def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
         where = f"decoder.layers.{mlp}.mlp."
         if mlp in config.moe_layers:  # every SwiGLU expert, as SequentialMLP and TEGroupedMLP name them
             for e in range(config.num_experts):
-                for name in (f"experts.local_experts.{e}.linear_fc1.weight", f"experts.linear_fc1.weight{e}",
-                             f"experts.local_experts.{e}.linear_fc1.bias", f"experts.linear_fc1.bias{e}"):
-                    blocks[where + name] = [config.moe_ffn_hidden_size] * 2
+                for param in ("weight", "bias"):
+                    for name in expert_names(where + "experts.", f"linear_fc1.{param}", e):
+                        blocks[name] = [config.moe_ffn_hidden_size] * 2
             if config.moe_shared_expert_size:
                 blocks[where + "shared_experts.linear_fc1.weight"] = [config.moe_shared_expert_size] * 2
         elif config.mlp_activation == "swiglu":
@@ -560,10 +595,10 @@ def fused_blocks(config: MegatronConfig) -> dict[str, list[int]]:
 
 class MegatronWeights(CheckpointWeights):
     """``CheckpointWeights`` whose summary names the checkpoint's format and Megatron layer types; ``mtp``: the
-    MTP head's ``(MTPConfig, {published mtp.* name: MegatronSource})`` (``megatron.mtp``), or None."""
+    MTP head's depth 1 (``megatron.mtp.MegatronMTP``: its config, parts and sources), or None."""
 
     description: str = ""
-    mtp: tuple | None = None
+    mtp: object | None = None
     checkpoint: MegatronCheckpoint | None = None  # the opened folder (the MTP head is read through it)
 
     def summary(self) -> str:
@@ -617,11 +652,12 @@ def describe(config: MegatronConfig, checkpoint: MegatronCheckpoint) -> str:
                     + (", gated shared expert" if config.moe_shared_expert_gate else
                        ", shared expert" if config.moe_shared_expert_size else "")
                     + (", router and expert biases" if config.add_bias_linear else "") + ")")
-    if config.attention_output_gate:
+    attention = any(kind == "attention" for kind, _, _ in config.blocks)  # the args name these for any model
+    if attention and config.attention_output_gate:
         used.append("gated attention output")
-    if config.rotary_dim:
+    if attention and config.rotary_dim:
         used.append(f"rotary on {config.rotary_dim} of {config.kv_channels} channels")
-    if config.rotary_interleaved:
+    if attention and config.rotary_interleaved:
         used.append("interleaved rotary (read as halves over reordered q/k channels)")
     if config.normalization == "LayerNorm":
         used.append("LayerNorm norms")
@@ -671,8 +707,8 @@ def open_megatron(folder: str | os.PathLike):
                                                    "megatron": config})
     weights = MegatronWeights(sources, skipped, None)
     weights.description = describe(config, checkpoint) + (
-        _mtp_summary(checkpoint) + f" ({'MoE' if mtp[0].num_experts else 'dense MLP'}; mapped to the published "
-        "mtp.* names)" if mtp else f", its MTP block left out: {mtp_left_out}" if mtp_left_out else "")
+        _mtp_summary(checkpoint) + f" ({mtp.parts.words}; the decoder's layers)" if mtp
+        else f", its MTP block left out: {mtp_left_out}" if mtp_left_out else "")
     weights.mtp, weights.checkpoint = mtp, checkpoint
     return FAMILY, layout, model, weights
 

@@ -552,3 +552,46 @@ class MegatronHybridLM(FlaForCausalLM):
         for norm, mlp in zip(layer.mlp_norms, layer.mlps):
             x = x + mlp(norm(x))
         return (x, *new_states)
+
+
+class MegatronMTPLayer(nn.Module):
+    """The inner layers of a Megatron MTP depth (``mtp_model_layer``: a HybridModel's MTP pattern, e.g. ``*E`` /
+    ``*-`` / ``*-E``; a GPTModel's ``TransformerLayer`` = its attention and its MLP or MoE) as the decoder's own
+    ``Block``: the attention layer (``build_mixer``, whatever it computes: output gate or not, partial rotary, q/k
+    norms, biases) then the MLP / MoE layers after it (``mlp_layers``: any routing the decoder reads), each with its
+    pre-norm and residual, as ``MegatronHybridLM.layer_step`` runs them. The interface of ``models.mtp``'s
+    ``DecoderLayer`` (``MTPHead``'s inner layer): one KV cache, the attention's.
+
+    The routed experts of its MoE layers run as one ``moe_ffn`` node over ``ExpertStacks`` (``attach_stacks``,
+    registered here: the head is exported alone), as ``family.MegatronLM`` gives the decoder's."""
+
+    def __init__(self, config: MegatronConfig) -> None:
+        super().__init__()
+        kind, _, mlps = config.blocks[0]
+        self.block = Block(config, build_mixer(kind, config, 0), mlps)
+        self.attach_stacks()
+
+    def attach_stacks(self) -> None:
+        """(Re)build the MoE layers' ``ExpertStacks`` from their experts' current weights (after loading them)."""
+        from gdn_export.hf.blocks import ExpertStacks
+
+        stacks = {}
+        for j, mlp in enumerate(self.block.mlps):
+            if isinstance(mlp, MegatronMoE):
+                stacks[str(j)] = ExpertStacks(mlp.experts, mlp.gate)
+                object.__setattr__(mlp, "stacks", stacks[str(j)])
+        self.expert_stacks = nn.ModuleDict(stacks)
+
+    def forward(self, x: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor, positions: torch.Tensor,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``last_only``: the MLP layers (per position) and the output on the last position only."""
+        from gdn_export.models.decoder import Context
+
+        block = self.block
+        out, (key, value) = block.attn.forward_states(block.attn_norm(x), [past_key, past_value], Context(positions))
+        x = x + out
+        if last_only:
+            x = x[:, -1:]
+        for norm, mlp in zip(block.mlp_norms, block.mlps):
+            x = x + mlp(norm(x))
+        return x, key, value

@@ -43,7 +43,7 @@ how a trained head is saved.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -254,6 +254,19 @@ class SplitFC(nn.Module):
         return self.embedding(embedded) + self.hidden(hidden)
 
 
+@dataclass(frozen=True)
+class MTPParts:
+    """How a head other than the published layout builds its norms and its inner layer (a Megatron MTP block of
+    any layer the Megatron decoder computes: ``megatron.mtp``). ``norm(width)`` -> a norm module; ``layer()`` -> a
+    module with ``forward(x, past_key, past_value, positions, last_only) -> (x, key, value)``, as ``DecoderLayer``.
+    Its parameters are named by the module tree, not by the published ``mtp.*`` names (``load_published`` and
+    ``published_state_dict`` are the published layout's only)."""
+
+    norm: Callable[[int], nn.Module]
+    layer: Callable[[], nn.Module]
+    words: str = ""  # what the layer computes, for the report
+
+
 class MTPHead(nn.Module):
     """One MTP step over S positions: ``forward(hidden, next_ids, past_key, past_value) -> (logits, mtp_hidden,
     key, value)``.
@@ -266,20 +279,31 @@ class MTPHead(nn.Module):
     the main model's, shared.
     """
 
-    def __init__(self, config: MTPConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor | None) -> None:
+    def __init__(self, config: MTPConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor | None,
+                 parts: MTPParts | None = None) -> None:
+        """``parts``: how the norms and the inner layer are built (``MTPParts``); None: Qwen3-Next's
+        (``ZeroCentredRMSNorm``, ``DecoderLayer``), the published layout."""
         super().__init__()
-        self.config = config
+        self.config, self.parts = config, parts
         hidden = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.embed_tokens.weight = nn.Parameter(embed_weight.detach().clone(), requires_grad=False)
         self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
         self.lm_head.weight = (self.embed_tokens.weight if head_weight is None else
                                nn.Parameter(head_weight.detach().clone(), requires_grad=False))
-        self.pre_fc_norm_embedding = ZeroCentredRMSNorm(hidden, config.rms_norm_eps)
-        self.pre_fc_norm_hidden = ZeroCentredRMSNorm(hidden, config.rms_norm_eps)
+
+        def norm() -> nn.Module:
+            return ZeroCentredRMSNorm(hidden, config.rms_norm_eps) if parts is None else parts.norm(hidden)
+
+        self.pre_fc_norm_embedding = norm()
+        self.pre_fc_norm_hidden = norm()
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(config)])
-        self.norm = ZeroCentredRMSNorm(hidden, config.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(config) if parts is None else parts.layer()])
+        self.norm = norm()
+
+    def rebuilt(self, embed_weight: torch.Tensor, head_weight: torch.Tensor | None) -> MTPHead:
+        """A head of the same config and parts (its weights fresh): what a check rebuilds from stored weights."""
+        return MTPHead(self.config, embed_weight, head_weight, self.parts)
 
     reads = "final_norm"  # which main-model state it reads: after model.norm (vLLM; see the module doc)
     # True: logits and mtp_hidden of the last position only (the cache of every position): what a drafter reads, the
@@ -396,4 +420,4 @@ def init_random(head: MTPHead, generator: torch.Generator, scale: float = 0.02) 
             param.copy_(torch.randn(param.shape, generator=generator) * std)
 
 
-__all__ = ["MTPConfig", "MTPError", "MTPHead", "init_random"]
+__all__ = ["MTPConfig", "MTPError", "MTPHead", "MTPParts", "init_random"]

@@ -153,8 +153,8 @@ def check_quantized_head(path: Path, head: MTPHead, report, weights: HeadWeights
     from gdn_export.weights import int8
 
     def head_of(entries: dict) -> MTPHead:  # a head of its own (the exported one's tensors are torch-to-nnef's now)
-        made = MTPHead(head.config, entries["embed_tokens.weight"].read(),
-                       entries["lm_head.weight"].read() if "lm_head.weight" in entries else None).split_fc().eval()
+        made = head.rebuilt(entries["embed_tokens.weight"].read(),
+                            entries["lm_head.weight"].read() if "lm_head.weight" in entries else None).split_fc().eval()
         with torch.no_grad():
             for name, param in made.named_parameters():
                 param.copy_(entries[name].read(torch.float32).as_subclass(torch.Tensor))
