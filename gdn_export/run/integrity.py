@@ -86,7 +86,10 @@ class ArchiveCache:
 
         from gdn_export.errors import GdnExportError
 
-        identity = archive_identity(path)
+        try:
+            identity = archive_identity(path)
+        except OSError:  # no file there (any more): ``make`` says so in its own words, nothing is kept
+            return make()
         with self._lock:
             known = self._made.get(identity[0])
             if known is None or known[0] != identity:
