@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
-from gdn_export.run.generation.sampling import Choice, Sampler, SamplingError
+from gdn_export.run.generation.sampling import Choice, Sampler, SamplingError, filtered_probabilities
 from gdn_export.run.integrity import ArchiveCache
 
 if TYPE_CHECKING:
@@ -84,8 +84,8 @@ class SpeculativeConfig:
                                 ("prompt_lookup_min", 1, 64)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                chained = (f" for method mtp (each draft is one more chained call of the MTP head; later ones are "
-                           f"rarely kept)" if name == "num_speculative_tokens" and self.method == "mtp" else "")
+                chained = (" for method mtp (each draft is one more chained call of the MTP head; later ones are "
+                           "rarely kept)" if name == "num_speculative_tokens" and self.method == "mtp" else "")
                 raise SpeculativeError(f"{name} must be an integer in [{low}, {high}]{chained}, got {value!r}", name)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SpeculativeError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
@@ -142,8 +142,6 @@ def chain_drafts(sampler: Sampler, logits: np.ndarray, count: int,
     """``count`` drafts, each from the logits before it: the argmax for a greedy request, else a draw from the
     request's filtered distribution q (returned per draft: the rule's q); ``step(draft)`` gives the logits after a
     draft (not called after the last). What a draft model and an MTP head share."""
-    from gdn_export.run.generation.sampling import filtered_probabilities
-
     params = sampler.params
     greedy = params.greedy or params.top_k == 1
     drafts, probabilities = [], []
