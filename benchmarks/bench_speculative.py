@@ -39,14 +39,18 @@
    PERFORMANCE.md says how to build one): ``--gguf-curve GGUF`` (repeatable: the same 0.8B shape's GGUF, e.g. Q8_0
    beside int8) gives llama.cpp's verify cost curve, ``llama-bench -p 1,...,16 -n 0 -d 128 -t 1`` (a batch of k
    tokens after 128 of context, median of ``--reps``; its seconds are k over its tokens/s); and the trained fixture,
-   converted to an F32 GGUF (``convert_hf_to_gguf.py`` through bench_vs_llamacpp.py's wrapper, pre-tokenizer
-   ``qwen2``), runs ``llama-speculative-simple`` (one thread, a context of 1024) on the same held-out prompts' text
-   (the prompt's token ids decoded; llama.cpp tokenizes it again) in each of llama.cpp's speculative modes that
-   need no draft model (plain decoding as ``ngram-simple`` with an n-gram of 1024 that never matches: ``--spec-type
-   none`` does not start; ``ngram-simple`` with n-grams of 3 and drafts of 4 (ours' nearest) and its defaults (12
-   and 48), ``ngram-map-k``, ``ngram-mod``, ``ngram-cache``) greedy, sampled and over the first
-   32 tokens, and ``draft-mtp`` once to say whether it runs: per mode, tokens per second of its decode loop (its
-   own "decoded N tokens in T seconds" line), its ratio to ``none`` in the same run, drafts kept over drafts made.
+   converted to an F32 GGUF with its MTP head (``convert_hf_to_gguf.py`` through bench_vs_llamacpp.py's wrapper,
+   pre-tokenizer ``qwen2``, without ``--no-mtp``: ``mtp.*`` becomes ``blk.8.nextn.*``), runs
+   ``llama-speculative-simple`` (one thread, a context of 1024) on the same held-out prompts' text (the prompt's
+   token ids decoded; llama.cpp tokenizes it again) in each of llama.cpp's speculative modes that need no draft
+   model (plain decoding as ``ngram-simple`` with an n-gram of 1024 that never matches: ``--spec-type none`` does
+   not start; ``ngram-simple`` with n-grams of 3 and drafts of 4 (ours' nearest) and its defaults (12 and 48),
+   ``ngram-map-k``, ``ngram-mod``, ``ngram-cache``) and ``draft-mtp`` with K = 1, 2, 4 drafts a step (the
+   fixture's own head, ours' ``mtp K`` rows), greedy, sampled and over the first 32 tokens: per mode, tokens per
+   target call (where llama.cpp keeps a recurrent state per draft position, as draft-mtp does: its ngram modes
+   verify with checkpoints and count only the last pass, so "-"), drafts kept over drafts made, tokens per second
+   of its decode loop (its own "decoded N tokens in T seconds" line), its ratio to plain in the same run; then the
+   MTP rows of both engines side by side.
 """
 
 from __future__ import annotations
@@ -266,6 +270,11 @@ LLAMA_MODES = {"plain (ngram-simple, n 1024: no drafts)": ["--spec-type", "ngram
                "ngram-map-k (defaults)": ["--spec-type", "ngram-map-k"],
                "ngram-mod (defaults)": ["--spec-type", "ngram-mod"],
                "ngram-cache (defaults)": ["--spec-type", "ngram-cache"]}
+# llama.cpp's own MTP drafting on the same GGUF (the fixture's mtp.* as its blk.<n_layer>.nextn.* layer): K drafts a
+# step as ours' mtp K rows (--spec-draft-n-max; its --spec-draft-p-min stays 0, every step drafts K)
+LLAMA_MTP_KS = (1, 2, 4)
+LLAMA_MTP_MODES = {f"draft-mtp K={k}": ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(k)]
+                   for k in LLAMA_MTP_KS}
 
 
 def llama_verify_curve(llama, gguf: Path, reps: int, context: int = 128, longest: int = 16) -> dict[int, float]:
@@ -287,7 +296,7 @@ def llama_speculative(llama, gguf: Path, prompts: list[str], work: Path, count: 
     import re
     import subprocess
 
-    out = {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "error": None}
+    out = {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "error": None, "checkpoints": False}
     for i, prompt in enumerate(prompts):
         path = work / f"prompt{i}.txt"
         path.write_text(prompt, encoding="utf-8")
@@ -308,6 +317,7 @@ def llama_speculative(llama, gguf: Path, prompts: list[str], work: Path, count: 
             out["error"] = f"exit {done.returncode}: " + " / ".join((lines or text.splitlines()[-3:])[-3:])
             log(f"llama-speculative-simple failed on prompt {i} ({' '.join(command[5:])}):\n{text[-2000:]}")
             return out
+        out["checkpoints"] |= "will use checkpoints" in text
         out["tokens"] += int(decoded.group(1))
         out["seconds"] += float(decoded.group(2))
         out["drafted"] += int(drafted.group(1))
@@ -315,9 +325,9 @@ def llama_speculative(llama, gguf: Path, prompts: list[str], work: Path, count: 
     return out
 
 
-def llama_section(args, prompts: list[str], curve_rows: dict[str, dict[int, float]]) -> None:
+def llama_section(args, prompts: list[str], curve_rows: dict[str, dict[int, float]], ours: dict | None = None) -> None:
     """Step 4: llama.cpp's verify curve and speculative modes, printed as tables (its files in a temporary folder,
-    removed after)."""
+    removed after); ``ours``: this run's rows of step 2 (``(mode, method) -> row``) for the side-by-side table."""
     import shutil
     import tempfile
 
@@ -325,15 +335,34 @@ def llama_section(args, prompts: list[str], curve_rows: dict[str, dict[int, floa
 
     work = Path(tempfile.mkdtemp(prefix="bench_speculative_llama_"))
     try:
-        llama_tables(args, prompts, curve_rows, LlamaCpp(args.llama_cpp, work, args.llama_cpp_build), work)
+        llama_tables(args, prompts, curve_rows, LlamaCpp(args.llama_cpp, work, args.llama_cpp_build), work, ours or {})
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def llama_tables(args, prompts: list[str], curve_rows: dict[str, dict[int, float]], llama, work: Path) -> None:
+def llama_gguf(llama, checkpoint: Path, out: Path) -> None:
+    """The trained checkpoint as an F32 GGUF with its MTP head (``convert_hf_to_gguf.py`` without ``--no-mtp``:
+    ``mtp.*`` becomes the layer after the last, ``blk.<n_layer>.nextn.*`` and its attention and MLP, with
+    ``qwen35.nextn_predict_layers`` 1, what ``--spec-type draft-mtp`` loads); pre-tokenizer ``qwen2`` (the fixture's
+    tokenizer splits as Qwen2's)."""
     import os
     import subprocess
 
+    subprocess.run([sys.executable, str(llama.wrapper), str(llama.tree), str(checkpoint), "--outtype", "f32",
+                    "--outfile", str(out)], check=True, capture_output=True, env={**os.environ, "GDN_GGUF_PRE": "qwen2"})
+
+
+def llama_per_call(result: dict) -> float | None:
+    """Tokens per target call of a llama-speculative-simple run: each step is one call yielding its kept drafts and
+    one token (``decoded`` = steps + kept), unless it verified with checkpoints (a step whose drafts were not all
+    kept restores its state and runs the kept tokens again, and its counters count that last pass only): None."""
+    if result["checkpoints"] or result["tokens"] <= result["accepted"]:
+        return None
+    return result["tokens"] / (result["tokens"] - result["accepted"])
+
+
+def llama_tables(args, prompts: list[str], curve_rows: dict[str, dict[int, float]], llama, work: Path,
+                 ours: dict) -> None:
     for gguf in args.gguf_curve:
         log(f"llama.cpp verify cost curve of {gguf}")
         curve_rows[f"{gguf.name} (llama.cpp)"] = llama_verify_curve(llama, gguf, args.reps)
@@ -348,33 +377,53 @@ def llama_tables(args, prompts: list[str], curve_rows: dict[str, dict[int, float
                                             for n in names) + " |")
     if not prompts:
         return
-    gguf = work / "trained-f32.gguf"
-    log("llama.cpp: the trained fixture to an F32 GGUF")
-    subprocess.run([sys.executable, str(llama.wrapper), str(llama.tree), str(args.trained_checkpoint), "--outtype",
-                    "f32", "--no-mtp", "--outfile", str(gguf)], check=True, capture_output=True,
-                   env={**os.environ, "GDN_GGUF_PRE": "qwen2"})
+    gguf = work / "trained-mtp-f32.gguf"
+    log("llama.cpp: the trained fixture (with its MTP head) to an F32 GGUF")
+    llama_gguf(llama, args.trained_checkpoint, gguf)
     modes = {"greedy": (args.new_tokens, ["--temp", "0", "--top-k", "1"]),
              "sampled T=0.7": (args.new_tokens, ["--temp", "0.7", "--top-k", "20", "--top-p", "0.8", "--seed", "0"]),
              "greedy, first 32": (32, ["--temp", "0", "--top-k", "1"])}
-    print(f"\n## llama.cpp's speculative modes on the trained fixture's F32 GGUF ({len(prompts)} prompts, "
-          "llama-speculative-simple, one thread)\n")
-    print("| mode | llama.cpp method | drafts kept | tokens/s | x plain |")
-    print("|---|---|---|---|---|")
+    print(f"\n## llama.cpp's speculative modes on the trained fixture's F32 GGUF with its MTP head ({len(prompts)} "
+          "prompts, llama-speculative-simple, one thread)\n")
+    print("| mode | llama.cpp method | tokens per call | drafts kept | tokens/s | x plain |")
+    print("|---|---|---|---|---|---|")
+    theirs = {}
     for mode, (count, sampling) in modes.items():
         plain = None
-        for name, options in LLAMA_MODES.items():
+        for name, options in {**LLAMA_MODES, **LLAMA_MTP_MODES}.items():
             log(f"llama.cpp {mode}: {name}")
             result = llama_speculative(llama, gguf, prompts, work, count, options, sampling)
             if result["error"]:
-                print(f"| {mode} | {name} | failed: {result['error']} | - | - |", flush=True)
+                print(f"| {mode} | {name} | - | failed: {result['error']} | - | - |", flush=True)
                 continue
             rate = result["tokens"] / result["seconds"]
             plain = plain or rate
+            per_call = llama_per_call(result)
+            theirs[(mode, name)] = dict(result, rate=rate, ratio=rate / plain, per_call=per_call)
             kept = f"{result['accepted']}/{result['drafted']}" if not name.startswith("plain") else "-"
-            print(f"| {mode} | {name} | {kept} | {rate:.1f} | {rate / plain:.2f}x |", flush=True)
-    result = llama_speculative(llama, gguf, prompts[:1], work, 8, ["--spec-type", "draft-mtp"],
-                               ["--temp", "0", "--top-k", "1"])
-    print(f"| greedy | draft-mtp | {'failed: ' + result['error'] if result['error'] else 'ran'} | - | - |")
+            print(f"| {mode} | {name} | {'-' if per_call is None else f'{per_call:.2f}'} | {kept} | {rate:.1f} | "
+                  f"{rate / plain:.2f}x |", flush=True)
+    mtp_side_by_side(ours, theirs, list(modes))
+
+
+def mtp_side_by_side(ours: dict, theirs: dict, modes: list[str]) -> None:
+    """The same head drafting in both engines: per mode and K, ours' ``mtp K`` row beside llama.cpp's ``draft-mtp
+    K`` row (tokens per target call, drafts kept, tokens/s over plain decoding of the same engine in the same run)."""
+    if not any(name.startswith("mtp K=") for _, name in ours):
+        return
+    print("\n## MTP drafting, gdn_export against llama.cpp (the same trained head; x plain: over the same engine's "
+          "plain decoding in this run)\n")
+    print("| mode | K | gdn_export tokens per call | kept / made | x plain | llama.cpp tokens per call | kept / made "
+          "| x plain |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mode in modes:
+        for k in LLAMA_MTP_KS:
+            mine, other = ours.get((mode, f"mtp K={k}")), theirs.get((mode, f"draft-mtp K={k}"))
+            cells = [f"{mine['per_call']:.2f} | {mine['accepted']}/{mine['drafted']} | {mine['ratio']:.2f}x"
+                     if mine else "- | - | -",
+                     f"{other['per_call']:.2f} | {other['accepted']}/{other['drafted']} | {other['ratio']:.2f}x"
+                     if other and other["per_call"] is not None else "- | - | -"]
+            print(f"| {mode} | {k} | {cells[0]} | {cells[1]} |")
 
 
 def main() -> int:
@@ -459,6 +508,7 @@ def main() -> int:
                  " the same, kept tokens never rerun (per-position states) |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
+    ours = {}  # (mode, method) -> its result, for llama.cpp's side-by-side table
     for mode, (count, sampling) in modes.items():
         plain = None
         for name, spec in methods.items():
@@ -482,8 +532,9 @@ def main() -> int:
                 row += "".join(f" {plain_cost / (projected_cost(result['calls'], curve, rerun) + drafting):.2f}x |"
                                for rerun in ("next", "eager", "never"))
             print(row, flush=True)
+            ours[(mode, name)] = dict(result, per_call=per_call, ratio=rate / plain["rate"])
     if args.llama_cpp is not None:
-        llama_section(args, [session.tokenizer.decode(ids) for ids in prompts], {})
+        llama_section(args, [session.tokenizer.decode(ids) for ids in prompts], {}, ours)
     return 0
 
 

@@ -86,8 +86,11 @@ def _check(args) -> int:
     print(f"{args.model}: {result}")
     if result.quality is not None:
         print(f"  {quality_line(result.quality)}")
+    if result.mtp is not None:
+        print(f"  MTP head: {result.mtp}{'' if result.mtp.ok else ' (FAILED)'}")
     if not result.ok:
-        raise GdnExportError(f"{args.model} does not match {args.checkpoint}: {result}")
+        what = f"its MTP head: {result.mtp}" if result.mtp is not None and not result.mtp.ok else str(result)
+        raise GdnExportError(f"{args.model} does not match {args.checkpoint}: {what}")
     return 0
 
 

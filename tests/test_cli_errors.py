@@ -136,7 +136,8 @@ def test_info_and_check_commands(tmp_path, capsys, converted):
     assert "in_state_0: B,4,16,8,f32" in text and "out_key_1: B,2,S+P,16,f32" in text and "lowerings:" in text
     assert re.search(r"loaded and planned in \d+\.\d s", text), text
     assert cli(["check", str(out), str(FIXTURES / "qwen3_5"), "--prompt-len", "5", "--decode-steps", "2"]) == 0
-    assert "top-1 agreement" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "top-1 agreement" in text and re.search(r"\n  MTP head: max \|logit error\| .* top-1 agreement", text), text
     assert cli(["info", str(tmp_path / "missing.nnef.tgz")]) == 1
     not_an_archive = tmp_path / "text.nnef.tgz"
     not_an_archive.write_text("hello")

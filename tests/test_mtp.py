@@ -120,6 +120,9 @@ def test_published_names_round_trip(name):
     assert all(k.startswith("mtp.") for k in published) and "mtp.fc.weight" in published
     assert published["mtp.fc.weight"].shape == (config["hidden_size"], 2 * config["hidden_size"])
     other = MTPHead(head.config, head.embed_tokens.weight, head.lm_head.weight)
+    # the vocabulary-sized tables given are used, not copied (a conversion would hold them twice)
+    assert other.embed_tokens.weight.data_ptr() == head.embed_tokens.weight.data_ptr()
+    assert other.lm_head.weight.data_ptr() == head.lm_head.weight.data_ptr()
     other.load_published(published)
     for (n, a), (_, b) in zip(head.named_parameters(), other.named_parameters()):
         assert torch.equal(a, b), n
@@ -270,6 +273,8 @@ def test_mtp_drafts_are_the_reference_heads(name, converted, reference_model, mo
     def recording(self, history, count):
         drafts, probabilities = original(self, history, count)
         proposed.append((list(history), drafts))
+        # the rows kept for later steps are copies: a view would keep its call's whole hidden output alive
+        assert all(row.base is None for row in self.rows.values())
         return drafts, probabilities
 
     monkeypatch.setattr(MTPDrafter, "propose", recording)
@@ -278,6 +283,7 @@ def test_mtp_drafts_are_the_reference_heads(name, converted, reference_model, mo
     plain = [t.token_id for t in generate(session, prompt, 16, temperature=0, stop_token_ids=[])]
     tokens = generate(session, prompt, 16, temperature=0, stop_token_ids=[], speculative=SpeculativeConfig("mtp", 3))
     assert [t.token_id for t in tokens] == plain
+    assert session.on_hidden is None  # the drafter (its head's cache, its rows) went with the request
     assert tokens.generation.drafted == sum(len(d) for _, d in proposed) > 0
     head, model = read_mtp_head(FIXTURES / name), reference_model(name)
     compared = 0
@@ -295,7 +301,7 @@ def test_mtp_drafts_are_the_reference_heads(name, converted, reference_model, mo
 
 
 @pytest.mark.slow
-def test_mtp_needs_an_archive_with_a_head(converted):
+def test_mtp_needs_an_archive_with_a_head(converted, capsys):
     """An archive without an MTP head: a one-line error naming the archive and what to use instead, through generate,
     the CLI (usage error) and an Engine."""
     from gdn_export.cli import main as cli
@@ -309,9 +315,79 @@ def test_mtp_needs_an_archive_with_a_head(converted):
         list(generate(Session(path), [1, 2, 3], 4, speculative=SpeculativeConfig("mtp", 2)))
     assert "\n" not in str(err.value) and path.name in str(err.value)
     assert cli(["generate", str(path), "--prompt-ids", "1,2,3", "--speculative", "mtp"]) == 2
+    # more chained drafts than an MTP head is allowed (MAX_MTP_DRAFT): the flag named, before the archive is read
+    assert cli(["generate", str(path), "--prompt-ids", "1,2,3", "--speculative", "mtp", "--draft-max", "9"]) == 2
+    assert "--draft-max: num_speculative_tokens must be an integer in [1, 8] for method mtp" in capsys.readouterr().err
     with Engine(converted("lara_mini", serving=True), slots=1) as engine:
         with pytest.raises(GdnExportError, match="carries no MTP head"):
             engine.submit(TokenRequest((1, 2, 3), 4, speculative=SpeculativeConfig("mtp", 2)))
+
+
+def with_member_changed(source, target, change: dict):
+    """A copy of archive ``source`` whose MTP member's weight files are changed (label: the float32 values -> new
+    ones) and both archives' digests recorded anew (``helpers.resealed``): an archive as a conversion that wrote other
+    weights would have written it, which the digests do not tell from the true one."""
+    import io
+    import tarfile
+
+    from helpers import resealed
+
+    def rebuilt(members, path, replace):
+        with tarfile.open(path, "w:gz", compresslevel=1) as out:
+            for info, data in members:
+                data = replace.get(info.name, lambda d: d)(data)
+                info.size = len(data)
+                out.addfile(info, io.BytesIO(data))
+        return resealed(path)
+
+    def read(fileobj):
+        with tarfile.open(fileobj=fileobj) as tar:
+            return [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+
+    def weights(label, how):
+        return lambda data: data[:128] + how(np.frombuffer(data[128:], np.float32)).astype(np.float32).tobytes()
+
+    inner = target.with_name("inner.nnef.tgz")
+    with open(source, "rb") as raw:
+        outer = read(raw)
+    member = dict((m.name, d) for m, d in outer)["mtp.nnef.tgz"]
+    rebuilt(read(io.BytesIO(member)), inner, {f"{label}.dat": weights(label, how) for label, how in change.items()})
+    return rebuilt(outer, target, {"mtp.nnef.tgz": lambda _: inner.read_bytes()})
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("qwen3_5")
+def test_check_rechecks_the_mtp_head_and_a_malformed_one_is_planned_once(converted, tmp_path, monkeypatch):
+    """``gdn-export check`` checks an archive's MTP head against the checkpoint's: a member whose weights differ
+    (digests recorded anew) fails it while the main graph passes. A member tract cannot plan is refused in one line,
+    the second request gets the same error without planning again, and a file replaced at that path is planned."""
+    import shutil
+
+    from gdn_export.errors import GdnExportError
+    from gdn_export.pipeline.convert import check
+    from gdn_export.run import mtp
+    from gdn_export.run.reading import read_metadata
+
+    good = converted("qwen3_5")
+    other = with_member_changed(good, tmp_path / "other.nnef.tgz", {"fc.hidden.weight": lambda w: -w})
+    result = check(other, FIXTURES / "qwen3_5", prompt_len=5, decode_steps=2)
+    assert result.mtp is not None and not result.mtp.ok and not result.ok, result.mtp
+    assert result.error <= result.tolerance  # the main graph is the one converted: only its head fails
+
+    planned = []
+    original = mtp._plan_member
+    monkeypatch.setattr(mtp, "_plan_member", lambda *a: planned.append(a) or original(*a))
+    bad = with_member_changed(good, tmp_path / "bad.nnef.tgz", {"norm.weight": lambda w: w[:-1]})
+    metadata = read_metadata(bad)
+    errors = []
+    for _ in range(2):
+        with pytest.raises(GdnExportError) as err:
+            mtp.mtp_plan(bad, metadata)
+        errors.append(str(err.value))
+    assert len(planned) == 1 and errors[0] == errors[1] and "\n" not in errors[0], errors
+    assert errors[0].startswith(f"{bad}: its MTP head (mtp.nnef.tgz) cannot be planned: weight norm.weight.dat")
+    shutil.copyfile(good, bad)  # another file at the same path: planned
+    assert mtp.mtp_plan(bad, read_metadata(bad)) is not None and len(planned) == 2
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ def test_q4_0_archive_is_checked_with_its_own_rule_and_a_damaged_weight_fails(tm
     result = check(out, FIXTURES / "qwen3_5")
     assert result.ok, result
     assert result.quality is not None and result.quality.mean_kl > 0  # Q4_0 against the published float weights
+    assert result.mtp is not None and result.mtp.ok, result.mtp  # its MTP head, quantized again as convert did
     with tarfile.open(out) as tar:
         q4 = sorted(m.name for m in tar.getmembers() if m.name.endswith(".dat")
                     and tar.extractfile(m).read(128)[48:52] == Q40_ITEM_TYPE)

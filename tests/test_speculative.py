@@ -12,7 +12,7 @@ from helpers import FAMILIES, FIXTURES, TRAINED, by_fixture, rewritten
 from gdn_export.errors import GdnExportError
 from gdn_export.run.generation import Sampler, SamplingParams, SpeculativeConfig, SpeculativeError, generate
 from gdn_export.run.generation.sampling import filtered_probabilities
-from gdn_export.run.generation.speculative import propose_ngram
+from gdn_export.run.generation.speculative import MAX_DRAFT, MAX_MTP_DRAFT, propose_ngram
 
 ALPHA = 1e-4  # the chance that a correct sampler fails a chi-square test below (each test's draws are seeded)
 # seeded requests per sampled-distribution test through tract: outcomes expected fewer than 5 times are pooled, so the
@@ -52,11 +52,16 @@ def test_prompt_lookup_takes_the_longest_latest_match():
                                         "num_speculative_tokens"), (dict(num_speculative_tokens=True),
                                         "num_speculative_tokens"), (dict(prompt_lookup_max=0), "prompt_lookup_max"),
                                         (dict(prompt_lookup_min=4, prompt_lookup_max=3), "prompt_lookup_min"),
-                                        (dict(method="draft"), "model"), (dict(model="x.nnef.tgz"), "model")])
+                                        (dict(method="draft"), "model"), (dict(model="x.nnef.tgz"), "model"),
+                                        (dict(method="mtp", num_speculative_tokens=MAX_MTP_DRAFT + 1),
+                                         "num_speculative_tokens")])
 def test_bad_options_name_themselves(bad, param):
     with pytest.raises(SpeculativeError) as err:
         SpeculativeConfig(**bad)
-    assert err.value.param == param and param in str(err.value)
+    assert err.value.param == param and param in str(err.value) and "\n" not in str(err.value)
+    # an MTP head's drafts are capped lower than prompt lookup's (MAX_MTP_DRAFT: each is a chained head call)
+    assert SpeculativeConfig("mtp", MAX_MTP_DRAFT).num_speculative_tokens == MAX_MTP_DRAFT < MAX_DRAFT
+    assert SpeculativeConfig("ngram", MAX_DRAFT).num_speculative_tokens == MAX_DRAFT
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
@@ -304,6 +309,7 @@ def test_server_speculative_requests(converted, batched):
         assert greedy[0].choices[0].message.content == greedy[1].choices[0].message.content
         for bad, param in (({"method": "eagle"}, "speculative_config.method"),
                            ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+                           ({"method": "mtp", "num_speculative_tokens": 9}, "speculative_config.num_speculative_tokens"),
                            ({"draft": 3}, "speculative_config"), ("ngram", "speculative_config")):
             with pytest.raises(openai.BadRequestError) as err:
                 client.completions.create(**{**ask, "extra_body": {"speculative_config": bad}})

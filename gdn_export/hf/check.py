@@ -61,10 +61,12 @@ class LogitCheck:
     baseline_top1_all: float = float("nan")
     # against a second reference (a quantized export's unquantized model): figures reported, not judged
     quality: "LogitCheck | None" = None
+    mtp: "LogitCheck | None" = None  # ``gdn-export check`` of an archive with an MTP head: the head's own check
 
     @property
     def ok(self) -> bool:
-        return bool(self.error <= self.tolerance and (not self.need_top1 or self.top1_agreement == 1.0))
+        return bool(self.error <= self.tolerance and (not self.need_top1 or self.top1_agreement == 1.0)
+                    and (self.mtp is None or self.mtp.ok))
 
     @property
     def ratio(self) -> float:

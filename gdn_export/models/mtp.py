@@ -276,7 +276,9 @@ class MTPHead(nn.Module):
     ``[B, Hkv, P, D]``: this head's cache of the P positions before (every row of a batch shares P). Returns the
     logits ``[B, S, V]`` predicting token t+2, ``mtp_hidden`` ``[B, S, H]`` (after ``mtp.norm``), and the caches
     extended to P+S. ``embed_weight`` (``[V, H]``) and ``head_weight`` (``[V, H]``; None: tied to the embedding) are
-    the main model's, shared.
+    the main model's, shared: the tensors given are used as they are, not copied (the vocabulary-sized tables would
+    otherwise be in memory twice while a head is made; the readers hand over tensors of their own, a training script
+    the frozen model's), and nothing here writes them.
     """
 
     def __init__(self, config: MTPConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor | None,
@@ -286,11 +288,12 @@ class MTPHead(nn.Module):
         super().__init__()
         self.config, self.parts = config, parts
         hidden = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
-        self.embed_tokens.weight = nn.Parameter(embed_weight.detach().clone(), requires_grad=False)
-        self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
+        # made on the meta device (no [V, H] table allocated and initialized), then given the tables themselves
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden, device="meta")
+        self.embed_tokens.weight = nn.Parameter(embed_weight.detach(), requires_grad=False)
+        self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False, device="meta")
         self.lm_head.weight = (self.embed_tokens.weight if head_weight is None else
-                               nn.Parameter(head_weight.detach().clone(), requires_grad=False))
+                               nn.Parameter(head_weight.detach(), requires_grad=False))
 
         def norm() -> nn.Module:
             return ZeroCentredRMSNorm(hidden, config.rms_norm_eps) if parts is None else parts.norm(hidden)

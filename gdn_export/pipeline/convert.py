@@ -672,7 +672,23 @@ def check(path: str | os.PathLike, checkpoint_dir: str | os.PathLike, prompt_len
     A quantized archive (Q4_0, int8) is checked as ``convert`` checked it: its weights quantized again from the
     checkpoint by the rule its metadata records (so a damaged weight file fails too), the int8 inputs rounded as its
     graph rounds them, and its quality against the unquantized model reported. An archive calibrated on a text
-    needs that text again (``calibration``; its digest must match the one recorded)."""
+    needs that text again (``calibration``; its digest must match the one recorded). An archive with an MTP head has
+    it checked too (``pipeline.mtp.check_member``, as ``convert`` checked it): the result's ``mtp``, which its
+    ``ok`` includes."""
+    result = _check_model(path, checkpoint_dir, prompt_len, decode_steps, batch, kind, calibration, progress)
+    metadata = load(backend_for(path).metadata)(path)
+    if isinstance(metadata.get("mtp"), dict):
+        from gdn_export.pipeline.mtp import check_member
+
+        if progress is not None:
+            progress(f"checking the MTP head ({metadata['mtp'].get('member')}) against {checkpoint_dir}'s mtp.*")
+        layout = resolve_layout(read_config(checkpoint_dir))
+        result.mtp = check_member(Path(path), metadata, checkpoint_dir, layout.model_type, layout.config)
+    return result
+
+
+def _check_model(path, checkpoint_dir, prompt_len: int, decode_steps: int, batch: int, kind: str, calibration,
+                 progress) -> LogitCheck:
     validate_check(prompt_len, decode_steps, batch)
     if kind not in CHECKS:
         raise GdnExportError(f"check kind {kind!r} is not one of {', '.join(CHECKS)}")

@@ -140,13 +140,20 @@ def quantized_writes(head: MTPHead, quantize: str, *, quantize_embeddings: bool 
 CHECK_POSITIONS, CHECK_PAST = 8, 4  # a quantized head's check: positions of one call after a cache of CHECK_PAST
 
 
-def check_quantized_head(path: Path, head: MTPHead, report, weights: HeadWeights) -> LogitCheck:
+def check_quantized_head(path: Path, head: MTPHead, report=None, weights: HeadWeights | None = None) -> LogitCheck:
     """The exported head at ``path`` in tract against the torch head on the weights as stored (``dequantized_view``:
     what tract computes with; int8: each stored layer's input rounded as the graph rounds it), by the rule
     ``convert`` judges the main graph's logits with (``hf.check.compare_logits``): float32 (Q4_0 and float16
     weights in a float32 graph: the same products), the float16 rule in a float16 graph, int8 against the
     reference's own rounding envelope (``int8.rounding_envelope``), as ``check_archive`` does. One call of
-    ``CHECK_POSITIONS`` positions after a random cache, every position's logits (the member's ``last_only`` off)."""
+    ``CHECK_POSITIONS`` positions after a random cache, every position's logits (the member's ``last_only`` off).
+    ``report`` None: a head stored in its own dtype (no weight format; ``weights`` its parameters), judged by the
+    float32 or float16 rule alone (no quality line)."""
+    if report is None:
+        from gdn_export.hf.weight_writers import QuantizationReport
+
+        weights = HeadWeights({name: HeadTensor(name, param) for name, param in head.named_parameters()})
+        report = QuantizationReport(None)
     from gdn_export.hf.check import F32_TOLERANCE, HALF_DTYPES, compare_logits
     from gdn_export.hf.weight_writers import dequantized_view, int8_reference_linears
     from gdn_export.run.runtime import load_tract_model, run_tract
@@ -193,9 +200,50 @@ def check_quantized_head(path: Path, head: MTPHead, report, weights: HeadWeights
     else:
         result = compare_logits(actual, expected, "float32")
     del reference
-    # the float head, no activation rounding: what the format costs, reported, not judged (as the main graph's quality)
-    result.quality = compare_logits(actual, logits(head_of(weights.entries), frozenset()), "float32")
+    if report.scheme is not None:  # the float head, no activation rounding: what the format costs, reported, not
+        # judged (as the main graph's quality)
+        result.quality = compare_logits(actual, logits(head_of(weights.entries), frozenset()), "float32")
     return result
+
+
+def check_member(path: Path, metadata: dict, checkpoint_dir: str | Path, model_type: str, config: dict) -> LogitCheck:
+    """``gdn-export check`` of an archive's MTP head (``metadata["mtp"]``): the head read again from
+    ``checkpoint_dir`` as ``convert`` read it, in the member's form (split fc, the archive's dtype, its weight
+    format re-applied by the rule the archive records), then the member in tract against it
+    (``check_quantized_head``: the rule ``convert`` judges a quantized head by, float heads by the float32 / float16
+    rule). A checkpoint without the head the archive carries is a one-line error."""
+    import tarfile
+    import tempfile
+
+    from gdn_export.errors import GdnExportError
+    from gdn_export.run.integrity import check_archive
+    from gdn_export.weights.formats import weight_format
+
+    recorded = metadata["mtp"]
+    dtype = getattr(torch, recorded.get("dtype") or "float32")
+    head, why = mtp_decision(checkpoint_dir, model_type, config, logits="all", dtype=dtype)
+    if head is None:
+        raise GdnExportError(f"{path} carries an MTP head ({recorded.get('member')}) but {checkpoint_dir} gives none "
+                             f"to check it against{': ' + why if why else ''}")
+    head.split_fc()
+    quantize = recorded.get("quantize")
+    report = weights = None
+    if quantize is not None:
+        options = weight_format(quantize).options_from_metadata(metadata)
+        _, report, weights = quantized_writes(head, quantize,
+                                              quantize_embeddings=bool(metadata.get("quantize_embeddings", False)),
+                                              q4_rule=options.get("q4_rule"),
+                                              int8_passes=options.get("int8_passes", 1))
+    check_archive(path, metadata)  # the member's digest as recorded, before it is copied out
+    with tempfile.TemporaryDirectory(prefix="gdn_check_mtp_") as folder, tarfile.open(path) as tar:
+        member = Path(folder) / MEMBER
+        try:
+            source = tar.extractfile(recorded.get("member"))
+        except KeyError:
+            raise GdnExportError(f"{path}: gdn_export.json names an MTP head but the archive lacks "
+                                 f"{recorded.get('member')}") from None
+        member.write_bytes(source.read())
+        return check_quantized_head(member, head, report, weights)
 
 
 def export_head(head: MTPHead, path: Path, *, tract_version: str | None, runtime: str, check: bool,

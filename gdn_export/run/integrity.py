@@ -64,6 +64,50 @@ _verified: set[tuple] = set()
 _verified_lock = threading.Lock()
 
 
+def archive_identity(path: str | os.PathLike) -> tuple:
+    """What tells one file from another at ``path`` for the rest of a process: its resolved path, size,
+    modification time and inode (a file replaced or rewritten there is another)."""
+    path = Path(path)
+    stat = path.stat()
+    return (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+
+
+class ArchiveCache:
+    """What is made once per process from an archive file (a tract plan, a Session), by ``archive_identity``: the
+    same file is not made again, a file replaced at the same path is (and the old value is dropped), and a failure
+    (``GdnExportError``: a damaged or malformed archive) is remembered as well, so that a request after it gets the
+    same error without reading or planning the file again. ``make`` runs under the cache's lock: one at a time."""
+
+    def __init__(self) -> None:
+        self._made: dict[str, tuple[tuple, object, BaseException | None]] = {}  # path: (identity, value, failure)
+        self._lock = threading.Lock()
+
+    def get(self, path: str | os.PathLike, make):
+        import copy
+
+        from gdn_export.errors import GdnExportError
+
+        try:
+            identity = archive_identity(path)
+        except OSError:  # no file there (any more): ``make`` says so in its own words, nothing is kept
+            return make()
+        with self._lock:
+            known = self._made.get(identity[0])
+            if known is None or known[0] != identity:
+                try:
+                    known = (identity, make(), None)
+                except GdnExportError as err:
+                    known = (identity, None, err)
+                self._made[identity[0]] = known
+        if known[2] is not None:  # a fresh copy: raising the remembered one would grow its traceback every time
+            raise copy.copy(known[2]).with_traceback(None) from None
+        return known[1]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._made.clear()
+
+
 def check_archive(path: str | os.PathLike, metadata: dict | None, unpack_to: Path | None = None) -> str | None:
     """``path`` (a .nnef.tgz) checked as the module says before tract reads it; ArchiveError naming the member at
     fault otherwise. ``metadata``: its gdn_export.json (None: an archive of ``gdn_export.export`` without one). With
@@ -71,8 +115,7 @@ def check_archive(path: str | os.PathLike, metadata: dict | None, unpack_to: Pat
     and the graph's text is returned (a weight file whose member then fails its check is not used: the error
     raises)."""
     path = Path(path)
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    key = archive_identity(path)
     with _verified_lock:
         if key in _verified and unpack_to is None:
             return None

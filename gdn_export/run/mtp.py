@@ -17,20 +17,19 @@ from __future__ import annotations
 import shutil
 import tarfile
 import tempfile
-import threading
 from pathlib import Path
 
 import numpy as np
 
 from gdn_export.errors import GdnExportError
+from gdn_export.run.integrity import ArchiveCache, check_archive
 
 MEMBER = "mtp.nnef.tgz"
 PIECE = 128  # positions per call of the head at most (the prompt pieces' unit, generation.executor.PROMPT_PIECE)
 INPUTS = ["hidden", "next_ids", "in_mtp_key", "in_mtp_value"]
 OUTPUTS = ["logits", "mtp_hidden", "out_mtp_key", "out_mtp_value"]
 
-_PLANS: dict[str, object] = {}  # archive path -> the MTP graph's tract plan (batch 1), made once per process
-_LOCK = threading.Lock()
+_PLANS = ArchiveCache()  # the MTP graphs' tract plans (batch 1) by archive file, made on first use
 
 
 def no_mtp_message(path: Path) -> str:
@@ -40,32 +39,34 @@ def no_mtp_message(path: Path) -> str:
 
 
 def mtp_plan(path: Path, metadata: dict):
-    """The MTP graph of archive ``path`` planned for batch 1 (once per process, shared by every runner): the member
-    is copied out to a temporary file, which tract loads (and gdn-export checks: digests, states) and is removed."""
+    """The MTP graph of archive ``path`` planned for batch 1 (once per process and archive file, shared by every
+    runner; a failure is remembered too: a malformed member is not planned again on every request): the member is
+    copied out to a temporary file, which tract loads (and gdn-export checks: digests, states) and is removed."""
+    member = (metadata.get("mtp") or {}).get("member")
+    if member != MEMBER:
+        raise GdnExportError(no_mtp_message(Path(path)))
+    return _PLANS.get(path, lambda: _plan_member(Path(path), metadata, member))
+
+
+def _plan_member(path: Path, metadata: dict, member: str):
     from gdn_export.run.runtime import load_tract_model
 
-    key = str(Path(path).resolve())
-    with _LOCK:
-        if key in _PLANS:
-            return _PLANS[key]
-        member = (metadata.get("mtp") or {}).get("member")
-        if member != MEMBER:
-            raise GdnExportError(no_mtp_message(Path(path)))
-        from gdn_export.run.integrity import check_archive
-
-        check_archive(path, metadata)  # the member's size and digest as recorded, before a byte of it is copied out
-        with tempfile.TemporaryDirectory(prefix="gdn_mtp_") as folder:
-            copy = Path(folder) / MEMBER
-            with tarfile.open(path, "r:gz") as tar:
-                try:
-                    source = tar.extractfile(tar.getmember(member))
-                except KeyError:
-                    raise GdnExportError(f"{path}: gdn_export.json names an MTP head but the archive lacks {member}; "
-                                         "convert it again") from None
-                with open(copy, "wb") as out:
-                    shutil.copyfileobj(source, out, 8 << 20)
-            _PLANS[key] = load_tract_model(copy, {"B": 1}, expect_outputs=OUTPUTS)
-        return _PLANS[key]
+    check_archive(path, metadata)  # the member's size and digest as recorded, before a byte of it is copied out
+    with tempfile.TemporaryDirectory(prefix="gdn_mtp_") as folder:
+        copy = Path(folder) / MEMBER
+        with tarfile.open(path, "r:gz") as tar:
+            try:
+                source = tar.extractfile(tar.getmember(member))
+            except KeyError:
+                raise GdnExportError(f"{path}: gdn_export.json names an MTP head but the archive lacks {member}; "
+                                     "convert it again") from None
+            with open(copy, "wb") as out:
+                shutil.copyfileobj(source, out, 8 << 20)
+        try:
+            return load_tract_model(copy, {"B": 1}, expect_outputs=OUTPUTS)
+        except GdnExportError as err:  # named by the archive and its member, not by the temporary copy
+            raise GdnExportError(f"{path}: its MTP head ({member}) cannot be planned: "
+                                 f"{str(err).removeprefix(f'{copy}: ')}") from None
 
 
 class MTPRunner:
@@ -108,9 +109,8 @@ class MTPRunner:
 
 
 def forget_plans() -> None:
-    """Drop the planned MTP graphs (tests; a long-lived process keeps them)."""
-    with _LOCK:
-        _PLANS.clear()
+    """Drop the planned MTP graphs and remembered failures (tests; a long-lived process keeps them)."""
+    _PLANS.clear()
 
 
 __all__ = ["MEMBER", "INPUTS", "OUTPUTS", "MTPRunner", "mtp_plan", "no_mtp_message", "forget_plans"]

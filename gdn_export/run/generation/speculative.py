@@ -27,13 +27,13 @@ than plain decoding with that seed: the rule uses the random generator different
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
-from gdn_export.run.generation.sampling import Choice, Sampler, SamplingError
+from gdn_export.run.generation.sampling import Choice, Sampler, SamplingError, filtered_probabilities
+from gdn_export.run.integrity import ArchiveCache
 
 if TYPE_CHECKING:
     from gdn_export.run.generation.executor import TokenEvent, TokenRequest
@@ -43,6 +43,13 @@ METHODS = ("ngram", "draft", "mtp")
 # vLLM's other names of the MTP method (its speculative_config "method"), read as "mtp"
 MTP_ALIASES = ("qwen3_next_mtp", "qwen3_5_mtp", "deepseek_mtp")
 MAX_DRAFT = 64  # drafted tokens per step at most (llama.cpp's --draft-max goes as far)
+# an MTP head's drafts per step at most: each draft past the first is one more chained call of the head, and draft i
+# is kept only if the i - 1 before it were. At 0.8 kept per draft (above the ~0.7 reported for published Qwen3.5
+# heads' first draft; 0.44 on the trained fixture's, decaying when chained) draft 9 is kept with probability 0.13,
+# less than its own head call costs (0.17x of the 0.8B int8 model's step for an int8 head, 0.30x float32:
+# docs/PERFORMANCE.md) before its place in the verify call. vLLM defaults to the checkpoint's depth (1) and warns
+# above it; the published Qwen3-Next recipe drafts 2.
+MAX_MTP_DRAFT = 8
 
 
 class SpeculativeError(SamplingError):
@@ -72,11 +79,14 @@ class SpeculativeConfig:
                                    "method")
         if (self.method == "draft") != (self.model is not None):
             raise SpeculativeError("method draft takes the draft archive as model (and only it does)", "model")
-        for name, low, high in (("num_speculative_tokens", 1, MAX_DRAFT), ("prompt_lookup_max", 1, 64),
+        most = MAX_MTP_DRAFT if self.method == "mtp" else MAX_DRAFT
+        for name, low, high in (("num_speculative_tokens", 1, most), ("prompt_lookup_max", 1, 64),
                                 ("prompt_lookup_min", 1, 64)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise SpeculativeError(f"{name} must be an integer in [{low}, {high}], got {value!r}", name)
+                chained = (" for method mtp (each draft is one more chained call of the MTP head; later ones are "
+                           "rarely kept)" if name == "num_speculative_tokens" and self.method == "mtp" else "")
+                raise SpeculativeError(f"{name} must be an integer in [{low}, {high}]{chained}, got {value!r}", name)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SpeculativeError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                                    f"({self.prompt_lookup_max})", "prompt_lookup_min")
@@ -104,25 +114,46 @@ def propose_ngram(history: Sequence[int], count: int, longest: int, shortest: in
     return []
 
 
-_DRAFT_PLANS: dict[str, Session] = {}  # a draft archive's Session, planned once per process (see draft_session)
-_DRAFT_LOCK = threading.Lock()
+_DRAFT_PLANS = ArchiveCache()  # a draft archive's Session by archive file (see draft_session)
 
 
 def draft_session(path: str, vocab_size: int | None) -> Session:
     """A Session of its own over the draft archive ``path``'s one tract plan (planned on first use, then shared by
-    every request of the process, as ``WorkerPool``'s workers share theirs); its vocabulary must be the model's."""
+    every request of the process, as ``WorkerPool``'s workers share theirs; a file replaced at ``path`` is planned
+    again, a failure remembered); its vocabulary must be the model's."""
     from gdn_export.errors import GdnExportError
     from gdn_export.run.session import Session
 
-    with _DRAFT_LOCK:
-        if path not in _DRAFT_PLANS:
-            _DRAFT_PLANS[path] = Session(path)
-        base = _DRAFT_PLANS[path]
-        draft_vocab = base.metadata.get("vocab_size")
-        if draft_vocab != vocab_size:
-            raise GdnExportError(f"the draft archive {path} has a vocabulary of {draft_vocab} tokens, the model "
-                                 f"{vocab_size}: a draft model needs the model's tokenizer")
-        return Session.sharing_plan(base)
+    def plan() -> Session:
+        session = Session(path)
+        session._runnable(1)  # planned now: under the cache's lock, once
+        return session
+
+    base = _DRAFT_PLANS.get(path, plan)
+    draft_vocab = base.metadata.get("vocab_size")
+    if draft_vocab != vocab_size:
+        raise GdnExportError(f"the draft archive {path} has a vocabulary of {draft_vocab} tokens, the model "
+                             f"{vocab_size}: a draft model needs the model's tokenizer")
+    return Session.sharing_plan(base)
+
+
+def chain_drafts(sampler: Sampler, logits: np.ndarray, count: int,
+                 step: Callable[[int], np.ndarray]) -> tuple[list[int], list[np.ndarray] | None]:
+    """``count`` drafts, each from the logits before it: the argmax for a greedy request, else a draw from the
+    request's filtered distribution q (returned per draft: the rule's q); ``step(draft)`` gives the logits after a
+    draft (not called after the last). What a draft model and an MTP head share."""
+    params = sampler.params
+    greedy = params.greedy or params.top_k == 1
+    drafts, probabilities = [], []
+    for i in range(count):
+        if greedy:
+            drafts.append(int(np.argmax(logits)))
+        else:
+            probabilities.append(filtered_probabilities(logits, params))
+            drafts.append(sampler._draw(probabilities[-1]))
+        if i + 1 < count:
+            logits = step(drafts[-1])
+    return drafts, None if greedy else probabilities
 
 
 class DraftModel:
@@ -135,29 +166,20 @@ class DraftModel:
 
     def propose(self, history: list[int], count: int) -> tuple[list[int], list[np.ndarray] | None]:
         from gdn_export.run.generation.executor import prefill_pieces
-        from gdn_export.run.generation.sampling import filtered_probabilities
 
         if count < 1:
             return [], None
-        session, params = self.session, self.sampler.params
+        session = self.session
         if self.seen == 0:
             session.reset()
         # the history the draft has not seen, a piece at a time, only the last piece's logits kept
         logits = prefill_pieces(session, history[self.seen:], lambda: False)
         self.seen = len(history)
         before = session.checkpoint()
-        drafts, probabilities = [], []
-        greedy = params.greedy or params.top_k == 1
-        for i in range(count):
-            if greedy:
-                drafts.append(int(np.argmax(logits)))
-            else:
-                probabilities.append(filtered_probabilities(logits, params))
-                drafts.append(self.sampler._draw(probabilities[-1]))
-            if i + 1 < count:
-                logits = session.prefill(np.asarray([[drafts[-1]]], np.int64))[0, -1]
+        drafts = chain_drafts(self.sampler, logits, count,
+                              lambda draft: session.prefill(np.asarray([[draft]], np.int64))[0, -1])
         session.restore(before)
-        return drafts, None if greedy else probabilities
+        return drafts
 
 
 class MTPDrafter:
@@ -175,32 +197,27 @@ class MTPDrafter:
 
     def record(self, start: int, hidden: np.ndarray) -> None:
         """The main model's states after its final norm at positions ``start ...`` (batch 1); later calls at the same
-        positions (a rejected draft's, then its replacement's) overwrite them."""
+        positions (a rejected draft's, then its replacement's) overwrite them. Each row is copied: a view would keep
+        the whole output of its call alive (an Engine's: every row of the batch) until the row is used."""
         for i, row in enumerate(hidden[0]):
             if start + i >= self.runner.length:
-                self.rows[start + i] = row
+                self.rows[start + i] = row.copy()
 
     def propose(self, history: list[int], count: int) -> tuple[list[int], list[np.ndarray] | None]:
-        from gdn_export.run.generation.sampling import filtered_probabilities
-
         if count < 1:
             return [], None
         done, end = self.runner.length, len(history) - 1  # positions [done, end) have h_t and their next token
         logits, hidden = self.runner.run(np.stack([self.rows.pop(t) for t in range(done, end)]),
                                          history[done + 1:end + 1])
-        params = self.sampler.params
-        greedy = params.greedy or params.top_k == 1
-        drafts, probabilities = [], []
-        for i in range(count):
-            if greedy:
-                drafts.append(int(np.argmax(logits[-1])))
-            else:
-                probabilities.append(filtered_probabilities(logits[-1], params))
-                drafts.append(self.sampler._draw(probabilities[-1]))
-            if i + 1 < count:
-                logits, hidden = self.runner.run(hidden[-1:], [drafts[-1]])
+
+        def step(draft: int) -> np.ndarray:
+            nonlocal hidden
+            logits, hidden = self.runner.run(hidden[-1:], [draft])
+            return logits[-1]
+
+        drafts = chain_drafts(self.sampler, logits[-1], count, step)
         self.runner.truncate(end)
-        return drafts, None if greedy else probabilities
+        return drafts
 
 
 class Speculation:
@@ -261,7 +278,6 @@ class Speculation:
 def speculative_tokens(session: Session, request: TokenRequest, cancelled: Callable[[], bool]) -> Iterator[TokenEvent]:
     """``executor.request_tokens`` with drafts: the same events, through ``Session.verify`` and ``commit``."""
     from gdn_export.errors import GdnExportError
-    from gdn_export.run.generation.executor import TokenEvent, prefill_pieces
 
     if not session.every_position:
         raise GdnExportError(f"{session.path.name} returns the last position's logits only (converted with --logits "
@@ -276,6 +292,17 @@ def speculative_tokens(session: Session, request: TokenRequest, cancelled: Calla
     if request.speculative.method == "mtp":  # listening before the prompt runs: its states are the first drafts'
         drafter = MTPDrafter(session.path, session.metadata, sampler)
         session.on_hidden = drafter.record
+    try:
+        yield from _speculative_steps(session, request, cancelled, sampler, drafter)
+    finally:  # the drafter (its head's KV cache, its rows) goes with the request, not with the session's next reset
+        if drafter is not None and session.on_hidden == drafter.record:
+            session.on_hidden = None
+
+
+def _speculative_steps(session: Session, request: TokenRequest, cancelled: Callable[[], bool], sampler: Sampler,
+                       drafter: MTPDrafter | None) -> Iterator[TokenEvent]:
+    from gdn_export.run.generation.executor import TokenEvent, prefill_pieces
+
     logits = prefill_pieces(session, request.prompt_ids, cancelled)
     if logits is None:
         return
