@@ -13,6 +13,7 @@ import pytest
 
 from gdn_export.run.archive import ArchiveError
 from gdn_export.run import segments
+from gdn_export.run.runtime import tract_version
 from gdn_export.run.session import Session
 
 from helpers import by_fixture
@@ -43,15 +44,24 @@ def test_segments_match_the_whole_plan_bit_for_bit(name, converted, tmp_path, mo
         graph = tarfile.open(archive).extractfile("graph.nnef").read().decode()
         plan = segments.plan(graph, count)
         assert len(plan.segments) == count and all(s.crossing_in for s in plan.segments[1:])
-        record = segments.facts_file(graph, plan)
+        record = segments.facts_file(graph, plan, tract_version())
         assert not record.exists()
         first = _run(archive, tokens)  # planned one segment after the other: the cuts' facts recorded
         assert record.exists()
-        later = _run(archive, tokens)  # planned side by side from the record
+        later = _run(archive, tokens)  # planned side by side from the record, each as its weights are read
         for got in (first, later):
             assert len(got) == len(whole)
             for a, b in zip(got, whole):
                 assert a.shape == b.shape and np.array_equal(a, b)
+    # an archive packed before the graph came first (members by name: some weights before the graph, the
+    # metadata after some): the same segments, from the same record
+    shuffled = tmp_path / "by_name.nnef.tgz"
+    with tarfile.open(archive) as tar, tarfile.open(shuffled, "w:gz", compresslevel=0) as out:
+        members = {m.name: (m, tar.extractfile(m).read()) for m in tar}
+        for name in sorted(members):
+            out.addfile(members[name][0], io.BytesIO(members[name][1]))
+    got = _run(shuffled, tokens)
+    assert all(np.array_equal(a, b) for a, b in zip(got, whole))
     assert list((tmp_path / "tmp").iterdir()) == []  # every unpacked folder removed
     assert "loaded whole" not in capfd.readouterr().err  # no fallback: the segments ran
 

@@ -44,8 +44,25 @@ def pack(folder: Path, archive: Path) -> None:
         metadata[DIGESTS_FIELD] = file_digests(folder)
         metadata_file.write_text(json.dumps(metadata, indent=1))
     with tarfile.open(archive, "w:gz", compresslevel=COMPRESS_LEVEL) as tar:
-        for file in sorted(folder.iterdir()):
+        for file in member_order(folder):
             tar.add(file, arcname=file.name)
+
+
+def member_order(folder: Path) -> list[Path]:
+    """The order ``pack`` writes a folder's files in: the metadata and the graph first, then each weight in the order
+    the graph first reads it, then the rest by name. A reader that goes through the archive once (the integrity
+    pass) then knows the graph before the weights, and has the first layers' weights first: a model planned in
+    segments (run/segments.py) starts loading its first segment while the pass reads the others' weights."""
+    import re
+
+    files = {entry.name: entry for entry in folder.iterdir()}
+    graph = files.get("graph.nnef")
+    text = graph.read_text() if graph is not None else ""
+    labels = re.findall(r"variable\s*<\s*\w+\s*>\s*\(\s*label\s*=\s*['\"](.*?)['\"]", text)
+    first = [name for name in (METADATA_FILE, "graph.nnef") if name in files]
+    weights = [name for name in dict.fromkeys(f"{label}.dat" for label in labels) if name in files]
+    rest = sorted(set(files) - set(first) - set(weights))
+    return [files[name] for name in first + weights + rest]
 
 
 def file_digests(folder: Path) -> dict[str, dict]:

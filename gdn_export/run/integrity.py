@@ -108,24 +108,26 @@ class ArchiveCache:
             self._made.clear()
 
 
-def check_archive(path: str | os.PathLike, metadata: dict | None, unpack_to: Path | None = None) -> str | None:
+def check_archive(path: str | os.PathLike, metadata: dict | None, unpack_to: Path | None = None,
+                  listener=None) -> str | None:
     """``path`` (a .nnef.tgz) checked as the module says before tract reads it; ArchiveError naming the member at
     fault otherwise. ``metadata``: its gdn_export.json (None: an archive of ``gdn_export.export`` without one). With
     ``unpack_to`` (an empty folder), every ``.dat`` member is also written to ``unpack_to/weights/`` as it is read,
-    and the graph's text is returned (a weight file whose member then fails its check is not used: the error
-    raises)."""
+    and the graph's text is returned; ``listener.graph(text)`` and ``listener.weight(label)`` are then told of the
+    graph and of each weight file once its member passed its checks (its digest among them), while the pass goes
+    on: a later member's fault still raises here."""
     path = Path(path)
     key = archive_identity(path)
     with _verified_lock:
         if key in _verified and unpack_to is None:
             return None
-    graph = check_members(path, metadata or {}, unpack_to)
+    graph = check_members(path, metadata or {}, unpack_to, listener)
     with _verified_lock:
         _verified.add(key)
     return graph
 
 
-def check_members(path: Path, metadata: dict, unpack_to: Path | None = None) -> str | None:
+def check_members(path: Path, metadata: dict, unpack_to: Path | None = None, listener=None) -> str | None:
     """``check_archive``'s pass, uncached (``run/reading.py`` runs it again to name the member of a damaged archive);
     the graph's text."""
     recorded = metadata.get(DIGESTS_FIELD)
@@ -185,6 +187,12 @@ def check_members(path: Path, metadata: dict, unpack_to: Path | None = None) -> 
                     else:
                         _hash_rest(handle, digest)
                     seen.digests[name] = digest.hexdigest()
+                    if listener is not None and (name == GRAPH_FILE or name.endswith(".dat")):
+                        _check_digests(path, _Seen(digests={name: seen.digests[name]}), recorded)  # before use
+                        if name == GRAPH_FILE:
+                            listener.graph(seen.graph)
+                        elif unpack_to is not None:
+                            listener.weight(name[:-4])
             while stream.read(MIB):  # the end-of-archive blocks: the gzip trailer's CRC-32 is checked at its end
                 pass
     except ArchiveError:

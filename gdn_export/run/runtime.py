@@ -86,38 +86,41 @@ def _load_in_segments(path: Path, count: int, symbols: dict[str, int] | None, ex
     from gdn_export.run.reading import read_metadata
 
     folder = Path(tempfile.mkdtemp(prefix="gdn_export_segments_", dir=segments.unpack_root(path.stat().st_size)))
+
+    def load_one(segment_folder: Path, segment: segments.Segment):
+        model = tract.nnef().with_tract_transformers().load(str(segment_folder))
+        reported = [model.output_name(i) for i in range(len(segment.outputs))]
+        if expect_outputs is not None and reported != segment.outputs:
+            raise TractRuntimeError(f"tract reports outputs {reported} where {segment.outputs} were declared")
+        return model
+
+    def plan_one(model):
+        if symbols:
+            model.transform(tract.SetSymbols(symbols))
+        return model.into_runnable()
+
+    loading = segments.SegmentedLoad(folder, count, tract_version(), load_one, plan_one, _started,
+                                     lambda handle: _joined(*handle)[0])
     try:
-        text = interruptible(lambda: check_archive(path, read_metadata(path), unpack_to=folder))
-        count = segments.segments_for(text or "", count)
-        if text is None or count < 2:
-            return None
-        try:
-            graph = segments.plan(text, count)
-            if expect_outputs is not None and list(expect_outputs) != graph.outputs:
-                raise TractRuntimeError(f"the graph declares outputs {graph.outputs} where {list(expect_outputs)} "
-                                        "were expected")
-
-            def load_one(segment_folder: Path, segment: segments.Segment):
-                model = tract.nnef().with_tract_transformers().load(str(segment_folder))
-                reported = [model.output_name(i) for i in range(len(segment.outputs))]
-                if expect_outputs is not None and reported != segment.outputs:
-                    raise TractRuntimeError(f"tract reports outputs {reported} where {segment.outputs} were declared")
-                return model
-
-            def plan_one(model):
-                if symbols:
-                    model.transform(tract.SetSymbols(symbols))
-                return model.into_runnable()
-
-            with _planning_allocator():
-                return segments.load_segments(graph, text, folder, load_one, plan_one, _started,
-                                          lambda handle: _joined(*handle)[0])
-        except TractRuntimeError:
-            raise
-        except (segments.NotCut, Exception) as err:  # noqa: B014 - tract raises plain Exceptions
-            print(f"gdn_export: {path.name} loaded whole, not in {count} segments: {tract_fault(str(err))}",
-                  file=sys.stderr, flush=True)
-            return None
+        with _planning_allocator():
+            try:  # the segments start loading as the pass writes their weights out
+                interruptible(lambda: check_archive(path, read_metadata(path), unpack_to=folder, listener=loading))
+            except BaseException:
+                loading.abandoned()
+                raise
+            if expect_outputs is not None and loading.plan is not None \
+                    and list(expect_outputs) != loading.plan.outputs:
+                loading.abandoned()
+                raise TractRuntimeError(f"the graph declares outputs {loading.plan.outputs} where "
+                                        f"{list(expect_outputs)} were expected")
+            try:
+                return loading.finished()
+            except TractRuntimeError:
+                raise
+            except Exception as err:  # NotCut, or tract's plain Exceptions
+                print(f"gdn_export: {path.name} loaded whole, not in {count} segments: {tract_fault(str(err))}",
+                      file=sys.stderr, flush=True)
+                return None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

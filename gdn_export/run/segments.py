@@ -304,12 +304,10 @@ def segments_for(text: str, wanted: int) -> int:
     return max(1, min(wanted, text.count(";\n") // STATEMENTS_PER_SEGMENT))
 
 
-def facts_file(text: str, graph: Plan) -> Path:
+def facts_file(text: str, graph: Plan, tract_version: str) -> Path:
     """Where the facts of ``graph``'s crossing tensors are recorded: keyed by the graph text, its cuts and tract."""
-    from gdn_export.run.runtime import tract_version
-
     cuts = ",".join(str(p.statements[0]) + ":" + ",".join(map(str, p.crossing_in)) for p in graph.segments)
-    key = hashlib.sha256(f"{tract_version()}\n{cuts}\n{text}".encode()).hexdigest()[:40]
+    key = hashlib.sha256(f"{tract_version}\n{cuts}\n{text}".encode()).hexdigest()[:40]
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "gdn_export")
     return root / "segments" / f"{key}.json"
 
@@ -358,40 +356,110 @@ class SegmentsRunnable:
         return outputs
 
 
-def load_segments(graph: Plan, text: str, folder: Path, load_one: Callable[[Path, Segment], object],
-                plan_one: Callable[[object], object], start: Callable[[Callable], object],
-                finish: Callable[[object], object]) -> SegmentsRunnable:
-    """The runnable of ``graph``'s segments, the archive's weights in ``folder / "weights"`` (one ``<label>.dat`` per
-    variable). ``load_one(segment folder, segment)``: tract's model of a segment; ``plan_one(model)``: its runnable;
-    ``start(work)`` runs a work in a thread and ``finish(handle)`` waits for its result (its error raised)."""
-    record = facts_file(text, graph)
-    facts = _read_facts(record)
-    folders = [folder / f"segment{k}" for k in range(len(graph.segments))]
-    for k, segment_folder in enumerate(folders):
-        segment_folder.mkdir()
-        for label in dict.fromkeys(graph.labels(k)):
-            source, target = folder / "weights" / f"{label}.dat", segment_folder / f"{label}.dat"
+class SegmentedLoad:
+    """One load of an archive in segments, told by the integrity pass what it reads (``integrity.check_archive``'s
+    ``listener``): the graph (then the cuts are planned and their recorded facts looked up) and each weight once its
+    member passed its checks (then every segment whose weights are all written, when the facts are known, starts
+    loading and planning in a thread of its own while the pass goes on). ``finished()`` after the pass gives the
+    runnable; ``abandoned()`` waits for what was started when the pass failed.
+
+    ``load_one(segment folder, segment)``: tract's model of a segment; ``plan_one(model)``: its runnable;
+    ``start(work)`` runs a work in a thread, ``finish(handle)`` waits for its result (its error raised)."""
+
+    def __init__(self, folder: Path, count: int, tract_version: str, load_one: Callable, plan_one: Callable,
+                 start: Callable[[Callable], object], finish: Callable[[object], object]) -> None:
+        self.folder, self.count, self.version = folder, count, tract_version
+        self.load_one, self.plan_one, self.start, self.finish = load_one, plan_one, start, finish
+        self.text: str | None = None
+        self.plan: Plan | None = None
+        self.facts: dict[int, str] | None = None
+        self.fault: str | None = None  # why this graph is loaded whole after all
+        self.written: set[str] = set()
+        self.waiting: list[set[str]] = []
+        self.handles: dict[int, object] = {}
+
+    def graph(self, text: str) -> None:
+        self.text = text
+        count = segments_for(text, self.count)
+        if count < 2:
+            return
+        try:
+            self.plan = plan(text, count)
+        except NotCut as err:
+            self.fault = str(err)
+            return
+        facts = _read_facts(facts_file(text, self.plan, self.version))
+        wanted = {j for p in self.plan.segments for j in p.crossing_in}
+        self.facts = facts if facts is not None and wanted <= facts.keys() else None
+        self.waiting = [set(self.plan.labels(k)) - self.written for k in range(count)]
+        self._start_ready()
+
+    def weight(self, label: str) -> None:
+        self.written.add(label)
+        if self.plan is not None:
+            for waiting in self.waiting:
+                waiting.discard(label)
+            self._start_ready()
+
+    def _start_ready(self) -> None:
+        if self.facts is None or self.fault is not None:
+            return
+        for k, waiting in enumerate(self.waiting):
+            if not waiting and k not in self.handles:
+                try:
+                    folder = self._prepare(k)
+                    folder.joinpath("graph.nnef").write_text(self.plan.text(k, self.facts))
+                except (NotCut, OSError) as err:
+                    self.fault = str(err)
+                    return
+                segment = self.plan.segments[k]
+                self.handles[k] = self.start(lambda f=folder, p=segment: self.plan_one(self.load_one(f, p)))
+
+    def _prepare(self, k: int) -> Path:
+        """Segment ``k``'s folder: a link to each weight file it reads."""
+        folder = self.folder / f"segment{k}"
+        folder.mkdir()
+        for label in dict.fromkeys(self.plan.labels(k)):
+            source, target = self.folder / "weights" / f"{label}.dat", folder / f"{label}.dat"
             if not source.is_file():
                 raise NotCut(f"the archive has no weight {label}")
             target.parent.mkdir(parents=True, exist_ok=True)
             os.symlink(source.resolve(), target)
-    wanted = {j for p in graph.segments for j in p.crossing_in}
-    if facts is not None and wanted <= facts.keys():  # every segment declared: all planned side by side
-        for k, segment_folder in enumerate(folders):
-            (segment_folder / "graph.nnef").write_text(graph.text(k, facts))
-        handles = [start(lambda f=f, p=p: plan_one(load_one(f, p))) for f, p in zip(folders, graph.segments)]
-        return SegmentsRunnable(graph, [finish(h) for h in handles])
-    facts, handles = {}, []
-    for k, segment in enumerate(graph.segments):  # this graph's first load: a segment's facts before the next is read
-        (folders[k] / "graph.nnef").write_text(graph.text(k, facts))
-        model = finish(start(lambda f=folders[k], p=segment: load_one(f, p)))
-        given = [str(model.output_fact(i)) for i in range(model.output_count())][len(segment.outputs):]
-        for j, fact in zip(segment.crossing_out, given):
-            external(fact)  # NotCut for a fact a segment could not declare
-            facts[j] = fact.strip()
-        handles.append(start(lambda m=model: plan_one(m)))  # planned while the next segment loads
-    runnables = [finish(h) for h in handles]
-    _write_facts(record, facts)
-    return SegmentsRunnable(graph, runnables)
+        return folder
 
+    def finished(self) -> SegmentsRunnable | None:
+        """The runnable once the pass ended (None: load the archive whole: one segment's worth of graph);
+        NotCut (why) when the graph could not be cut or a segment failed."""
+        if self.fault is not None:
+            self.abandoned()
+            raise NotCut(self.fault)
+        if self.plan is None:
+            return None
+        if self.facts is not None:
+            missing = [k for k in range(len(self.plan.segments)) if k not in self.handles]
+            if missing:
+                self.abandoned()
+                raise NotCut(f"segment {missing[0]}'s weights are not all in the archive")
+            return SegmentsRunnable(self.plan, [self.finish(self.handles[k]) for k in range(len(self.handles))])
+        facts, handles = {}, []
+        for k, segment in enumerate(self.plan.segments):  # this graph's first load: a segment's facts before the next
+            folder = self._prepare(k)
+            folder.joinpath("graph.nnef").write_text(self.plan.text(k, facts))
+            model = self.finish(self.start(lambda f=folder, p=segment: self.load_one(f, p)))
+            given = [str(model.output_fact(i)) for i in range(model.output_count())][len(segment.outputs):]
+            for j, fact in zip(segment.crossing_out, given):
+                external(fact)  # NotCut for a fact a segment could not declare
+                facts[j] = fact.strip()
+            handles.append(self.start(lambda m=model: self.plan_one(m)))  # planned while the next segment loads
+        runnables = [self.finish(h) for h in handles]
+        _write_facts(facts_file(self.text, self.plan, self.version), facts)
+        return SegmentsRunnable(self.plan, runnables)
 
+    def abandoned(self) -> None:
+        """Wait for the segments started (tract's work cannot be stopped), their results or errors dropped."""
+        for handle in self.handles.values():
+            try:
+                self.finish(handle)
+            except Exception:  # noqa: BLE001 - dropped: the load failed or is abandoned anyway
+                pass
+        self.handles.clear()
