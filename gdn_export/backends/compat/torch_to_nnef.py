@@ -22,6 +22,15 @@ can change the graph at an outer level (an input found constant there: its outpu
 weight dropped), so it is kept wherever an input changed since the op last ran, and skipped where nothing it reads
 changed (``_inputs_unchanged``: the same input nodes, holding the same data objects and flags, and the same output
 nodes): such a re-run recomputes and stores exactly what the last one stored. gdn_export's own ops run once.
+
+Graph edits. Each submodule call merged into its caller (every layer, at every level of the module tree) remaps
+nodes with ``remap_node``, which rebuilds every op's input and output lists with a Python comprehension, and drops
+the call's op with ``op != callmethod_node`` over the whole op list; the NNEF translation then filters its work list
+with ``op not in done_nodes``: both compare ``TorchOp``s field by field (dataclass ``__eq__``, each field a list of
+nodes compared by name, shape, dtype). All three are quadratic in the number of layers (48 layers: a third of the
+trace). Replaced: ops compared by identity (two distinct ops never compare equal: each writes its own uniquely named
+nodes), and ``remap_node`` finding the lists that hold the node by identity in C (``id`` over the list), rebuilding
+those and copying the others (``list()``), so every list is a new one as upstream's are.
 """
 
 from __future__ import annotations
@@ -38,10 +47,12 @@ OWN_OPS = "t2n_extra::"  # the custom ops of gdn_export.ops
 
 
 def order_and_shape_patches() -> list[Patch]:
-    """Deterministic names and order, linear shape inference (the module docstring): every export needs them."""
+    """Deterministic names and order, linear shape inference and graph edits (the module docstring): every export
+    needs them."""
     import torch_to_nnef.export as t2n_export
     from torch_to_nnef.tensor.updater import ModTensorUpdater
     from torch_to_nnef.torch_graph.ir_graph import TorchModuleIRGraph
+    from torch_to_nnef.torch_graph.ir_op import TorchOp
 
     return [
         Patch(TorchModuleIRGraph, "_filter_nodes_not_in_trace_between_inputs_and_outputs", lambda _: _filter_nodes,
@@ -50,6 +61,9 @@ def order_and_shape_patches() -> list[Patch]:
         Patch(TorchModuleIRGraph, "_infer_missing_shapes_from_ops_outputs", lambda _: _infer_missing_shapes,
               quirk="T2N_QUADRATIC_SHAPE_INFERENCE"),
         Patch(t2n_export, "_build_nnef_graph_and_fragments", _sorted_fragments, quirk="T2N_SET_ORDER_NAMES"),
+        Patch(TorchOp, "__eq__", lambda _: object.__eq__, quirk="T2N_QUADRATIC_GRAPH_EDITS"),
+        Patch(TorchOp, "__ne__", lambda _: object.__ne__, quirk="T2N_QUADRATIC_GRAPH_EDITS"),
+        Patch(TorchModuleIRGraph, "remap_node", lambda _: _remap_node, quirk="T2N_QUADRATIC_GRAPH_EDITS"),
     ]
 
 
@@ -203,6 +217,34 @@ def _filter_nodes(self):
     nodes = sorted(used, key=lambda node: (before.get(hash(node), -1), "" if hash(node) in before else _name(node)))
     self.data_nodes = ReactiveNamedItemDict(nodes)
 
+
+
+def _remap_node(self, from_node, to_node) -> None:
+    """torch-to-nnef 0.24.12's ``TorchModuleIRGraph.remap_node``, each list tested for ``from_node`` by identity in C
+    and rebuilt only where it holds it (copied otherwise: every op still gets new lists, as upstream's do)."""
+    from torch_to_nnef.torch_graph.ir_data import Data
+
+    assert isinstance(from_node, Data)
+    assert isinstance(to_node, Data)
+    target = id(from_node)
+
+    def swapped(items) -> list:
+        items = list(items)
+        if target in map(id, items):
+            return [to_node if item is from_node else item for item in items]
+        return items
+
+    self.inputs = swapped(self.inputs)
+    self.outputs = swapped(self.outputs)
+    for op in self.op_nodes:
+        op.inputs = swapped(op.inputs)
+        op.outputs = swapped(op.outputs)
+    self.data_nodes.remove(from_node, raise_exception_if_not_found=False)
+    for dnode in self.data_nodes:  # nodes in containers too
+        if dnode.is_container:
+            dnode.set_data(swapped(dnode.iter()))
+    if not self.data_nodes.contains(to_node):
+        self.data_nodes.append(to_node)
 
 
 def _name(node) -> str:
