@@ -1,5 +1,7 @@
-"""tract's output names are learnt without reading the weights: the graph with its weight matrices declared as
-inputs (``tract_names(..., inputs_from_bytes=...)``) reports the same names as the graph itself, on every fixture."""
+"""tract's output names are learnt without reading the weights and without loading the whole graph: the graph with
+its weight matrices declared as inputs (``tract_names(..., inputs_from_bytes=...)``) reports the same names as the
+graph itself, and ``renamed_outputs`` (the first layers' cut of it, outputs of one kind answered by the earliest)
+names the outputs tract's load of the whole graph renames, no more, no fewer, on every fixture."""
 
 import json
 import re
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gdn_export.backends.nnef.output_names import RAW_SUFFIX, tract_names
+from gdn_export.backends.nnef.output_names import RAW_SUFFIX, renamed_outputs, tract_names
 from helpers import CHECKPOINTS, by_fixture
 
 
@@ -31,5 +33,6 @@ def unwrapped(archive: Path, folder: Path) -> list[str]:
 def test_names_without_the_weights_are_tracts_names(name, converted, tmp_path):
     renamed = unwrapped(converted(name), tmp_path)
     declared, reported, facts = tract_names(tmp_path)
-    assert [d for d, r in zip(declared, reported) if d != r] == renamed  # the unwrapping is right
+    assert [d for d, r in zip(declared, reported) if d != r] == renamed  # the export wrapped what tract renames
     assert tract_names(tmp_path, inputs_from_bytes=0) == (declared, reported, facts)
+    assert renamed_outputs(tmp_path, inputs_from_bytes=0) == renamed

@@ -20,8 +20,8 @@ delta-rule node, in eager torch, in a 4-layer model), and at a module's level on
 submodule calls is merged: quadratic in the number of layers (24 layers: ~20 s of a 70 s conversion). A re-run
 can change the graph at an outer level (an input found constant there: its output becomes a constant, a cast of a
 weight dropped), so it is kept wherever an input changed since the op last ran, and skipped where nothing it reads
-changed (``_inputs_unchanged``: the same input nodes, holding the same data objects and flags, and the same output
-nodes): such a re-run recomputes and stores exactly what the last one stored. gdn_export's own ops run once.
+changed (``_inputs_unchanged``: the same input nodes, each attribute of each the same object, and the same
+output nodes): such a re-run recomputes and stores exactly what the last one stored. gdn_export's own ops run once.
 
 Graph edits. Each submodule call merged into its caller (every layer, at every level of the module tree) remaps
 nodes with ``remap_node``, which rebuilds every op's input and output lists with a Python comprehension, and drops
@@ -30,7 +30,8 @@ with ``op not in done_nodes``: both compare ``TorchOp``s field by field (datacla
 nodes compared by name, shape, dtype). All three are quadratic in the number of layers (48 layers: a third of the
 trace). Replaced: ops compared by identity (two distinct ops never compare equal: each writes its own uniquely named
 nodes), and ``remap_node`` finding the lists that hold the node by identity in C (``id`` over the list), rebuilding
-those and copying the others (``list()``), so every list is a new one as upstream's are.
+those and copying the others (``list()``), so every op's list is a new one as upstream's are; a container's items
+set only where it holds the node.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import sys
 from contextlib import ExitStack, contextmanager
 from typing import Callable, Iterator, Mapping
 
-from gdn_export.backends.compat import Patch, _LOCK, patched, require
+from gdn_export.backends.compat import Patch, _LOCK, _MISSING, patched, require
 
 OWN_OPS = "t2n_extra::"  # the custom ops of gdn_export.ops
 
@@ -61,8 +62,8 @@ def order_and_shape_patches() -> list[Patch]:
         Patch(TorchModuleIRGraph, "_infer_missing_shapes_from_ops_outputs", lambda _: _infer_missing_shapes,
               quirk="T2N_QUADRATIC_SHAPE_INFERENCE"),
         Patch(t2n_export, "_build_nnef_graph_and_fragments", _sorted_fragments, quirk="T2N_SET_ORDER_NAMES"),
-        Patch(TorchOp, "__eq__", lambda _: object.__eq__, quirk="T2N_QUADRATIC_GRAPH_EDITS"),
-        Patch(TorchOp, "__ne__", lambda _: object.__ne__, quirk="T2N_QUADRATIC_GRAPH_EDITS"),
+        # the dataclass __eq__ removed: object's, identity in C (list membership tests no Python call per item)
+        Patch(TorchOp, "__eq__", lambda _: _MISSING, quirk="T2N_QUADRATIC_GRAPH_EDITS"),
         Patch(TorchModuleIRGraph, "remap_node", lambda _: _remap_node, quirk="T2N_QUADRATIC_GRAPH_EDITS"),
     ]
 
@@ -221,7 +222,10 @@ def _filter_nodes(self):
 
 def _remap_node(self, from_node, to_node) -> None:
     """torch-to-nnef 0.24.12's ``TorchModuleIRGraph.remap_node``, each list tested for ``from_node`` by identity in C
-    and rebuilt only where it holds it (copied otherwise: every op still gets new lists, as upstream's do)."""
+    and rebuilt only where it holds it (copied otherwise: every op still gets new lists, as upstream's do); a
+    container's items are set only where it holds the node (upstream sets an equal new list in every container,
+    which made every op reading one run its shape inference again: exact, as a re-run with the same inputs stores
+    what the last one stored, and quadratic)."""
     from torch_to_nnef.torch_graph.ir_data import Data
 
     assert isinstance(from_node, Data)
@@ -240,8 +244,8 @@ def _remap_node(self, from_node, to_node) -> None:
         op.inputs = swapped(op.inputs)
         op.outputs = swapped(op.outputs)
     self.data_nodes.remove(from_node, raise_exception_if_not_found=False)
-    for dnode in self.data_nodes:  # nodes in containers too
-        if dnode.is_container:
+    for dnode in self.data_nodes:  # nodes in containers too (set only where one is held: the same items otherwise)
+        if dnode.is_container and target in map(id, dnode.iter()):
             dnode.set_data(swapped(dnode.iter()))
     if not self.data_nodes.contains(to_node):
         self.data_nodes.append(to_node)
@@ -284,26 +288,29 @@ _LAST_RUN = "_gdn_export_last_run"  # attribute of a TorchOp: (what it read, its
 
 
 def _reads(op) -> tuple:
-    """What ``realise_output_type_and_size`` reads of ``op``'s inputs, and its output nodes: node and data objects
-    (compared by identity, and kept alive by the memo, so an id is never reused), and the flags."""
+    """What ``realise_output_type_and_size`` can read of ``op``'s inputs, and its output nodes: every input node
+    (containers expanded) and each of its attributes' values, compared by identity (``id``s, compared in C; the
+    objects are kept alive by the memo, so an id is never reused), a shape list by value (it may be edited in place).
+    What the properties it reads (``tracable``, ``is_constant``, ``dtype`` of a container) return is a function of
+    those attributes, so an unchanged fingerprint means an unchanged input."""
     from torch_to_nnef.torch_graph.ir_graph import _expand_node_containers_if_exists
 
-    state = []
+    held: list = []
+    shapes: list = []
     for node in _expand_node_containers_if_exists(op.inputs):
-        state += [node, getattr(node, "data", None), getattr(node, "_traced_data", None),
-                  getattr(node, "tracable", None), getattr(node, "is_constant", None),
-                  getattr(node, "module_attr", None), getattr(node, "dtype", None),
-                  tuple(getattr(node, "shape", None) or ())]
-    return tuple(state), tuple(_expand_node_containers_if_exists(op.outputs))
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(x is y or (type(x) in (bool, tuple, type(None)) and x == y) for x, y in zip(a, b))
+        attributes = node.__dict__
+        held.append(node)
+        held.extend(attributes.values())
+        shape = attributes.get("shape")
+        if type(shape) is list:
+            shapes.append(tuple(shape))
+    outputs = tuple(_expand_node_containers_if_exists(op.outputs))
+    return held, outputs, (tuple(map(id, held)), tuple(shapes), tuple(map(id, outputs)))
 
 
 def _inputs_unchanged(op, reads: tuple) -> bool:
     last = getattr(op, _LAST_RUN, None)
-    return last is not None and _same(last[0][0], reads[0]) and _same(last[0][1], reads[1])
+    return last is not None and last[0][2] == reads[2]
 
 
 def _realise_unless_unchanged(op) -> bool:

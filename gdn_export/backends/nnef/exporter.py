@@ -109,6 +109,8 @@ def export_nnef(
                 target.pass_fragments[LAST_STEP.name] = LAST_STEP.definition
 
         passes.append(last_step)
+    bool_outputs: set[str] = set()  # the renaming select's condition is such an output itself (output_names.py)
+    passes.append(lambda graph: bool_outputs.update(t.name for t in graph.outputs if _is_bool(t.dtype)))
     shared = {"constants": 0}  # last: every constant written, each distinct one once
     passes.append(lambda graph: shared.update(constants=share_identical_constants(graph)))
     target = OfflineTractTarget(tract_version, options=plan(tract_version), dynamic_axes=dynamic_axes,
@@ -137,7 +139,8 @@ def export_nnef(
         pending = {label: weights.deferrable[label] for _, label in deferred}
         # no weight matrix is read (and it loads faster); tract loads in a thread while this one writes the rest
         (renamed, seconds["names"]), late_writes = alongside(
-            lambda: keep_output_names(folder, inputs_from_bytes=0, pending=pending),
+            lambda: keep_output_names(folder, inputs_from_bytes=0, pending=pending,
+                                      bool_outputs=frozenset(bool_outputs)),
             lambda: write_deferred(weights, deferred) if deferred else 0.0)
         seconds["write"] += late_writes
         if metadata is not None:
@@ -160,6 +163,14 @@ def export_nnef(
             report.parity.raise_if_failed()
         os.replace(staged, path)
     return report
+
+
+def _is_bool(dtype) -> bool:
+    """Whether an NNEF graph tensor's ``dtype`` (a numpy or Python type, or None) is bool."""
+    try:
+        return dtype is not None and np.dtype(dtype) == np.bool_
+    except TypeError:
+        return False
 
 
 def sequence_extent(dynamic_axes: dict | None, input_names: Sequence[str], args: Sequence) -> int | None:
