@@ -44,7 +44,9 @@ OUTPUT_NAMED_AFTER_PRODUCER = Quirk(
          "'y = copy(t)' reports 't' (declutter removes the copy), 'y = linear(...)' reports 'y_linear_output', "
          "'y = add(x, x)' reports 'y_1'.",
     workaround="after writing the graph, every output tract would rename is re-declared as "
-               "'NAME = select(NAME__c, NAME__raw, NAME__raw)' (one copy of that output per call)",
+               "'NAME = select(NAME__c, NAME__raw, NAME__raw)' (one copy of that output per call); which ones, "
+               "output_names.renamed_outputs learns from a load of the first layers' cut of the graph (an output of "
+               "an op outside MAY_KEEP_THEIR_NAME is wrapped unasked)",
     applied_in=("gdn_export/backends/nnef/output_names.py", "gdn_export/backends/nnef/exporter.py"),
     when_fixed="output_names.keep_output_names and the select wrappers can go",
     canary="test_output_named_after_producer",
@@ -536,8 +538,9 @@ T2N_QUADRATIC_GRAPH_EDITS = Quirk(
          "and the NNEF translation filters its work list with 'op not in done_nodes', comparing TorchOps field by "
          "field: the trace of a 48-layer 0.8B-shape model grew 4x from 24 layers (cProfile: remap_node 32 s, "
          "the dataclass __eq__ 8 s of a 214 s profiled conversion)",
-    workaround="TorchOp compared by identity during a conversion; remap_node tests each list by identity in C "
-               "(id over the list) and rebuilds only the lists holding the node, copying the others",
+    workaround="TorchOp compared by identity during a conversion (its dataclass __eq__ removed); remap_node tests "
+               "each list by identity in C (id over the list) and rebuilds only the lists holding the node, copying "
+               "the others, and sets a container's items only where it holds the node",
     applied_in=("gdn_export/backends/compat/torch_to_nnef.py",),
     when_fixed="the TorchOp.__eq__ and remap_node patches can go",
     canary="test_compat.py::test_t2n_quadratic_graph_edits",  # the code replaced; the effect is a speed
