@@ -533,14 +533,13 @@ T2N_QUADRATIC_SHAPE_INFERENCE = Quirk(
 
 T2N_QUADRATIC_GRAPH_EDITS = Quirk(
     name="torch-to-nnef's submodule merges and translation are quadratic in the number of layers",
-    does="remap_node rebuilds every op's input and output lists in Python for each node it remaps (once per input "
-         "and output of every merged submodule call), _merge_subraph drops the call with 'op != callmethod_node' "
-         "and the NNEF translation filters its work list with 'op not in done_nodes', comparing TorchOps field by "
-         "field: the trace of a 48-layer 0.8B-shape model grew 4x from 24 layers (cProfile: remap_node 32 s, "
-         "the dataclass __eq__ 8 s of a 214 s profiled conversion)",
-    workaround="TorchOp compared by identity during a conversion (its dataclass __eq__ removed); remap_node tests "
-               "each list by identity in C (id over the list) and rebuilds only the lists holding the node, copying "
-               "the others, and sets a container's items only where it holds the node",
+    does="_merge_subraph drops each call with 'op != callmethod_node' and the NNEF translation filters its work list "
+         "with 'op not in done_nodes', comparing TorchOps field by field (dataclass __eq__); remap_node sets a new "
+         "equal item list in every container of the graph, so every op reading one runs its shape inference again "
+         "after every remap: the trace of the 48-layer 0.8B shape took 4x the 24-layer one's (cProfile: the "
+         "shape inference 84 s, remap_node 32 s, __eq__ 8 s of a 214 s profiled conversion)",
+    workaround="TorchOp compared by identity during a conversion (its dataclass __eq__ removed: object's, in C); "
+               "remap_node sets only the containers that hold the remapped node",
     applied_in=("gdn_export/backends/compat/torch_to_nnef.py",),
     when_fixed="the TorchOp.__eq__ and remap_node patches can go",
     canary="test_compat.py::test_t2n_quadratic_graph_edits",  # the code replaced; the effect is a speed

@@ -23,15 +23,15 @@ weight dropped), so it is kept wherever an input changed since the op last ran, 
 changed (``_inputs_unchanged``: the same input nodes, each attribute of each the same object, and the same
 output nodes): such a re-run recomputes and stores exactly what the last one stored. gdn_export's own ops run once.
 
-Graph edits. Each submodule call merged into its caller (every layer, at every level of the module tree) remaps
-nodes with ``remap_node``, which rebuilds every op's input and output lists with a Python comprehension, and drops
-the call's op with ``op != callmethod_node`` over the whole op list; the NNEF translation then filters its work list
+Graph edits. Each submodule call merged into its caller (every layer, at every level of the module tree) drops
+the call's op with ``op != callmethod_node`` over the whole op list, and the NNEF translation filters its work list
 with ``op not in done_nodes``: both compare ``TorchOp``s field by field (dataclass ``__eq__``, each field a list of
-nodes compared by name, shape, dtype). All three are quadratic in the number of layers (48 layers: a third of the
-trace). Replaced: ops compared by identity (two distinct ops never compare equal: each writes its own uniquely named
-nodes), and ``remap_node`` finding the lists that hold the node by identity in C (``id`` over the list), rebuilding
-those and copying the others (``list()``), so every op's list is a new one as upstream's are; a container's items
-set only where it holds the node.
+nodes compared by name, shape, dtype): quadratic in the number of layers. Replaced: ops compared by identity (the
+dataclass ``__eq__`` removed for the conversion; two distinct ops never compare equal: each writes its own uniquely
+named nodes). ``remap_node`` (once per input and output of every merged call) also sets a new, equal item list in
+every container of the graph, so every op reading a container ran its shape inference again after every remap;
+replaced by the same function setting only the containers that hold the node. Its rebuilding of every op's lists
+stays: testing each list for the node costs what rebuilding it does (2-3 items; measured).
 """
 
 from __future__ import annotations
@@ -221,32 +221,24 @@ def _filter_nodes(self):
 
 
 def _remap_node(self, from_node, to_node) -> None:
-    """torch-to-nnef 0.24.12's ``TorchModuleIRGraph.remap_node``, each list tested for ``from_node`` by identity in C
-    and rebuilt only where it holds it (copied otherwise: every op still gets new lists, as upstream's do); a
-    container's items are set only where it holds the node (upstream sets an equal new list in every container,
-    which made every op reading one run its shape inference again: exact, as a re-run with the same inputs stores
-    what the last one stored, and quadratic)."""
+    """torch-to-nnef 0.24.12's ``TorchModuleIRGraph.remap_node``, a container's items set only where it holds
+    ``from_node`` (upstream sets an equal new list in every container of the graph, which makes every op reading one
+    run its shape inference again after every remap: exact, as a re-run with the same inputs stores what the last
+    one stored, but quadratic in the layers)."""
     from torch_to_nnef.torch_graph.ir_data import Data
 
     assert isinstance(from_node, Data)
     assert isinstance(to_node, Data)
-    target = id(from_node)
-
-    def swapped(items) -> list:
-        items = list(items)
-        if target in map(id, items):
-            return [to_node if item is from_node else item for item in items]
-        return items
-
-    self.inputs = swapped(self.inputs)
-    self.outputs = swapped(self.outputs)
+    self.inputs = [to_node if _ is from_node else _ for _ in self.inputs]
+    self.outputs = [to_node if _ is from_node else _ for _ in self.outputs]
     for op in self.op_nodes:
-        op.inputs = swapped(op.inputs)
-        op.outputs = swapped(op.outputs)
+        op.inputs = [to_node if _ is from_node else _ for _ in op.inputs]
+        op.outputs = [to_node if _ is from_node else _ for _ in op.outputs]
     self.data_nodes.remove(from_node, raise_exception_if_not_found=False)
-    for dnode in self.data_nodes:  # nodes in containers too (set only where one is held: the same items otherwise)
+    target = id(from_node)
+    for dnode in self.data_nodes:  # nodes in containers too
         if dnode.is_container and target in map(id, dnode.iter()):
-            dnode.set_data(swapped(dnode.iter()))
+            dnode.set_data([to_node if _ is from_node else _ for _ in dnode.iter()])
     if not self.data_nodes.contains(to_node):
         self.data_nodes.append(to_node)
 
