@@ -21,9 +21,12 @@ conversion, 24.7 s at 48 layers). An output computed by an op outside ``MAY_KEEP
 cast or copy, a fused op) is wrapped unasked: the select keeps the declared name whatever tract would have reported,
 and on every fixture those are the outputs tract renames. The others (the layers' states: a transpose, a squeeze, a
 concat) are grouped by how they are written (``_Graph.signatures``: ops, attributes and shapes ``SIGNATURE_DEPTH``
-producers back, not the names or the layer numbers), and tract loads only the cone of the earliest output of each
-group: the first layer of each kind and what precedes it. Every layer of one kind is written alike, so it is renamed
-alike; tests/test_output_names.py compares this answer with tract's load of the whole graph on every fixture.
+producers back, not the names or the layer numbers), and tract loads only the graph's first statements: up to the
+earliest output of each group and the last reader of what it is computed from (tract fuses an op into its input's
+producer only where nothing else reads that input, so each tensor near those outputs keeps all its readers), with
+the tensors later statements read declared as outputs: the first layer of each kind. Every layer of one kind is
+written alike, so it is renamed alike; tests/test_output_names.py compares this answer with tract's load of the
+whole graph on every fixture.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ _WORD = re.compile(r"[A-Za-z_]\w*")
 class _Graph:
     """graph.nnef's main graph as statements: enough to cut it down to the cones of some outputs."""
 
-    prefix: str  # everything before ``graph NAME(``: the fragments, extensions
+    prefix_text: str  # everything before ``graph NAME(``: the fragments, extensions
     name: str
     inputs: list[str]
     outputs: list[str]
@@ -94,7 +97,7 @@ class _Graph:
                 reads.append([producer[w] for w in _WORD.findall(_STRING.sub("", rhs)) if w in producer])
                 producer.update({name: (len(statements), k) for k, name in enumerate(names)})
                 statements.append((names, rhs))
-        return cls(prefix=text[: header.start()], name=header.group(1),
+        return cls(prefix_text=text[: header.start()], name=header.group(1),
                    inputs=[n.strip() for n in header.group(2).split(",") if n.strip()],
                    outputs=[n.strip() for n in header.group(3).split(",") if n.strip()],
                    statements=statements, producer=producer, reads=reads)
@@ -128,21 +131,45 @@ class _Graph:
 
         return {name: signature(self.producer[name], depth) for name in self.outputs}
 
-    def cut(self, outputs: list[str]) -> str:
-        """The graph of ``outputs`` alone: only the statements they depend on, only the inputs those read."""
-        kept: set[int] = set()
+    def prefix(self, outputs: list[str]) -> tuple[str, list[str]]:
+        """The graph's first statements, far enough for ``outputs`` and every reader of what they are computed
+        from (so each tensor near them has the readers it has in the whole graph: tract fuses an op into its input's
+        producer only where nothing else reads that input); its outputs: the declared ones it computes, then the
+        tensors later statements read (kept alive, as the rest of the graph keeps them). Returns (graph text, the
+        declared outputs it computes)."""
+        # constants (computed from no input: tract folds them) and the inputs themselves have no readers to keep
+        varying: set[int] = set()
+        for index, (_, rhs) in enumerate(self.statements):
+            if rhs.startswith(("tract_core_external", "external")) or any(r in varying for r, _ in self.reads[index]):
+                varying.add(index)
+        leaf = {index for index, (_, rhs) in enumerate(self.statements)
+                if index not in varying or rhs.startswith(("tract_core_external", "external"))}
+        cone: set[int] = set()
         stack = [self.producer[name][0] for name in outputs]
         while stack:
             index = stack.pop()
-            if index not in kept:
-                kept.add(index)
+            if index not in cone:
+                cone.add(index)
                 stack.extend(read for read, _ in self.reads[index])
-        defined = {name for index in kept for name in self.statements[index][0]}
+        end = max(self.producer[name][0] for name in outputs)
+        for index, reads in enumerate(self.reads):  # readers of the cone's computed tensors
+            if index > end and any(read in cone and read not in leaf for read, _ in reads):
+                end = index
+        declared = [name for name in self.outputs if self.producer[name][0] <= end]
+        live: list[str] = []
+        for reads in self.reads[end + 1:]:
+            for index, position in reads:
+                name = self.statements[index][0][position]
+                if index <= end and index not in leaf and self.producer[name] == (index, position) \
+                        and name not in live and name not in declared:
+                    live.append(name)
+        defined = {name for names, _ in self.statements[: end + 1] for name in names}
         inputs = [name for name in self.inputs if name in defined]
-        lines = [f"    {', '.join(names) if len(names) == 1 else '(' + ', '.join(names) + ')'} = {rhs};\n"
-                 for index, (names, rhs) in enumerate(self.statements) if index in kept]
-        return (f"{self.prefix}graph {self.name}({', '.join(inputs)}) -> ({', '.join(outputs)})\n{{\n"
+        lines = [f"    {names[0] if len(names) == 1 else '(' + ', '.join(names) + ')'} = {rhs};\n"
+                 for names, rhs in self.statements[: end + 1]]
+        text = (f"{self.prefix_text}graph {self.name}({', '.join(inputs)}) -> ({', '.join(declared + live)})\n{{\n"
                 + "".join(lines) + "}\n")
+        return text, declared
 
 
 def renamed_outputs(folder: Path, inputs_from_bytes: int | None = None,
@@ -150,9 +177,10 @@ def renamed_outputs(folder: Path, inputs_from_bytes: int | None = None,
     """The declared outputs of ``folder``'s graph that tract would report under another name, learnt without a
     load of the whole graph: an output of an op outside ``MAY_KEEP_THEIR_NAME`` is counted as renamed unasked;
     the others are grouped by how they are computed (``_Graph.signatures``: every layer of one kind writes its
-    states alike) and tract loads only the cone of the earliest output of each group (the first layers' part of
-    the graph). ``inputs_from_bytes``, ``pending``: see ``tract_names``. tests/test_output_names.py checks the
-    answer against tract's load of the whole graph on every fixture."""
+    states alike) and tract loads only the graph's first statements (``_Graph.prefix``: up to the earliest output
+    of each group and the last reader of what it is computed from: the first layer of each kind), which answers
+    for the outputs it computes and for their groups. ``inputs_from_bytes``, ``pending``: see ``tract_names``.
+    tests/test_output_names.py checks the answer against tract's load of the whole graph on every fixture."""
     import tempfile
 
     import tract
@@ -163,17 +191,18 @@ def renamed_outputs(folder: Path, inputs_from_bytes: int | None = None,
     earliest: dict[str, str] = {}
     for name in sorted(asked, key=lambda name: graph.producer[name]):
         earliest.setdefault(kinds[name], name)
-    renamed_kinds: set[str] = set()
+    answered: dict[str, bool] = {}  # a declared output of the prefix -> whether tract renames it
     if earliest:
-        representatives = sorted(earliest.values(), key=lambda name: graph.producer[name])
+        text, declared = graph.prefix(list(earliest.values()))
         with tempfile.TemporaryDirectory(prefix=".gdn_export_names_", dir=folder.parent) as tmp:
             shadow = Path(tmp)
             _weights_as_inputs(folder, shadow, 2 ** 62 if inputs_from_bytes is None else inputs_from_bytes,
-                               pending or {}, text=graph.cut(representatives))
+                               pending or {}, text=text)
             model = tract.nnef().with_tract_transformers().load(str(shadow))
-            reported = [model.output_name(i) for i in range(model.output_count())]
-        renamed_kinds = {kinds[name] for name, got in zip(representatives, reported) if got != name}
-    return [name for name in graph.outputs if name not in asked or kinds[name] in renamed_kinds]
+            answered = {name: model.output_name(i) != name for i, name in enumerate(declared)}
+    renamed_kinds = {kinds[name] for name in earliest.values() if answered[name]}
+    return [name for name in graph.outputs
+            if answered.get(name, name not in asked or kinds[name] in renamed_kinds)]
 
 
 NNEF_ITEM_TYPES = {(0, 16): "f16", (0, 32): "f32", (0, 64): "f64"}  # (item type, bits) of a .dat header -> tract's
