@@ -27,7 +27,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_load import FORMATS, GGUF_TYPES, checkpoint_for, convert, log, machine, make_ggufs  # noqa: E402
+from bench_decode_profile import table  # noqa: E402
+from bench_load import GGUF_TYPES, checkpoint_for, convert, log, machine, make_ggufs  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,14 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     head = ["layers", "format", "converter", "wall s", "CPU s", "load", "x llama.cpp", "split"]
     lines = [[str(r["layers"]), r["format"], r["who"], f"{r['seconds']:.1f}", f"{r['cpu']:.1f}", f"{r['load']:.2f}",
               f"{r['ratio']:.2f}x", r["split"]] for r in rows]
-    if args.markdown:
-        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-        for line in lines:
-            print("| " + " | ".join(line) + " |")
-    else:
-        widths = [max(len(x) for x in col) for col in zip(head, *lines)]
-        for line in [head, *lines]:
-            print("  ".join(x.ljust(w) for x, w in zip(line, widths)))
+    print(table(head, lines, args.markdown))
     return 0
 
 
