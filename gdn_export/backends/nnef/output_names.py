@@ -18,7 +18,7 @@ only once written, and would serialize the weight writes this load now overlaps 
 
 tract is not asked about the whole graph (its load grows faster than the layers: 7.6 s of a 24-layer 0.8B
 conversion, 24.7 s at 48 layers). An output computed by an op outside ``MAY_KEEP_THEIR_NAME`` (a linear, a mul, a
-cast or copy, a fused op) is wrapped unasked: the select keeps the declared name whatever tract would have reported,
+copy, a fused op; a cast to the type it already has) is wrapped unasked: the select keeps the declared name whatever tract would have reported,
 and on every fixture those are the outputs tract renames. The others (the layers' states: a transpose, a squeeze, a
 concat) are grouped by how they are written (``_Graph.signatures``: ops, attributes and shapes ``SIGNATURE_DEPTH``
 producers back, not the names or the layer numbers), and tract loads only the graph's first statements: up to the
@@ -173,13 +173,15 @@ class _Graph:
 
 
 def renamed_outputs(folder: Path, inputs_from_bytes: int | None = None,
-                    pending: Mapping[str, str] | None = None) -> list[str]:
+                    pending: Mapping[str, str] | None = None, retyped: frozenset[str] = frozenset()) -> list[str]:
     """The declared outputs of ``folder``'s graph that tract would report under another name, learnt without a
     load of the whole graph: an output of an op outside ``MAY_KEEP_THEIR_NAME`` is counted as renamed unasked;
     the others are grouped by how they are computed (``_Graph.signatures``: every layer of one kind writes its
     states alike) and tract loads only the graph's first statements (``_Graph.prefix``: up to the earliest output
     of each group and the last reader of what it is computed from: the first layer of each kind), which answers
-    for the outputs it computes and for their groups. ``inputs_from_bytes``, ``pending``: see ``tract_names``.
+    for the outputs it computes and for their groups. An output of a ``tract_core_cast`` is decided by its types
+    (``tract_quirks.SAME_TYPE_CAST_REMOVED``): renamed unless it is in ``retyped`` (the casts that change the type,
+    which the translated graph knows). ``inputs_from_bytes``, ``pending``: see ``tract_names``.
     tests/test_output_names.py checks the answer against tract's load of the whole graph on every fixture."""
     import tempfile
 
@@ -201,8 +203,15 @@ def renamed_outputs(folder: Path, inputs_from_bytes: int | None = None,
             model = tract.nnef().with_tract_transformers().load(str(shadow))
             answered = {name: model.output_name(i) != name for i, name in enumerate(declared)}
     renamed_kinds = {kinds[name] for name in earliest.values() if answered[name]}
-    return [name for name in graph.outputs
-            if answered.get(name, name not in asked or kinds[name] in renamed_kinds)]
+
+    def renamed(name: str) -> bool:
+        if name in answered:
+            return answered[name]
+        if name in asked:
+            return kinds[name] in renamed_kinds
+        return graph.op(name) != "tract_core_cast" or name not in retyped
+
+    return [name for name in graph.outputs if renamed(name)]
 
 
 NNEF_ITEM_TYPES = {(0, 16): "f16", (0, 32): "f32", (0, 64): "f64"}  # (item type, bits) of a .dat header -> tract's
@@ -267,16 +276,17 @@ def _condition(raw: str, is_bool: bool) -> str:
 
 
 def keep_output_names(folder: Path, inputs_from_bytes: int | None = None,
-                      pending: Mapping[str, str] | None = None, bool_outputs: frozenset[str] = frozenset()) -> list[str]:
+                      pending: Mapping[str, str] | None = None, bool_outputs: frozenset[str] = frozenset(),
+                      retyped: frozenset[str] = frozenset()) -> list[str]:
     """Rewrite ``folder/graph.nnef`` so tract reports every declared output name; return the names fixed.
 
     ``inputs_from_bytes``, ``pending``: see ``tract_names`` (the weights are then not read); ``bool_outputs``: the
-    outputs of type bool (their own condition). Which outputs need it is ``renamed_outputs``' answer (a load of the
+    outputs of type bool (their own condition); ``retyped``: see ``renamed_outputs``. Which outputs need it is ``renamed_outputs``' answer (a load of the
     first layers' part of the graph, not of the whole). The rewrite is not re-loaded here (a load of a big model
     costs seconds to minutes): export's check loads the archive once with ``runtime.load_tract_model(...,
     expect_outputs=...)``, which raises if a name still differs.
     """
-    renamed = renamed_outputs(folder, inputs_from_bytes, pending)
+    renamed = renamed_outputs(folder, inputs_from_bytes, pending, retyped)
     if not renamed:
         return []
     path = folder / "graph.nnef"
