@@ -31,8 +31,20 @@ def unwrapped(archive: Path, folder: Path) -> list[str]:
 
 @pytest.mark.parametrize("name", by_fixture(*CHECKPOINTS))
 def test_names_without_the_weights_are_tracts_names(name, converted, tmp_path):
-    renamed = unwrapped(converted(name), tmp_path)
+    agrees_with_tract(converted(name), tmp_path)
+
+
+@pytest.mark.parametrize("name", by_fixture("qwen3_5"))
+def test_names_of_a_float16_archive(name, converted, tmp_path):
+    """Its MTP head's 'hidden' output is a cast that changes the type: tract keeps its name, and the export knew
+    it from the types (which the archive's text alone does not give ``renamed_outputs``)."""
+    agrees_with_tract(converted(name, "float16"), tmp_path, text_alone=False)
+
+
+def agrees_with_tract(archive: Path, tmp_path: Path, text_alone: bool = True) -> None:
+    renamed = unwrapped(archive, tmp_path)
     declared, reported, facts = tract_names(tmp_path)
     assert [d for d, r in zip(declared, reported) if d != r] == renamed  # the export wrapped what tract renames
     assert tract_names(tmp_path, inputs_from_bytes=0) == (declared, reported, facts)
-    assert renamed_outputs(tmp_path, inputs_from_bytes=0) == renamed
+    if text_alone:
+        assert renamed_outputs(tmp_path, inputs_from_bytes=0) == renamed
