@@ -64,9 +64,7 @@ def order_and_shape_patches() -> list[Patch]:
         Patch(t2n_export, "_build_nnef_graph_and_fragments", _sorted_fragments, quirk="T2N_SET_ORDER_NAMES"),
         # the dataclass __eq__ removed: object's, identity in C (list membership tests no Python call per item)
         Patch(TorchOp, "__eq__", lambda _: _MISSING, quirk="T2N_QUADRATIC_GRAPH_EDITS"),
-        Patch(TorchModuleIRGraph, "remap_node", lambda _: _remap_node, quirk="T2N_QUADRATIC_GRAPH_EDITS",
-              exclusive=True),
-        Patch(TorchOp, "__setattr__", _noting_setattr, quirk="T2N_QUADRATIC_GRAPH_EDITS", exclusive=True),
+        Patch(TorchModuleIRGraph, "remap_node", lambda _: _remap_node, quirk="T2N_QUADRATIC_GRAPH_EDITS"),
     ]
 
 
@@ -110,11 +108,7 @@ def conversion(handlers: Mapping[str, Callable] = {}) -> Iterator[None]:
     import_torch_to_nnef()
     with ExitStack() as stack:
         stack.enter_context(patched(*order_and_shape_patches(), *handler_patches(handlers)))
-        _HOLDERS.append(_Holders())
-        try:
-            yield
-        finally:
-            _HOLDERS.pop()
+        yield
 
 
 class _CompileHeldBack:
@@ -226,58 +220,18 @@ def _filter_nodes(self):
 
 
 
-class _Holders:
-    """Which ops hold a node in their input or output list: noted each time an op's ``inputs`` or ``outputs`` is set
-    (``_noting_setattr``), so ``_remap_node`` visits those ops instead of rebuilding every op's lists."""
-
-    def __init__(self) -> None:
-        self.ops: dict[int, object] = {}  # id(op) -> op (kept alive: an id is never reused meanwhile)
-        self.by_node: dict[int, set[int]] = {}  # id(node) -> ids of the ops whose lists held it when last set
-        self.indexed: dict[int, set[int]] = {}  # id(op) -> ids of the nodes it is noted under
-
-    def note(self, op) -> None:
-        key = id(op)
-        held = set(map(id, getattr(op, "inputs", ()) or ())) | set(map(id, getattr(op, "outputs", ()) or ()))
-        old = self.indexed.get(key, set())
-        for node in old - held:
-            self.by_node[node].discard(key)
-        for node in held - old:
-            self.by_node.setdefault(node, set()).add(key)
-        self.indexed[key], self.ops[key] = held, op
-
-    def of(self, node, ops: list) -> list:
-        """The ops of ``ops`` (a graph's op list) that hold ``node`` (by identity), in their order there."""
-        candidates = self.by_node.get(id(node), set())
-        return [op for op in ops if id(op) in candidates and (any(item is node for item in op.inputs)
-                                                              or any(item is node for item in op.outputs))]
-
-
-_HOLDERS: list[_Holders] = []  # the current conversion's (one at a time: the patches are exclusive)
-
-
-def _noting_setattr(original):
-    def __setattr__(self, name, value) -> None:
-        original(self, name, value)
-        if name in ("inputs", "outputs") and _HOLDERS:
-            _HOLDERS[-1].note(self)
-
-    return __setattr__
-
-
 def _remap_node(self, from_node, to_node) -> None:
-    """torch-to-nnef 0.24.12's ``TorchModuleIRGraph.remap_node``: the ops holding ``from_node`` found in the noted
-    index (``_Holders``) and their lists rebuilt (upstream rebuilds every op's lists, equal but new for all the
-    others); a container's items set only where it holds ``from_node`` (upstream sets an equal new list in every
-    container, which made every op reading one run its shape inference again after every remap: exact, as a re-run
-    with the same inputs stores what the last one stored, but quadratic in the layers)."""
+    """torch-to-nnef 0.24.12's ``TorchModuleIRGraph.remap_node``, a container's items set only where it holds
+    ``from_node`` (upstream sets an equal new list in every container of the graph, which makes every op reading one
+    run its shape inference again after every remap: exact, as a re-run with the same inputs stores what the last
+    one stored, but quadratic in the layers)."""
     from torch_to_nnef.torch_graph.ir_data import Data
 
     assert isinstance(from_node, Data)
     assert isinstance(to_node, Data)
     self.inputs = [to_node if _ is from_node else _ for _ in self.inputs]
     self.outputs = [to_node if _ is from_node else _ for _ in self.outputs]
-    ops = self.op_nodes
-    for op in _HOLDERS[-1].of(from_node, ops) if _HOLDERS else ops:
+    for op in self.op_nodes:
         op.inputs = [to_node if _ is from_node else _ for _ in op.inputs]
         op.outputs = [to_node if _ is from_node else _ for _ in op.outputs]
     self.data_nodes.remove(from_node, raise_exception_if_not_found=False)
