@@ -260,12 +260,14 @@ def measure(archives: list[tuple[str, Path]], runs: int, cpu: int | None) -> dic
     return results
 
 
-def convert(checkpoint: Path, fmt: str, out: Path) -> dict:
-    """Convert ``checkpoint`` to ``out`` in ``fmt`` in a process of its own: wall seconds and the report's split."""
+def convert(checkpoint: Path, fmt: str, out: Path, env: dict | None = None) -> dict:
+    """Convert ``checkpoint`` to ``out`` in ``fmt`` in a process of its own (``env``: its environment, e.g. another
+    tree's PYTHONPATH): wall seconds, CPU seconds and the report's split."""
     command = [sys.executable, "-m", "gdn_export.cli", "convert", str(checkpoint), "-o", str(out), "--force", "--no-check",
                "--logits", "last", *FORMATS[fmt]]
     start, cpu = time.perf_counter(), children_cpu()
-    done = subprocess.run(["/usr/bin/time", "-f", "PEAK_RSS_KB %M", *command], capture_output=True, text=True)
+    done = subprocess.run(["/usr/bin/time", "-f", "PEAK_RSS_KB %M", *command], capture_output=True, text=True,
+                          env=env)
     seconds, cpu = time.perf_counter() - start, children_cpu() - cpu
     if done.returncode != 0:
         raise SystemExit(f"converting {checkpoint} ({fmt}) failed:\n{done.stderr[-3000:]}")

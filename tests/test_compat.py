@@ -49,6 +49,21 @@ def test_t2n_quadratic_shape_inference():
              TorchModuleIRGraph._infer_missing_shapes_from_ops_outputs, "411515d4b3a81a9c")
 
 
+def test_t2n_quadratic_graph_edits():
+    from torch_to_nnef.nnef_graph import TorchToNGraphExtractor
+    from torch_to_nnef.torch_graph.ir_graph import TorchModuleIRGraph
+    from torch_to_nnef.torch_graph.ir_op import TorchOp
+
+    upstream("T2N_QUADRATIC_GRAPH_EDITS", "TorchModuleIRGraph.remap_node", TorchModuleIRGraph.remap_node,
+             "18818fad3b5763d9")
+    # the ops' field-by-field __eq__ (a dataclass) and the two places that compare ops with it
+    upstream("T2N_QUADRATIC_GRAPH_EDITS", "TorchOp", TorchOp, "5faefca2bec8ff25")
+    upstream("T2N_QUADRATIC_GRAPH_EDITS", "TorchModuleIRGraph._merge_subraph", TorchModuleIRGraph._merge_subraph,
+             "e4cce984505ae2b6")
+    upstream("T2N_QUADRATIC_GRAPH_EDITS", "TorchToNGraphExtractor._add_operators",
+             TorchToNGraphExtractor._add_operators, "6fd7b176ad945c9b")
+
+
 def test_t2n_registry_register():
     from torch_to_nnef.op import extras
 

@@ -127,6 +127,20 @@ def test_select_keeps_its_name(tmp_path):
     assert output_names(model) == ["y"], fixed(tq.SELECT_KEEPS_ITS_NAME) + f": got {output_names(model)}"
 
 
+def test_same_type_cast_removed(tmp_path):
+    def reported(to: str) -> list[str]:
+        return output_names(load(tmp_path / to, f"""
+            graph G(x) -> (y) {{
+                x = external<scalar>(shape = [2, 3]);
+                t = exp(x);
+                y = tract_core_cast(t, to = '{to}');
+            }}
+            """))
+
+    assert reported("f32") == ["t"] and reported("f16") == ["y"], (
+        fixed(tq.SAME_TYPE_CAST_REMOVED) + f": got {reported('f32')}, {reported('f16')}")
+
+
 def test_fused_outputs_share_a_name(tmp_path):
     model = load(tmp_path, """
         graph G(x, w, s) -> (y, st) {

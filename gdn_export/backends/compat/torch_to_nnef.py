@@ -20,8 +20,18 @@ delta-rule node, in eager torch, in a 4-layer model), and at a module's level on
 submodule calls is merged: quadratic in the number of layers (24 layers: ~20 s of a 70 s conversion). A re-run
 can change the graph at an outer level (an input found constant there: its output becomes a constant, a cast of a
 weight dropped), so it is kept wherever an input changed since the op last ran, and skipped where nothing it reads
-changed (``_inputs_unchanged``: the same input nodes, holding the same data objects and flags, and the same output
-nodes): such a re-run recomputes and stores exactly what the last one stored. gdn_export's own ops run once.
+changed (``_inputs_unchanged``: the same input nodes, each attribute of each the same object, and the same
+output nodes): such a re-run recomputes and stores exactly what the last one stored. gdn_export's own ops run once.
+
+Graph edits. Each submodule call merged into its caller (every layer, at every level of the module tree) drops
+the call's op with ``op != callmethod_node`` over the whole op list, and the NNEF translation filters its work list
+with ``op not in done_nodes``: both compare ``TorchOp``s field by field (dataclass ``__eq__``, each field a list of
+nodes compared by name, shape, dtype): quadratic in the number of layers. Replaced: ops compared by identity (the
+dataclass ``__eq__`` removed for the conversion; two distinct ops never compare equal: each writes its own uniquely
+named nodes). ``remap_node`` (once per input and output of every merged call) also sets a new, equal item list in
+every container of the graph, so every op reading a container ran its shape inference again after every remap;
+replaced by the same function setting only the containers that hold the node. Its rebuilding of every op's lists
+stays: testing each list for the node costs what rebuilding it does (2-3 items; measured).
 """
 
 from __future__ import annotations
@@ -32,16 +42,18 @@ import sys
 from contextlib import ExitStack, contextmanager
 from typing import Callable, Iterator, Mapping
 
-from gdn_export.backends.compat import Patch, _LOCK, patched, require
+from gdn_export.backends.compat import Patch, _LOCK, _MISSING, patched, require
 
 OWN_OPS = "t2n_extra::"  # the custom ops of gdn_export.ops
 
 
 def order_and_shape_patches() -> list[Patch]:
-    """Deterministic names and order, linear shape inference (the module docstring): every export needs them."""
+    """Deterministic names and order, linear shape inference and graph edits (the module docstring): every export
+    needs them."""
     import torch_to_nnef.export as t2n_export
     from torch_to_nnef.tensor.updater import ModTensorUpdater
     from torch_to_nnef.torch_graph.ir_graph import TorchModuleIRGraph
+    from torch_to_nnef.torch_graph.ir_op import TorchOp
 
     return [
         Patch(TorchModuleIRGraph, "_filter_nodes_not_in_trace_between_inputs_and_outputs", lambda _: _filter_nodes,
@@ -50,6 +62,9 @@ def order_and_shape_patches() -> list[Patch]:
         Patch(TorchModuleIRGraph, "_infer_missing_shapes_from_ops_outputs", lambda _: _infer_missing_shapes,
               quirk="T2N_QUADRATIC_SHAPE_INFERENCE"),
         Patch(t2n_export, "_build_nnef_graph_and_fragments", _sorted_fragments, quirk="T2N_SET_ORDER_NAMES"),
+        # the dataclass __eq__ removed: object's, identity in C (list membership tests no Python call per item)
+        Patch(TorchOp, "__eq__", lambda _: _MISSING, quirk="T2N_QUADRATIC_GRAPH_EDITS"),
+        Patch(TorchModuleIRGraph, "remap_node", lambda _: _remap_node, quirk="T2N_QUADRATIC_GRAPH_EDITS"),
     ]
 
 
@@ -205,6 +220,29 @@ def _filter_nodes(self):
 
 
 
+def _remap_node(self, from_node, to_node) -> None:
+    """torch-to-nnef 0.24.12's ``TorchModuleIRGraph.remap_node``, a container's items set only where it holds
+    ``from_node`` (upstream sets an equal new list in every container of the graph, which makes every op reading one
+    run its shape inference again after every remap: exact, as a re-run with the same inputs stores what the last
+    one stored, but quadratic in the layers)."""
+    from torch_to_nnef.torch_graph.ir_data import Data
+
+    assert isinstance(from_node, Data)
+    assert isinstance(to_node, Data)
+    self.inputs = [to_node if _ is from_node else _ for _ in self.inputs]
+    self.outputs = [to_node if _ is from_node else _ for _ in self.outputs]
+    for op in self.op_nodes:
+        op.inputs = [to_node if _ is from_node else _ for _ in op.inputs]
+        op.outputs = [to_node if _ is from_node else _ for _ in op.outputs]
+    self.data_nodes.remove(from_node, raise_exception_if_not_found=False)
+    target = id(from_node)
+    for dnode in self.data_nodes:  # nodes in containers too
+        if dnode.is_container and target in map(id, dnode.iter()):
+            dnode.set_data([to_node if _ is from_node else _ for _ in dnode.iter()])
+    if not self.data_nodes.contains(to_node):
+        self.data_nodes.append(to_node)
+
+
 def _name(node) -> str:
     return str(getattr(node, "export_name", None) or getattr(node, "name", ""))
 
@@ -242,26 +280,29 @@ _LAST_RUN = "_gdn_export_last_run"  # attribute of a TorchOp: (what it read, its
 
 
 def _reads(op) -> tuple:
-    """What ``realise_output_type_and_size`` reads of ``op``'s inputs, and its output nodes: node and data objects
-    (compared by identity, and kept alive by the memo, so an id is never reused), and the flags."""
+    """What ``realise_output_type_and_size`` can read of ``op``'s inputs, and its output nodes: every input node
+    (containers expanded) and each of its attributes' values, compared by identity (``id``s, compared in C; the
+    objects are kept alive by the memo, so an id is never reused), a shape list by value (it may be edited in place).
+    What the properties it reads (``tracable``, ``is_constant``, ``dtype`` of a container) return is a function of
+    those attributes, so an unchanged fingerprint means an unchanged input."""
     from torch_to_nnef.torch_graph.ir_graph import _expand_node_containers_if_exists
 
-    state = []
+    held: list = []
+    shapes: list = []
     for node in _expand_node_containers_if_exists(op.inputs):
-        state += [node, getattr(node, "data", None), getattr(node, "_traced_data", None),
-                  getattr(node, "tracable", None), getattr(node, "is_constant", None),
-                  getattr(node, "module_attr", None), getattr(node, "dtype", None),
-                  tuple(getattr(node, "shape", None) or ())]
-    return tuple(state), tuple(_expand_node_containers_if_exists(op.outputs))
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(x is y or (type(x) in (bool, tuple, type(None)) and x == y) for x, y in zip(a, b))
+        attributes = node.__dict__
+        held.append(node)
+        held.extend(attributes.values())
+        shape = attributes.get("shape")
+        if type(shape) is list:
+            shapes.append(tuple(shape))
+    outputs = tuple(_expand_node_containers_if_exists(op.outputs))
+    return held, outputs, (tuple(map(id, held)), tuple(shapes), tuple(map(id, outputs)))
 
 
 def _inputs_unchanged(op, reads: tuple) -> bool:
     last = getattr(op, _LAST_RUN, None)
-    return last is not None and _same(last[0][0], reads[0]) and _same(last[0][1], reads[1])
+    return last is not None and last[0][2] == reads[2]
 
 
 def _realise_unless_unchanged(op) -> bool:

@@ -109,6 +109,17 @@ def export_nnef(
                 target.pass_fragments[LAST_STEP.name] = LAST_STEP.definition
 
         passes.append(last_step)
+    # what output_names.py needs of the outputs' types: a bool output is its renaming select's condition itself, a
+    # cast that changes the type keeps its name (a cast to the same type is removed)
+    bool_outputs: set[str] = set()
+    retyped: set[str] = set()
+
+    def output_types(graph) -> None:
+        bool_outputs.update(t.name for t in graph.outputs if _is_bool(t.dtype))
+        retyped.update(t.name for t in graph.outputs if t.producers and t.producer.type == "tract_core_cast"
+                       and not _same_type(t.producer.inputs[0].dtype, t.dtype))
+
+    passes.append(output_types)
     shared = {"constants": 0}  # last: every constant written, each distinct one once
     passes.append(lambda graph: shared.update(constants=share_identical_constants(graph)))
     target = OfflineTractTarget(tract_version, options=plan(tract_version), dynamic_axes=dynamic_axes,
@@ -137,7 +148,8 @@ def export_nnef(
         pending = {label: weights.deferrable[label] for _, label in deferred}
         # no weight matrix is read (and it loads faster); tract loads in a thread while this one writes the rest
         (renamed, seconds["names"]), late_writes = alongside(
-            lambda: keep_output_names(folder, inputs_from_bytes=0, pending=pending),
+            lambda: keep_output_names(folder, inputs_from_bytes=0, pending=pending,
+                                      bool_outputs=frozenset(bool_outputs), retyped=frozenset(retyped)),
             lambda: write_deferred(weights, deferred) if deferred else 0.0)
         seconds["write"] += late_writes
         if metadata is not None:
@@ -160,6 +172,22 @@ def export_nnef(
             report.parity.raise_if_failed()
         os.replace(staged, path)
     return report
+
+
+def _is_bool(dtype) -> bool:
+    """Whether an NNEF graph tensor's ``dtype`` (a numpy or Python type, or None) is bool."""
+    try:
+        return dtype is not None and np.dtype(dtype) == np.bool_
+    except TypeError:
+        return False
+
+
+def _same_type(a, b) -> bool:
+    """Whether two NNEF graph tensors' ``dtype``s are one type (unknown: not the same)."""
+    try:
+        return a is not None and b is not None and np.dtype(a) == np.dtype(b)
+    except TypeError:
+        return False
 
 
 def sequence_extent(dynamic_axes: dict | None, input_names: Sequence[str], args: Sequence) -> int | None:

@@ -15,11 +15,24 @@ fuses, which copies it removes), so only tract can say it, about a written graph
 a shadow of that graph for tract to load first would need the block-quantized (Q4_0) weights' files, which exist
 only once written, and would serialize the weight writes this load now overlaps (backends/nnef/exporter.py). The behaviour it works around and the one it relies on are typed records with canaries:
 ``tract_quirks.OUTPUT_NAMED_AFTER_PRODUCER``, ``SELECT_KEEPS_ITS_NAME``, ``FUSED_OUTPUTS_SHARE_A_NAME``.
+
+tract is not asked about the whole graph (its load grows faster than the layers: 7.6 s of a 24-layer 0.8B
+conversion, 24.7 s at 48 layers). An output computed by an op outside ``MAY_KEEP_THEIR_NAME`` (a linear, a mul, a
+copy, a fused op; a cast to the type it already has) is wrapped unasked: the select keeps the declared name whatever tract would have reported,
+and on every fixture those are the outputs tract renames. The others (the layers' states: a transpose, a squeeze, a
+concat) are grouped by how they are written (``_Graph.signatures``: ops, attributes and shapes ``SIGNATURE_DEPTH``
+producers back, not the names or the layer numbers), and tract loads only the graph's first statements: up to the
+earliest output of each group and the last reader of what it is computed from (tract fuses an op into its input's
+producer only where nothing else reads that input, so each tensor near those outputs keeps all its readers), with
+the tensors later statements read declared as outputs: the first layer of each kind. Every layer of one kind is
+written alike, so it is renamed alike; tests/test_output_names.py compares this answer with tract's load of the
+whole graph on every fixture.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
@@ -50,18 +63,171 @@ def tract_names(folder: Path, inputs_from_bytes: int | None = None,
     return declared_outputs(folder), reported, facts
 
 
+# The ops whose output tract may report under the declared name (an output of any other op is wrapped without
+# asking tract: a copy or cast it removes, a linear or mul it fuses, a fused op's second output; see the module doc).
+MAY_KEEP_THEIR_NAME = frozenset({"transpose", "squeeze", "unsqueeze", "reshape", "concat", "slice", "select"})
+SIGNATURE_DEPTH = 8  # how many producers back two outputs must be written alike to count as one kind
+
+_STRING = re.compile(r"'[^']*'|\"[^\"]*\"")
+_WORD = re.compile(r"[A-Za-z_]\w*")
+
+
+@dataclass
+class _Graph:
+    """graph.nnef's main graph as statements: enough to cut it down to the cones of some outputs."""
+
+    prefix_text: str  # everything before ``graph NAME(``: the fragments, extensions
+    name: str
+    inputs: list[str]
+    outputs: list[str]
+    statements: list[tuple[list[str], str]]  # (names assigned, right-hand side), in the written order
+    producer: dict[str, tuple[int, int]]  # name -> (statement index, position among its names) of its last assignment
+    reads: list[list[tuple[int, int]]]  # per statement, the producers (as above) of the tensors it reads
+
+    @classmethod
+    def parse(cls, text: str) -> "_Graph":
+        header = re.search(r"graph\s+(\w+)\s*\((.*?)\)\s*->\s*\((.*?)\)\s*\{", text, re.S)
+        body = text[header.end(): text.rindex("}")]
+        statements, reads, producer = [], [], {}
+        for piece in body.split(";"):
+            if piece.strip():
+                assigned, rhs = piece.split("=", 1)
+                names, rhs = _WORD.findall(assigned), rhs.strip()
+                # a name may be assigned again (torch-to-nnef does): a read is of its assignment so far
+                reads.append([producer[w] for w in _WORD.findall(_STRING.sub("", rhs)) if w in producer])
+                producer.update({name: (len(statements), k) for k, name in enumerate(names)})
+                statements.append((names, rhs))
+        return cls(prefix_text=text[: header.start()], name=header.group(1),
+                   inputs=[n.strip() for n in header.group(2).split(",") if n.strip()],
+                   outputs=[n.strip() for n in header.group(3).split(",") if n.strip()],
+                   statements=statements, producer=producer, reads=reads)
+
+    def op(self, name: str) -> str:
+        word = _WORD.match(self.statements[self.producer[name][0]][1])
+        return word.group(0) if word else ""
+
+    def signatures(self, depth: int) -> dict[str, str]:
+        """Per declared output, a digest of how it is computed ``depth`` producers back: the ops, their
+        attributes and the positions of what they read, not the tensors' names nor the constants' labels (nor
+        their values: the shadow tract loads has its weights as inputs anyway)."""
+        import hashlib
+
+        memo: dict[tuple[tuple[int, int], int], str] = {}
+
+        def written(rhs: str) -> str:
+            rhs = re.sub(r"label\s*=\s*'[^']*'", "label", rhs)  # a constant by its shape: layers label theirs apart
+            rhs = _STRING.sub(lambda m: re.sub(r"\d+", "#", m.group(0)), rhs)
+            return _WORD.sub(lambda m: "%" if m.group(0) in self.producer else m.group(0), rhs)
+
+        def signature(node: tuple[int, int], level: int) -> str:
+            key = (node, level)
+            if key not in memo:
+                index, position = node
+                parts = [str(position), written(self.statements[index][1])]
+                if level:
+                    parts += [signature(read, level - 1) for read in self.reads[index]]
+                memo[key] = hashlib.sha1("|".join(parts).encode()).hexdigest()
+            return memo[key]
+
+        return {name: signature(self.producer[name], depth) for name in self.outputs}
+
+    def prefix(self, outputs: list[str]) -> tuple[str, list[str]]:
+        """The graph's first statements, far enough for ``outputs`` and every reader of what they are computed
+        from (so each tensor near them has the readers it has in the whole graph: tract fuses an op into its input's
+        producer only where nothing else reads that input); its outputs: the declared ones it computes, then the
+        tensors later statements read (kept alive, as the rest of the graph keeps them). Returns (graph text, the
+        declared outputs it computes)."""
+        # constants (computed from no input: tract folds them) and the inputs themselves have no readers to keep
+        varying: set[int] = set()
+        for index, (_, rhs) in enumerate(self.statements):
+            if rhs.startswith(("tract_core_external", "external")) or any(r in varying for r, _ in self.reads[index]):
+                varying.add(index)
+        leaf = {index for index, (_, rhs) in enumerate(self.statements)
+                if index not in varying or rhs.startswith(("tract_core_external", "external"))}
+        cone: set[int] = set()
+        stack = [self.producer[name][0] for name in outputs]
+        while stack:
+            index = stack.pop()
+            if index not in cone:
+                cone.add(index)
+                stack.extend(read for read, _ in self.reads[index])
+        end = max(self.producer[name][0] for name in outputs)
+        for index, reads in enumerate(self.reads):  # readers of the cone's computed tensors
+            if index > end and any(read in cone and read not in leaf for read, _ in reads):
+                end = index
+        declared = [name for name in self.outputs if self.producer[name][0] <= end]
+        live: list[str] = []
+        for reads in self.reads[end + 1:]:
+            for index, position in reads:
+                name = self.statements[index][0][position]
+                if index <= end and index not in leaf and self.producer[name] == (index, position) \
+                        and name not in live and name not in declared:
+                    live.append(name)
+        defined = {name for names, _ in self.statements[: end + 1] for name in names}
+        inputs = [name for name in self.inputs if name in defined]
+        lines = [f"    {names[0] if len(names) == 1 else '(' + ', '.join(names) + ')'} = {rhs};\n"
+                 for names, rhs in self.statements[: end + 1]]
+        text = (f"{self.prefix_text}graph {self.name}({', '.join(inputs)}) -> ({', '.join(declared + live)})\n{{\n"
+                + "".join(lines) + "}\n")
+        return text, declared
+
+
+def renamed_outputs(folder: Path, inputs_from_bytes: int | None = None,
+                    pending: Mapping[str, str] | None = None, retyped: frozenset[str] = frozenset()) -> list[str]:
+    """The declared outputs of ``folder``'s graph that tract would report under another name, learnt without a
+    load of the whole graph: an output of an op outside ``MAY_KEEP_THEIR_NAME`` is counted as renamed unasked;
+    the others are grouped by how they are computed (``_Graph.signatures``: every layer of one kind writes its
+    states alike) and tract loads only the graph's first statements (``_Graph.prefix``: up to the earliest output
+    of each group and the last reader of what it is computed from: the first layer of each kind), which answers
+    for the outputs it computes and for their groups. An output of a ``tract_core_cast`` is decided by its types
+    (``tract_quirks.SAME_TYPE_CAST_REMOVED``): renamed unless it is in ``retyped`` (the casts that change the type,
+    which the translated graph knows). ``inputs_from_bytes``, ``pending``: see ``tract_names``.
+    tests/test_output_names.py checks the answer against tract's load of the whole graph on every fixture."""
+    import tempfile
+
+    import tract
+
+    graph = _Graph.parse((folder / "graph.nnef").read_text())
+    asked = [name for name in graph.outputs if graph.op(name) in MAY_KEEP_THEIR_NAME]
+    kinds = graph.signatures(SIGNATURE_DEPTH)
+    earliest: dict[str, str] = {}
+    for name in sorted(asked, key=lambda name: graph.producer[name]):
+        earliest.setdefault(kinds[name], name)
+    answered: dict[str, bool] = {}  # a declared output of the prefix -> whether tract renames it
+    if earliest:
+        text, declared = graph.prefix(list(earliest.values()))
+        with tempfile.TemporaryDirectory(prefix=".gdn_export_names_", dir=folder.parent) as tmp:
+            shadow = Path(tmp)
+            _weights_as_inputs(folder, shadow, 2 ** 62 if inputs_from_bytes is None else inputs_from_bytes,
+                               pending or {}, text=text)
+            model = tract.nnef().with_tract_transformers().load(str(shadow))
+            answered = {name: model.output_name(i) != name for i, name in enumerate(declared)}
+    renamed_kinds = {kinds[name] for name in earliest.values() if answered[name]}
+
+    def renamed(name: str) -> bool:
+        if name in answered:
+            return answered[name]
+        if name in asked:
+            return kinds[name] in renamed_kinds
+        return graph.op(name) != "tract_core_cast" or name not in retyped
+
+    return [name for name in graph.outputs if renamed(name)]
+
+
 NNEF_ITEM_TYPES = {(0, 16): "f16", (0, 32): "f32", (0, 64): "f64"}  # (item type, bits) of a .dat header -> tract's
 
 
-def _weights_as_inputs(folder: Path, shadow: Path, min_bytes: int, pending: Mapping[str, str]) -> None:
-    """``shadow``: ``folder``'s graph with each variable of ``min_bytes`` or more declared as an input; a variable
-    of ``pending`` (label -> tract type: a weight matrix whose file is still being written) is one too, its file
-    not opened."""
+def _weights_as_inputs(folder: Path, shadow: Path, min_bytes: int, pending: Mapping[str, str],
+                       text: str | None = None) -> None:
+    """``shadow``: ``folder``'s graph (or ``text``, a graph reading ``folder``'s files) with each variable of
+    ``min_bytes`` or more declared as an input; a variable of ``pending`` (label -> tract type: a weight matrix whose
+    file is still being written) is one too, its file not opened."""
     import os
     import shutil
     import struct
 
-    text = (folder / "graph.nnef").read_text()
+    if text is None:
+        text = (folder / "graph.nnef").read_text()
     added: list[str] = []
     replaced: set[str] = set()
 
@@ -102,23 +268,25 @@ def declared_outputs(folder: Path) -> list[str]:
     return [name.strip() for name in header.group(1).split(",")]
 
 
-def _condition(raw: str, fact: str) -> str:
+def _condition(raw: str, is_bool: bool) -> str:
     """A condition of ``raw``'s own shape, computed from it (so tract cannot fold the select): a select whose
     condition broadcasts copies ~5x slower in tract 0.23.9 (tract_quirks.SELECT_BROADCAST_SLOW); an empty output
     gives an empty condition, which is fine."""
-    dtype = fact.rsplit(",", 1)[-1]  # a fact reads "B,128,f32": its dimensions, then its type
-    return raw if dtype == "bool" else f"eq({raw}, {raw})"
+    return raw if is_bool else f"eq({raw}, {raw})"
 
 
 def keep_output_names(folder: Path, inputs_from_bytes: int | None = None,
-                      pending: Mapping[str, str] | None = None) -> list[str]:
+                      pending: Mapping[str, str] | None = None, bool_outputs: frozenset[str] = frozenset(),
+                      retyped: frozenset[str] = frozenset()) -> list[str]:
     """Rewrite ``folder/graph.nnef`` so tract reports every declared output name; return the names fixed.
 
-    ``inputs_from_bytes``, ``pending``: see ``tract_names`` (the weights are then not read). The rewrite is not re-loaded here (a load of a big model costs seconds to minutes): export's check loads the
-    archive once with ``runtime.load_tract_model(..., expect_outputs=...)``, which raises if a name still differs.
+    ``inputs_from_bytes``, ``pending``: see ``tract_names`` (the weights are then not read); ``bool_outputs``: the
+    outputs of type bool (their own condition); ``retyped``: see ``renamed_outputs``. Which outputs need it is ``renamed_outputs``' answer (a load of the
+    first layers' part of the graph, not of the whole). The rewrite is not re-loaded here (a load of a big model
+    costs seconds to minutes): export's check loads the archive once with ``runtime.load_tract_model(...,
+    expect_outputs=...)``, which raises if a name still differs.
     """
-    declared, reported, facts = tract_names(folder, inputs_from_bytes, pending)
-    renamed = [(name, fact) for name, got, fact in zip(declared, reported, facts) if got != name]
+    renamed = renamed_outputs(folder, inputs_from_bytes, pending, retyped)
     if not renamed:
         return []
     path = folder / "graph.nnef"
@@ -128,10 +296,11 @@ def keep_output_names(folder: Path, inputs_from_bytes: int | None = None,
     body_end = body.rindex("}")
     body, tail = body[:body_end], body[body_end:]
     wrappers = []
-    for name, fact in renamed:
+    for name in renamed:
         word = re.compile(rf"(?<![\w.]){re.escape(name)}(?![\w.])")
         body = word.sub(name + RAW_SUFFIX, body)
         raw = name + RAW_SUFFIX
-        wrappers.append(f"    {name}__c = {_condition(raw, fact)};\n    {name} = select({name}__c, {raw}, {raw});\n")
+        wrappers.append(f"    {name}__c = {_condition(raw, name in bool_outputs)};\n"
+                        f"    {name} = select({name}__c, {raw}, {raw});\n")
     path.write_text(head + body + "".join(wrappers) + tail)
-    return [name for name, _ in renamed]
+    return renamed
