@@ -28,8 +28,16 @@ How the graph is shaped by tract 0.23.9 (read in its source, then measured, with
   counted on a per-token one the count is ``(C-1 + C*(S/C))/C``, which tract never simplifies, and the
   model around the node then cannot prove its lengths equal. The outputs' facts are exactly S.
 - A scan of 0 iterations returns a scalar 0 for a "last" output: the chunk scan emits its states as a
-  "full" output (the final state is the last of ``initial ++ states[-1:]``), the tail scan always runs at
+  "full" output (the final state is the last of ``initial ++ states``), the tail scan always runs at
   least one step (a zero step when S is a multiple of C, which leaves the state exactly as it is).
+- tract tries to remove every size-1 axis of every scan-body tensor, each in an axis-change search of its own
+  over the body, in every optimizer round, at load and again when planning (``Scan::declutter_body_axes``): a
+  unit axis every body tensor carries made that search ~40% of a start (issue 36). The bodies' tensors are
+  therefore ``[B, H, C, X]`` (``[B, Hk, G, C, X]`` with grouped heads; ``scan_layout``), their states ``[B, H, K,
+  V]``, and the chunk scan's states leave stacked along the key axis (``[B, H, N*K, V]``), not on an axis of
+  their own. With no axis left to squeeze, tract reports the state output under the tail scan's name (a unit
+  axis put on the state outside the body, or at its boundary, is pulled through the scan and the name lost the
+  same way), and output_names.py re-declares it (a select: ~0.05 ms a layer per decode step, measured).
 
 A body is a module with ``variant(node, dims, tokens)`` (a ``Variant`` with a ``name``, one fragment per
 distinct one), ``scan_inputs(b, variant, heads, whole, dims)`` (the scan's inputs, per-chunk
