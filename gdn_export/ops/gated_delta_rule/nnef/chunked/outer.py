@@ -195,11 +195,7 @@ def cut_operands(b: NnefBuilder, node, dims: Dims, tokens: int, heads_read: tupl
 
     With n > 1 sub-steps, k, v and beta get their sub-steps on an axis of their own first (``[B, T, n, ...]``,
     head-major ``[B, H, T, n, ...]``): tract 0.23.9 gets the length of a reshape of a symbolic tail wrong
-    (with n = 2 and C = 32: S - 64*(S/32) for (2S - 64*(S/32)) / 2).
-
-    The per-head gates whose heads are read (beta, g, erase, write: ``[B, T, H]``, a few values a token) are cut
-    together (``cut_together``): a cut's bounds are symbolic expressions of S that tract's NNEF reader compares
-    with every constant before them (issue 36)."""
+    (with n = 2 and C = 32: S - 64*(S/32) for (2S - 64*(S/32)) / 2)."""
     time_axis = 2 if node.head_major else 1
     raw = {"q": node.q, "k": node.k, "v": node.v, "beta": node.beta, "g": node.g, "erase": node.erase,
            "write": node.write}
@@ -210,43 +206,9 @@ def cut_operands(b: NnefBuilder, node, dims: Dims, tokens: int, heads_read: tupl
         if dims.num_householder > 1 and name in ("k", "v", "beta"):
             x = b.split_axis(x, time_axis, [-1, dims.num_householder])
         whole[name] = x
-    read = {name: x for name, x in whole.items() if heads_read is None or name in heads_read}
-    gates = {name: x for name, x in read.items() if name in GATES and len(x.shape) == 3}
-    for key in dict.fromkeys((np.dtype(x.dtype), x.shape) for x in gates.values()):
-        group = {name: x for name, x in gates.items() if (np.dtype(x.dtype), x.shape) == key}
-        if len(group) > 1:
-            cut = cut_together(b, group, node.q, time_axis, tokens, 3 - time_axis)
-            for name, (head, tail) in cut.items():
-                heads[name], tails[name] = head, tail
-    for name, x in whole.items():
-        if name not in heads:
-            heads[name], tails[name] = split_like(b, x, node.q, time_axis, tokens, name in read)
+        heads[name], tails[name] = split_like(b, x, node.q, time_axis, tokens,
+                                              heads_read is None or name in heads_read)
     return heads, whole, tails
-
-
-GATES = ("beta", "g", "erase", "write")  # the operands with one value per token and head
-
-
-def cut_together(b: NnefBuilder, group: dict[str, NTensor], like: NTensor, time_axis: int, chunk: int,
-                 head_axis: int) -> dict[str, tuple[NTensor, NTensor]]:
-    """Operands of one shape and type (``[B, T, H]`` or ``[B, H, T]``), concatenated along their heads, cut once
-    (``split_like``), then taken apart on static bounds: name -> (head, tail)."""
-    first = next(iter(group.values()))
-    width = first.shape[head_axis]
-    shape = list(first.shape)
-    shape[head_axis] = width * len(group)
-    joined = b.op("concat", list(group.values()), shape=shape, attribs={"axis": head_axis})
-    parts = split_like(b, joined, like, time_axis, chunk)
-    cut = {}
-    for index, name in enumerate(group):
-        pieces = []
-        for part in parts:
-            piece = list(part.shape)
-            piece[head_axis] = width
-            pieces.append(b.op("slice", part, shape=piece, attribs={"axes": [head_axis], "begin": [index * width],
-                                                                    "end": [(index + 1) * width]}))
-        cut[name] = (pieces[0], pieces[1])
-    return cut
 
 
 def final_state(b: NnefBuilder, start: NTensor, states: NTensor, axis: int) -> NTensor:
