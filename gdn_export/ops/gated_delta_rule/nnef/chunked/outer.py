@@ -28,8 +28,16 @@ How the graph is shaped by tract 0.23.9 (read in its source, then measured, with
   counted on a per-token one the count is ``(C-1 + C*(S/C))/C``, which tract never simplifies, and the
   model around the node then cannot prove its lengths equal. The outputs' facts are exactly S.
 - A scan of 0 iterations returns a scalar 0 for a "last" output: the chunk scan emits its states as a
-  "full" output (the final state is the last of ``initial ++ states[-1:]``), the tail scan always runs at
+  "full" output (the final state is the last of ``initial ++ states``), the tail scan always runs at
   least one step (a zero step when S is a multiple of C, which leaves the state exactly as it is).
+- tract tries to remove every size-1 axis of every scan-body tensor, each in an axis-change search of its own
+  over the body, in every optimizer round, at load and again when planning (``Scan::declutter_body_axes``): a
+  unit axis every body tensor carries made that search ~40% of a start (issue 36). The bodies' tensors are
+  therefore ``[B, H, C, X]`` (``[B, Hk, G, C, X]`` with grouped heads; ``scan_layout``), their states ``[B, H, K,
+  V]``, and the chunk scan's states leave stacked along the key axis (``[B, H, N*K, V]``), not on an axis of
+  their own. With no axis left to squeeze, tract reports the state output under the tail scan's name (a unit
+  axis put on the state outside the body, or at its boundary, is pulled through the scan and the name lost the
+  same way), and output_names.py re-declares it (a select: ~0.05 ms a layer per decode step, measured).
 
 A body is a module with ``variant(node, dims, tokens)`` (a ``Variant`` with a ``name``, one fragment per
 distinct one), ``scan_inputs(b, variant, heads, whole, dims)`` (the scan's inputs, per-chunk
@@ -72,6 +80,16 @@ class Variant:
     heads: int  # value heads H = Hk * G, merged in the output layout
     width_k: int
     width_v: int
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the body's tensors carry a group axis (``[B, Hk, G, ...]``): with grouped heads only."""
+        return self.heads != self.key_heads
+
+    @property
+    def token_axis(self) -> int:
+        """The tokens' axis of the body's tensors ``[B, Hk, G, C, X]`` (grouped heads) or ``[B, H, C, X]``."""
+        return 3 if self.grouped else 2
 
     @property
     def semantics(self) -> str:
@@ -118,14 +136,15 @@ REST = Fragment(name="gdn_export_chunk_rest", extensions=EXTENSIONS, definition=
 """)
 
 FINAL = Fragment(name="gdn_export_final_state", extensions=EXTENSIONS, definition="""fragment gdn_export_final_state(
-    initial: tensor<scalar>, states: tensor<scalar>
+    initial: tensor<scalar>, states: tensor<scalar>, axis: integer, rows: integer
 ) -> ( final: tensor<scalar> ) {
-    # the last of initial ++ states (initial when there are none), copying two entries at most;
-    # the last entry is sliced as [n - 1, n) so that its length simplifies to 1
-    length = squeeze(slice(tract_core_shape_of(states), axes = [0], begin = [0], end = [1]), axes = [0]);
-    both = concat([initial, slice(states, axes = [0], begin = [max(length - 1, 0)], end = [length])], axis = 0);
-    count = squeeze(slice(tract_core_shape_of(both), axes = [0], begin = [0], end = [1]), axes = [0]);
-    final = slice(both, axes = [0], begin = [count - 1], end = [count]);
+    # the last state of initial ++ states, states stacked along axis (rows entries each; initial when there are
+    # none), copying two states at most; the last is sliced as [n - rows, n) so that its length simplifies to rows
+    length = squeeze(slice(tract_core_shape_of(states), axes = [0], begin = [axis], end = [axis + 1]), axes = [0]);
+    both = concat([initial, slice(states, axes = [axis], begin = [max(length - rows, 0)], end = [length])],
+                  axis = axis);
+    count = squeeze(slice(tract_core_shape_of(both), axes = [0], begin = [axis], end = [axis + 1]), axes = [0]);
+    final = slice(both, axes = [axis], begin = [count - rows], end = [count]);
 }
 
 """)
@@ -192,47 +211,59 @@ def cut_operands(b: NnefBuilder, node, dims: Dims, tokens: int, heads_read: tupl
     return heads, whole, tails
 
 
-def final_state(b: NnefBuilder, start: NTensor, states: NTensor) -> NTensor:
-    """The last of ``start ++ states`` along axis 0, ``[1, ...]``."""
+def final_state(b: NnefBuilder, start: NTensor, states: NTensor, axis: int) -> NTensor:
+    """The last state of ``start ++ states``, the states stacked along ``axis`` (the key axis of ``[.., K, V]``),
+    shaped as ``start``."""
     final = b.tensor("final_state", start.shape, F32)
-    b.multi_op(FINAL.name, (start, states), (final,))
+    b.multi_op(FINAL.name, (start, states), (final,), attribs={"axis": axis, "rows": start.shape[axis]})
     return final
 
 
 # --- the chunks -----------------------------------------------------------------------------------
-def scan_layout(b: NnefBuilder, x: NTensor, head_major: bool, groups: int, substeps: bool = False) -> NTensor:
-    """``[B, T, H, X]`` (head-major ``[B, H, T, X]``; X absent for gates) -> f32 ``[1, B, Hk, G|1, T, X|1]``;
-    with ``substeps``, ``[B, T, n, H, X]`` (head-major ``[B, H, T, n, X]``) -> ``[1, B, Hk, G|1, T, n, X|1]``."""
+def scan_layout(b: NnefBuilder, x: NTensor, head_major: bool, groups: int, grouped: bool,
+                substeps: bool = False) -> NTensor:
+    """``[B, T, H, X]`` (head-major ``[B, H, T, X]``; X absent for gates) -> f32 ``[B, H, T, X|1]``, or with
+    ``grouped`` heads ``[B, Hk, G|1, T, X|1]`` (``groups``: G for a value-head operand, 1 for a key-head one); with
+    ``substeps``, ``[B, T, n, H, X]`` (head-major ``[B, H, T, n, X]``) -> ``[B, H, T, n, X|1]`` or ``[B, Hk, G|1,
+    T, n, X|1]``.
+
+    No other size-1 axis: tract 0.23.9 tries to remove every size-1 axis of every scan-body tensor, each in a search
+    of its own over the body, in every optimizer round (``Scan::declutter_body_axes``; issue 36)."""
     x = b.cast(x, F32)
     rank = 5 if substeps else 4
     if len(x.shape) == rank - 1:
         x = b.unsqueeze(x, [rank - 1])
     head_axis = 1 if head_major else rank - 2
-    x = b.split_axis(x, head_axis, [x.shape[head_axis] // groups, groups])
-    if not head_major:  # [B, Hk, G, T, (n,) X]
-        x = b.transpose(x, [0, head_axis, head_axis + 1, *range(1, head_axis), rank])
-    return b.unsqueeze(x, [0])
+    heads = 1
+    if grouped:
+        x, heads = b.split_axis(x, head_axis, [x.shape[head_axis] // groups, groups]), 2
+    if not head_major:  # [B, Hk, (G,) T, (n,) X]
+        x = b.transpose(x, [0, *range(head_axis, head_axis + heads), *range(1, head_axis), head_axis + heads])
+    return x
 
 
 def cumulative_log_decay(b: NnefBuilder, g: NTensor, chunk: int) -> tuple[NTensor, NTensor]:
-    """``g [1, B, Hk, G, N*C, X]`` (X = 1, or K for per-channel decay) -> the cumulative sums inside each chunk
-    (same shape) and each chunk's total ``[.., N, X]``: a matmul by a lower-triangular constant."""
-    lead, steps, width = g.shape[:4], g.shape[4], g.shape[5]
-    chunks = b.reshape(g, 4, 1, [-1, chunk], (*lead, steps // chunk, chunk, width))
-    lower = np.tril(np.ones((chunk, chunk), np.float32)).reshape((1,) * 5 + (chunk, chunk))
-    gamma = b.matmul(b.constant("cumsum", lower), chunks)  # [1, B, Hk, G, N, C, X]
+    """``g [.., N*C, X]`` (scan_layout's; X = 1, or K for per-channel decay) -> the cumulative sums inside each
+    chunk (same shape) and each chunk's total ``[.., N, X]``: a matmul by a lower-triangular constant."""
+    t = len(g.shape) - 2
+    lead, steps, width = g.shape[:t], g.shape[t], g.shape[t + 1]
+    chunks = b.reshape(g, t, 1, [-1, chunk], (*lead, steps // chunk, chunk, width))
+    lower = np.tril(np.ones((chunk, chunk), np.float32)).reshape((1,) * (t + 1) + (chunk, chunk))
+    gamma = b.matmul(b.constant("cumsum", lower), chunks)  # [.., N, C, X]
     end = b.op("slice", gamma, shape=(*lead, steps // chunk, 1, width),
-               attribs={"axes": [5], "begin": [chunk - 1], "end": [chunk]})
-    flat = lambda x: b.reshape(x, 4, 2, [-1], (*lead, x.shape[4] * x.shape[5], width))  # noqa: E731
+               attribs={"axes": [t + 1], "begin": [chunk - 1], "end": [chunk]})
+    flat = lambda x: b.reshape(x, t, 2, [-1], (*lead, x.shape[t] * x.shape[t + 1], width))  # noqa: E731
     return flat(gamma), flat(end)
 
 
 def chunk_ones(b: NnefBuilder, like: NTensor, chunk: int) -> NTensor:
-    """Ones ``[1, B, Hk, G, N, 1]``, one per chunk, from ``like [1, B, Hk, G, N*C, 1]`` (a tiny tensor)."""
-    lead, steps = like.shape[:4], like.shape[4]
-    chunks = b.reshape(like, 4, 1, [-1, chunk], (*lead, steps // chunk, chunk, 1))
-    first = b.op("slice", chunks, shape=(*lead, steps // chunk, 1, 1), attribs={"axes": [5], "begin": [0], "end": [1]})
-    flat = b.reshape(first, 4, 2, [-1], (*lead, steps // chunk, 1))
+    """Ones ``[.., N, 1]``, one per chunk, from ``like [.., N*C, 1]`` (scan_layout's; a tiny tensor)."""
+    t = len(like.shape) - 2
+    lead, steps = like.shape[:t], like.shape[t]
+    chunks = b.reshape(like, t, 1, [-1, chunk], (*lead, steps // chunk, chunk, 1))
+    first = b.op("slice", chunks, shape=(*lead, steps // chunk, 1, 1),
+                 attribs={"axes": [t + 1], "begin": [0], "end": [1]})
+    flat = b.reshape(first, t, 2, [-1], (*lead, steps // chunk, 1))
     return b.binary("add", b.binary("mul", flat, b.scalar(0.0, F32)), b.scalar(1.0, F32))
 
 
@@ -246,26 +277,34 @@ def chunk_scan(b: NnefBuilder, body: ModuleType, variant, heads: dict[str, NTens
     0.23.9 than the body's chunk reads)."""
     scanned = body.scan_inputs(b, variant, heads, whole, dims)
     masks = {name: b.constant(name, value) for name, value in body.masks(variant).items()}
+    t = variant.token_axis  # the state's key axis: the states leave stacked along it
     fragment = scan_over_chunks(variant.name + ("_last" if last else ""), body.lines(variant),
                                 {name: tuple(axis_chunk) for name, (_, *axis_chunk) in scanned.items()}, tuple(masks),
-                                2 if variant.head_major else 1, variant.tokens, "last" if last else "full")
+                                2 if variant.head_major else 1, variant.tokens, t, dims.width_k,
+                                "last" if last else "full")
     batch, steps = heads["q"].shape[0], heads["q"].shape[2 if variant.head_major else 1]
     shape = (batch, dims.heads, steps, dims.width_v) if variant.head_major else (batch, steps, dims.heads, dims.width_v)
     y = b.tensor("chunk_y", shape, F32)
-    states = b.tensor("chunk_states", (1 if last else steps // variant.tokens, *s0.shape[1:]), F32)
+    states = list(s0.shape)
+    states[t] *= 1 if last else steps // variant.tokens
+    states = b.tensor("chunk_states", states, F32)
     b.multi_op(fragment.name, (*(x for x, *_ in scanned.values()), *masks.values(), s0), (y, states))
-    return y, states if last else final_state(b, s0, states), fragment
+    return y, states if last else final_state(b, s0, states, t), fragment
 
 
 def scan_over_chunks(name: str, body: list[str], scanned: dict[str, tuple[int, int]], masks: tuple[str, ...],
-                     y_axis: int, y_chunk: int, state_output: str = "full") -> Fragment:
+                     y_axis: int, y_chunk: int, state_axis: int, state_rows: int, state_output: str = "full") -> Fragment:
     """A chunk body and the ``tract_core_scan`` running it. ``scanned``: each scan input's (axis, chunk), C
     along the tokens, 1 for per-chunk inputs; ``masks`` are read whole every step. Outputs y (``y_chunk``
-    tokens a step along ``y_axis``) and the state after every chunk (a "full" output: see the module doc)."""
+    tokens a step along ``y_axis``) and the state after every chunk (a "full" output: see the module doc),
+    stacked along its key axis ``state_axis`` (``state_rows`` = K entries each): no axis of its own, which would
+    be a size-1 axis in the body."""
     return nnef_scan.scan_fragment(
         f"{name}_scan", f"{name}_step", body, params=[*scanned, *masks, "s_init"], results=("y", "states"),
         scan=[(f"{x}_t", x, axis, chunk) for x, (axis, chunk) in scanned.items()], full=[(m, m) for m in masks],
-        state=[("s_prev", "s_init", "s_t")], output=[("y_t", "full", y_axis, y_chunk), ("s_t", state_output, 0, 1)],
+        state=[("s_prev", "s_init", "s_t")],
+        output=[("y_t", "full", y_axis, y_chunk),
+                ("s_t", state_output, *((state_axis, state_rows) if state_output == "full" else (0, 1)))],
     )
 
 
@@ -287,13 +326,13 @@ def pad_step(b: NnefBuilder, x: NTensor) -> NTensor:
 
 
 def token_part(b: NnefBuilder, ops, state: NTensor, dims: Dims):
-    """The last ``R = S mod C`` tokens from ``state [1, B, Hk, G, K, V]``: (y ``[1, B, H, R, V]``, final state
-    ``[1, B, H, K, V]``)."""
+    """The last ``R = S mod C`` tokens from ``state [B, H, K, V]`` (or ``[B, Hk, G, K, V]``): (y ``[1, B, H, R,
+    V]``, final state ``[1, B, H, K, V]``)."""
     operands = step_inputs(b, ops, dims.groups, lambda x: pad_step(b, x))  # the zero step's decay is exp(0) = 1
     count = max(ops.q.shape[0], 1)
     y = b.tensor("tail_y", (1, dims.batch, dims.heads, count, dims.width_v), F32)
     final = b.tensor("tail_state", (1, dims.batch, dims.heads, dims.width_k, dims.width_v), F32)
-    b.multi_op(tail_fragment(len(ops.keys), ops.log_decay is not None).name, (*operands, b.merge_axes(state, 2, 2)),
+    b.multi_op(tail_fragment(len(ops.keys), ops.log_decay is not None).name, (*operands, b.unsqueeze(heads_merged(b, state), [0])),
                (final, y))
     taken = b.tensor("tail_y_taken", (*y.shape[:3], ops.q.shape[0], y.shape[4]), F32)
     b.multi_op(TAKE.name, (y, ops.q), (taken,))
@@ -378,7 +417,7 @@ def take_tail(b: NnefBuilder, x: NTensor, like: NTensor, axis: int) -> NTensor:
 def chunk_tail(b: NnefBuilder, body: ModuleType, node, dims: Dims, tails: dict[str, NTensor], state: NTensor,
                chunk: int):
     """The last ``R = S mod C`` tokens in chunks of ``chunk`` tokens of the same body (zero tokens pad the last),
-    from ``state [1, B, Hk, G, K, V]``: (y in the node's layout, final state ``[1, B, Hk, G, K, V]``, fragment).
+    from ``state [B, H, K, V]`` (``[B, Hk, G, K, V]``): (y in the node's layout, final state (same shape), fragment).
     The scan always runs one chunk at least (a zero chunk when R = 0), so its state is a "last" output."""
     time_axis = 2 if node.head_major else 1
     padded = pad_together(b, tails, time_axis, chunk)
@@ -387,9 +426,15 @@ def chunk_tail(b: NnefBuilder, body: ModuleType, node, dims: Dims, tails: dict[s
 
 
 # --- outputs --------------------------------------------------------------------------------------
+def heads_merged(b: NnefBuilder, state: NTensor) -> NTensor:
+    """A body's state ``[B, H, K, V]``, or ``[B, Hk, G, K, V]`` with grouped heads, as ``[B, H, K, V]``."""
+    return b.merge_axes(state, 1, 2) if len(state.shape) == 5 else state
+
+
 def write_outputs(b: NnefBuilder, node, dims: Dims, y_head: NTensor, y_tail: NTensor, state: NTensor) -> None:
     """Chunk outputs (already in the node's layout) ++ tail outputs over time (the per-token tail's ``[1, B, H,
-    R, V]``, or the chunk tail's, in the node's layout already); the state ``[1, B, H, K, V]``."""
+    R, V]``, or the chunk tail's, in the node's layout already); the state ``[B, H, K, V]`` (the chunk tail's) or
+    ``[1, B, H, K, V]`` (the per-token tail's)."""
     axis = 2 if node.head_major else 1
     tail = y_tail
     if len(y_tail.shape) == 5:  # the per-token tail's
@@ -402,7 +447,10 @@ def write_outputs(b: NnefBuilder, node, dims: Dims, y_head: NTensor, y_tail: NTe
         b.op("concat", [y_head, tail], shape=shape, attribs={"axis": axis}, out=node.y)  # no renaming copy
     else:
         b.cast(b.op("concat", [y_head, tail], shape=shape, attribs={"axis": axis}), node.y.dtype, out=node.y)
-    write_squeezed(b, state, node.s_final)
+    if len(state.shape) == 5:
+        write_squeezed(b, state, node.s_final)
+    else:
+        b.cast(state, node.s_final.dtype, out=node.s_final)
 
 
 # --- the whole lowering ---------------------------------------------------------------------------
@@ -413,11 +461,12 @@ def lower(b: NnefBuilder, node, dims: Dims, body: ModuleType, tokens: int, tail_
     variant = body.variant(node, dims, tokens)
     heads, whole, tails = cut_operands(b, node, dims, tokens, body.HEADS_READ)
     cuts = [SPLIT] if body.HEADS_READ is None else [SPLIT, REST]
-    s0 = b.unsqueeze(b.split_axis(b.cast(node.s0, F32), 1, [dims.key_heads, dims.groups]), [0])  # [1, B, Hk, G, K, V]
+    s0 = b.cast(node.s0, F32)  # [B, H, K, V]; with grouped heads [B, Hk, G, K, V]
+    s0 = b.split_axis(s0, 1, [dims.key_heads, dims.groups]) if variant.grouped else s0
     y_head, state, scan = chunk_scan(b, body, variant, heads, whole, s0, dims)
     if tail_tokens:
         y_tail, final, tail_scan = chunk_tail(b, body, node, dims, tails, state, tail_tokens)
-        write_outputs(b, node, dims, y_head, y_tail, b.merge_axes(final, 2, 2))  # [1, B, H, K, V]
+        write_outputs(b, node, dims, y_head, y_tail, heads_merged(b, final))  # [B, H, K, V]
         return [*cuts, FINAL, TAIL_PAD, TAIL_TAKE, scan, tail_scan]
     tail_ops = step_operands(b, dataclasses.replace(node, **tails), dims, substeps_split=dims.num_householder > 1)
     y_tail, final = token_part(b, tail_ops, state, dims)
