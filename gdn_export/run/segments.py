@@ -158,6 +158,7 @@ def plan(text: str, count: int) -> Plan:
     """``text`` (a graph.nnef) cut into ``count`` segments, or NotCut saying why it cannot be."""
     header, name, inputs, outputs, body = split_graph(text)
     symbols = set(_SYMBOL.findall(header)) | {"true", "false", "inf", "nan"}  # and the literals NNEF names
+    body = _hoisted(body, symbols)
     defined, producers = [], []
     latest: dict[str, int] = {}
     first: dict[str, int] = {}
@@ -228,7 +229,8 @@ def plan(text: str, count: int) -> Plan:
                       and not blocked[c]]
         if not candidates:
             raise NotCut(f"no place to cut the graph into {count} segments")
-        best = min(candidates, key=lambda c: (live[c], abs(c - target)))
+        # balance first: a tensor fewer crossing is worth about one layer's shift of the cut (window / 8)
+        best = min(candidates, key=lambda c: live[c] + 8 * abs(c - target) / window)
         if live[best] > MAX_CROSSING:
             raise NotCut(f"no place to cut the graph into {count} segments with at most {MAX_CROSSING} tensors "
                          "crossing")
@@ -259,6 +261,39 @@ def plan(text: str, count: int) -> Plan:
     if any(j not in produced for p in result.segments for j in p.crossing_in):
         raise NotCut("a segment reads an activation no earlier segment gives")
     return result
+
+
+def _hoisted(body: list[str], symbols: set[str]) -> list[str]:
+    """``body`` reordered so each statement comes right after the last statement it reads, not wherever the writer
+    put it: an output re-declared at the graph's end (``output_names``' ``select`` of the state a layer computed)
+    then sits beside what it reads, and no cut has that state crossing it. Statements that give or read a name given
+    twice keep their places relative to each other (moving one could make it read the other value). Each round
+    sorts by (the position of the last statement read, the statement's own position): a valid order, since a
+    statement's key is above each of its producers'; a few rounds carry a chain (the state, its condition, its
+    select) to its place."""
+    latest: dict[str, int] = {}
+    producers, pinned, given = [], [], Counter()
+    parsed = [_defines_and_reads(statement) for statement in body]
+    for names, _ in parsed:
+        given.update(names)
+    twice = {n for n, c in given.items() if c > 1}
+    for i, (names, reads) in enumerate(parsed):
+        producers.append([latest[r] for r in reads if r in latest])
+        pinned.append(bool(twice.intersection(names) or twice.intersection(reads)))
+        for n in names:
+            latest[n] = i
+    position = list(range(len(body)))
+    for _ in range(8):
+        order = sorted(range(len(body)), key=lambda i: (position[i] - 1 if pinned[i] else
+                                                         max((position[p] for p in producers[i]), default=-1),
+                                                         position[i]))
+        moved = [0] * len(body)
+        for rank, i in enumerate(order):
+            moved[i] = rank
+        if moved == position:
+            break
+        position = moved
+    return [body[i] for i in sorted(range(len(body)), key=position.__getitem__)]
 
 
 def segment_count(archive_bytes: int) -> int:
