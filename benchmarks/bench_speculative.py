@@ -486,6 +486,11 @@ def main() -> int:
     parser.add_argument("--prose", type=Path, default=None,
                         help="a prose model's archive (train_qwen3_5.py --corpus prose): step 2 on prose as well")
     parser.add_argument("--prose-text", type=Path, default=None, help="with --prose: its held-out text (heldout.txt)")
+    parser.add_argument("--curve-ms", default=None, metavar="MS,...",
+                        help="instead of --curve: a recorded verify cost curve, milliseconds of k = 1..16 (e.g. a quiet "
+                        "machine's run in RESULTS.md), for the projections of a run made where timing is not clean")
+    parser.add_argument("--mtp-step-ms", type=float, default=None,
+                        help="instead of --mtp-shape: a recorded MTP step's milliseconds, for the mtp rows' projection")
     parser.add_argument("--methods", choices=["all", "defaults"], default="all",
                         help="step 2's methods: all (the ngram settings and mtp K=1, 2, 4) or defaults (plain, each "
                         "method's default settings, mtp K=1 and 2)")
@@ -511,7 +516,12 @@ def main() -> int:
             cells = [f"{curves[n][k] * 1e3:.1f} | {curves[n][k] / curves[n][1]:.2f}x" for n in names]
             print(f"| {k} | " + " | ".join(cells) + " |")
 
-    mtp_cost = None
+    if args.curve_ms is not None:  # a recorded curve: priced, not measured (named "recorded" in the table)
+        recorded = [float(v) / 1e3 for v in args.curve_ms.split(",")]
+        if len(recorded) != 16:
+            parser.error(f"--curve-ms takes 16 values (k = 1..16), got {len(recorded)}")
+        curves = {"recorded": dict(enumerate(recorded, start=1)), **curves}
+    mtp_cost = None if args.mtp_step_ms is None else args.mtp_step_ms / 1e3
     if args.mtp_shape is not None:
         costs = mtp_step_cost(args.mtp_shape, args.reps, keep=args.mtp_dir)
         mtp_cost = costs[args.mtp_price][1]
