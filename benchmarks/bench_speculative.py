@@ -487,8 +487,8 @@ def main() -> int:
                         help="a prose model's archive (train_qwen3_5.py --corpus prose): step 2 on prose as well")
     parser.add_argument("--prose-text", type=Path, default=None, help="with --prose: its held-out text (heldout.txt)")
     parser.add_argument("--curve-ms", default=None, metavar="MS,...",
-                        help="instead of --curve: a recorded verify cost curve, milliseconds of k = 1..16 (e.g. a quiet "
-                        "machine's run in RESULTS.md), for the projections of a run made where timing is not clean")
+                        help="instead of --curve: a recorded verify cost curve, milliseconds of k = 1..16 (e.g. a "
+                        "quiet machine's run in RESULTS.md), for the projections of a run where timing is not clean")
     parser.add_argument("--mtp-step-ms", type=float, default=None,
                         help="instead of --mtp-shape: a recorded MTP step's milliseconds, for the mtp rows' projection")
     parser.add_argument("--methods", choices=["all", "defaults"], default="all",

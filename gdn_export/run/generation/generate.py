@@ -285,7 +285,8 @@ def generate(model, prompt: str | Sequence[int], max_new_tokens: int | None = No
     ``stop_token_ids`` default to generation_config.json's ``eos_token_id``; ``stop`` strings end the text before
     them (OpenAI's rule). ``speculative``: drafts verified in one call per step (``SpeculativeConfig``; greedy output
     token-identical, sampled output distributed as without; docs/GENERATING.md); the default, ``"default"``, is the
-    archive's default drafting (``speculative.default_speculative``), None decodes without drafts. Bad arguments raise here
+    archive's default drafting (``speculative.default_speculative``), None decodes without drafts. Bad arguments
+    raise here
     (``RequestError``, ``SamplingError``); closing the iterator early cancels the request."""
     executor = as_executor(model)
     generation = Generation(executor.archive, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
