@@ -1,6 +1,7 @@
 """Speculative decoding (issue 37): what a verify call costs, what drafts are kept, what it gives, in one run.
 
-    python benchmarks/bench_speculative.py [--curve ARCHIVE]... [--trained ARCHIVE] [--prompts 8]
+    python benchmarks/bench_speculative.py [--curve ARCHIVE]... [--trained ARCHIVE] [--prose ARCHIVE --prose-text
+                                           TEXT] [--methods all|defaults] [--prompts 8]
                                            [--new-tokens 128] [--reps 5] [--markdown]
 
 1. The verify cost curve (``--curve``, repeatable: e.g. the 0.8B Qwen3.5 shape in int8, f16, f32, or one archive
@@ -25,6 +26,10 @@
    again (every call returning the states after each of its positions: what such states could save at most).
    "recomputed per token": the kept tokens run a second time, per token generated; "steps partly kept per token":
    the calls that ran such tokens (each one a step whose drafts were not all kept), per token generated.
+   ``--prose ARCHIVE --prose-text TEXT``: the same table for a model of the trained fixture's shape and recipe
+   trained on English prose (``fixtures/train_qwen3_5.py prepare --corpus prose``), on prompts cut by the same rule
+   from its held-out documents: whether a method that gains on code also never loses on prose (what a default needs).
+   ``--methods defaults``: plain decoding and each drafter at its default settings (and MTP with K = 1, 2) only.
 3. The MTP step (``--mtp-shape CHECKPOINT``: a Qwen3.5-shape checkpoint folder, e.g. the 0.8B one of
    ``large_checkpoint.py``): an MTP head of that config (its embedding table and head from the folder, seeded random
    ``mtp.*``: its cost does not depend on the values) exported as ``convert`` exports it, in float32 and in the
@@ -78,6 +83,11 @@ METHODS = {"plain": None,
            "ngram K=2, n 2-3": SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=2),
            "ngram K=3, n 2-3": SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2),
            "ngram K=4, n 2-3 (default)": SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2)}
+# --methods defaults: plain decoding and each drafter at SpeculativeConfig's defaults (K = 3, n-grams of 2-3), MTP
+# with fewer drafts too (a chained draft is kept less often than the first)
+DEFAULT_METHODS = {"plain": None, "ngram (defaults: K=3, n 2-3)": SpeculativeConfig("ngram"),
+                   "mtp K=1": SpeculativeConfig("mtp", 1), "mtp K=2": SpeculativeConfig("mtp", 2),
+                   "mtp (default K=3)": SpeculativeConfig("mtp")}
 
 
 def log(message: str) -> None:
@@ -426,89 +436,39 @@ def mtp_side_by_side(ours: dict, theirs: dict, modes: list[str]) -> None:
             print(f"| {mode} | {k} | {cells[0]} | {cells[1]} |")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--curve", type=Path, action="append", default=[],
-                        help="an archive whose verify cost curve is measured (repeatable)")
-    parser.add_argument("--trained", type=Path, default=None,
-                        help="the trained fixture's archive (gdn-export convert fixtures/qwen3_5_trained)")
-    parser.add_argument("--text", type=Path, default=ROOT / "fixtures" / "qwen3_5_trained" / "heldout.txt")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--mtp-shape", type=Path, default=None,
-                        help="a Qwen3.5-shape checkpoint folder: the cost of an MTP step of its config")
-    parser.add_argument("--gguf-curve", type=Path, action="append", default=[],
-                        help="with --llama-cpp: a GGUF whose batch cost curve llama-bench measures (repeatable)")
-    parser.add_argument("--trained-checkpoint", type=Path, default=ROOT / "fixtures" / "qwen3_5_trained",
-                        help="with --llama-cpp and --trained: the checkpoint the trained archive was converted from")
-    from bench_vs_llamacpp import add_llama_cpp_options
-
-    add_llama_cpp_options(parser)
-    parser.add_argument("--mtp-price", default="int8", choices=[name for name, _, _ in MTP_FORMATS],
-                        help="with --mtp-shape: the MTP head whose step prices the projection of the mtp rows")
-    parser.add_argument("--mtp-dir", type=Path, default=None,
-                        help="with --mtp-shape: keep the exported heads there, and reuse those already there")
-    parser.add_argument("--mtp-child", nargs=5, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.mtp_child is not None:  # one measurement of mtp_step_cost, in a process of its own
-        import json
-
-        path, hidden, vocab, context, reps = args.mtp_child
-        print(json.dumps(mtp_child(path, int(hidden), int(vocab), int(context), int(reps))))
-        return 0
-
-    curves = {}
-    if args.curve:
-        log(f"verify cost curves of {', '.join(str(path) for path in args.curve)} (interleaved)")
-        curves = verify_curves(args.curve, args.reps)
-    if curves:
-        print("\n## Verify cost: one call of k tokens after 128 of context (median; ratio to k = 1)\n")
-        names = list(curves)
-        print("| k | " + " | ".join(f"{n} ms | x k=1" for n in names) + " |")
-        print("|---|" + "---|---|" * len(names))
-        for k in range(1, 17):
-            cells = [f"{curves[n][k] * 1e3:.1f} | {curves[n][k] / curves[n][1]:.2f}x" for n in names]
-            print(f"| {k} | " + " | ".join(cells) + " |")
-
-    mtp_cost = None
-    if args.mtp_shape is not None:
-        costs = mtp_step_cost(args.mtp_shape, args.reps, keep=args.mtp_dir)
-        mtp_cost = costs[args.mtp_price][1]
-        base = curves[next(iter(curves))][1] if curves else None
-        print(f"\n## The MTP step ({args.mtp_shape.name}'s config, after 128 cached positions; median; RSS: a "
-              "process's peak over one that loads nothing)\n")
-        print("| MTP weights | member MB | peak RSS MB | 1 position ms | 2 positions ms |"
-              + (f" 1 position / {next(iter(curves))} k=1 |" if base else ""))
-        print("|---|---|---|---|---|" + ("---|" if base else ""))
-        for name, cost in costs.items():
-            print(f"| {name} | {cost['bytes'] / 1e6:.0f} | {cost['rss'] / 1e6:.0f} | {cost[1] * 1e3:.1f} | "
-                  f"{cost[2] * 1e3:.1f} |" + (f" {cost[1] / base:.2f}x |" if base else ""))
-
-    if args.trained is None:
-        if args.llama_cpp is not None:
-            llama_section(args, [], {})
-        return 0
-    session = CountingSession(args.trained)
+def methods_for(session: Session, which: str) -> dict:
+    """The methods a table runs: ``"all"`` (``METHODS``, and ``mtp K=1, 2, 4`` where the archive carries an MTP head)
+    or ``"defaults"`` (``DEFAULT_METHODS``: plain decoding and each method at its default settings, and MTP with
+    K = 1 and 2; the question a default answers)."""
+    if which == "defaults":
+        methods = dict(DEFAULT_METHODS)
+        if session.mtp is None:
+            methods = {name: spec for name, spec in methods.items() if spec is None or spec.method != "mtp"}
+        return methods
     methods = dict(METHODS)
     if session.mtp is not None:  # a trained MTP head (issue 37's trained fixture): its acceptance and speed
         methods.update({f"mtp K={k}": SpeculativeConfig("mtp", k) for k in (1, 2, 4)})
-    text = args.text.read_text(encoding="utf-8")
-    prompts = held_out_prompts(session, text, args.prompts)
+    return methods
+
+
+def continuation_table(session: CountingSession, prompts: list[list[int]], title: str, methods: dict,
+                       new_tokens: int, curve: dict[int, float] | None, curve_name: str | None,
+                       mtp_cost: float | None) -> dict:
+    """Step 2's table for one archive and its held-out prompts: every method greedy, sampled at T = 0.7 and over the
+    first 32 greedy tokens, each against plain decoding in the same run; returns ``(mode, method) -> result``."""
     list(generate(session, prompts[0], 4))  # plan before anything is timed
-    curve = curves[next(iter(curves))] if curves else None
-    modes = {"greedy": (args.new_tokens, dict(temperature=0.0)),
-             "sampled T=0.7": (args.new_tokens, dict(temperature=0.7, top_k=20, top_p=0.8, seed=0)),
+    modes = {"greedy": (new_tokens, dict(temperature=0.0)),
+             "sampled T=0.7": (new_tokens, dict(temperature=0.7, top_k=20, top_p=0.8, seed=0)),
              "greedy, first 32": (32, dict(temperature=0.0))}
-    print(f"\n## Held-out continuations of the trained fixture ({args.prompts} prompts of 256 tokens)\n")
+    print(f"\n## {title}\n")
     head = ("| mode | method | tokens per call | drafts kept | recomputed per token | steps partly kept per token | "
             "tokens/s | x plain | same tokens |")
     if curve:
-        head += (f" 0.8B projection ({next(iter(curves))}) | the same, kept tokens rerun at once |"
+        head += (f" 0.8B projection ({curve_name}) | the same, kept tokens rerun at once |"
                  " the same, kept tokens never rerun (per-position states) |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
-    ours = {}  # (mode, method) -> its result, for llama.cpp's side-by-side table
+    results = {}
     for mode, (count, sampling) in modes.items():
         plain = None
         for name, spec in methods.items():
@@ -532,9 +492,113 @@ def main() -> int:
                 row += "".join(f" {plain_cost / (projected_cost(result['calls'], curve, rerun) + drafting):.2f}x |"
                                for rerun in ("next", "eager", "never"))
             print(row, flush=True)
-            ours[(mode, name)] = dict(result, per_call=per_call, ratio=rate / plain["rate"])
+            results[(mode, name)] = dict(result, per_call=per_call, ratio=rate / plain["rate"])
+    return results
+
+
+# ---------------------------------------------------------------- prose (issue 37: is there a default that never loses)
+
+def prose_section(args, curve: dict[int, float] | None, curve_name: str | None, mtp_cost: float | None) -> dict:
+    """Step 2 on prose (``--prose``): the same table for a model of the trained fixture's shape and recipe trained on
+    English prose (``fixtures/train_qwen3_5.py --corpus prose``), prompts cut from its held-out documents
+    (``--prose-text``) by the same rule; with the code table above, whether a method gains on both."""
+    session = CountingSession(args.prose)
+    prompts = held_out_prompts(session, args.prose_text.read_text(encoding="utf-8"), args.prompts)
+    return continuation_table(session, prompts, f"Held-out continuations of the prose model ({args.prompts} prompts "
+                              "of 256 tokens of held-out documentation)", methods_for(session, args.methods),
+                              args.new_tokens, curve, curve_name, mtp_cost)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--curve", type=Path, action="append", default=[],
+                        help="an archive whose verify cost curve is measured (repeatable)")
+    parser.add_argument("--trained", type=Path, default=None,
+                        help="the trained fixture's archive (gdn-export convert fixtures/qwen3_5_trained)")
+    parser.add_argument("--text", type=Path, default=ROOT / "fixtures" / "qwen3_5_trained" / "heldout.txt")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--mtp-shape", type=Path, default=None,
+                        help="a Qwen3.5-shape checkpoint folder: the cost of an MTP step of its config")
+    parser.add_argument("--gguf-curve", type=Path, action="append", default=[],
+                        help="with --llama-cpp: a GGUF whose batch cost curve llama-bench measures (repeatable)")
+    parser.add_argument("--trained-checkpoint", type=Path, default=ROOT / "fixtures" / "qwen3_5_trained",
+                        help="with --llama-cpp and --trained: the checkpoint the trained archive was converted from")
+    from bench_vs_llamacpp import add_llama_cpp_options
+
+    add_llama_cpp_options(parser)
+    parser.add_argument("--mtp-price", default="int8", choices=[name for name, _, _ in MTP_FORMATS],
+                        help="with --mtp-shape: the MTP head whose step prices the projection of the mtp rows")
+    parser.add_argument("--mtp-dir", type=Path, default=None,
+                        help="with --mtp-shape: keep the exported heads there, and reuse those already there")
+    parser.add_argument("--prose", type=Path, default=None,
+                        help="a prose model's archive (train_qwen3_5.py --corpus prose): step 2 on prose as well")
+    parser.add_argument("--prose-text", type=Path, default=None, help="with --prose: its held-out text (heldout.txt)")
+    parser.add_argument("--curve-ms", default=None, metavar="MS,...",
+                        help="instead of --curve: a recorded verify cost curve, milliseconds of k = 1..16 (e.g. a "
+                        "quiet machine's run in RESULTS.md), for the projections of a run where timing is not clean")
+    parser.add_argument("--mtp-step-ms", type=float, default=None,
+                        help="instead of --mtp-shape: a recorded MTP step's milliseconds, for the mtp rows' projection")
+    parser.add_argument("--methods", choices=["all", "defaults"], default="all",
+                        help="step 2's methods: all (the ngram settings and mtp K=1, 2, 4) or defaults (plain, each "
+                        "method's default settings, mtp K=1 and 2)")
+    parser.add_argument("--mtp-child", nargs=5, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mtp_child is not None:  # one measurement of mtp_step_cost, in a process of its own
+        import json
+
+        path, hidden, vocab, context, reps = args.mtp_child
+        print(json.dumps(mtp_child(path, int(hidden), int(vocab), int(context), int(reps))))
+        return 0
+
+    curves = {}
+    if args.curve:
+        log(f"verify cost curves of {', '.join(str(path) for path in args.curve)} (interleaved)")
+        curves = verify_curves(args.curve, args.reps)
+    if curves:
+        print("\n## Verify cost: one call of k tokens after 128 of context (median; ratio to k = 1)\n")
+        names = list(curves)
+        print("| k | " + " | ".join(f"{n} ms | x k=1" for n in names) + " |")
+        print("|---|" + "---|---|" * len(names))
+        for k in range(1, 17):
+            cells = [f"{curves[n][k] * 1e3:.1f} | {curves[n][k] / curves[n][1]:.2f}x" for n in names]
+            print(f"| {k} | " + " | ".join(cells) + " |")
+
+    if args.curve_ms is not None:  # a recorded curve: priced, not measured (named "recorded" in the table)
+        recorded = [float(v) / 1e3 for v in args.curve_ms.split(",")]
+        if len(recorded) != 16:
+            parser.error(f"--curve-ms takes 16 values (k = 1..16), got {len(recorded)}")
+        curves = {"recorded": dict(enumerate(recorded, start=1)), **curves}
+    mtp_cost = None if args.mtp_step_ms is None else args.mtp_step_ms / 1e3
+    if args.mtp_shape is not None:
+        costs = mtp_step_cost(args.mtp_shape, args.reps, keep=args.mtp_dir)
+        mtp_cost = costs[args.mtp_price][1]
+        base = curves[next(iter(curves))][1] if curves else None
+        print(f"\n## The MTP step ({args.mtp_shape.name}'s config, after 128 cached positions; median; RSS: a "
+              "process's peak over one that loads nothing)\n")
+        print("| MTP weights | member MB | peak RSS MB | 1 position ms | 2 positions ms |"
+              + (f" 1 position / {next(iter(curves))} k=1 |" if base else ""))
+        print("|---|---|---|---|---|" + ("---|" if base else ""))
+        for name, cost in costs.items():
+            print(f"| {name} | {cost['bytes'] / 1e6:.0f} | {cost['rss'] / 1e6:.0f} | {cost[1] * 1e3:.1f} | "
+                  f"{cost[2] * 1e3:.1f} |" + (f" {cost[1] / base:.2f}x |" if base else ""))
+
+    if args.prose is not None and args.prose_text is None:
+        parser.error("--prose needs --prose-text (the prose model's held-out text)")
+    curve_name = next(iter(curves)) if curves else None
+    curve, prompts, ours = curves.get(curve_name), [], {}
+    if args.trained is not None:
+        session = CountingSession(args.trained)
+        prompts = held_out_prompts(session, args.text.read_text(encoding="utf-8"), args.prompts)
+        ours = continuation_table(session, prompts, f"Held-out continuations of the trained fixture ({args.prompts} "
+                                  "prompts of 256 tokens)", methods_for(session, args.methods), args.new_tokens,
+                                  curve, curve_name, mtp_cost)
+        prompts = [session.tokenizer.decode(ids) for ids in prompts]
+    if args.prose is not None:
+        prose_section(args, curve, curve_name, mtp_cost)
     if args.llama_cpp is not None:
-        llama_section(args, [session.tokenizer.decode(ids) for ids in prompts], {}, ours)
+        llama_section(args, prompts, {}, ours)
     return 0
 
 

@@ -295,7 +295,7 @@ def _generate(args) -> int:
                 raise RequestError("--chat takes the user's message as --prompt TEXT")
             prompt = chat_prompt_ids(archive, [{"role": "user", "content": args.prompt}])
         stop_token_ids = None if not args.ignore_eos else []
-        speculative = _speculative_config(args)
+        speculative = _speculative_config(args, executor.archive.every_position, executor.archive.mtp)
         if speculative is not None and not executor.session.every_position:
             raise RequestError(f"{args.model} returns the last position's logits only (converted with --logits "
                                "last): --speculative needs every position's")
@@ -340,18 +340,25 @@ def _generate(args) -> int:
     return 0
 
 
-def _speculative_config(args):
-    """The SpeculativeConfig of --speculative, --draft-max, --prompt-lookup-max/-min (None: no drafts)."""
+def _speculative_config(args, every_position: bool, has_mtp: bool):
+    """The SpeculativeConfig of --speculative, --draft-max, --prompt-lookup-max/-min (None: no drafts); without
+    --speculative, the archive's default drafting (``default_speculative``: every_position, has_mtp say what it
+    can run) with those options."""
     from gdn_export.run.generation import SpeculativeConfig
 
     from gdn_export.run.generation import SpeculativeError
+    from gdn_export.run.generation.speculative import default_speculative
 
-    if args.speculative == "none":
-        if args.draft is not None:
-            raise UsageError("--draft ARCHIVE drafts with --speculative draft")
+    if args.speculative in ("none", None) and args.draft is not None:
+        raise UsageError("--draft ARCHIVE drafts with --speculative draft")
+    method = args.speculative
+    if method is None:
+        default = default_speculative(every_position, has_mtp)
+        method = "none" if default is None else default.method
+    if method == "none":
         return None
     try:
-        return SpeculativeConfig(args.speculative, args.draft_max, args.prompt_lookup_max,
+        return SpeculativeConfig(method, args.draft_max, args.prompt_lookup_max,
                                  min(args.prompt_lookup_min, args.prompt_lookup_max), args.draft)
     except SpeculativeError as err:
         flag = {"num_speculative_tokens": "--draft-max", "model": "--draft"}.get(
@@ -360,11 +367,11 @@ def _speculative_config(args):
 
 
 def _add_speculative(parser, what: str) -> None:
-    parser.add_argument("--speculative", choices=["none", "ngram", "draft", "mtp"], default="none",
+    parser.add_argument("--speculative", choices=["none", "ngram", "draft", "mtp"], default=None,
                         help=f"{what}: draft tokens and verify them in one call per step (ngram: prompt lookup over "
                              "the prompt and the output so far; draft: the --draft archive; mtp: the archive's MTP head, "
-                             "1 to --draft-max chained drafts; exact: greedy output is the same; default none; "
-                             "docs/GENERATING.md)")
+                             "1 to --draft-max chained drafts; none: one token a step; exact: greedy output is the "
+                             "same; default: the archive's default drafting, docs/GENERATING.md)")
     parser.add_argument("--draft", type=_existing_archive, default=None, metavar="ARCHIVE",
                         help="--speculative draft: the draft model's archive (the same tokenizer)")
     parser.add_argument("--draft-max", type=_count(1), default=3, metavar="K",  # SpeculativeConfig.num_speculative_tokens
@@ -428,7 +435,7 @@ def _serve(args) -> int:
             raise UsageError(f"--prefill-piece must be a multiple of {ALIGN} on a serving archive (the prefix "
                              f"cache's alignment), got {args.prefill_piece}")
 
-    speculative = _speculative_config(args)
+    speculative = _speculative_config(args, metadata.get("logits") != "last", isinstance(metadata.get("mtp"), dict))
     if speculative is not None and metadata.get("logits") == "last":
         raise UsageError(f"{args.model} returns the last position's logits only (converted with --logits last): "
                          "--speculative needs every position's")

@@ -280,7 +280,8 @@ def test_mtp_drafts_are_the_reference_heads(name, converted, reference_model, mo
     monkeypatch.setattr(MTPDrafter, "propose", recording)
     session = Session(converted(name))
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, session.metadata["vocab_size"], 11)]
-    plain = [t.token_id for t in generate(session, prompt, 16, temperature=0, stop_token_ids=[])]
+    plain = [t.token_id for t in generate(session, prompt, 16, temperature=0, stop_token_ids=[],
+                                          speculative=None)]
     tokens = generate(session, prompt, 16, temperature=0, stop_token_ids=[], speculative=SpeculativeConfig("mtp", 3))
     assert [t.token_id for t in tokens] == plain
     assert session.on_hidden is None  # the drafter (its head's cache, its rows) went with the request
@@ -548,7 +549,8 @@ def test_quantized_archive_carries_its_head_in_its_weight_format(quantize, quant
     session = Session(report.path)
     assert session.mtp["quantize"] == quantize and session.mtp["logits"] == "last"
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, session.metadata["vocab_size"], 9)]
-    plain = [t.token_id for t in generate(session, prompt, 12, temperature=0, stop_token_ids=[])]
+    plain = [t.token_id for t in generate(session, prompt, 12, temperature=0, stop_token_ids=[],
+                                          speculative=None)]
     tokens = generate(session, prompt, 12, temperature=0, stop_token_ids=[], speculative=SpeculativeConfig("mtp", 2))
     assert [t.token_id for t in tokens] == plain and tokens.generation.drafted > 0
     if quantize != "q4_0":

@@ -96,7 +96,8 @@ def test_trained_head_drafts_are_kept_and_greedy_output_is_plain(converted):
 
     session = Session(converted(TRAINED))
     prompt = session.tokenizer.encode((FOLDER / "heldout.txt").read_text(encoding="utf-8")[:1200]).ids[:200]
-    plain = [t.token_id for t in generate(session, prompt, 48, temperature=0, stop_token_ids=[])]
+    plain = [t.token_id for t in generate(session, prompt, 48, temperature=0, stop_token_ids=[],
+                                          speculative=None)]
     for draft_max in (1, 3):
         tokens = generate(session, prompt, 48, temperature=0, stop_token_ids=[],
                           speculative=SpeculativeConfig("mtp", draft_max))

@@ -38,6 +38,18 @@ def chi_square_p_value(counts: np.ndarray, probabilities: np.ndarray) -> float:
                                          torch.tensor(statistic / 2, dtype=torch.float64)))
 
 
+def test_default_drafting_is_the_first_the_archive_can_run():
+    """An archive without an MTP head falls back to the next method (never an error); none for one that returns the
+    last position's logits only; the settings are SpeculativeConfig's defaults."""
+    from gdn_export.run.generation.speculative import DEFAULT_METHODS, default_speculative
+
+    assert default_speculative(True, False, ("mtp", "ngram")) == SpeculativeConfig("ngram")
+    assert default_speculative(True, True, ("mtp", "ngram")) == SpeculativeConfig("mtp")
+    assert default_speculative(True, False, ("mtp",)) is None
+    assert default_speculative(False, True, ("mtp", "ngram")) is None
+    assert default_speculative(True, False) == SpeculativeConfig(DEFAULT_METHODS[0])
+
+
 def test_prompt_lookup_takes_the_longest_latest_match():
     history = [1, 2, 3, 9, 9, 2, 3, 4, 5, 1, 2, 3]
     assert propose_ngram(history, 3, longest=3) == [9, 9, 2]  # "1 2 3" occurred at 0: what followed it
@@ -146,6 +158,8 @@ def test_verify_needs_every_position(converted, tmp_path):
         session.verify(np.asarray([[1, 2]]))
     with pytest.raises(GdnExportError, match="every position"):
         list(generate(session, [1, 2, 3], 4, speculative=SpeculativeConfig()))
+    # the default drafting needs every position's logits: such an archive decodes plainly by default
+    assert len(list(generate(session, [1, 2, 3], 4))) == 4
     fresh = Session(converted("qwen3_5"))
     with pytest.raises(GdnExportError, match="commit needs a verify"):
         fresh.commit(0)
@@ -171,13 +185,17 @@ def test_greedy_output_is_token_identical(name, converted):
     drafted = 0
     for seed, draft_max in ((0, 4), (1, 2), (2, 7)):
         prompt = repetitive_prompt(vocab, seed)
-        plain = [t.token_id for t in generate(session, prompt, 40, temperature=0, stop_token_ids=[])]
+        plain = [t.token_id for t in generate(session, prompt, 40, temperature=0, stop_token_ids=[],
+                                              speculative=None)]
         tokens = generate(session, prompt, 40, temperature=0, stop_token_ids=[],
                           speculative=SpeculativeConfig(num_speculative_tokens=draft_max, prompt_lookup_min=1))
         assert [t.token_id for t in tokens] == plain, (seed, draft_max)
         drafted += tokens.generation.drafted
         assert 0 <= tokens.generation.accepted <= tokens.generation.drafted
     assert drafted > 0  # the prompts made drafts: the verify path ran
+    default = generate(session, prompt, 40, temperature=0, stop_token_ids=[])  # the default: prompt lookup
+    assert default.generation.request.speculative == SpeculativeConfig()
+    assert [t.token_id for t in default] == plain
     # the archive drafting for itself: its drafts are kept, so steps that keep every draft (and their bonus token) run
     tokens = generate(session, prompt, 40, temperature=0, stop_token_ids=[],
                       speculative=SpeculativeConfig("draft", 3, model=str(converted(name))))
@@ -327,7 +345,8 @@ def test_draft_archive_greedy_output_is_token_identical(name, converted):
     vocab = session.metadata["vocab_size"]
     for seed in range(2):
         prompt = repetitive_prompt(vocab, seed)
-        plain = [t.token_id for t in generate(session, prompt, 30, temperature=0, stop_token_ids=[])]
+        plain = [t.token_id for t in generate(session, prompt, 30, temperature=0, stop_token_ids=[],
+                                              speculative=None)]
         tokens = generate(session, prompt, 30, temperature=0, stop_token_ids=[],
                           speculative=SpeculativeConfig("draft", 3, model=draft))
         assert [t.token_id for t in tokens] == plain

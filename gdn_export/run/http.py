@@ -41,7 +41,7 @@ from gdn_export.run.generation.executor import ExecutorFull, context_bound
 from gdn_export.run.generation.generate import (MAX_STOP_TOKEN_IDS, Generation, RequestError, chat_prompt_ids,
                                                 prompt_ids_of, sampling_from)
 from gdn_export.run.generation.sampling import MAX_LOGPROBS, SamplingError
-from gdn_export.run.generation.speculative import SpeculativeConfig, SpeculativeError
+from gdn_export.run.generation.speculative import DEFAULT, SpeculativeConfig, SpeculativeError, resolve_speculative
 from gdn_export.run.metrics import CONTENT_TYPE, ServerMetrics
 
 SPECULATIVE_FIELDS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
@@ -739,7 +739,7 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
           progress=None, prefill_piece: int | None = None, prefill_rows: int = 1, *, api_key: str | None = None,
           request_timeout: float | None = None, max_model_len: int | None = None, allow_long: bool = False,
           shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE, prefix_cache_mib: float | None = None,
-          speculative: SpeculativeConfig | None = None, listening=None) -> None:
+          speculative: SpeculativeConfig | str | None = DEFAULT, listening=None) -> None:
     """Serve the archive at ``path`` until interrupted (Ctrl-C, SIGTERM): ``workers`` threads over one tract
     plan, at most ``max_queue`` requests waiting; a serving archive on an ``Engine`` of ``slots`` slots (default 8;
     every batch-size bucket planned before the server answers); ``prefill_piece``: prompt tokens per prefill call (a
@@ -752,7 +752,8 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
     every /v1 route; ``request_timeout``: each request's deadline in seconds; ``max_model_len``: prompt + new tokens
     at most (default: the model's context; longer only with ``allow_long``); ``shutdown_grace``: seconds in-flight
     requests get after SIGTERM; ``prefix_cache_mib``: an Engine's prefix cache bound (None: 512 MiB; 0: none);
-    ``speculative``: requests draft so unless they give their own ``speculative_config`` (docs/SERVER.md)."""
+    ``speculative``: requests draft so unless they give their own ``speculative_config`` (docs/SERVER.md; the
+    default, ``"default"``: the archive's default drafting, ``speculative.default_speculative``; None: no drafts)."""
     import uvicorn
 
     from gdn_export.run.session import Session
@@ -762,6 +763,7 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
         raise GdnExportError(f"shutdown_grace must be >= 0 seconds, got {shutdown_grace}")
     session = Session(path)
     context_bound(session.metadata.get("context_length"), max_model_len, allow_long)  # refused before any planning
+    speculative = resolve_speculative(speculative, session.every_position, session.mtp is not None)
     if speculative is not None and not session.every_position:
         raise GdnExportError(f"{path} returns the last position's logits only (converted with --logits last): "
                              "--speculative needs every position's")

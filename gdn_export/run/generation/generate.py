@@ -17,7 +17,7 @@ from typing import Iterator, Sequence
 from gdn_export.errors import GdnExportError
 from gdn_export.run.generation.executor import ArchiveText, InlineExecutor, TokenEvent, TokenRequest
 from gdn_export.run.generation.sampling import SamplingParams
-from gdn_export.run.generation.speculative import SpeculativeConfig
+from gdn_export.run.generation.speculative import DEFAULT, SpeculativeConfig, resolve_speculative
 from gdn_export.run.generation.text import Detokenizer, StopStrings
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -169,7 +169,7 @@ class Generation:
                  seed: int | None = None, logprobs: int | None = None, stop: str | Sequence[str] | None = None,
                  stop_token_ids: Sequence[int] | None = None, sampling: SamplingParams | None = None,
                  default_new_tokens: int | None = None, prompt_param: str = "prompt",
-                 tokens_param: str = "max_new_tokens", speculative: SpeculativeConfig | None = None) -> None:
+                 tokens_param: str = "max_new_tokens", speculative: SpeculativeConfig | str | None = DEFAULT) -> None:
         self.archive = archive
         self.prompt_ids = prompt_ids_of(archive, prompt, prompt_param)
         if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
@@ -186,9 +186,10 @@ class Generation:
             raise RequestError(f"stop strings need a tokenizer and {archive.path} carries none: use stop token ids",
                                "stop")
         stop_ids = archive.eos_token_ids if stop_token_ids is None else frozenset(int(i) for i in stop_token_ids)
+        speculative = resolve_speculative(speculative, archive.every_position, archive.mtp)
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
-            raise RequestError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}",
-                               "speculative")
+            raise RequestError(f"speculative must be a SpeculativeConfig, {DEFAULT!r} or None, got "
+                               f"{type(speculative).__name__}", "speculative")
         self.request = TokenRequest(self.prompt_ids, max_new_tokens, sampling, stop_ids, speculative)
         tokenizer = archive.tokenizer
         self._detokenizer = Detokenizer(tokenizer, self.prompt_ids) if tokenizer is not None else None
@@ -274,7 +275,7 @@ def generate(model, prompt: str | Sequence[int], max_new_tokens: int | None = No
              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, logprobs: int | None = None, stop: str | Sequence[str] | None = None,
              stop_token_ids: Sequence[int] | None = None,
-             speculative: SpeculativeConfig | None = None) -> Iterator[GeneratedToken]:
+             speculative: SpeculativeConfig | str | None = DEFAULT) -> Iterator[GeneratedToken]:
     """Continue ``prompt`` (text, through the archive's tokenizer, or token ids) on ``model`` (a ``Session``, whose
     states it resets, or an executor), yielding each token as it is sampled; the last one has a ``finish_reason``.
 
@@ -283,7 +284,9 @@ def generate(model, prompt: str | Sequence[int], max_new_tokens: int | None = No
     (``sampling_from``). ``logprobs`` N: each token's logprob and the N most probable alternatives'.
     ``stop_token_ids`` default to generation_config.json's ``eos_token_id``; ``stop`` strings end the text before
     them (OpenAI's rule). ``speculative``: drafts verified in one call per step (``SpeculativeConfig``; greedy output
-    token-identical, sampled output distributed as without; docs/GENERATING.md). Bad arguments raise here
+    token-identical, sampled output distributed as without; docs/GENERATING.md); the default, ``"default"``, is the
+    archive's default drafting (``speculative.default_speculative``), None decodes without drafts. Bad arguments
+    raise here
     (``RequestError``, ``SamplingError``); closing the iterator early cancels the request."""
     executor = as_executor(model)
     generation = Generation(executor.archive, prompt, max_new_tokens, temperature=temperature, top_k=top_k,

@@ -97,6 +97,35 @@ class SpeculativeConfig:
         return 2 * self.num_speculative_tokens + 1
 
 
+# What a request that names no drafting gets: the first of these methods the archive can run ("mtp" needs an MTP
+# head; every method needs every position's logits). Chosen from benchmarks/bench_speculative.py on held-out code
+# and prose (docs/PERFORMANCE.md, "Speculative decoding by default"): a method is here only where it never lost to
+# plain decoding by more than the measurement's noise on either.
+DEFAULT_METHODS: tuple[str, ...] = ("ngram",)
+DEFAULT = "default"  # generate(speculative=DEFAULT), serve's default: the archive's default drafting
+
+
+def default_speculative(every_position: bool, has_mtp: bool,
+                        methods: Sequence[str] = DEFAULT_METHODS) -> SpeculativeConfig | None:
+    """The drafting of a request that names none: the first of ``methods`` that the archive can run, at
+    ``SpeculativeConfig``'s default settings; None (plain decoding) where it can run none (an archive converted with
+    ``--logits last``, or only ``mtp`` listed and no head)."""
+    if not every_position:
+        return None
+    for method in methods:
+        if method != "mtp" or has_mtp:
+            return SpeculativeConfig(method)
+    return None
+
+
+def resolve_speculative(speculative, every_position: bool, has_mtp: bool) -> SpeculativeConfig | None:
+    """``speculative`` as a request runs it: ``DEFAULT`` becomes the archive's default drafting
+    (``default_speculative``); a ``SpeculativeConfig`` or None (no drafts) stays as it is."""
+    if isinstance(speculative, str) and speculative == DEFAULT:
+        return default_speculative(every_position, has_mtp)
+    return speculative
+
+
 def propose_ngram(history: Sequence[int], count: int, longest: int, shortest: int = 1) -> list[int]:
     """Up to ``count`` tokens that followed the latest earlier occurrence of the longest n-gram (``longest`` down to
     ``shortest`` tokens) that ends ``history``; [] when none occurs earlier."""
