@@ -435,6 +435,8 @@ def _serve(args) -> int:
             raise UsageError(f"--prefill-piece must be a multiple of {ALIGN} on a serving archive (the prefix "
                              f"cache's alignment), got {args.prefill_piece}")
 
+    if args.speculative is None:  # a server drafts when asked (vLLM's default): batched rows were not measured
+        args.speculative = "none"
     speculative = _speculative_config(args, metadata.get("logits") != "last", isinstance(metadata.get("mtp"), dict))
     if speculative is not None and metadata.get("logits") == "last":
         raise UsageError(f"{args.model} returns the last position's logits only (converted with --logits last): "

@@ -41,7 +41,7 @@ from gdn_export.run.generation.executor import ExecutorFull, context_bound
 from gdn_export.run.generation.generate import (MAX_STOP_TOKEN_IDS, Generation, RequestError, chat_prompt_ids,
                                                 prompt_ids_of, sampling_from)
 from gdn_export.run.generation.sampling import MAX_LOGPROBS, SamplingError
-from gdn_export.run.generation.speculative import DEFAULT, SpeculativeConfig, SpeculativeError, resolve_speculative
+from gdn_export.run.generation.speculative import SpeculativeConfig, SpeculativeError, resolve_speculative
 from gdn_export.run.metrics import CONTENT_TYPE, ServerMetrics
 
 SPECULATIVE_FIELDS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
@@ -739,7 +739,7 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
           progress=None, prefill_piece: int | None = None, prefill_rows: int = 1, *, api_key: str | None = None,
           request_timeout: float | None = None, max_model_len: int | None = None, allow_long: bool = False,
           shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE, prefix_cache_mib: float | None = None,
-          speculative: SpeculativeConfig | str | None = DEFAULT, listening=None) -> None:
+          speculative: SpeculativeConfig | str | None = None, listening=None) -> None:
     """Serve the archive at ``path`` until interrupted (Ctrl-C, SIGTERM): ``workers`` threads over one tract
     plan, at most ``max_queue`` requests waiting; a serving archive on an ``Engine`` of ``slots`` slots (default 8;
     every batch-size bucket planned before the server answers); ``prefill_piece``: prompt tokens per prefill call (a
@@ -753,7 +753,8 @@ def serve(path, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max
     at most (default: the model's context; longer only with ``allow_long``); ``shutdown_grace``: seconds in-flight
     requests get after SIGTERM; ``prefix_cache_mib``: an Engine's prefix cache bound (None: 512 MiB; 0: none);
     ``speculative``: requests draft so unless they give their own ``speculative_config`` (docs/SERVER.md; the
-    default, ``"default"``: the archive's default drafting, ``speculative.default_speculative``; None: no drafts)."""
+    default, None: no drafts, as vLLM; ``"default"``: the archive's default drafting,
+    ``speculative.default_speculative``)."""
     import uvicorn
 
     from gdn_export.run.session import Session

@@ -285,10 +285,14 @@ def generate(model, prompt: str | Sequence[int], max_new_tokens: int | None = No
     ``stop_token_ids`` default to generation_config.json's ``eos_token_id``; ``stop`` strings end the text before
     them (OpenAI's rule). ``speculative``: drafts verified in one call per step (``SpeculativeConfig``; greedy output
     token-identical, sampled output distributed as without; docs/GENERATING.md); the default, ``"default"``, is the
-    archive's default drafting (``speculative.default_speculative``), None decodes without drafts. Bad arguments
+    archive's default drafting (``speculative.default_speculative``) on a Session or a pool of them, plain decoding on
+    an Engine (batched rows: not measured with drafts), None decodes without drafts. Bad arguments
     raise here
     (``RequestError``, ``SamplingError``); closing the iterator early cancels the request."""
     executor = as_executor(model)
+    if isinstance(speculative, str) and speculative == DEFAULT and getattr(executor, "batched", False):
+        # an Engine's batch: a drafting row lengthens every row's call, which no benchmark here measured
+        speculative = None
     generation = Generation(executor.archive, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
                             speculative=speculative)

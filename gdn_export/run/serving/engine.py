@@ -136,6 +136,8 @@ class Engine(QueuedExecutor):
     ``keep_logits``: every ``TokenEvent`` carries the logits row its token was sampled from.
     """
 
+    batched = True  # rows share a call: ``generate``'s default drafting is off here (docs/GENERATING.md)
+
     def __init__(self, model: str | os.PathLike | Session, *, slots: int = 8, workers: int = 1, buckets: tuple[int, ...] | None = None,
                  prefill_piece: int = 128, prefill_rows: int = 1, max_queue: int = 64, prefix_cache_mib: float = 512,
                  plan_now: bool = False, keep_logits: bool = False, one_plan: bool = True) -> None:
