@@ -204,23 +204,11 @@ def plan(text: str, count: int) -> Plan:
     if len(activations) < count * 2:
         raise NotCut(f"the graph has {len(activations)} computing statements, too few for {count} segments")
 
-    live = [0] * (len(body) + 2)  # live[c]: activations made before statement c and read from c on
-    for j in activations:
-        if last_read[j] > j:
-            live[j + 1] += 1
-            live[last_read[j] + 1] -= 1
-    for c in range(1, len(live)):
-        live[c] += live[c - 1]
+    live = _crossing_counts(activations, last_read)  # live[c]: activations made before statement c, read from c on
     given_names = Counter(name for names in defined for name in names)
     # a crossing tensor is declared by its name in the later segment: a name given twice could read the other one
-    ambiguous = {j for j in activations if len(defined[j]) != 1 or given_names[defined[j][0]] > 1}
-    blocked = [0] * (len(body) + 2)  # cuts that an activation of an ambiguous name would cross
-    for j in ambiguous:
-        if last_read[j] > j:
-            blocked[j + 1] += 1
-            blocked[last_read[j] + 1] -= 1
-    for c in range(1, len(blocked)):
-        blocked[c] += blocked[c - 1]
+    ambiguous = [j for j in activations if len(defined[j]) != 1 or given_names[defined[j][0]] > 1]
+    blocked = _crossing_counts(ambiguous, last_read)  # cuts that an activation of an ambiguous name would cross
     cuts: list[int] = []
     for k in range(1, count):
         target = activations[len(activations) * k // count]
@@ -261,6 +249,18 @@ def plan(text: str, count: int) -> Plan:
     if any(j not in produced for p in result.segments for j in p.crossing_in):
         raise NotCut("a segment reads an activation no earlier segment gives")
     return result
+
+
+def _crossing_counts(made: list[int], last_read: list[int]) -> list[int]:
+    """For each cut c (before statement c), how many statements of ``made`` come before it and are read from c on."""
+    counts = [0] * (len(last_read) + 2)
+    for j in made:
+        if last_read[j] > j:
+            counts[j + 1] += 1
+            counts[last_read[j] + 1] -= 1
+    for c in range(1, len(counts)):
+        counts[c] += counts[c - 1]
+    return counts
 
 
 def _hoisted(body: list[str], symbols: set[str]) -> list[str]:
@@ -420,8 +420,8 @@ class SegmentedLoad:
             return
         try:
             self.plan = plan(text, count)
-        except NotCut as err:
-            self.fault = str(err)
+        except Exception as err:  # noqa: BLE001 - a graph this module cannot read is tract's to judge, whole
+            self.fault = str(err) if isinstance(err, NotCut) else f"graph.nnef not cut ({type(err).__name__}: {err})"
             return
         facts = _read_facts(facts_file(text, self.plan, self.version))
         wanted = {j for p in self.plan.segments for j in p.crossing_in}
