@@ -255,8 +255,14 @@ def _weights_as_inputs(folder: Path, shadow: Path, min_bytes: int, pending: Mapp
     if added:
         text = re.sub(r"(graph\s+\w+\s*\()", lambda m: m.group(1) + ", ".join(added) + ", ", text, count=1)
     (shadow / "graph.nnef").write_text(text)
-    for entry in folder.iterdir():  # the weights left as variables (and other files), linked, not copied
-        if entry.is_file() and entry.name != "graph.nnef" and entry.name.removesuffix(".dat") not in replaced:
+    # the weights the shadow's graph still reads as variables, linked, not copied; no other .dat: tract reads every
+    # file of a folder, and a prefix of the graph (``renamed_outputs``) leaves out weights that may still be being
+    # written (``pending``): linked, a half-written one failed the load ("failed to fill whole buffer")
+    kept = set(re.findall(r"variable<scalar>\(label\s*=\s*'([^']+)'", text))
+    for entry in folder.iterdir():
+        label = entry.name.removesuffix(".dat")
+        if entry.is_file() and entry.name != "graph.nnef" and label not in replaced \
+                and (not entry.name.endswith(".dat") or label in kept):
             try:
                 os.link(entry, shadow / entry.name)
             except OSError:
