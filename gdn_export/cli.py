@@ -100,7 +100,7 @@ def _info(args) -> int:
 
     metadata = read_metadata(args.model) or {}
     start = time.perf_counter()
-    runnable = load_tract_model(args.model)
+    runnable = load_tract_model(args.model, whole=True)  # its facts are read: one tract model
     load_seconds = time.perf_counter() - start
     print(f"{args.model}")
     if metadata:

@@ -5,6 +5,7 @@ between two of them), on the first load of a graph (segments planned one after t
 recorded) and on a later one (planned side by side from the record)."""
 
 import io
+import json
 import shutil
 import tarfile
 
@@ -94,3 +95,47 @@ def test_a_damaged_archive_is_still_an_error_when_planned_in_segments(converted,
     with pytest.raises(ArchiveError, match=damaged):
         Session(archive).prefill(np.arange(3)[None])
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_weights_too_heavy_for_their_graph_are_loaded_whole(converted, tmp_path, monkeypatch):
+    """Cutting pays in graph and costs in bytes (the weights written out and read back): past
+    MAX_BYTES_PER_STATEMENT an archive is loaded whole, and the integrity pass stops writing its weights out."""
+    monkeypatch.delenv(segments.SEGMENTS_ENV, raising=False)
+    monkeypatch.setenv(segments.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(segments, "STATEMENTS_PER_SEGMENT", 100)  # the fixture's small graph taken as a big one
+    text = tarfile.open(converted("qwen3_5")).extractfile("graph.nnef").read().decode()
+    statements = text.count(";\n")
+    for per_statement, cut in ((segments.MAX_BYTES_PER_STATEMENT + 1, False), (segments.MAX_BYTES_PER_STATEMENT, True)):
+        load = segments.SegmentedLoad(tmp_path, 2, tract_version(), None, None, None, None,
+                                      archive_bytes=per_statement * statements)
+        assert load.wants_weights()  # before the graph is known
+        load.graph(text)
+        assert (load.plan is not None) == cut and load.wants_weights() == cut
+
+
+def test_a_wrong_record_is_removed_and_the_archive_still_runs(converted, tmp_path, monkeypatch, capfd):
+    """A facts record that is not what tract states (edited, or left by another cutter) never reaches a call: the
+    segment that gives the tensor finds the difference, the record is removed and the archive loaded whole."""
+    archive = tmp_path / "copy.nnef.tgz"
+    shutil.copy(converted("qwen3_5"), archive)
+    monkeypatch.setenv(segments.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(segments.SEGMENTS_ENV, "2")
+    tokens = np.arange(7)[None]
+    right = Session(archive).prefill(tokens)  # records the facts
+    graph = tarfile.open(archive).extractfile("graph.nnef").read().decode()
+    record = segments.facts_file(graph, segments.plan(graph, 2), tract_version())
+    facts = json.loads(record.read_text())
+    facts["facts"] = {k: v.replace("B,", "1,", 1) if v.startswith("B,") else "B," + v for k, v in facts["facts"].items()}
+    record.write_text(json.dumps(facts))
+    capfd.readouterr()
+    assert np.array_equal(Session(archive).prefill(tokens), right)
+    assert "loaded whole" in capfd.readouterr().err and not record.exists()
+
+
+def test_info_reads_a_segmented_archive_as_one_model(converted, tmp_path, monkeypatch, capsys):
+    from gdn_export.cli import main
+
+    monkeypatch.setenv(segments.SEGMENTS_ENV, "2")
+    monkeypatch.setenv(segments.CACHE_ENV, str(tmp_path))
+    assert main(["info", str(converted("qwen3_5"))]) == 0
+    assert "logits" in capsys.readouterr().out

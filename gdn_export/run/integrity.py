@@ -113,7 +113,8 @@ def check_archive(path: str | os.PathLike, metadata: dict | None, unpack_to: Pat
     """``path`` (a .nnef.tgz) checked as the module says before tract reads it; ArchiveError naming the member at
     fault otherwise. ``metadata``: its gdn_export.json (None: an archive of ``gdn_export.export`` without one). With
     ``unpack_to`` (an empty folder), every ``.dat`` member is also written to ``unpack_to/weights/`` as it is read,
-    and the graph's text is returned; ``listener.graph(text)`` and ``listener.weight(label)`` are then told of the
+    and the graph's text is returned (while ``listener.wants_weights()``); ``listener.graph(text)`` and
+    ``listener.weight(label)`` are then told of the
     graph and of each weight file once its member passed its checks (its digest among them), while the pass goes
     on: a later member's fault still raises here."""
     path = Path(path)
@@ -176,7 +177,10 @@ def check_members(path: Path, metadata: dict, unpack_to: Path | None = None, lis
                         _check_header(path, name, header, member.size, labels)
                         seen.headers[name[:-4]] = (name, header, member.size)
                         digest.update(header)
-                        out = None if unpack_to is None else _unpacked(unpack_to / "weights", name, path)
+                        if listener is not None and getattr(listener, "stopped", False):
+                            raise UnpackError("the load was abandoned")  # a Ctrl-C while the pass ran in a thread
+                        wanted = unpack_to is not None and (listener is None or listener.wants_weights())
+                        out = _unpacked(unpack_to / "weights", name, path) if wanted else None
                         try:
                             if out is not None:
                                 out.write(header)
@@ -283,6 +287,11 @@ class _Inflated(io.RawIOBase):
             raise zlib.error("data after the end of the gzip stream")
 
 
+class UnpackError(Exception):
+    """Writing an archive's weights out failed (disk full, a removed folder...): not the archive's fault. Not an
+    OSError, so that the pass does not report it as a damaged archive; the caller loads the archive whole."""
+
+
 def _hash_rest(handle, digest, out=None) -> None:
     """The rest of a member into ``digest`` (and written to ``out``), beside the reading: the hash and the write run in
     a thread of their own while this one inflates the next chunk (hashlib, zlib and file writes release the GIL:
@@ -292,7 +301,10 @@ def _hash_rest(handle, digest, out=None) -> None:
     def consume(chunk: bytes) -> None:
         digest.update(chunk)
         if out is not None:
-            out.write(chunk)
+            try:
+                out.write(chunk)
+            except OSError as err:
+                raise UnpackError(f"writing the weights out: {err}") from None
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gdn_export-hash") as worker:
         pending = []
@@ -310,8 +322,13 @@ def _unpacked(folder: Path, name: str, path: Path):
     target = folder / name
     if Path(name).is_absolute() or ".." in Path(name).parts or not target.resolve().is_relative_to(folder.resolve()):
         raise ArchiveError(f"{path}: member {name} names a path outside the archive")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return open(target, "xb")
+    try:
+        if not folder.is_dir():  # removed (an abandoned load): never made again
+            raise UnpackError(f"{folder} is gone")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return open(target, "xb")
+    except OSError as err:
+        raise UnpackError(f"writing the weights out: {err}") from None
 
 
 def _unused(path: Path, name: str) -> str:

@@ -11,7 +11,7 @@ from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
-from gdn_export.errors import TractRuntimeError
+from gdn_export.errors import GdnExportError, TractRuntimeError
 
 T, F = TypeVar("T"), TypeVar("F")
 
@@ -24,10 +24,12 @@ def tract_version() -> str:
 
 
 def load_tract_model(path: str | os.PathLike, symbols: dict[str, int] | None = None, *,
-                     expect_outputs: Sequence[str] | None = None):
+                     expect_outputs: Sequence[str] | None = None, whole: bool = False):
     """Load a ``.nnef.tgz`` (or folder) with the transformers extension and make it runnable; ``symbols`` fixes
     symbolic sizes first (e.g. ``{"B": 1}``), so tract plans with them known. With ``expect_outputs``, tract must
-    report exactly those output names (TractRuntimeError otherwise)."""
+    report exactly those output names (TractRuntimeError otherwise): the graph is then loaded whole, as a program
+    embedding the archive loads it. A big archive is otherwise planned in segments side by side
+    (``run/segments.py``); ``whole``: never (a caller that reads the model's facts, ``gdn-export info``)."""
     import tract
 
     path = Path(path)
@@ -39,7 +41,7 @@ def load_tract_model(path: str | os.PathLike, symbols: dict[str, int] | None = N
         from gdn_export.run.integrity import check_archive
 
         count = segment_count(path.stat().st_size)
-        if count > 1:
+        if count > 1 and expect_outputs is None and not whole:
             runnable = _load_in_segments(path, count, symbols, expect_outputs)
             if runnable is not None:
                 return runnable
@@ -85,44 +87,42 @@ def _load_in_segments(path: Path, count: int, symbols: dict[str, int] | None, ex
     from gdn_export.run.integrity import check_archive
     from gdn_export.run.reading import read_metadata
 
-    folder = Path(tempfile.mkdtemp(prefix="gdn_export_segments_", dir=segments.unpack_root(path.stat().st_size)))
+    from gdn_export.run.integrity import UnpackError
 
     def load_one(segment_folder: Path, segment: segments.Segment):
-        model = tract.nnef().with_tract_transformers().load(str(segment_folder))
-        reported = [model.output_name(i) for i in range(len(segment.outputs))]
-        if expect_outputs is not None and reported != segment.outputs:
-            raise TractRuntimeError(f"tract reports outputs {reported} where {segment.outputs} were declared")
-        return model
+        return tract.nnef().with_tract_transformers().load(str(segment_folder))
 
     def plan_one(model):
         if symbols:
             model.transform(tract.SetSymbols(symbols))
         return model.into_runnable()
 
-    loading = segments.SegmentedLoad(folder, count, tract_version(), load_one, plan_one, _started,
-                                     lambda handle: _joined(*handle)[0])
+    folder = None
     try:
+        folder = Path(tempfile.mkdtemp(prefix="gdn_export_segments_", dir=segments.unpack_root(path.stat().st_size)))
+        (folder / "weights").mkdir()
+        loading = segments.SegmentedLoad(folder, count, tract_version(), load_one, plan_one, _started,
+                                         lambda handle: _joined(*handle)[0], path.stat().st_size)
         with _planning_allocator():
             try:  # the segments start loading as the pass writes their weights out
                 interruptible(lambda: check_archive(path, read_metadata(path), unpack_to=folder, listener=loading))
-            except BaseException:
+            except BaseException as err:
                 loading.abandoned()
-                raise
-            if expect_outputs is not None and loading.plan is not None \
-                    and list(expect_outputs) != loading.plan.outputs:
-                loading.abandoned()
-                raise TractRuntimeError(f"the graph declares outputs {loading.plan.outputs} where "
-                                        f"{list(expect_outputs)} were expected")
-            try:
-                return loading.finished()
-            except TractRuntimeError:
-                raise
-            except Exception as err:  # NotCut, or tract's plain Exceptions
-                print(f"gdn_export: {path.name} loaded whole, not in {count} segments: {tract_fault(str(err))}",
-                      file=sys.stderr, flush=True)
-                return None
+                if not isinstance(err, UnpackError):
+                    raise
+                loading.fault = str(err)  # not the archive's fault: the pass runs again, whole, below
+            return loading.finished()
+    except (TractRuntimeError, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as err:  # NotCut, UnpackError, an unusable temporary folder, tract's plain Exceptions
+        if isinstance(err, GdnExportError):  # a damaged archive (ArchiveError): the whole load's error too
+            raise
+        print(f"gdn_export: {path.name} loaded whole, not in {count} segments: {tract_fault(str(err))}",
+              file=sys.stderr, flush=True)
+        return None
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def tract_fault(message: str) -> str:

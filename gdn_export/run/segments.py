@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,12 @@ UNPACK_ENV = "GDN_EXPORT_UNPACK_DIR"  # where the weights are written for tract 
 STATEMENTS_PER_SEGMENT = 2000  # below this a segment's own overhead (its inputs, its copied statements) is not worth it
 MAX_SEGMENTS = 8
 MIN_ARCHIVE_BYTES = 64 << 20  # smaller archives plan in a few seconds: loaded whole unless SEGMENTS_ENV says otherwise
+# Cutting pays in graph (tract's per-node work, side by side) and costs in bytes (the weights written out and read
+# back, the pass before the last segment starts): measured on the 0.8B shape's 6,143-statement graph in 2 segments,
+# int8 (0.82 GB) 9.07 -> 5.84 s, f16 (1.3 GB) 10.7 -> 8.7 s, f32 (2.6 GB) 14.2 -> 16.7 s (slower). Above this many
+# archive bytes per graph statement the archive is loaded whole.
+MAX_BYTES_PER_STATEMENT = 250_000
+FACTS_FORMAT = 2  # part of a record's key: a change of how graphs are cut must not reuse older records
 HEAVY_ELEMENTS = 4096  # a variable of this many elements or more is a weight worth reading once
 MAX_CROSSING = 8  # a cut where more activations cross is not taken
 FACT_TYPES = {"f32", "f16", "f64", "i64", "i32", "i8", "u8", "bool"}
@@ -174,6 +181,9 @@ def plan(text: str, count: int) -> Plan:
             first.setdefault(n, i)
     if any(x not in first for x in inputs) or any(o not in latest for o in outputs):
         raise NotCut("an input or output of the graph is defined by no statement")
+    if len(set(outputs)) != len(outputs):
+        raise NotCut("the graph lists an output twice")
+    inputs = sorted(inputs, key=first.__getitem__)  # tract numbers a graph's inputs in the order the body declares them
     kinds: list[str] = []
     for i, statement in enumerate(body):
         variable = _VARIABLE.search(statement)
@@ -243,7 +253,7 @@ def plan(text: str, count: int) -> Plan:
                 raise NotCut("a segment reads an activation of a later segment")
             needed.add(i)
             todo.extend(producers[i])
-        segment_inputs = [x for x in inputs if first[x] in needed]
+        segment_inputs = [x for x in inputs if first[x] in needed]  # body order, as ``inputs``
         result.segments.append(Segment(sorted(needed), segment_inputs, own_outputs, sorted(taken), given))
     produced = {j for p in result.segments for j in p.crossing_out}
     if any(j not in produced for p in result.segments for j in p.crossing_in):
@@ -342,7 +352,7 @@ def segments_for(text: str, wanted: int) -> int:
 def facts_file(text: str, graph: Plan, tract_version: str) -> Path:
     """Where the facts of ``graph``'s crossing tensors are recorded: keyed by the graph text, its cuts and tract."""
     cuts = ",".join(str(p.statements[0]) + ":" + ",".join(map(str, p.crossing_in)) for p in graph.segments)
-    key = hashlib.sha256(f"{tract_version}\n{cuts}\n{text}".encode()).hexdigest()[:40]
+    key = hashlib.sha256(f"{FACTS_FORMAT}\n{tract_version}\n{cuts}\n{text}".encode()).hexdigest()[:40]
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "gdn_export")
     return root / "segments" / f"{key}.json"
 
@@ -402,8 +412,9 @@ class SegmentedLoad:
     ``start(work)`` runs a work in a thread, ``finish(handle)`` waits for its result (its error raised)."""
 
     def __init__(self, folder: Path, count: int, tract_version: str, load_one: Callable, plan_one: Callable,
-                 start: Callable[[Callable], object], finish: Callable[[object], object]) -> None:
-        self.folder, self.count, self.version = folder, count, tract_version
+                 start: Callable[[Callable], object], finish: Callable[[object], object],
+                 archive_bytes: int = 0) -> None:
+        self.folder, self.count, self.version, self.archive_bytes = folder, count, tract_version, archive_bytes
         self.load_one, self.plan_one, self.start, self.finish = load_one, plan_one, start, finish
         self.text: str | None = None
         self.plan: Plan | None = None
@@ -412,12 +423,29 @@ class SegmentedLoad:
         self.written: set[str] = set()
         self.waiting: list[set[str]] = []
         self.handles: dict[int, object] = {}
+        self.lock = threading.Lock()  # handles: added by the pass's thread, waited for by the caller's
+        self.stopped = False  # abandoned: no segment starts, no weight is written any more
 
     def graph(self, text: str) -> None:
+        try:
+            self._graph(text)
+        except Exception as err:  # noqa: BLE001 - never out of the integrity pass: the archive is loaded whole
+            self.fault = f"{type(err).__name__}: {err}"
+
+    def _graph(self, text: str) -> None:
         self.text = text
         count = segments_for(text, self.count)
-        if count < 2:
-            return
+        statements = max(1, text.count(";\n"))
+        if count < 2 or (os.environ.get(SEGMENTS_ENV) is None
+                         and self.archive_bytes / statements > MAX_BYTES_PER_STATEMENT):
+            return  # loaded whole: one segment's worth of graph, or weights too heavy for it to pay
+        self._plan(text, count)
+
+    def wants_weights(self) -> bool:
+        """Whether the pass should still write weights out: until the graph is known, then only for segments."""
+        return not self.stopped and self.fault is None and (self.text is None or self.plan is not None)
+
+    def _plan(self, text: str, count: int) -> None:
         try:
             self.plan = plan(text, count)
         except Exception as err:  # noqa: BLE001 - a graph this module cannot read is tract's to judge, whole
@@ -434,10 +462,13 @@ class SegmentedLoad:
         if self.plan is not None:
             for waiting in self.waiting:
                 waiting.discard(label)
-            self._start_ready()
+            try:
+                self._start_ready()
+            except Exception as err:  # noqa: BLE001 - as in graph()
+                self.fault = f"{type(err).__name__}: {err}"
 
     def _start_ready(self) -> None:
-        if self.facts is None or self.fault is not None:
+        if self.facts is None or self.fault is not None or self.stopped:
             return
         for k, waiting in enumerate(self.waiting):
             if not waiting and k not in self.handles:
@@ -448,7 +479,20 @@ class SegmentedLoad:
                     self.fault = str(err)
                     return
                 segment = self.plan.segments[k]
-                self.handles[k] = self.start(lambda f=folder, p=segment: self.plan_one(self.load_one(f, p)))
+                with self.lock:
+                    if self.stopped:
+                        return
+                    self.handles[k] = self.start(lambda f=folder, p=segment: self.plan_one(self._checked(f, p)))
+
+    def _checked(self, folder: Path, segment: Segment):
+        """tract's model of a segment declared from recorded facts, its own crossing outputs' facts checked against
+        the record (a record that does not match is removed: the next start records them again)."""
+        model = self.load_one(folder, segment)
+        given = [str(model.output_fact(i)).strip() for i in range(model.output_count())][len(segment.outputs):]
+        if given != [self.facts[j] for j in segment.crossing_out]:
+            facts_file(self.text, self.plan, self.version).unlink(missing_ok=True)
+            raise NotCut("the recorded facts of a cut are not what tract states: record removed")
+        return model
 
     def _prepare(self, k: int) -> Path:
         """Segment ``k``'s folder: a link to each weight file it reads."""
@@ -470,13 +514,19 @@ class SegmentedLoad:
             raise NotCut(self.fault)
         if self.plan is None:
             return None
+        try:
+            return self._finished()
+        except BaseException:
+            self.abandoned()
+            raise
+
+    def _finished(self) -> SegmentsRunnable:
         if self.facts is not None:
             missing = [k for k in range(len(self.plan.segments)) if k not in self.handles]
             if missing:
-                self.abandoned()
                 raise NotCut(f"segment {missing[0]}'s weights are not all in the archive")
             return SegmentsRunnable(self.plan, [self.finish(self.handles[k]) for k in range(len(self.handles))])
-        facts, handles = {}, []
+        facts = {}
         for k, segment in enumerate(self.plan.segments):  # this graph's first load: a segment's facts before the next
             folder = self._prepare(k)
             folder.joinpath("graph.nnef").write_text(self.plan.text(k, facts))
@@ -485,16 +535,21 @@ class SegmentedLoad:
             for j, fact in zip(segment.crossing_out, given):
                 external(fact)  # NotCut for a fact a segment could not declare
                 facts[j] = fact.strip()
-            handles.append(self.start(lambda m=model: self.plan_one(m)))  # planned while the next segment loads
-        runnables = [self.finish(h) for h in handles]
+            with self.lock:  # planned while the next segment loads
+                self.handles[k] = self.start(lambda m=model: self.plan_one(m))
+        runnables = [self.finish(self.handles[k]) for k in range(len(self.plan.segments))]
         _write_facts(facts_file(self.text, self.plan, self.version), facts)
         return SegmentsRunnable(self.plan, runnables)
 
     def abandoned(self) -> None:
-        """Wait for the segments started (tract's work cannot be stopped), their results or errors dropped."""
-        for handle in self.handles.values():
+        """Stop (no segment starts, no weight is written any more) and wait for the segments started (tract's work
+        cannot be stopped), their results or errors dropped."""
+        with self.lock:
+            self.stopped = True
+            handles = list(self.handles.values())
+            self.handles.clear()
+        for handle in handles:
             try:
                 self.finish(handle)
             except Exception:  # noqa: BLE001 - dropped: the load failed or is abandoned anyway
                 pass
-        self.handles.clear()
