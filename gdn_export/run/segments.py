@@ -49,10 +49,11 @@ STATEMENTS_PER_SEGMENT = 2000  # below this a segment's own overhead (its inputs
 MAX_SEGMENTS = 8
 MIN_ARCHIVE_BYTES = 64 << 20  # smaller archives plan in a few seconds: loaded whole unless SEGMENTS_ENV says otherwise
 # Cutting pays in graph (tract's per-node work, side by side) and costs in bytes (the weights written out and read
-# back, the pass before the last segment starts): measured on the 0.8B shape's 6,143-statement graph in 2 segments,
-# int8 (0.82 GB) 9.07 -> 5.84 s, f16 (1.3 GB) 10.7 -> 8.7 s, f32 (2.6 GB) 14.2 -> 16.7 s (slower). Above this many
-# archive bytes per graph statement the archive is loaded whole.
-MAX_BYTES_PER_STATEMENT = 250_000
+# back, the pass before the last segment starts): measured on the 0.8B shape in 2 segments, medians of 3-5 (ready
+# whole -> in segments), int8 0.82 GB / 6,143 statements (133 kB each) 9.07 -> 5.84 s, f16 1.62 GB / ~4,800
+# (340 kB) 12.27 -> 8.89 s, f32 2.62 GB / ~4,800 (545 kB) 13.14 -> 16.72 s (slower). Above this many archive bytes
+# per graph statement the archive is loaded whole.
+MAX_BYTES_PER_STATEMENT = 450_000
 FACTS_FORMAT = 2  # part of a record's key: a change of how graphs are cut must not reuse older records
 HEAVY_ELEMENTS = 4096  # a variable of this many elements or more is a weight worth reading once
 MAX_CROSSING = 8  # a cut where more activations cross is not taken
