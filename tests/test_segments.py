@@ -111,6 +111,10 @@ def test_weights_too_heavy_for_their_graph_are_loaded_whole(converted, tmp_path,
         assert load.wants_weights()  # before the graph is known
         load.graph(text)
         assert (load.plan is not None) == cut and load.wants_weights() == cut
+    monkeypatch.setattr(segments, "MAX_STATEMENTS", statements - 1)  # a graph too big to plan a cut for: whole
+    load = segments.SegmentedLoad(tmp_path, 2, tract_version(), None, None, None, None, archive_bytes=1)
+    load.graph(text)
+    assert load.plan is None and load.fault and not load.wants_weights()
 
 
 def test_a_wrong_record_is_removed_and_the_archive_still_runs(converted, tmp_path, monkeypatch, capfd):

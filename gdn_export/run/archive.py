@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tarfile
 import zlib
 from pathlib import Path
@@ -48,17 +49,19 @@ def pack(folder: Path, archive: Path) -> None:
             tar.add(file, arcname=file.name)
 
 
+# a variable of graph.nnef: its label (group 2: the weight file ``<label>.dat``) and shape (group 3)
+VARIABLE = re.compile(r"variable\s*<\s*\w+\s*>\s*\(\s*label\s*=\s*(['\"])(.*?)\1\s*,\s*shape\s*=\s*\[([^\]]*)\]")
+
+
 def member_order(folder: Path) -> list[Path]:
     """The order ``pack`` writes a folder's files in: the metadata and the graph first, then each weight in the order
     the graph first reads it, then the rest by name. A reader that goes through the archive once (the integrity
     pass) then knows the graph before the weights, and has the first layers' weights first: a model planned in
     segments (run/segments.py) starts loading its first segment while the pass reads the others' weights."""
-    import re
-
     files = {entry.name: entry for entry in folder.iterdir()}
     graph = files.get("graph.nnef")
     text = graph.read_text() if graph is not None else ""
-    labels = re.findall(r"variable\s*<\s*\w+\s*>\s*\(\s*label\s*=\s*['\"](.*?)['\"]", text)
+    labels = [match.group(2) for match in VARIABLE.finditer(text)]
     first = [name for name in (METADATA_FILE, "graph.nnef") if name in files]
     weights = [name for name in dict.fromkeys(f"{label}.dat" for label in labels) if name in files]
     rest = sorted(set(files) - set(first) - set(weights))

@@ -30,10 +30,12 @@ import struct
 import tarfile
 import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gdn_export.run.archive import DIGESTS_FIELD, METADATA_FILE, MIB, ArchiveError, gzip_damage, unreadable
+from gdn_export.run.archive import (DIGESTS_FIELD, METADATA_FILE, MIB, VARIABLE, ArchiveError, gzip_damage,
+                                    unreadable)
 
 GRAPH_FILE = "graph.nnef"
 GRAPH_LIMIT = 256 * MIB  # the 0.8B shape's graph is 0.7 MiB; a graph is read whole
@@ -45,7 +47,6 @@ PLAIN_TYPES = {(16, 0): "f16", (32, 0): "f32", (64, 0): "f64", (8, 4): "i8", (16
                (64, 4): "i64", (8, 1): "u8", (16, 1): "u16", (32, 1): "u32", (64, 1): "u64"}
 # tract's block-quantized tensors: bits per item u32::MAX and a format code; Q4_0 blocks of 32 values in 18 bytes
 BLOCK_TYPES = {(0xFFFFFFFF, 0x54523040): ("q4_0", 32, 18)}
-_VARIABLE = re.compile(r"variable\s*<\s*\w+\s*>\s*\(\s*label\s*=\s*(['\"])(.*?)\1\s*,\s*shape\s*=\s*\[([^\]]*)\]")
 _EXTERNAL = re.compile(r"^\s*(\w+)\s*=\s*(?:tract_core_external|external\s*<\s*\w+\s*>)\s*\(\s*shape\s*=\s*\[([^\]]*)\]",
                        re.MULTILINE)
 
@@ -138,7 +139,8 @@ def check_members(path: Path, metadata: dict, unpack_to: Path | None = None, lis
     seen = _Seen()
     labels: dict[str, list[int]] | None = None  # the graph's variables, once its member was read
     try:
-        with open(path, "rb") as raw, io.BufferedReader(_Inflated(raw), MIB) as stream:
+        with open(path, "rb") as raw, io.BufferedReader(_Inflated(raw), MIB) as stream, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="gdn_export-hash") as hasher:
             with tarfile.open(fileobj=stream, mode="r:") as tar:
                 for member in tar:
                     name = member.name
@@ -184,12 +186,12 @@ def check_members(path: Path, metadata: dict, unpack_to: Path | None = None, lis
                         try:
                             if out is not None:
                                 out.write(header)
-                            _hash_rest(handle, digest, out)
+                            _hash_rest(hasher, handle, digest, out)
                         finally:
                             if out is not None:
                                 out.close()
                     else:
-                        _hash_rest(handle, digest)
+                        _hash_rest(hasher, handle, digest)
                     seen.digests[name] = digest.hexdigest()
                     if listener is not None and (name == GRAPH_FILE or name.endswith(".dat")):
                         _check_digests(path, _Seen(digests={name: seen.digests[name]}), recorded)  # before use
@@ -292,11 +294,10 @@ class UnpackError(Exception):
     OSError, so that the pass does not report it as a damaged archive; the caller loads the archive whole."""
 
 
-def _hash_rest(handle, digest, out=None) -> None:
+def _hash_rest(hasher: ThreadPoolExecutor, handle, digest, out=None) -> None:
     """The rest of a member into ``digest`` (and written to ``out``), beside the reading: the hash and the write run in
-    a thread of their own while this one inflates the next chunk (hashlib, zlib and file writes release the GIL:
-    the pass over a 0.8 GB archive takes the longest of the three rather than their sum)."""
-    from concurrent.futures import ThreadPoolExecutor
+    ``hasher``'s one thread (the pass's) while this one inflates the next chunk (hashlib, zlib and file writes release
+    the GIL: the pass over a 0.8 GB archive takes the longest of the three rather than their sum)."""
 
     def consume(chunk: bytes) -> None:
         digest.update(chunk)
@@ -306,14 +307,13 @@ def _hash_rest(handle, digest, out=None) -> None:
             except OSError as err:
                 raise UnpackError(f"writing the weights out: {err}") from None
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gdn_export-hash") as worker:
-        pending = []
-        while chunk := handle.read(4 * MIB):
-            pending.append(worker.submit(consume, chunk))  # one worker: the chunks in order
-            if len(pending) > 2:  # at most a few chunks held
-                pending.pop(0).result()
-        for future in pending:
-            future.result()
+    pending = []
+    while chunk := handle.read(4 * MIB):
+        pending.append(hasher.submit(consume, chunk))  # one worker: the chunks in order
+        if len(pending) > 2:  # at most a few chunks held
+            pending.pop(0).result()
+    for future in pending:
+        future.result()
 
 
 def _unpacked(folder: Path, name: str, path: Path):
@@ -340,7 +340,7 @@ def _dims(text: str) -> list:
 
 
 def _variables(graph: str) -> dict[str, list[int]]:
-    return {label: _dims(shape) for _, label, shape in _VARIABLE.findall(graph)}
+    return {label: _dims(shape) for _, label, shape in VARIABLE.findall(graph)}
 
 
 def _check_header(path: Path, name: str, header: bytes, size: int, labels: dict | None) -> None:

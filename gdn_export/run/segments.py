@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from gdn_export.run.archive import VARIABLE
+
 SEGMENTS_ENV = "GDN_EXPORT_SEGMENTS"  # a number of segments (1: never cut), else chosen from the cores and the graph
 CACHE_ENV = "GDN_EXPORT_CACHE"  # the folder of the recorded facts (default ~/.cache/gdn_export)
 UNPACK_ENV = "GDN_EXPORT_UNPACK_DIR"  # where the weights are written for tract to read (default: unpack_root)
@@ -54,6 +56,8 @@ MIN_ARCHIVE_BYTES = 64 << 20  # smaller archives plan in a few seconds: loaded w
 # (340 kB) 12.27 -> 8.89 s, f32 2.62 GB / ~4,800 (545 kB) 13.14 -> 16.72 s (slower). Above this many archive bytes
 # per graph statement the archive is loaded whole.
 MAX_BYTES_PER_STATEMENT = 450_000
+MAX_STATEMENTS = 60_000  # a bigger graph is not cut: the cutter's time bounded (0.67 s at this size on the AMD EPYC; the 0.8B shape: 6,143)
+MAX_RECORD_BYTES = 1 << 20  # a facts record is a few hundred bytes; a larger file there is not read
 FACTS_FORMAT = 2  # part of a record's key: a change of how graphs are cut must not reuse older records
 HEAVY_ELEMENTS = 4096  # a variable of this many elements or more is a weight worth reading once
 MAX_CROSSING = 8  # a cut where more activations cross is not taken
@@ -62,7 +66,6 @@ FACT_TYPES = {"f32", "f16", "f64", "i64", "i32", "i8", "u8", "bool"}
 _STRING = re.compile(r"'[^']*'|\"[^\"]*\"")
 _GENERIC = re.compile(r"\s*<\s*\w+\s*>")
 _IDENTIFIER = re.compile(r"(?<![\w.])[A-Za-z_][A-Za-z0-9_]*")
-_VARIABLE = re.compile(r"variable\s*<\s*\w+\s*>\s*\(\s*label\s*=\s*(['\"])(.*?)\1\s*,\s*shape\s*=\s*\[([^\]]*)\]")
 _SIGNATURE = re.compile(r"graph\s+(\w+)\s*\(([^)]*)\)\s*->\s*\(([^)]*)\)\s*\{", re.S)
 _SYMBOL = re.compile(r"^\s*extension\s+tract_symbol\s+(\w+)\s*;", re.M)
 WEIGHT, HEAVY_WEIGHT, LIGHT, ACTIVATION = "weight", "heavy weight", "light", "activation"
@@ -112,7 +115,7 @@ class Plan:
 
     def labels(self, k: int) -> list[str]:
         """The variable labels segment ``k`` reads (one ``<label>.dat`` each)."""
-        return [m.group(2) for i in self.segments[k].statements if (m := _VARIABLE.search(self.body[i]))]
+        return [m.group(2) for i in self.segments[k].statements if (m := VARIABLE.search(self.body[i]))]
 
 
 def external(fact: str) -> str:
@@ -187,7 +190,7 @@ def plan(text: str, count: int) -> Plan:
     inputs = sorted(inputs, key=first.__getitem__)  # tract numbers a graph's inputs in the order the body declares them
     kinds: list[str] = []
     for i, statement in enumerate(body):
-        variable = _VARIABLE.search(statement)
+        variable = VARIABLE.search(statement)
         if variable is not None:
             size = 1
             for dim in variable.group(3).split(","):
@@ -360,6 +363,8 @@ def facts_file(text: str, graph: Plan, tract_version: str) -> Path:
 
 def _read_facts(path: Path) -> dict[int, str] | None:
     try:
+        if path.stat().st_size > MAX_RECORD_BYTES:
+            return None
         data = json.loads(path.read_text())
         return {int(k): str(v) for k, v in data["facts"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -437,6 +442,8 @@ class SegmentedLoad:
         self.text = text
         count = segments_for(text, self.count)
         statements = max(1, text.count(";\n"))
+        if statements > MAX_STATEMENTS:
+            raise NotCut(f"the graph has {statements} statements, more than the {MAX_STATEMENTS} a cut is planned for")
         if count < 2 or (os.environ.get(SEGMENTS_ENV) is None
                          and self.archive_bytes / statements > MAX_BYTES_PER_STATEMENT):
             return  # loaded whole: one segment's worth of graph, or weights too heavy for it to pay

@@ -258,7 +258,9 @@ def _weights_as_inputs(folder: Path, shadow: Path, min_bytes: int, pending: Mapp
     # the weights the shadow's graph still reads as variables, linked, not copied; no other .dat: tract reads every
     # file of a folder, and a prefix of the graph (``renamed_outputs``) leaves out weights that may still be being
     # written (``pending``): linked, a half-written one failed the load ("failed to fill whole buffer")
-    kept = set(re.findall(r"variable\s*<\s*\w+\s*>\s*\(\s*label\s*=\s*['\"]([^'\"]+)['\"]", text))  # any type
+    from gdn_export.run.archive import VARIABLE
+
+    kept = {match.group(2) for match in VARIABLE.finditer(text)}  # of any type
     for entry in folder.iterdir():
         label = entry.name.removesuffix(".dat")
         if entry.is_file() and entry.name != "graph.nnef" and label not in replaced \
