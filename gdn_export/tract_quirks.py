@@ -690,6 +690,31 @@ CONST_FOLD_NO_GROWTH = Quirk(
 )
 
 
+WEIGHT_COPIED_BY_AXIS_OPS = Quirk(
+    name="tract copies a constant weight for every axis op on it while loading",
+    does="an unsqueeze or transpose of a constant is folded into a new constant (PropConst: AxisOp::eval, a deep "
+         "clone), and ChangeAxes moves axes of constants by cloning them again: torch-to-nnef's linear(x, "
+         "unsqueeze(W)) copied every float weight at least once per start (0.8B float32: load 10.1 s -> 5.5 s and "
+         "peak memory 4.6 -> 3.6 GB without those copies; perf: clear_page and memmove 39% of the load)",
+    workaround="linear layers over a float weight are written as tract_core_einsum on the weight as stored "
+               "(no axis op on it); the tied head's halves are sliced only (a slice is the one copy it needs)",
+    applied_in=("gdn_export/backends/nnef/float_linears.py", "gdn_export/backends/nnef/exporter.py"),
+    when_fixed="reliance-free: the einsum form stays as fast; the pass could go if tract folded axis ops by view",
+    no_canary="a load-time and memory effect (benchmarks/bench_load.py); tests/test_tied_head.py checks the graphs",
+    kind="measured",
+)
+
+EINSUM_KEEPS_ITS_NAME = Quirk(
+    name="an einsum's output keeps its declared name",
+    does="tract reports a graph output computed by tract_core_einsum under its declared name (declutter rewrites "
+         "the EinSum in place), where a linear's output shows as '<name>_linear_output'",
+    workaround="output_names.KEEP_THEIR_NAME: such an output is neither wrapped nor asked of tract",
+    applied_in=("gdn_export/backends/nnef/output_names.py",),
+    when_fixed="reliance: were it renamed, the wrap would be needed again (the canary fails first)",
+    canary="test_output_names.py::test_names_without_the_weights_are_tracts_names",
+    kind="reliance",
+)
+
 # --- torch ---------------------------------------------------------------------------------------------
 TORCH_ONNX_PASSES_HOOKED = Quirk(
     name="torch's ONNX exporter folds and deduplicates initializers from their values, with no hook",

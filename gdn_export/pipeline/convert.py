@@ -63,6 +63,7 @@ class ConvertReport:
     moe: list[str] = field(default_factory=list)  # MoE feed-forwards: sparse or dense, and why (ops/moe_ffn.py)
     mtp: str = ""  # the checkpoint's MTP head: carried (and checked) or left out, and why (pipeline/mtp.py)
     shared_constants: int = 0  # constants equal to an earlier one, written once (backends/nnef/shared_constants.py)
+    float_linears: int = 0  # linear layers on their float weight as stored (backends/nnef/float_linears.py)
 
     @property
     def quality(self) -> LogitCheck | None:
@@ -84,6 +85,9 @@ class ConvertReport:
         if self.shared_constants:
             lines.append(f"  constants: {self.shared_constants} equal to an earlier one, written once (tract's reader "
                          "compares each constant it reads with every node before it)")
+        if self.float_linears:
+            lines.append(f"  linear layers: {self.float_linears} read their float weight as stored (tract_core_einsum; "
+                         "no copy of it per axis op at load)")
         lines.append("  for generation: " + (", ".join(self.generation_files) if self.generation_files else
                                              "no tokenizer, chat template or generation config in the checkpoint: "
                                              "the archive takes token ids"))
@@ -556,7 +560,7 @@ class NnefSteps:
                                quantization=str(quantization) + (f"; {folding}" if folding is not None else ""),
                                moe=moe_report(report.decisions),
                                quantized_as=weight_format(plan.weights.quantize).reference, mtp=mtp_line,
-                               shared_constants=report.shared_constants)
+                               shared_constants=report.shared_constants, float_linears=report.float_linears)
         return Staged(path, result, lambda: os.replace(path, plan.out_path))
 
     @staticmethod

@@ -46,6 +46,7 @@ class ExportReport:
     # pack
     seconds: dict[str, float] = field(default_factory=dict)
     shared_constants: int = 0  # constant variables equal to an earlier one, read from it (shared_constants.py)
+    float_linears: int = 0  # linear layers written as an einsum on their float weight as stored (float_linears.py)
 
     def lowerings(self) -> list[str]:
         return [d.lowering for d in self.decisions]
@@ -56,6 +57,8 @@ class ExportReport:
             lines.append(f"  {d.node} ({d.entry}): {d.lowering} - {d.reason}")
         if self.shared_constants:
             lines.append(f"  constants: {self.shared_constants} equal to an earlier one, written once")
+        if self.float_linears:
+            lines.append(f"  linear layers: {self.float_linears} on their float weight as stored (tract_core_einsum)")
         if self.parity is not None:
             lines.append(str(self.parity))
         return "\n".join(lines)
@@ -85,6 +88,7 @@ def export_nnef(
     from gdn_export.backends.compat.torch_to_nnef import conversion
     from gdn_export.backends.nnef.last_step import LAST_STEP, rewrite_last_step
     from gdn_export.backends.nnef.registry import CUSTOM_OPS
+    from gdn_export.backends.nnef.float_linears import write_float_linears
     from gdn_export.backends.nnef.shared_constants import share_identical_constants
 
     if weights is not None and check:
@@ -109,6 +113,15 @@ def export_nnef(
                 target.pass_fragments[LAST_STEP.name] = LAST_STEP.definition
 
         passes.append(last_step)
+
+    def is_float_weight(label: str, tensor) -> bool:  # stored as float32 or float16 (not int8 codes, Q4_0 blocks)
+        if weights is not None:
+            return label in weights.deferrable
+        return tensor.data is not None and np.asarray(tensor.data).dtype in (np.float32, np.float16)
+
+    linears = {"rewritten": 0}  # after the formats' and last step's passes: what they left in float
+    passes.append(lambda graph: linears.update(rewritten=write_float_linears(graph, is_float_weight)))
+
     # what output_names.py needs of the outputs' types: a bool output is its renaming select's condition itself, a
     # cast that changes the type keeps its name (a cast to the same type is removed)
     bool_outputs: set[str] = set()
@@ -165,7 +178,8 @@ def export_nnef(
         pack(folder, staged)
         seconds["pack"] = time.perf_counter() - start
         report = ExportReport(path=path, tract_version=tract_version, decisions=list(target.gdn_decisions),
-                              seconds=seconds, shared_constants=shared["constants"])
+                              seconds=seconds, shared_constants=shared["constants"],
+                              float_linears=linears["rewritten"])
         if check:
             declared = declared_outputs(folder)
             report.parity = _check_against_torch(module, args, staged, declared, half=half)

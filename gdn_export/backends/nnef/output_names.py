@@ -66,6 +66,9 @@ def tract_names(folder: Path, inputs_from_bytes: int | None = None,
 # The ops whose output tract may report under the declared name (an output of any other op is wrapped without
 # asking tract: a copy or cast it removes, a linear or mul it fuses, a fused op's second output; see the module doc).
 MAY_KEEP_THEIR_NAME = frozenset({"transpose", "squeeze", "unsqueeze", "reshape", "concat", "slice", "select"})
+# The ops whose output tract reports under the declared name, not asked either: a float linear layer written as an
+# einsum (backends/nnef/float_linears.py; tract_quirks.EINSUM_KEEPS_ITS_NAME), e.g. an untied head's logits.
+KEEP_THEIR_NAME = frozenset({"tract_core_einsum"})
 SIGNATURE_DEPTH = 8  # how many producers back two outputs must be written alike to count as one kind
 
 _STRING = re.compile(r"'[^']*'|\"[^\"]*\"")
@@ -209,6 +212,8 @@ def renamed_outputs(folder: Path, inputs_from_bytes: int | None = None,
             return answered[name]
         if name in asked:
             return kinds[name] in renamed_kinds
+        if graph.op(name) in KEEP_THEIR_NAME:
+            return False
         return graph.op(name) != "tract_core_cast" or name not in retyped
 
     return [name for name in graph.outputs if renamed(name)]
