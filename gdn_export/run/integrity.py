@@ -22,6 +22,7 @@ in segments, ``run/segments.py``), which the same pass does as it reads them.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
 import os
@@ -40,6 +41,7 @@ from gdn_export.run.archive import (DIGESTS_FIELD, METADATA_FILE, MIB, VARIABLE,
 GRAPH_FILE = "graph.nnef"
 GRAPH_LIMIT = 256 * MIB  # the 0.8B shape's graph is 0.7 MiB; a graph is read whole
 DAT_HEADER = 128  # NNEF's tensor file header
+READ_BYTES = 4 * MIB  # the file is read by this much at a time
 NNEF_MAGIC = b"\x4e\xef"
 # (bits per item, item type) of the .dat files tract reads and gdn_export writes: floats (code 0), signed integers
 # (code 4: int8 weights), unsigned integers (code 1)
@@ -131,7 +133,18 @@ def check_archive(path: str | os.PathLike, metadata: dict | None, unpack_to: Pat
 
 def check_members(path: Path, metadata: dict, unpack_to: Path | None = None, listener=None) -> str | None:
     """``check_archive``'s pass, uncached (``run/reading.py`` runs it again to name the member of a damaged archive);
-    the graph's text."""
+    the graph's text. An archive whose deflate blocks are all stored (``pack``'s) is read without inflating
+    (``_StoredContent``); one that turns out to mix in compressed blocks is read again by zlib, or, while members
+    are written out for a listener, left to a whole load (UnpackError)."""
+    try:
+        return _check_members(path, metadata, unpack_to, listener, stored=True)
+    except _MixedBlocks:
+        if unpack_to is not None and listener is not None:
+            raise UnpackError("the archive mixes stored and compressed deflate blocks") from None
+        return _check_members(path, metadata, unpack_to, listener, stored=False)
+
+
+def _check_members(path: Path, metadata: dict, unpack_to: Path | None, listener, stored: bool) -> str | None:
     recorded = metadata.get(DIGESTS_FIELD)
     listed = {METADATA_FILE, GRAPH_FILE, *metadata.get("generation_files", ())} if metadata else {GRAPH_FILE}
     if metadata and isinstance(metadata.get("mtp"), dict):  # the MTP head's own archive (gdn_export/run/mtp.py)
@@ -139,8 +152,9 @@ def check_members(path: Path, metadata: dict, unpack_to: Path | None = None, lis
     seen = _Seen()
     labels: dict[str, list[int]] | None = None  # the graph's variables, once its member was read
     try:
-        with open(path, "rb") as raw, io.BufferedReader(_Inflated(raw), MIB) as stream, \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="gdn_export-hash") as hasher:
+        with open(path, "rb") as raw, _content(raw, stored) as stream, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="gdn_export-hash") as hasher, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="gdn_export-write") as writer:
             with tarfile.open(fileobj=stream, mode="r:") as tar:
                 for member in tar:
                     name = member.name
@@ -161,7 +175,8 @@ def check_members(path: Path, metadata: dict, unpack_to: Path | None = None, lis
                                            f"{METADATA_FILE} lists; tract would read it")
                     if name.endswith(".dat") and labels is not None and name[:-4] not in labels:
                         raise ArchiveError(_unused(path, name))
-                    handle = tar.extractfile(member)
+                    handle = _MemberContent(stream, member) if isinstance(stream, _StoredContent) else \
+                        tar.extractfile(member)
                     digest = hashlib.sha256()
                     if name == GRAPH_FILE:
                         if member.size > GRAPH_LIMIT:
@@ -186,12 +201,12 @@ def check_members(path: Path, metadata: dict, unpack_to: Path | None = None, lis
                         try:
                             if out is not None:
                                 out.write(header)
-                            _hash_rest(hasher, handle, digest, out)
+                            _hash_rest((hasher, writer), handle, digest, out)
                         finally:
                             if out is not None:
                                 out.close()
                     else:
-                        _hash_rest(hasher, handle, digest)
+                        _hash_rest((hasher, writer), handle, digest)
                     seen.digests[name] = digest.hexdigest()
                     if listener is not None and (name == GRAPH_FILE or name.endswith(".dat")):
                         _check_digests(path, _Seen(digests={name: seen.digests[name]}), recorded)  # before use
@@ -201,7 +216,7 @@ def check_members(path: Path, metadata: dict, unpack_to: Path | None = None, lis
                             listener.weight(name[:-4])
             while stream.read(MIB):  # the end-of-archive blocks: the gzip trailer's CRC-32 is checked at its end
                 pass
-    except ArchiveError:
+    except (ArchiveError, _MixedBlocks):
         raise
     except (tarfile.TarError, EOFError, OSError, zlib.error) as err:
         _check_digests(path, seen, recorded)  # a member whose digest differs is named rather than the stream
@@ -210,15 +225,38 @@ def check_members(path: Path, metadata: dict, unpack_to: Path | None = None, lis
     return seen.graph
 
 
-class _Inflated(io.RawIOBase):
-    """A gzip stream's content, inflated from reads of 4 MiB of the file (``gzip.GzipFile`` reads it by the 8 KiB
-    and took twice as long over a 0.8 GB archive). The trailer's CRC-32 and size are checked once all the content
-    was read (zlib's own check would fail the read that reaches the trailer, losing the content before it, and
-    with it the name of the damaged member). Seeks go forward only (``tarfile`` over a file it reads in order)."""
+def _content(raw, stored: bool = True) -> io.RawIOBase | io.BufferedReader:
+    """The content of the gzip file ``raw`` (read from its start): ``_StoredContent`` when its first deflate block
+    is stored and ``stored`` allows it, else zlib's inflating (``_Inflated``) behind a buffer."""
+    data = _after_gzip_header(raw.read(READ_BYTES))
+    if stored and data and (data[0] >> 1) & 3 == 0:
+        return _StoredContent(raw, data)
+    return io.BufferedReader(_Inflated(raw, data), MIB)
+
+
+def _after_gzip_header(data: bytes) -> bytes:
+    """``data`` past the gzip header (RFC 1952) that begins it."""
+    if len(data) < 10 or data[:3] != b"\x1f\x8b\x08":
+        raise OSError("not a gzip file")
+    flags, at = data[3], 10
+    if flags & 4:  # FEXTRA
+        at += 2 + int.from_bytes(data[at:at + 2], "little")
+    for flag in (8, 16):  # FNAME, FCOMMENT: zero-terminated
+        if flags & flag:
+            end = data.find(b"\0", at)
+            if end < 0:
+                raise OSError(f"a gzip header longer than {READ_BYTES // MIB} MiB")
+            at = end + 1
+    return data[at + (2 if flags & 2 else 0):]
+
+
+class _GzipContent(io.RawIOBase):
+    """What both readings of a gzip stream share: forward seeks, and the trailer's check once all the content was
+    read (zlib's own check would fail the read that reaches the trailer, losing the content before it, and with it
+    the name of the damaged member)."""
 
     def __init__(self, raw) -> None:
-        self.raw, self.inflate, self.position, self.crc = raw, zlib.decompressobj(-zlib.MAX_WBITS), 0, 0
-        self.started = self.ended = False
+        self.raw, self.position, self.crc, self.ended = raw, 0, 0, False
 
     def readable(self) -> bool:
         return True
@@ -234,49 +272,15 @@ class _Inflated(io.RawIOBase):
         if whence == 2 or target < self.position:
             raise OSError("the archive is read in order: no seeking back")
         while self.position < target:
-            if not self.read(min(target - self.position, 4 * MIB)):
+            if not self._skip(min(target - self.position, 4 * MIB)):
                 break
         return self.position
 
-    def _header(self, data: bytes) -> bytes:
-        """``data`` past the gzip header (RFC 1952) that begins it."""
-        if len(data) < 10 or data[:3] != b"\x1f\x8b\x08":
-            raise OSError("not a gzip file")
-        flags, at = data[3], 10
-        if flags & 4:  # FEXTRA
-            at += 2 + int.from_bytes(data[at:at + 2], "little")
-        for flag in (8, 16):  # FNAME, FCOMMENT: zero-terminated
-            if flags & flag:
-                end = data.find(b"\0", at)
-                if end < 0:
-                    raise OSError("a gzip header longer than 4 MiB")
-                at = end + 1
-        return data[at + (2 if flags & 2 else 0):]
+    def _skip(self, n: int) -> int:
+        return len(self.read(n))
 
-    def readinto(self, buffer) -> int:
-        while True:
-            if self.inflate.eof:  # what follows the deflate data is in unused_data (unconsumed_tail too)
-                if not self.ended:
-                    self._trailer()
-                    self.ended = True
-                return 0
-            if self.inflate.unconsumed_tail:
-                data = self.inflate.unconsumed_tail
-            else:
-                data = self.raw.read(4 * MIB)
-                if not data:
-                    raise EOFError("the gzip stream ends before its end (the file is truncated)")
-                if not self.started:
-                    data, self.started = self._header(data), True
-            out = self.inflate.decompress(data, len(buffer))
-            if out:
-                buffer[:len(out)] = out
-                self.position += len(out)
-                self.crc = zlib.crc32(out, self.crc)
-                return len(out)
-
-    def _trailer(self) -> None:
-        trailer = self.inflate.unused_data
+    def _trailer(self, trailer: bytes) -> None:
+        """``trailer``: what follows the deflate data, as far as it was read."""
         while len(trailer) < 8:
             more = self.raw.read(8 - len(trailer))
             if not more:
@@ -289,28 +293,175 @@ class _Inflated(io.RawIOBase):
             raise zlib.error("data after the end of the gzip stream")
 
 
+class _Inflated(_GzipContent):
+    """A gzip stream's content, inflated from reads of 4 MiB of the file (``gzip.GzipFile`` reads it by the 8 KiB
+    and took twice as long over a 0.8 GB archive). ``data``: the file's bytes after the gzip header, read already."""
+
+    def __init__(self, raw, data: bytes) -> None:
+        super().__init__(raw)
+        self.inflate, self.data = zlib.decompressobj(-zlib.MAX_WBITS), data
+
+    def readinto(self, buffer) -> int:
+        while True:
+            if self.inflate.eof:  # what follows the deflate data is in unused_data (unconsumed_tail too)
+                if not self.ended:
+                    self._trailer(self.inflate.unused_data)
+                    self.ended = True
+                return 0
+            if self.inflate.unconsumed_tail:
+                data = self.inflate.unconsumed_tail
+            elif self.data:
+                data, self.data = self.data, b""
+            else:
+                data = self.raw.read(4 * MIB)
+                if not data:
+                    raise EOFError("the gzip stream ends before its end (the file is truncated)")
+            out = self.inflate.decompress(data, len(buffer))
+            if out:
+                buffer[:len(out)] = out
+                self.position += len(out)
+                self.crc = zlib.crc32(out, self.crc)
+                return len(out)
+
+
+class _MixedBlocks(Exception):
+    """A compressed deflate block after stored ones: ``_StoredContent`` cannot read on (``check_members``)."""
+
+
+class _StoredContent(_GzipContent):
+    """The content of a gzip stream whose deflate blocks are stored (``pack`` writes level 0: blocks of raw bytes
+    behind a 5-byte header), taken from the file's bytes without inflating them: each 4 MiB read of the file has its
+    block headers squeezed out in place, and ``take(n)`` gives views of those reads, which the pass hashes and writes
+    out as they are. zlib's inflating of the same blocks copied every byte once more at ~1 GB/s: the pass over the
+    0.8 GB int8 archive took 1.4-1.7 s, now 1.0 s, the f32 one's 2.6 GB 4.2 s, now 2.7 s (benchmarks/RESULTS.md,
+    2026-12-05). A block of another type raises _MixedBlocks (the pass is then read by zlib)."""
+
+    def __init__(self, raw, data: bytes) -> None:
+        super().__init__(raw)
+        self.carry = bytes(data)  # the file's bytes read and not yet parsed (a block header cut by a read)
+        self.block_left = 0  # content bytes of the current block not yet read
+        self.final = False  # the current block is the last
+        self.pending: collections.deque = collections.deque()  # content read, not taken
+
+    def take(self, n: int) -> list[memoryview]:
+        """Views of the next ``n`` bytes of content (fewer at its end)."""
+        out = []
+        while n > 0:
+            if not self.pending and not self._read():
+                break
+            view = self.pending[0]
+            if len(view) > n:
+                view, self.pending[0] = view[:n], view[n:]
+            else:
+                self.pending.popleft()
+            out.append(view)
+            n -= len(view)
+            self.crc = zlib.crc32(view, self.crc)
+            self.position += len(view)
+        return out
+
+    def readinto(self, buffer) -> int:
+        at = 0
+        for view in self.take(len(buffer)):
+            buffer[at:at + len(view)] = view
+            at += len(view)
+        return at
+
+    def _skip(self, n: int) -> int:
+        return sum(map(len, self.take(n)))
+
+    def _read(self) -> bool:
+        """Read on into ``pending``; False once the last block was read (and the trailer checked)."""
+        while True:
+            if self.final and not self.block_left:
+                if not self.ended:
+                    self.ended = True
+                    self._trailer(self.carry)
+                return False
+            # a new buffer each time: views of the last ones may still be hashed
+            chunk = bytearray(max(READ_BYTES, len(self.carry) + READ_BYTES))
+            size = len(self.carry)
+            chunk[:size] = self.carry
+            got = self.raw.readinto(memoryview(chunk)[size:])
+            content = self._squeezed(memoryview(chunk)[:size + got])
+            if content:
+                self.pending.append(content)
+                return True
+            if not got and not (self.final and not self.block_left):
+                raise EOFError("the gzip stream ends before its end (the file is truncated)")
+
+    def _squeezed(self, view: memoryview) -> memoryview:
+        """The content in ``view`` (a read of the file) moved to its start, block headers out; what follows the
+        last whole header (a header cut by the read, or the trailer) kept in ``carry``."""
+        at = kept = 0
+        while at < len(view):
+            if not self.block_left:
+                if self.final or len(view) - at < 5:
+                    break
+                header = view[at:at + 5]
+                if (header[0] >> 1) & 3:
+                    raise _MixedBlocks()
+                length, check = struct.unpack("<HH", header[1:])
+                if length ^ check != 0xFFFF:
+                    raise zlib.error("invalid stored block lengths")
+                self.final, self.block_left = bool(header[0] & 1), length
+                at += 5
+                continue
+            step = min(self.block_left, len(view) - at)
+            if kept != at:
+                view[kept:kept + step] = view[at:at + step]
+            kept, at, self.block_left = kept + step, at + step, self.block_left - step
+        self.carry = bytes(view[at:])
+        return view[:kept]
+
+
+class _MemberContent:
+    """One member's content out of a ``_StoredContent`` (in place of ``TarFile.extractfile``): ``read`` copies,
+    ``views`` does not."""
+
+    def __init__(self, stream: _StoredContent, member: tarfile.TarInfo) -> None:
+        stream.seek(member.offset_data)
+        self.stream, self.left = stream, member.size
+
+    def views(self, n: int) -> list[memoryview]:
+        out = self.stream.take(min(n, self.left))
+        self.left -= sum(map(len, out))
+        return out
+
+    def read(self, n: int = -1) -> bytes:
+        return b"".join(self.views(self.left if n < 0 else n))
+
+
 class UnpackError(Exception):
     """Writing an archive's weights out failed (disk full, a removed folder...): not the archive's fault. Not an
     OSError, so that the pass does not report it as a damaged archive; the caller loads the archive whole."""
 
 
-def _hash_rest(hasher: ThreadPoolExecutor, handle, digest, out=None) -> None:
-    """The rest of a member into ``digest`` (and written to ``out``), beside the reading: the hash and the write run in
-    ``hasher``'s one thread (the pass's) while this one inflates the next chunk (hashlib, zlib and file writes release
-    the GIL: the pass over a 0.8 GB archive takes the longest of the three rather than their sum)."""
+def _hash_rest(workers: tuple[ThreadPoolExecutor, ThreadPoolExecutor], handle, digest, out=None) -> None:
+    """The rest of a member into ``digest`` (and written to ``out``), beside the reading: the hash runs in the pass's
+    hashing thread and the write in its writing thread (one each: the chunks in order) while this one reads the next
+    chunk (hashlib, zlib and file writes release the GIL: the pass takes the longest of the three rather than their
+    sum; the f32 0.8B archive's 2.6 GB take 1.2 s to hash and 1.1 s to write to /dev/shm here)."""
+    hasher, writer = workers
 
-    def consume(chunk: bytes) -> None:
-        digest.update(chunk)
+    def hashed(pieces: list) -> None:
+        for piece in pieces:
+            digest.update(piece)
+
+    def written(pieces: list) -> None:
+        try:
+            out.writelines(pieces)
+        except OSError as err:
+            raise UnpackError(f"writing the weights out: {err}") from None
+
+    views = getattr(handle, "views", None)
+    pending: list = []
+    while chunk := (views(4 * MIB) if views is not None else handle.read(4 * MIB)):
+        pieces = chunk if isinstance(chunk, list) else [chunk]  # views of a stored archive's reads, or bytes
+        pending.append(hasher.submit(hashed, pieces))
         if out is not None:
-            try:
-                out.write(chunk)
-            except OSError as err:
-                raise UnpackError(f"writing the weights out: {err}") from None
-
-    pending = []
-    while chunk := handle.read(4 * MIB):
-        pending.append(hasher.submit(consume, chunk))  # one worker: the chunks in order
-        if len(pending) > 2:  # at most a few chunks held
+            pending.append(writer.submit(written, pieces))
+        while len(pending) > 6:  # at most a few chunks held
             pending.pop(0).result()
     for future in pending:
         future.result()

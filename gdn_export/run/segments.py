@@ -50,12 +50,6 @@ UNPACK_ENV = "GDN_EXPORT_UNPACK_DIR"  # where the weights are written for tract 
 STATEMENTS_PER_SEGMENT = 2000  # below this a segment's own overhead (its inputs, its copied statements) is not worth it
 MAX_SEGMENTS = 8
 MIN_ARCHIVE_BYTES = 64 << 20  # smaller archives plan in a few seconds: loaded whole unless SEGMENTS_ENV says otherwise
-# Cutting pays in graph (tract's per-node work, side by side) and costs in bytes (the weights written out and read
-# back, the pass before the last segment starts): measured on the 0.8B shape in 2 segments, medians of 3-5 (ready
-# whole -> in segments), int8 0.82 GB / 6,143 statements (133 kB each) 9.07 -> 5.84 s, f16 1.62 GB / ~4,800
-# (340 kB) 12.27 -> 8.89 s, f32 2.62 GB / ~4,800 (545 kB) 13.14 -> 16.72 s (slower). Above this many archive bytes
-# per graph statement the archive is loaded whole.
-MAX_BYTES_PER_STATEMENT = 450_000
 MAX_STATEMENTS = 60_000  # a bigger graph is not cut: the cutter's time bounded (0.67 s at this size on the AMD EPYC; the 0.8B shape: 6,143)
 MAX_RECORD_BYTES = 1 << 20  # a facts record is a few hundred bytes; a larger file there is not read
 FACTS_FORMAT = 2  # part of a record's key: a change of how graphs are cut must not reuse older records
@@ -418,9 +412,8 @@ class SegmentedLoad:
     ``start(work)`` runs a work in a thread, ``finish(handle)`` waits for its result (its error raised)."""
 
     def __init__(self, folder: Path, count: int, tract_version: str, load_one: Callable, plan_one: Callable,
-                 start: Callable[[Callable], object], finish: Callable[[object], object],
-                 archive_bytes: int = 0) -> None:
-        self.folder, self.count, self.version, self.archive_bytes = folder, count, tract_version, archive_bytes
+                 start: Callable[[Callable], object], finish: Callable[[object], object]) -> None:
+        self.folder, self.count, self.version = folder, count, tract_version
         self.load_one, self.plan_one, self.start, self.finish = load_one, plan_one, start, finish
         self.text: str | None = None
         self.plan: Plan | None = None
@@ -444,9 +437,8 @@ class SegmentedLoad:
         statements = max(1, text.count(";\n"))
         if statements > MAX_STATEMENTS:
             raise NotCut(f"the graph has {statements} statements, more than the {MAX_STATEMENTS} a cut is planned for")
-        if count < 2 or (os.environ.get(SEGMENTS_ENV) is None
-                         and self.archive_bytes / statements > MAX_BYTES_PER_STATEMENT):
-            return  # loaded whole: one segment's worth of graph, or weights too heavy for it to pay
+        if count < 2:
+            return  # loaded whole: one segment's worth of graph
         self._plan(text, count)
 
     def wants_weights(self) -> bool:
