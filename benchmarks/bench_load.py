@@ -143,7 +143,10 @@ def worker(path: Path, segments: int | None = None) -> dict:
 
     times = {"read": read_seconds(path)}
     if segments is not None:
-        os.environ["GDN_EXPORT_SEGMENTS"] = str(segments)
+        if segments > 0:
+            os.environ["GDN_EXPORT_SEGMENTS"] = str(segments)
+        else:  # auto: the loader's own choice
+            os.environ.pop("GDN_EXPORT_SEGMENTS", None)
         real_load = session_module.load_tract_model
 
         def timed_load(model_path, symbols=None, **options):
@@ -158,6 +161,7 @@ def worker(path: Path, segments: int | None = None) -> dict:
         session.prefill([[0]])
         times["first"] = time.perf_counter() - start - times["load"]
         times["ready"] = times["load"] + times["first"]
+        times.update(speed(session))
         times["peak_rss_gb"] = peak_rss_bytes() / 1e9
         return times
 
@@ -181,9 +185,32 @@ def worker(path: Path, segments: int | None = None) -> dict:
         start = time.perf_counter()
         session.prefill([[0]])
         times["first"] = time.perf_counter() - start - times["load"] - times["plan"]
+        times.update(speed(session))
     times["ready"] = times["load"] + times["plan"] + times["first"]
     times["peak_rss_gb"] = peak_rss_bytes() / 1e9
     return times
+
+
+SPEED_ENV = "BENCH_LOAD_SPEED"  # "P,D" (--speed): the worker also times a P-token prefill and D decode steps
+
+
+def speed(session) -> dict:
+    """With --speed P,D: tokens/s of a P-token prefill from an empty state and the median of D one-token decode
+    steps after it, on the plan just made (the same runnable, whole or in segments)."""
+    wanted = os.environ.get(SPEED_ENV)
+    if not wanted:
+        return {}
+    prompt, steps = (int(n) for n in wanted.split(","))
+    session.reset()
+    start = time.perf_counter()
+    session.prefill([[(7 * i) % 1000 for i in range(prompt)]])
+    prefill = time.perf_counter() - start
+    seconds = []
+    for i in range(steps):
+        start = time.perf_counter()
+        session.prefill([[i % 1000]])
+        seconds.append(time.perf_counter() - start)
+    return {"prefill_tps": prompt / prefill, "decode_tps": 1 / statistics.median(seconds)}
 
 
 def peak_rss_bytes() -> int:
@@ -316,6 +343,9 @@ def print_table(archives: list[tuple[str, Path]], results: dict[str, list[dict]]
     print(f"\n{machine()}; tract {tract.version()}; medians of {len(next(iter(results.values())))} fresh processes "
           "(seconds)")
     head = ["archive", "GB", "graph lines", *STAGES, "ready (min-max)", "x first", "peak RSS GB"]
+    timed_speed = all("decode_tps" in r for runs in results.values() for r in runs) and bool(results)
+    if timed_speed:
+        head += ["prefill tok/s", "decode tok/s"]
     pairs = pairs or {}
     if conversions:
         head += ["convert s", "converter's split"]
@@ -333,6 +363,9 @@ def print_table(archives: list[tuple[str, Path]], results: dict[str, list[dict]]
         row = [label, f"{size / 1e9:.2f}", str(graph_lines(path) or "-"), *(f"{med[k]:.2f}" for k in STAGES),
                f"{med['ready']:.2f} ({min(r['ready'] for r in runs):.2f}-{max(r['ready'] for r in runs):.2f})",
                f"{med['ready'] / base:.2f}x", f"{med['peak_rss_gb']:.2f}"]
+        if timed_speed:
+            row += [f"{statistics.median(r['prefill_tps'] for r in runs):.1f}",
+                    f"{statistics.median(r['decode_tps'] for r in runs):.2f}"]
         if conversions:
             made = conversions.get(label)
             row += [f"{made['seconds']:.1f}" if made else "-", made["split"] if made else "-"]
@@ -423,7 +456,9 @@ def main(argv: list[str] | None = None) -> int:
                         "`gdn-export generate --max-new-tokens 1` (and llama-simple -n 1 on the Q8_0 GGUF), N fresh "
                         "processes each")
     parser.add_argument("--segments", default=None, metavar="N,M", help="time each archive once per segment count, "
-                        "through the Session's own loader (GDN_EXPORT_SEGMENTS)")
+                        "through the Session's own loader (GDN_EXPORT_SEGMENTS; 'auto': the loader's own choice)")
+    parser.add_argument("--speed", default=None, metavar="P,D", help="also time, on each start's plan, a P-token "
+                        "prefill and D one-token decode steps (tokens/s: whole and in segments side by side)")
     parser.add_argument("--markdown", action="store_true")
     from bench_vs_llamacpp import LlamaCpp, add_llama_cpp_options
 
@@ -473,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     if not archives:
         parser.error("give archives, or --workdir with --layers and --formats")
     if args.segments:
-        counts = [int(n) for n in args.segments.split(",")]
+        counts = [0 if n == "auto" else int(n) for n in args.segments.split(",")]
         os.environ.setdefault("GDN_EXPORT_CACHE", tempfile.mkdtemp(prefix="bench_load_cache_"))
         spread = []
         for label, path in archives:
@@ -481,11 +516,14 @@ def main(argv: list[str] | None = None) -> int:
                 spread.append((label, path))
                 continue
             for count in counts:
-                SEGMENTS[f"{label} in {count}"] = count
-                spread.append((f"{label} in {count}", path))
-                if count > 1:  # the first start of a graph records its cuts' facts: made once, not timed
-                    one_start(path, args.cpu, f"{label} in {count}")
+                name = f"{label} in {count or 'auto'}"
+                SEGMENTS[name] = count
+                spread.append((name, path))
+                if count != 1:  # the first start of a graph records its cuts' facts: made once, not timed
+                    one_start(path, args.cpu, name)
         archives = spread
+    if args.speed:
+        os.environ[SPEED_ENV] = args.speed
     try:
         if args.runs > 0:
             results = measure(archives, args.runs, args.cpu)

@@ -47,7 +47,11 @@ from gdn_export.run.archive import VARIABLE
 SEGMENTS_ENV = "GDN_EXPORT_SEGMENTS"  # a number of segments (1: never cut), else chosen from the cores and the graph
 CACHE_ENV = "GDN_EXPORT_CACHE"  # the folder of the recorded facts (default ~/.cache/gdn_export)
 UNPACK_ENV = "GDN_EXPORT_UNPACK_DIR"  # where the weights are written for tract to read (default: unpack_root)
-STATEMENTS_PER_SEGMENT = 2000  # below this a segment's own overhead (its inputs, its copied statements) is not worth it
+# tract's load and plan of a graph grow faster than its statements, so a graph loads faster in more, smaller
+# segments than there are cores (each later one also starts sooner, its weights written earlier): the 0.8B int8
+# archive (6,143 statements) on 2 cores, ready in 5.6 s in 2 segments, 5.1 s in 3, 4.8-4.9 s in 4 and in 6; f16
+# (~4,800) 6.8 s in 2, 6.1-6.4 s in 4 (benchmarks/RESULTS.md, 2026-12-05). One segment per this many statements.
+STATEMENTS_PER_SEGMENT = 1200
 MAX_SEGMENTS = 8
 MIN_ARCHIVE_BYTES = 64 << 20  # smaller archives plan in a few seconds: loaded whole unless SEGMENTS_ENV says otherwise
 MAX_STATEMENTS = 60_000  # a bigger graph is not cut: the cutter's time bounded (0.67 s at this size on the AMD EPYC; the 0.8B shape: 6,143)
@@ -305,9 +309,9 @@ def _hoisted(body: list[str], symbols: set[str]) -> list[str]:
 
 
 def segment_count(archive_bytes: int) -> int:
-    """How many segments to plan an archive of ``archive_bytes`` in: ``GDN_EXPORT_SEGMENTS`` when set, else one per
-    core this process may use (at most MAX_SEGMENTS) for an archive of MIN_ARCHIVE_BYTES or more, else 1. The graph
-    may then lower it (``segments_for``: STATEMENTS_PER_SEGMENT)."""
+    """How many segments to plan an archive of ``archive_bytes`` in, at most: ``GDN_EXPORT_SEGMENTS`` when set, else
+    MAX_SEGMENTS for an archive of MIN_ARCHIVE_BYTES or more, else 1. The graph then lowers it (``segments_for``: one
+    per STATEMENTS_PER_SEGMENT statements)."""
     forced = os.environ.get(SEGMENTS_ENV)
     if forced is not None:
         if not forced.strip().isdigit() or int(forced) < 1:
@@ -315,10 +319,7 @@ def segment_count(archive_bytes: int) -> int:
 
             raise GdnExportError(f"{SEGMENTS_ENV}={forced!r}: expected a whole number of segments, 1 or more")
         return min(int(forced), MAX_SEGMENTS)
-    if archive_bytes < MIN_ARCHIVE_BYTES:
-        return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, MAX_SEGMENTS))
+    return MAX_SEGMENTS if archive_bytes >= MIN_ARCHIVE_BYTES else 1
 
 
 def unpack_root(archive_bytes: int) -> str | None:
