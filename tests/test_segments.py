@@ -97,20 +97,22 @@ def test_a_damaged_archive_is_still_an_error_when_planned_in_segments(converted,
     assert list((tmp_path / "tmp").iterdir()) == []
 
 
-def test_a_graph_too_big_to_cut_is_loaded_whole(converted, tmp_path, monkeypatch):
-    """The cutter reads the graph in Python before tract does: past MAX_STATEMENTS it is not cut (loaded whole), and
-    the integrity pass stops writing its weights out."""
+def test_weights_too_heavy_for_their_graph_are_loaded_whole(converted, tmp_path, monkeypatch):
+    """Cutting pays in graph and costs in bytes (the weights written out and read back): past
+    MAX_BYTES_PER_STATEMENT an archive is loaded whole, and the integrity pass stops writing its weights out."""
     monkeypatch.delenv(segments.SEGMENTS_ENV, raising=False)
     monkeypatch.setenv(segments.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(segments, "STATEMENTS_PER_SEGMENT", 100)  # the fixture's small graph taken as a big one
     text = tarfile.open(converted("qwen3_5")).extractfile("graph.nnef").read().decode()
     statements = text.count(";\n")
-    load = segments.SegmentedLoad(tmp_path, 2, tract_version(), None, None, None, None)
-    assert load.wants_weights()  # before the graph is known
-    load.graph(text)
-    assert load.plan is not None and load.wants_weights()
+    for per_statement, cut in ((segments.MAX_BYTES_PER_STATEMENT + 1, False), (segments.MAX_BYTES_PER_STATEMENT, True)):
+        load = segments.SegmentedLoad(tmp_path, 2, tract_version(), None, None, None, None,
+                                      archive_bytes=per_statement * statements)
+        assert load.wants_weights()  # before the graph is known
+        load.graph(text)
+        assert (load.plan is not None) == cut and load.wants_weights() == cut
     monkeypatch.setattr(segments, "MAX_STATEMENTS", statements - 1)  # a graph too big to plan a cut for: whole
-    load = segments.SegmentedLoad(tmp_path, 2, tract_version(), None, None, None, None)
+    load = segments.SegmentedLoad(tmp_path, 2, tract_version(), None, None, None, None, archive_bytes=1)
     load.graph(text)
     assert load.plan is None and load.fault and not load.wants_weights()
 

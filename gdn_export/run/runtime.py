@@ -102,7 +102,7 @@ def _load_in_segments(path: Path, count: int, symbols: dict[str, int] | None, ex
         folder = Path(tempfile.mkdtemp(prefix="gdn_export_segments_", dir=segments.unpack_root(path.stat().st_size)))
         (folder / "weights").mkdir()
         loading = segments.SegmentedLoad(folder, count, tract_version(), load_one, plan_one, _started,
-                                         lambda handle: _joined(*handle)[0])
+                                         lambda handle: _joined(*handle)[0], path.stat().st_size)
         with _planning_allocator():
             try:  # the segments start loading as the pass writes their weights out
                 interruptible(lambda: check_archive(path, read_metadata(path), unpack_to=folder, listener=loading))

@@ -54,6 +54,12 @@ UNPACK_ENV = "GDN_EXPORT_UNPACK_DIR"  # where the weights are written for tract 
 STATEMENTS_PER_SEGMENT = 1200
 MAX_SEGMENTS = 8
 MIN_ARCHIVE_BYTES = 64 << 20  # smaller archives plan in a few seconds: loaded whole unless SEGMENTS_ENV says otherwise
+# Cutting pays in graph (tract's per-node work, side by side) and costs in bytes (the weights written out and read
+# back, the pass before the last segment starts): measured on the 0.8B shape, medians of 2-3 (ready whole -> in
+# segments, 2026-12-05), int8 0.82 GB / 6,153 statements (133 kB each) 8.99 -> 4.95 s, f16 1.62 GB / 4,624 (350 kB)
+# 9.70 -> 6.48 s, f32 2.62 GB / 4,625 (566 kB) 12.12 -> 13.84 s (slower). Above this many archive bytes per graph
+# statement the archive is loaded whole.
+MAX_BYTES_PER_STATEMENT = 450_000
 MAX_STATEMENTS = 60_000  # a bigger graph is not cut: the cutter's time bounded (0.67 s at this size on the AMD EPYC; the 0.8B shape: 6,143)
 MAX_RECORD_BYTES = 1 << 20  # a facts record is a few hundred bytes; a larger file there is not read
 FACTS_FORMAT = 2  # part of a record's key: a change of how graphs are cut must not reuse older records
@@ -413,8 +419,9 @@ class SegmentedLoad:
     ``start(work)`` runs a work in a thread, ``finish(handle)`` waits for its result (its error raised)."""
 
     def __init__(self, folder: Path, count: int, tract_version: str, load_one: Callable, plan_one: Callable,
-                 start: Callable[[Callable], object], finish: Callable[[object], object]) -> None:
-        self.folder, self.count, self.version = folder, count, tract_version
+                 start: Callable[[Callable], object], finish: Callable[[object], object],
+                 archive_bytes: int = 0) -> None:
+        self.folder, self.count, self.version, self.archive_bytes = folder, count, tract_version, archive_bytes
         self.load_one, self.plan_one, self.start, self.finish = load_one, plan_one, start, finish
         self.text: str | None = None
         self.plan: Plan | None = None
@@ -438,8 +445,9 @@ class SegmentedLoad:
         statements = max(1, text.count(";\n"))
         if statements > MAX_STATEMENTS:
             raise NotCut(f"the graph has {statements} statements, more than the {MAX_STATEMENTS} a cut is planned for")
-        if count < 2:
-            return  # loaded whole: one segment's worth of graph
+        if count < 2 or (os.environ.get(SEGMENTS_ENV) is None
+                         and self.archive_bytes / statements > MAX_BYTES_PER_STATEMENT):
+            return  # loaded whole: one segment's worth of graph, or weights too heavy for it to pay
         self._plan(text, count)
 
     def wants_weights(self) -> bool:
