@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 
 from gdn_export.run.archive import VARIABLE
 
-SEGMENTS_ENV = "GDN_EXPORT_SEGMENTS"  # a number of segments (1: never cut), else chosen from the cores and the graph
+SEGMENTS_ENV = "GDN_EXPORT_SEGMENTS"  # a number of segments (1: never cut), else chosen from the graph
 CACHE_ENV = "GDN_EXPORT_CACHE"  # the folder of the recorded facts (default ~/.cache/gdn_export)
 UNPACK_ENV = "GDN_EXPORT_UNPACK_DIR"  # where the weights are written for tract to read (default: unpack_root)
 # tract's load and plan of a graph grow faster than its statements, so a graph loads faster in more, smaller
