@@ -27,6 +27,7 @@ from typing import BinaryIO, Callable, Iterator, Mapping
 import torch
 
 from gdn_export.errors import GdnExportError
+from gdn_export.run.archive import VARIABLE
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,32 @@ def write_deferred(weights: StreamedWeights, deferred: list[tuple[Path, str]]) -
     for path, label in deferred:
         _write(weights, path, label)
     return time.perf_counter() - start
+
+
+# the bytes per value of the float types a deferred weight is written in (``StreamedWeights.deferrable``)
+DEFERRED_ITEM_BYTES = {"f32": 4, "f16": 2}
+NNEF_HEADER_BYTES = 128
+
+
+def archive_members(weights: StreamedWeights, deferred: list[tuple[Path, str]], graph: str
+                    ) -> tuple[dict[str, tuple[int, Callable[[BinaryIO], None]]], list[tuple[Path, str]]]:
+    """The deferred weights (``record["deferred"]``) as members an archive writer writes straight from their
+    writers (``run.archive.ArchiveWriter``'s ``streamed``: ``"<label>.dat" -> (size, write)``), their sizes from
+    the variables of ``graph`` (graph.nnef's text) and their float types; and those it cannot size (to be written
+    to their files, ``write_deferred``)."""
+    shapes = {m.group(2): m.group(3) for m in VARIABLE.finditer(graph)}
+    members, unsized = {}, []
+    for path, label in deferred:
+        item = DEFERRED_ITEM_BYTES.get(weights.deferrable[label])
+        extents = shapes.get(label, "").replace(" ", "").split(",")
+        if item is None or not all(extent.isdigit() for extent in extents):
+            unsized.append((path, label))
+            continue
+        count = 1
+        for extent in extents:
+            count *= int(extent)
+        members[path.name] = (NNEF_HEADER_BYTES + count * item, weights.writers[label])
+    return members, unsized
 
 
 def _placeholder_clone(original):
