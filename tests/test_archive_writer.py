@@ -14,7 +14,7 @@ import zlib
 import pytest
 
 from gdn_export.errors import GdnExportError
-from gdn_export.run.archive import PARALLEL_HASH_BYTES, ArchiveWriter, crc32_combine, pack
+from gdn_export.run.archive import PARALLEL_HASH_BYTES, STREAM_CHUNK, ArchiveWriter, crc32_combine, pack
 
 # a graph reading its weights in an order that is not their names' (the writer must follow the graph)
 GRAPH = """version 1.0;
@@ -69,13 +69,15 @@ def test_pack_writes_members_in_graph_order_with_their_digests(tmp_path):
     assert list(metadata["digests"]) == sorted(metadata["digests"])
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
 @pytest.mark.parametrize("bound, growth", [(0, 0), (1000, 300), (1000, 5000)], ids=["exact", "padded", "outgrown"])
-def test_streamed_members_and_a_graph_rewritten_meanwhile(tmp_path, bound, growth):
+def test_streamed_members_and_a_graph_rewritten_meanwhile(tmp_path, bound, growth, direct):
     """A member written by a callable (in two writes), the graph rewritten while the body is written (the output
     names' pass does that) and gdn_export.json longer or shorter than its draft: the archive is the same whether
-    the gap fits exactly, is padded (the gzip comment) or was outgrown (the body copied behind a larger start)."""
+    the gap fits exactly, is padded (the gzip comment) or was outgrown (the body copied behind a larger start),
+    and whether the body went through the page cache or past it (O_DIRECT, where the file system has it)."""
     folder, contents = _folder(tmp_path)
-    streamed = os.urandom(3 * 65_535 + 7)
+    streamed = os.urandom(STREAM_CHUNK + 3 * 65_535 + 7)  # the body more than one chunk of the writer's buffer
 
     def write(file):
         file.write(streamed[:100])
@@ -84,7 +86,7 @@ def test_streamed_members_and_a_graph_rewritten_meanwhile(tmp_path, bound, growt
     archive = tmp_path / "b.nnef.tgz"
     draft = {"format": 1, "names": ["x" * 40]}
     with ArchiveWriter(archive, folder, {"streamed.dat": (len(streamed), write)}, metadata_draft=draft,
-                       graph_growth=bound) as writer:
+                       graph_growth=bound, direct=direct) as writer:
         writer.write_body()
         grown = GRAPH.replace("output = add", "# " + "g" * growth + "\n    output = add")
         (folder / "graph.nnef").write_text(grown)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import mmap
 import os
 import re
 import struct
@@ -39,6 +41,8 @@ class ArchiveError(GdnExportError):
 STORED_BLOCK = 65535  # the most bytes one stored deflate block holds
 COPY_CHUNK = 8 * MIB  # a member copied from a file is read this much at a time
 PARALLEL_HASH_BYTES = MIB  # a write at least this large is hashed in a second thread while it is written
+STREAM_CHUNK = 8 * MIB  # the archive's body is written this much at a time
+DIRECT_ALIGN = 4096  # what an O_DIRECT write's offset, length and buffer are multiples of
 
 
 def pack(folder: Path, archive: Path) -> None:
@@ -89,11 +93,13 @@ class ArchiveWriter:
 
     ``streamed``: members written by a callable instead of from a file of ``folder`` (``name -> (size,
     write(file))``: e.g. a weight straight from the checkpoint, which must write exactly ``size`` bytes);
-    ``extra``: members copied from files elsewhere (``name -> path``); ``skip``: files of ``folder`` left out."""
+    ``extra``: members copied from files elsewhere (``name -> path``); ``skip``: files of ``folder`` left out;
+    ``direct``: the body written past the page cache (``_StoredStream``), for an archive this process does not read
+    back."""
 
     def __init__(self, archive: Path, folder: Path, streamed: Mapping[str, tuple[int, Callable]] | None = None,
                  extra: Mapping[str, Path] | None = None, metadata_draft: dict | None = None, graph_growth: int = 0,
-                 skip: Iterable[str] = ()) -> None:
+                 skip: Iterable[str] = (), direct: bool = False) -> None:
         self.archive, self.folder = Path(archive), Path(folder)
         self.streamed, self.extra = dict(streamed or {}), dict(extra or {})
         self.skip, self.metadata = set(skip), metadata_draft is not None
@@ -109,8 +115,7 @@ class ArchiveWriter:
             head += self._member_bytes(METADATA_FILE, len(_metadata_bytes(metadata_draft, placeholders)))
         self.gap = len(_gzip_header(self.archive.name, 0)) + _stored_bytes(head)
         self.file = open(self.archive, "wb", buffering=0)
-        self.file.seek(self.gap)
-        self.stream = _StoredStream(self.file.fileno())
+        self.stream = _StoredStream(self.archive, self.file.fileno(), self.gap, direct)
 
     def __enter__(self) -> "ArchiveWriter":
         return self
@@ -258,12 +263,22 @@ def _gzip_header(name: str, padding: int) -> bytes:
 
 
 class _StoredStream:
-    """A deflate stream of stored blocks written to the file descriptor ``fd`` from its position, its content's
-    CRC-32 and size kept; each write's data goes to the file as it is (``os.writev``: no copy)."""
+    """A deflate stream of stored blocks written to the file at ``path`` from offset ``start`` (``fd``: the file
+    open for writing), its content's CRC-32 and size kept. The blocks are framed into a page-aligned buffer
+    written ``STREAM_CHUNK`` bytes at a time; with ``direct``, through a second descriptor opened with O_DIRECT
+    where the file system allows it: the bytes go from the buffer to the disk, not through the page cache (buffered,
+    2.6 GB took 2.4-6.4 s of kernel time here, as pages were allocated and reclaimed; direct, 1.2-1.5 s of the
+    disk's). The O_DIRECT writes cover whole aligned blocks: the bytes before ``start`` in the first block and
+    after the end in the last are the caller's to write afterwards (``end`` truncates the file to the stream's
+    end)."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, path: Path, fd: int, start: int, direct: bool = False) -> None:
         self.fd, self.crc, self.size = fd, 0, 0
-        self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gdn_export-pack")
+        self.direct_fd = _open_direct(path) if direct else None
+        self.base = start - start % DIRECT_ALIGN if self.direct_fd is not None else start  # the buffer's offset
+        self.buffer = mmap.mmap(-1, STREAM_CHUNK)  # page-aligned, as O_DIRECT needs
+        self.fill = start - self.base
+        self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gdn_export-hash")
 
     def write(self, data, hash_update: Callable | None = None) -> None:
         """``data`` written; ``hash_update(data)`` runs meanwhile, in a second thread when ``data`` is large."""
@@ -274,33 +289,83 @@ class _StoredStream:
             hash_update(view)
         self.crc = zlib.crc32(view, self.crc)
         self.size += len(view)
-        parts = []
         for at in range(0, len(view), STORED_BLOCK):
             piece = view[at:at + STORED_BLOCK]
-            parts += [_block_header(len(piece)), piece]
-            if len(parts) >= 1000:
-                _write_all(self.fd, parts)
-                parts = []
-        _write_all(self.fd, parts)
+            self._put(_block_header(len(piece)))
+            self._put(piece)
         if hashed is not None:
             hashed.result()
 
+    def _put(self, data) -> None:
+        while len(data):
+            take = min(len(data), STREAM_CHUNK - self.fill)
+            self.buffer[self.fill:self.fill + take] = data[:take]
+            self.fill += take
+            data = data[take:]
+            if self.fill == STREAM_CHUNK:
+                self._flush(STREAM_CHUNK)
+
+    def _flush(self, length: int) -> None:
+        """The buffer's first ``length`` bytes to the file at ``self.base``."""
+        view = memoryview(self.buffer)[:length]
+        try:
+            if self.direct_fd is not None:
+                try:
+                    _pwrite_all(self.direct_fd, view, self.base)
+                except OSError as err:
+                    if err.errno != errno.EINVAL:
+                        raise
+                    os.close(self.direct_fd)  # the file system takes no O_DIRECT write of this kind: buffered
+                    self.direct_fd = None
+                    _pwrite_all(self.fd, view, self.base)
+            else:
+                _pwrite_all(self.fd, view, self.base)
+        finally:
+            view.release()
+        self.base += length
+        self.fill = 0
+
     def end(self) -> None:
-        """The final (empty) block."""
-        _write_all(self.fd, [_block_header(0, final=True)])
+        """The final (empty) block and what the buffer holds written, the file cut at the stream's end and ``fd``
+        placed there."""
+        self._put(_block_header(0, final=True))
+        end = self.base + self.fill
+        padded = self.fill if self.direct_fd is None else -(-self.fill // DIRECT_ALIGN) * DIRECT_ALIGN
+        self.buffer[self.fill:padded] = bytes(padded - self.fill)
+        self._flush(padded)
+        os.ftruncate(self.fd, end)
+        os.lseek(self.fd, end, os.SEEK_SET)
 
     def close(self) -> None:
         self.hasher.shutdown(wait=True)
+        if self.direct_fd is not None:
+            os.close(self.direct_fd)
+            self.direct_fd = None
+        self.buffer.close()
+
+
+def _open_direct(path: Path) -> int | None:
+    """``path`` opened for writing with O_DIRECT, or None where the system or file system has none."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError:
+        return None
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        done = os.pwrite(fd, data, offset)
+        data, offset = data[done:], offset + done
 
 
 def _write_all(fd: int, parts: list) -> None:
-    if not parts:
-        return
-    done, total = os.writev(fd, parts), sum(len(part) for part in parts)
-    if done < total:  # a short write (a full disk raises; a signal may cut one short): the rest written plainly
-        rest = memoryview(b"".join(bytes(part) for part in parts))[done:]
-        while rest:
-            rest = rest[os.write(fd, rest):]
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while len(view):
+            view = view[os.write(fd, view):]
 
 
 class _Member:

@@ -157,7 +157,9 @@ def export_nnef(
         draft = None if metadata is None else {**metadata, "output_names_kept": declared_outputs(folder),
                                                "weights_stored_as_cast": folded, "decisions": decisions}
         staged = Path(tmp) / "model.nnef.tgz"
-        with ArchiveWriter(staged, folder, streamed, extra, draft, graph_growth=growth_bound(folder)) as writer:
+        # unchecked, the archive is not read back here: its body goes past the page cache (run/archive.py)
+        with ArchiveWriter(staged, folder, streamed, extra, draft, graph_growth=growth_bound(folder),
+                           direct=not check) as writer:
             # no weight matrix is read (and it loads faster); tract loads in a thread while this one writes the
             # archive's weights, each from its writer or its file
             (renamed, seconds["names"]), body = alongside(
