@@ -383,6 +383,8 @@ def make_ggufs(llama, checkpoint: Path, workdir: Path, layers: int, formats: lis
                 llama.convert(source, out, kind.lower())
                 record[label] = {"seconds": time.perf_counter() - start, "split": f"convert_hf_to_gguf {kind}",
                                  "cpu_seconds": children_cpu() - cpu}
+                if kind == "F32":  # the quantized ones read this one (converting it again overwrote its record)
+                    f32 = (out, record[label]["seconds"])
             else:
                 f32_label = f"{layers} layers F32 (llama.cpp)"
                 if f32[1] is None and not (reuse and f32[0].exists() and f32_label in record):
