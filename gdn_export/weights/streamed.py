@@ -40,8 +40,9 @@ class StreamedWeights:
     placeholders: tuple[frozenset, ...] = ()
     storages: frozenset = frozenset()  # data pointers of the placeholders' storages
     compressed: Mapping[str, str] = field(default_factory=dict)  # label of a block-quantized weight -> float type
-    # label -> tract type ("f32", "f16") of each weight matrix (rank >= 2) written in a float type: its file may be
-    # written after the trace (``write_deferred``), while tract reads the graph for its output names, which
+    # label -> tract type ("f32", "f16") of each weight matrix (rank >= 2) written in a float type: it may be
+    # written after the trace, straight into the archive (``archive_members``; its file where it cannot be sized:
+    # ``write_deferred``), while tract reads the graph for its output names, which
     # declares such weights as inputs of that type and never opens their files (gdn_export/backends/nnef/output_names.py)
     deferrable: Mapping[str, str] = field(default_factory=dict)
     # the passes over torch-to-nnef's graph that the weight formats' encodings need, in order (e.g. the linears of

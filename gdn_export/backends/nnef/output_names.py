@@ -317,7 +317,8 @@ def growth_bound(folder: Path) -> int:
     names = set(declared_outputs(folder))
     if not names:
         return 0
-    uses = re.findall(rf"(?<![\w.])(?:{'|'.join(map(re.escape, names))})(?![\w.])", (folder / "graph.nnef").read_text())
+    any_name = rf"(?<![\w.])(?:{'|'.join(map(re.escape, names))})(?![\w.])"
+    uses = re.findall(any_name, (folder / "graph.nnef").read_text())
     return len(uses) * len(RAW_SUFFIX) + sum(len(_wrapper(name, False)) for name in names)
 
 
