@@ -290,11 +290,13 @@ def measure(archives: list[tuple[str, Path]], runs: int, cpu: int | None) -> dic
 def convert(checkpoint: Path, fmt: str, out: Path, env: dict | None = None) -> dict:
     """Convert ``checkpoint`` to ``out`` in ``fmt`` in a process of its own (``env``: its environment, e.g. another
     tree's PYTHONPATH): wall seconds, CPU seconds and the report's split."""
-    command = [sys.executable, "-m", "gdn_export.cli", "convert", str(checkpoint), "-o", str(out), "--force", "--no-check",
-               "--logits", "last", *FORMATS[fmt]]
+    command = [sys.executable, "-m", "gdn_export.cli", "convert", str(checkpoint.resolve()), "-o", str(out.resolve()),
+               "--force", "--no-check", "--logits", "last", *FORMATS[fmt]]
     start, cpu = time.perf_counter(), children_cpu()
+    # run from the output's folder: ``python -m`` puts its working directory first on sys.path, before PYTHONPATH,
+    # so run from a source tree it would convert with that tree whatever ``env`` names
     done = subprocess.run(["/usr/bin/time", "-f", "PEAK_RSS_KB %M", *command], capture_output=True, text=True,
-                          env=env)
+                          env=env, cwd=out.resolve().parent)
     seconds, cpu = time.perf_counter() - start, children_cpu() - cpu
     if done.returncode != 0:
         raise SystemExit(f"converting {checkpoint} ({fmt}) failed:\n{done.stderr[-3000:]}")
@@ -414,6 +416,8 @@ def make_ggufs(llama, checkpoint: Path, workdir: Path, layers: int, formats: lis
                 llama.convert(source, out, kind.lower())
                 record[label] = {"seconds": time.perf_counter() - start, "split": f"convert_hf_to_gguf {kind}",
                                  "cpu_seconds": children_cpu() - cpu}
+                if kind == "F32":  # the quantized ones read this one (converting it again overwrote its record)
+                    f32 = (out, record[label]["seconds"])
             else:
                 f32_label = f"{layers} layers F32 (llama.cpp)"
                 if f32[1] is None and not (reuse and f32[0].exists() and f32_label in record):

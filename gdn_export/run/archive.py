@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import mmap
 import os
 import re
+import struct
 import tarfile
+import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, Iterable, Mapping
 
 from gdn_export.errors import GdnExportError
 from gdn_export.targets import FLOAT_DTYPES
@@ -30,56 +36,397 @@ class ArchiveError(GdnExportError):
     """An archive that is damaged, not gdn_export's, or whose gdn_export.json breaks its schema."""
 
 
-# gzip without compression ("stored" blocks): tract reads the gzip stream all the same, and deflate even at its
-# fastest level packed ~55 MB/s here, a third of a large model's conversion, for ~10% on float16 weights
-COMPRESS_LEVEL = 0
+# gzip without compression ("stored" deflate blocks): tract reads the gzip stream all the same, and deflate even at
+# its fastest level packed ~55 MB/s here, a third of a large model's conversion, for ~10% on float16 weights
+STORED_BLOCK = 65535  # the most bytes one stored deflate block holds
+COPY_CHUNK = 8 * MIB  # a member copied from a file is read this much at a time
+PARALLEL_HASH_BYTES = MIB  # a write at least this large is hashed in a second thread while it is written
+STREAM_CHUNK = 8 * MIB  # the archive's body is written this much at a time
+DIRECT_ALIGN = 4096  # what an O_DIRECT write's offset, length and buffer are multiples of
 
 
 def pack(folder: Path, archive: Path) -> None:
     """tar.gz the folder's files at the archive root (what tract loads), stored without compression; when the folder
-    holds a gdn_export.json, every other file's size and SHA-256 are recorded in it first (``DIGESTS_FIELD``: what
-    ``gdn_export.run.integrity`` checks before tract reads the archive)."""
+    holds a gdn_export.json, every other file's size and SHA-256 are recorded in it (``DIGESTS_FIELD``: what
+    ``gdn_export.run.integrity`` checks before tract reads the archive). ``ArchiveWriter`` writes it, each file
+    read once."""
     metadata_file = folder / METADATA_FILE
-    if metadata_file.is_file():
-        metadata = json.loads(metadata_file.read_text())
-        metadata[DIGESTS_FIELD] = file_digests(folder)
-        metadata_file.write_text(json.dumps(metadata, indent=1))
-    with tarfile.open(archive, "w:gz", compresslevel=COMPRESS_LEVEL) as tar:
-        for file in member_order(folder):
-            tar.add(file, arcname=file.name)
+    metadata = json.loads(metadata_file.read_text()) if metadata_file.is_file() else None
+    with ArchiveWriter(archive, folder, metadata_draft=metadata, skip=(METADATA_FILE,)) as writer:
+        writer.write_body()
+        writer.finish(metadata)
 
 
 # a variable of graph.nnef: its label (group 2: the weight file ``<label>.dat``) and shape (group 3)
 VARIABLE = re.compile(r"variable\s*<\s*\w+\s*>\s*\(\s*label\s*=\s*(['\"])(.*?)\1\s*,\s*shape\s*=\s*\[([^\]]*)\]")
 
 
-def member_order(folder: Path) -> list[Path]:
-    """The order ``pack`` writes a folder's files in: the metadata and the graph first, then each weight in the order
-    the graph first reads it, then the rest by name. A reader that goes through the archive once (the integrity
-    pass) then knows the graph before the weights, and has the first layers' weights first: a model planned in
-    segments (run/segments.py) starts loading its first segment while the pass reads the others' weights."""
-    files = {entry.name: entry for entry in folder.iterdir()}
-    graph = files.get("graph.nnef")
-    text = graph.read_text() if graph is not None else ""
-    labels = [match.group(2) for match in VARIABLE.finditer(text)]
-    first = [name for name in (METADATA_FILE, "graph.nnef") if name in files]
-    weights = [name for name in dict.fromkeys(f"{label}.dat" for label in labels) if name in files]
-    rest = sorted(set(files) - set(first) - set(weights))
-    return [files[name] for name in first + weights + rest]
+def member_order(folder: Path, extra_names: Iterable[str] = (), metadata: bool | None = None) -> list[str]:
+    """The names of the members ``pack`` writes from a folder's files and ``extra_names`` (members written from
+    elsewhere), in order: the metadata (``metadata``: whether there is one; None: whether the folder holds it) and
+    the graph first, then each weight in the order the graph first reads it, then the rest by name. A reader that
+    goes through the archive once (the integrity pass) then knows the graph before the weights, and has the first
+    layers' weights first: a model planned in segments (run/segments.py) starts loading its first segment while the
+    pass reads the others' weights."""
+    names = {entry.name for entry in folder.iterdir()} | set(extra_names)
+    if metadata is not None:
+        names = names - {METADATA_FILE} | ({METADATA_FILE} if metadata else set())
+    text = (folder / "graph.nnef").read_text() if "graph.nnef" in names else ""
+    first = [name for name in (METADATA_FILE, "graph.nnef") if name in names]
+    weights = [name for name in dict.fromkeys(f"{m.group(2)}.dat" for m in VARIABLE.finditer(text)) if name in names]
+    rest = sorted(names - set(first) - set(weights))
+    return first + weights + rest
 
 
-def file_digests(folder: Path) -> dict[str, dict]:
-    """``{name: {"size", "sha256"}}`` of the files of ``folder`` but gdn_export.json (what ``pack`` records)."""
-    digests = {}
-    for file in sorted(folder.iterdir()):
-        if file.name == METADATA_FILE or not file.is_file():
-            continue
-        digest = hashlib.sha256()
-        with open(file, "rb") as handle:
-            while chunk := handle.read(8 * MIB):
-                digest.update(chunk)
-        digests[file.name] = {"size": file.stat().st_size, "sha256": digest.hexdigest()}
-    return digests
+class ArchiveWriter:
+    """Writes the ``.nnef.tgz`` ``pack`` describes (gdn_export.json, graph.nnef, the weights in graph order, the
+    rest: one tar in a gzip stream of stored deflate blocks) with each member's bytes written once and hashed as
+    they pass: a weight need not be staged in a file first, and no file is read back to be hashed.
+
+    gdn_export.json holds the digests and comes first, so the members after the graph (the body, ``write_body``)
+    are written first, after a gap left at the start of the file, and gdn_export.json and the graph last, into the
+    gap (``finish``), with the gzip trailer's CRC-32 combined from both parts'. The gap's unused bytes are the gzip
+    header's comment (RFC 1952's FCOMMENT, spaces), which gzip readers skip. The gap is sized from
+    ``metadata_draft`` (gdn_export.json's content but the digests, no field shorter than it will be; None: no
+    gdn_export.json) and the graph's size plus ``graph_growth`` (bytes the graph may still gain before ``finish``):
+    a metadata or graph that outgrows it is still written, the body then copied once behind it.
+
+    ``streamed``: members written by a callable instead of from a file of ``folder`` (``name -> (size,
+    write(file))``: e.g. a weight straight from the checkpoint, which must write exactly ``size`` bytes);
+    ``extra``: members copied from files elsewhere (``name -> path``); ``skip``: files of ``folder`` left out;
+    ``direct``: the body written past the page cache (``_StoredStream``), for an archive this process does not read
+    back."""
+
+    def __init__(self, archive: Path, folder: Path, streamed: Mapping[str, tuple[int, Callable]] | None = None,
+                 extra: Mapping[str, Path] | None = None, metadata_draft: dict | None = None, graph_growth: int = 0,
+                 skip: Iterable[str] = (), direct: bool = False) -> None:
+        self.archive, self.folder = Path(archive), Path(folder)
+        self.streamed, self.extra = dict(streamed or {}), dict(extra or {})
+        self.skip, self.metadata = set(skip), metadata_draft is not None
+        self.order = self._order()
+        self.head = [name for name in self.order if name in (METADATA_FILE, "graph.nnef")]
+        self.body = self.order[len(self.head):]
+        self.digests: dict[str, dict] = {}
+        self.mtime = time.time()
+        head = self._member_bytes("graph.nnef", self._size("graph.nnef") + graph_growth) \
+            if "graph.nnef" in self.head else 0
+        if metadata_draft is not None:
+            placeholders = {name: {"size": self._size(name), "sha256": "0" * 64} for name in self._digested()}
+            head += self._member_bytes(METADATA_FILE, len(_metadata_bytes(metadata_draft, placeholders)))
+        self.gap = len(_gzip_header(self.archive.name, 0)) + _stored_bytes(head)
+        self.file = open(self.archive, "wb", buffering=0)
+        self.stream = _StoredStream(self.archive, self.file.fileno(), self.gap, direct)
+
+    def __enter__(self) -> "ArchiveWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stream.close()
+        self.file.close()
+
+    def _order(self) -> list[str]:
+        files = {entry.name for entry in self.folder.iterdir() if entry.name not in self.skip}
+        order = member_order(self.folder, [*self.streamed, *self.extra], self.metadata)
+        return [name for name in order if name in files or name in self.streamed or name in self.extra
+                or name == METADATA_FILE]
+
+    def _digested(self) -> list[str]:
+        """The members gdn_export.json records, by name."""
+        return sorted(name for name in self.order if name != METADATA_FILE)
+
+    def _member_bytes(self, name: str, size: int) -> int:
+        """What member ``name`` of ``size`` bytes takes in the tar: its headers and its data padded to a block."""
+        return len(self._header(name, size)) + size + (-size % tarfile.BLOCKSIZE)
+
+    def _size(self, name: str) -> int:
+        if name in self.streamed:
+            return self.streamed[name][0]
+        return (self.extra[name] if name in self.extra else self.folder / name).stat().st_size
+
+    def write_body(self) -> None:
+        """Every member after the graph, in ``member_order``, each hashed as it is written."""
+        for name in self.body:
+            size = self._size(name)
+            self.stream.write(self._header(name, size))
+            member = _Member(self.stream, name, size)
+            if name in self.streamed:
+                self.streamed[name][1](member)
+            else:
+                with open(self.extra.get(name, self.folder / name), "rb") as source:
+                    while chunk := source.read(COPY_CHUNK):
+                        member.write(chunk)
+            self.digests[name] = member.close()
+            self.stream.write(bytes(-size % tarfile.BLOCKSIZE))
+
+    def finish(self, metadata: dict | None) -> None:
+        """The tar's end, then gdn_export.json (``metadata`` with every other member's size and SHA-256; None: no
+        such member) and the graph into the gap, and the gzip trailer."""
+        if self._order() != self.order:  # the graph reads its weights in another order, or files came or went
+            raise GdnExportError(f"{self.archive}: the members changed while the archive was written")
+        graph = (self.folder / "graph.nnef").read_bytes() if "graph.nnef" in self.head else None
+        if graph is not None:
+            self.digests["graph.nnef"] = {"size": len(graph), "sha256": hashlib.sha256(graph).hexdigest()}
+        head = b""
+        if (metadata is None) != (METADATA_FILE not in self.head):
+            raise GdnExportError("the archive's gdn_export.json was announced and not given, or given unannounced")
+        if metadata is not None:
+            data = _metadata_bytes(metadata, {name: self.digests[name] for name in self._digested()})
+            head += self._header(METADATA_FILE, len(data)) + data + bytes(-len(data) % tarfile.BLOCKSIZE)
+        if graph is not None:
+            head += self._header("graph.nnef", len(graph)) + graph + bytes(-len(graph) % tarfile.BLOCKSIZE)
+        # the end-of-archive blocks, the whole tar padded to a record as tarfile pads it
+        self.stream.write(bytes(2 * tarfile.BLOCKSIZE + (-(len(head) + self.stream.size + 2 * tarfile.BLOCKSIZE)
+                                                         % tarfile.RECORDSIZE)))
+        self.stream.end()
+        crc = crc32_combine(zlib.crc32(head), self.stream.crc, self.stream.size)
+        trailer = struct.pack("<II", crc, (len(head) + self.stream.size) & 0xFFFFFFFF)
+        start = _gzip_header(self.archive.name, 0) + _stored(head)
+        _write_all(self.file.fileno(), [trailer])
+        if len(start) > self.gap:  # outgrew the gap: the body copied once behind a new start
+            self._rewrite(start)
+            return
+        self.file.seek(0)
+        _write_all(self.file.fileno(), [_gzip_header(self.archive.name, self.gap - len(start)), _stored(head)])
+
+    def _rewrite(self, start: bytes) -> None:
+        moved = self.archive.with_name(self.archive.name + ".grown")
+        with open(moved, "wb") as out, open(self.archive, "rb") as body:
+            out.write(start)
+            body.seek(self.gap)
+            while chunk := body.read(COPY_CHUNK):
+                out.write(chunk)
+        self.file.close()
+        os.replace(moved, self.archive)
+
+    def _header(self, name: str, size: int) -> bytes:
+        """A member's tar header as ``tarfile.add`` writes one for a file this process just wrote."""
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime, info.mode = size, self.mtime, 0o666 & ~_UMASK
+        info.uid, info.gid = os.getuid(), os.getgid()
+        info.uname, info.gname = _owner_names(info.uid, info.gid)
+        return info.tobuf(tarfile.DEFAULT_FORMAT, tarfile.ENCODING, "surrogateescape")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
+
+
+def _owner_names(uid: int, gid: int) -> tuple[str, str]:
+    import grp
+    import pwd
+
+    try:
+        user = pwd.getpwuid(uid)[0]
+    except KeyError:
+        user = ""
+    try:
+        group = grp.getgrgid(gid)[0]
+    except KeyError:
+        group = ""
+    return user, group
+
+
+def _metadata_bytes(metadata: dict, digests: dict) -> bytes:
+    return json.dumps({**metadata, DIGESTS_FIELD: digests}, indent=1).encode()
+
+
+def _stored_bytes(size: int) -> int:
+    """What ``size`` bytes take as stored deflate blocks (5 bytes of header each)."""
+    return size + 5 * -(-size // STORED_BLOCK)
+
+
+def _stored(data: bytes) -> bytes:
+    """``data`` as stored deflate blocks, none final."""
+    view = memoryview(data)
+    return b"".join(_block_header(len(view[at:at + STORED_BLOCK])) + view[at:at + STORED_BLOCK]
+                    for at in range(0, len(view), STORED_BLOCK))
+
+
+def _block_header(length: int, final: bool = False) -> bytes:
+    return struct.pack("<BHH", int(final), length, length ^ 0xFFFF)
+
+
+def _gzip_header(name: str, padding: int) -> bytes:
+    """The gzip header Python's gzip module writes for ``name`` at compression level 0 (the name's ``.gz`` dropped,
+    the modification time now), with a comment of ``padding`` bytes (spaces and its terminating zero) when
+    ``padding`` is not 0."""
+    name = name[:-3] if name.endswith(".gz") else name
+    flags = 0x08 | (0x10 if padding else 0)  # FNAME, FCOMMENT
+    comment = b" " * (padding - 1) + b"\0" if padding else b""
+    return (b"\x1f\x8b\x08" + bytes([flags]) + struct.pack("<I", int(time.time())) + b"\x00\xff"
+            + name.encode("latin-1", "replace") + b"\0" + comment)
+
+
+class _StoredStream:
+    """A deflate stream of stored blocks written to the file at ``path`` from offset ``start`` (``fd``: the file
+    open for writing), its content's CRC-32 and size kept. The blocks are framed into a page-aligned buffer
+    written ``STREAM_CHUNK`` bytes at a time; with ``direct``, through a second descriptor opened with O_DIRECT
+    where the file system allows it: the bytes go from the buffer to the disk, not through the page cache (buffered,
+    2.6 GB took 2.4-6.4 s of kernel time here, as pages were allocated and reclaimed; direct, 1.2-1.5 s of the
+    disk's). The O_DIRECT writes cover whole aligned blocks: the bytes before ``start`` in the first block and
+    after the end in the last are the caller's to write afterwards (``end`` truncates the file to the stream's
+    end)."""
+
+    def __init__(self, path: Path, fd: int, start: int, direct: bool = False) -> None:
+        self.fd, self.crc, self.size = fd, 0, 0
+        self.direct_fd = _open_direct(path) if direct else None
+        self.base = start - start % DIRECT_ALIGN if self.direct_fd is not None else start  # the buffer's offset
+        self.buffer = mmap.mmap(-1, STREAM_CHUNK)  # page-aligned, as O_DIRECT needs
+        self.fill = start - self.base
+        self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gdn_export-hash")
+
+    def write(self, data, hash_update: Callable | None = None) -> None:
+        """``data`` written; ``hash_update(data)`` runs meanwhile, in a second thread when ``data`` is large."""
+        view = memoryview(data).cast("B")
+        hashed = self.hasher.submit(hash_update, view) if hash_update is not None and len(view) >= PARALLEL_HASH_BYTES \
+            else None
+        if hash_update is not None and hashed is None:
+            hash_update(view)
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        for at in range(0, len(view), STORED_BLOCK):
+            piece = view[at:at + STORED_BLOCK]
+            self._put(_block_header(len(piece)))
+            self._put(piece)
+        if hashed is not None:
+            hashed.result()
+
+    def _put(self, data) -> None:
+        while len(data):
+            take = min(len(data), STREAM_CHUNK - self.fill)
+            self.buffer[self.fill:self.fill + take] = data[:take]
+            self.fill += take
+            data = data[take:]
+            if self.fill == STREAM_CHUNK:
+                self._flush(STREAM_CHUNK)
+
+    def _flush(self, length: int) -> None:
+        """The buffer's first ``length`` bytes to the file at ``self.base``."""
+        view = memoryview(self.buffer)[:length]
+        try:
+            if self.direct_fd is not None:
+                try:
+                    _pwrite_all(self.direct_fd, view, self.base)
+                except OSError as err:
+                    if err.errno != errno.EINVAL:
+                        raise
+                    os.close(self.direct_fd)  # the file system takes no O_DIRECT write of this kind: buffered
+                    self.direct_fd = None
+                    _pwrite_all(self.fd, view, self.base)
+            else:
+                _pwrite_all(self.fd, view, self.base)
+        finally:
+            view.release()
+        self.base += length
+        self.fill = 0
+
+    def end(self) -> None:
+        """The final (empty) block and what the buffer holds written, the file cut at the stream's end and ``fd``
+        placed there."""
+        self._put(_block_header(0, final=True))
+        end = self.base + self.fill
+        padded = self.fill if self.direct_fd is None else -(-self.fill // DIRECT_ALIGN) * DIRECT_ALIGN
+        self.buffer[self.fill:padded] = bytes(padded - self.fill)
+        self._flush(padded)
+        os.ftruncate(self.fd, end)
+        os.lseek(self.fd, end, os.SEEK_SET)
+
+    def close(self) -> None:
+        self.hasher.shutdown(wait=True)
+        if self.direct_fd is not None:
+            os.close(self.direct_fd)
+            self.direct_fd = None
+        self.buffer.close()
+
+
+def _open_direct(path: Path) -> int | None:
+    """``path`` opened for writing with O_DIRECT, or None where the system or file system has none."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError:
+        return None
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        done = os.pwrite(fd, data, offset)
+        data, offset = data[done:], offset + done
+
+
+def _write_all(fd: int, parts: list) -> None:
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while len(view):
+            view = view[os.write(fd, view):]
+
+
+class _Member:
+    """The file a member's bytes are written to (``write``): they go to the archive's stream, hashed, and must come
+    to the size announced in the member's header."""
+
+    def __init__(self, stream: _StoredStream, name: str, size: int) -> None:
+        self.stream, self.name, self.size, self.written = stream, name, size, 0
+        self.digest = hashlib.sha256()
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.written += len(view)
+        if self.written > self.size:
+            raise GdnExportError(f"archive member {self.name} was announced as {self.size} bytes and written "
+                                 f"longer: its writer does not write what it declared")
+        self.stream.write(view, self.digest.update)
+        return len(view)
+
+    def close(self) -> dict:
+        if self.written != self.size:
+            raise GdnExportError(f"archive member {self.name} was announced as {self.size} bytes and {self.written} "
+                                 "were written: its writer does not write what it declared")
+        return {"size": self.size, "sha256": self.digest.hexdigest()}
+
+
+def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
+    """The CRC-32 of A + B from A's (``crc1``), B's (``crc2``) and B's length (zlib's ``crc32_combine``, which
+    Python's zlib does not expose): ``crc1`` carried through ``length2`` zero bytes by squaring the operator of
+    one zero bit over GF(2)."""
+    def times(matrix: list[int], vector: int) -> int:
+        total, row = 0, 0
+        while vector:
+            if vector & 1:
+                total ^= matrix[row]
+            vector >>= 1
+            row += 1
+        return total
+
+    def square(matrix: list[int]) -> list[int]:
+        return [times(matrix, matrix[n]) for n in range(32)]
+
+    if length2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
+    even = square(odd)  # two
+    odd = square(even)  # four
+    while True:
+        even = square(odd)  # the first time: one zero byte
+        if length2 & 1:
+            crc1 = times(even, crc1)
+        length2 >>= 1
+        if not length2:
+            break
+        odd = square(even)
+        if length2 & 1:
+            crc1 = times(odd, crc1)
+        length2 >>= 1
+        if not length2:
+            break
+    return crc1 ^ crc2
 
 
 def digests_valid(value) -> bool:

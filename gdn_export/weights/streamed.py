@@ -27,6 +27,7 @@ from typing import BinaryIO, Callable, Iterator, Mapping
 import torch
 
 from gdn_export.errors import GdnExportError
+from gdn_export.run.archive import VARIABLE
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,9 @@ class StreamedWeights:
     placeholders: tuple[frozenset, ...] = ()
     storages: frozenset = frozenset()  # data pointers of the placeholders' storages
     compressed: Mapping[str, str] = field(default_factory=dict)  # label of a block-quantized weight -> float type
-    # label -> tract type ("f32", "f16") of each weight matrix (rank >= 2) written in a float type: its file may be
-    # written after the trace (``write_deferred``), while tract reads the graph for its output names, which
+    # label -> tract type ("f32", "f16") of each weight matrix (rank >= 2) written in a float type: it may be
+    # written after the trace, straight into the archive (``archive_members``; its file where it cannot be sized:
+    # ``write_deferred``), while tract reads the graph for its output names, which
     # declares such weights as inputs of that type and never opens their files (gdn_export/backends/nnef/output_names.py)
     deferrable: Mapping[str, str] = field(default_factory=dict)
     # the passes over torch-to-nnef's graph that the weight formats' encodings need, in order (e.g. the linears of
@@ -112,6 +114,32 @@ def write_deferred(weights: StreamedWeights, deferred: list[tuple[Path, str]]) -
     for path, label in deferred:
         _write(weights, path, label)
     return time.perf_counter() - start
+
+
+# the bytes per value of the float types a deferred weight is written in (``StreamedWeights.deferrable``)
+DEFERRED_ITEM_BYTES = {"f32": 4, "f16": 2}
+NNEF_HEADER_BYTES = 128
+
+
+def archive_members(weights: StreamedWeights, deferred: list[tuple[Path, str]], graph: str
+                    ) -> tuple[dict[str, tuple[int, Callable[[BinaryIO], None]]], list[tuple[Path, str]]]:
+    """The deferred weights (``record["deferred"]``) as members an archive writer writes straight from their
+    writers (``run.archive.ArchiveWriter``'s ``streamed``: ``"<label>.dat" -> (size, write)``), their sizes from
+    the variables of ``graph`` (graph.nnef's text) and their float types; and those it cannot size (to be written
+    to their files, ``write_deferred``)."""
+    shapes = {m.group(2): m.group(3) for m in VARIABLE.finditer(graph)}
+    members, unsized = {}, []
+    for path, label in deferred:
+        item = DEFERRED_ITEM_BYTES.get(weights.deferrable[label])
+        extents = shapes.get(label, "").replace(" ", "").split(",")
+        if item is None or not all(extent.isdigit() for extent in extents):
+            unsized.append((path, label))
+            continue
+        count = 1
+        for extent in extents:
+            count *= int(extent)
+        members[path.name] = (NNEF_HEADER_BYTES + count * item, weights.writers[label])
+    return members, unsized
 
 
 def _placeholder_clone(original):

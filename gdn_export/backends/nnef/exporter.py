@@ -9,10 +9,8 @@ is the caller's (``plan(version)``, carried by the target): this module names no
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,16 +20,16 @@ import numpy as np
 import torch
 
 from gdn_export.backends.dynamic_axes import validate_dynamic_axes, traced_outputs
-from gdn_export.backends.nnef.output_names import declared_outputs, keep_output_names
+from gdn_export.backends.nnef.output_names import declared_outputs, growth_bound, keep_output_names
 from gdn_export.backends.nnef.target import OfflineTractTarget
 from gdn_export.errors import GdnExportError
 from gdn_export.parity import RELATIVE_TOLERANCE, ParityResult, check_parity
-from gdn_export.run.archive import METADATA_FILE, nnef_tgz_path, pack
+from gdn_export.run.archive import ArchiveWriter, nnef_tgz_path
 from gdn_export.run.runtime import alongside, load_tract_model, run_tract
 from gdn_export.backends.staging import staging_folder
 from gdn_export.weights.casts import fold_weight_casts, weights_cast_before_use
-from gdn_export.weights.streamed import (StreamedWeights, annotate_compressed_gathers, check_all_written,
-                                         streamed_writes, variable_labels, write_deferred)
+from gdn_export.weights.streamed import (StreamedWeights, annotate_compressed_gathers, archive_members,
+                                         check_all_written, streamed_writes, variable_labels, write_deferred)
 
 
 @dataclass
@@ -154,29 +152,40 @@ def export_nnef(
         if not (folder / "graph.nnef").is_file():
             raise GdnExportError(f"torch-to-nnef wrote no graph for {path}")
         deferred = written["deferred"]
-        if deferred:  # the weights the cast folding reads first; the others while tract reads the graph
+        if deferred:  # the weights the cast folding reads first; the others straight into the archive
             seconds["write"] += write_deferred(weights, [d for d in deferred if d[1] in cast])
             deferred = [d for d in deferred if d[1] not in cast]
         folded = fold_weight_casts(folder, cast)
         pending = {label: weights.deferrable[label] for _, label in deferred}
-        # no weight matrix is read (and it loads faster); tract loads in a thread while this one writes the rest
-        (renamed, seconds["names"]), late_writes = alongside(
-            lambda: keep_output_names(folder, inputs_from_bytes=0, pending=pending,
-                                      bool_outputs=frozenset(bool_outputs), retyped=frozenset(retyped)),
-            lambda: write_deferred(weights, deferred) if deferred else 0.0)
-        seconds["write"] += late_writes
-        if metadata is not None:
-            metadata = {**metadata, "output_names_kept": renamed, "weights_stored_as_cast": folded,
-                        "decisions": [d.summary() for d in target.gdn_decisions]}
-            (folder / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
+        streamed, unsized = archive_members(weights, deferred, (folder / "graph.nnef").read_text()) \
+            if deferred else ({}, [])
+        seconds["write"] += write_deferred(weights, unsized)
+        extra = {}
         for name, source in (extra_files or {}).items():
-            if (folder / name).exists() or "/" in name:
+            if (folder / name).exists() or name in streamed or "/" in name:
                 raise GdnExportError(f"extra file {name!r} would overwrite a file of the graph or leave the archive root")
-            shutil.copyfile(source, folder / name)
+            extra[name] = Path(source)
+        decisions = [d.summary() for d in target.gdn_decisions]
+        # gdn_export.json as long as it may be: every declared output's name kept
+        draft = None if metadata is None else {**metadata, "output_names_kept": declared_outputs(folder),
+                                               "weights_stored_as_cast": folded, "decisions": decisions}
         staged = Path(tmp) / "model.nnef.tgz"
-        start = time.perf_counter()
-        pack(folder, staged)
-        seconds["pack"] = time.perf_counter() - start
+        # unchecked, the archive is not read back here: its body goes past the page cache (run/archive.py)
+        with ArchiveWriter(staged, folder, streamed, extra, draft, graph_growth=growth_bound(folder),
+                           direct=not check) as writer:
+            # no weight matrix is read (and it loads faster); tract loads in a thread while this one writes the
+            # archive's weights, each from its writer or its file
+            (renamed, seconds["names"]), body = alongside(
+                lambda: keep_output_names(folder, inputs_from_bytes=0, pending=pending,
+                                          bool_outputs=frozenset(bool_outputs), retyped=frozenset(retyped)),
+                lambda: _timed(writer.write_body))
+            seconds["write"] += body
+            if metadata is not None:
+                metadata = {**metadata, "output_names_kept": renamed, "weights_stored_as_cast": folded,
+                            "decisions": decisions}
+            start = time.perf_counter()
+            writer.finish(metadata)
+            seconds["pack"] = time.perf_counter() - start
         report = ExportReport(path=path, tract_version=tract_version, decisions=list(target.gdn_decisions),
                               seconds=seconds, shared_constants=shared["constants"],
                               float_linears=linears["rewritten"])
@@ -186,6 +195,13 @@ def export_nnef(
             report.parity.raise_if_failed()
         os.replace(staged, path)
     return report
+
+
+def _timed(work: Callable[[], Any]) -> float:
+    """The seconds ``work()`` took."""
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
 
 
 def _is_bool(dtype) -> bool:

@@ -310,10 +310,29 @@ def keep_output_names(folder: Path, inputs_from_bytes: int | None = None,
     body, tail = body[:body_end], body[body_end:]
     wrappers = []
     for name in renamed:
-        word = re.compile(rf"(?<![\w.]){re.escape(name)}(?![\w.])")
-        body = word.sub(name + RAW_SUFFIX, body)
-        raw = name + RAW_SUFFIX
-        wrappers.append(f"    {name}__c = {_condition(raw, name in bool_outputs)};\n"
-                        f"    {name} = select({name}__c, {raw}, {raw});\n")
+        body = _word(name).sub(name + RAW_SUFFIX, body)
+        wrappers.append(_wrapper(name, name in bool_outputs))
     path.write_text(head + body + "".join(wrappers) + tail)
     return renamed
+
+
+def growth_bound(folder: Path) -> int:
+    """The most bytes ``keep_output_names`` may add to ``folder/graph.nnef``: every declared output renamed (its
+    uses suffixed, its wrapper appended), what an archive writer leaves room for before the names are known."""
+    names = set(declared_outputs(folder))
+    if not names:
+        return 0
+    any_name = rf"(?<![\w.])(?:{'|'.join(map(re.escape, names))})(?![\w.])"
+    uses = re.findall(any_name, (folder / "graph.nnef").read_text())
+    return len(uses) * len(RAW_SUFFIX) + sum(len(_wrapper(name, False)) for name in names)
+
+
+def _word(name: str) -> re.Pattern:
+    """``name`` as a whole identifier of the graph's text."""
+    return re.compile(rf"(?<![\w.]){re.escape(name)}(?![\w.])")
+
+
+def _wrapper(name: str, is_bool: bool) -> str:
+    """The statements that give output ``name`` back its name, from its renamed producer."""
+    raw = name + RAW_SUFFIX
+    return f"    {name}__c = {_condition(raw, is_bool)};\n    {name} = select({name}__c, {raw}, {raw});\n"
