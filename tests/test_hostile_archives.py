@@ -230,8 +230,9 @@ def gzip_of(deflate: bytes, content: bytes) -> bytes:
 def test_the_stored_reading_agrees_with_zlibs(archive, tmp_path, capsys, monkeypatch):
     """gdn_export's archives are stored (gzip level 0) and read without inflating (integrity._StoredContent); the
     same pass read by zlib (the reference reader) gives the same graph and the same weight files, byte for byte;
-    archives of other blocks still run: all compressed (level 9), stored blocks of odd sizes, stored blocks then
-    compressed ones (read again by zlib), and a block whose lengths disagree is a damaged archive."""
+    archives of other blocks still run: all compressed (level 9), stored blocks of odd sizes, a gzip comment longer
+    than a read (the archive writer pads with one), stored blocks then compressed ones (read again by zlib), and a
+    block whose lengths disagree is a damaged archive."""
     from gdn_export.run import integrity
     from gdn_export.run.reading import read_metadata
 
@@ -246,10 +247,13 @@ def test_the_stored_reading_agrees_with_zlibs(archive, tmp_path, capsys, monkeyp
     with tarfile.open(archive) as tar:  # tarfile + gzip: the members as the standard library reads them
         assert folders[0][1] == {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".dat")}
 
+    monkeypatch.setattr(integrity, "READ_BYTES", 1 << 16)  # reads of 64 KiB: headers, blocks and members cut by them
     content = gzip.decompress(archive.read_bytes())
     half = len(content) // 2
+    comment = b"\x1f\x8b\x08\x10\x00\x00\x00\x00\x00\xff" + b" " * 200_000 + b"\0"  # FCOMMENT over 3 reads
     variants = {"odd stored blocks": gzip_of(stored_blocks(content, 1000, True), content),
                 "compressed": gzip.compress(content, 9),
+                "a long comment": comment + gzip_of(stored_blocks(content, 65535, True), content)[10:],
                 "stored then compressed": gzip_of(stored_blocks(content[:half], 65535, False)
                                                   + zlib.compress(content[half:], 9, -15)[0:], content)}
     for name, data in variants.items():
@@ -270,7 +274,6 @@ def test_the_stored_reading_agrees_with_zlibs(archive, tmp_path, capsys, monkeyp
         def weight(self, label: str) -> None:
             self.told.append(label)
 
-    monkeypatch.setattr(integrity, "READ_BYTES", 1 << 16)
     (tmp_path / "unpacked" / "weights").mkdir(parents=True)
     listener = Listener()
     with pytest.raises(integrity.UnpackError, match="mixes stored and compressed"):

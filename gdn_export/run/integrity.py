@@ -228,26 +228,41 @@ def _check_members(path: Path, metadata: dict, unpack_to: Path | None, listener,
 def _content(raw, stored: bool = True) -> io.RawIOBase | io.BufferedReader:
     """The content of the gzip file ``raw`` (read from its start): ``_StoredContent`` when its first deflate block
     is stored and ``stored`` allows it, else zlib's inflating (``_Inflated``) behind a buffer."""
-    data = _after_gzip_header(raw.read(READ_BYTES))
+    data = _after_gzip_header(raw) or raw.read(READ_BYTES)
     if stored and data and (data[0] >> 1) & 3 == 0:
         return _StoredContent(raw, data)
     return io.BufferedReader(_Inflated(raw, data), MIB)
 
 
-def _after_gzip_header(data: bytes) -> bytes:
-    """``data`` past the gzip header (RFC 1952) that begins it."""
+def _after_gzip_header(raw) -> bytes:
+    """What ``raw`` holds past the gzip header (RFC 1952) that begins it, as far as read. A name or comment of any
+    length is skipped a read at a time (an archive writer pads its start with a comment: ``run/archive.py``)."""
+    data = raw.read(READ_BYTES)
     if len(data) < 10 or data[:3] != b"\x1f\x8b\x08":
         raise OSError("not a gzip file")
-    flags, at = data[3], 10
-    if flags & 4:  # FEXTRA
-        at += 2 + int.from_bytes(data[at:at + 2], "little")
+    flags, data = data[3], data[10:]
+    if flags & 4:  # FEXTRA: at most 64 KiB
+        while len(data) < 2 or len(data) < 2 + int.from_bytes(data[:2], "little"):
+            more = raw.read(READ_BYTES)
+            if not more:
+                raise EOFError("the gzip stream ends in its header (the file is truncated)")
+            data += more
+        data = data[2 + int.from_bytes(data[:2], "little"):]
     for flag in (8, 16):  # FNAME, FCOMMENT: zero-terminated
         if flags & flag:
-            end = data.find(b"\0", at)
-            if end < 0:
-                raise OSError(f"a gzip header longer than {READ_BYTES // MIB} MiB")
-            at = end + 1
-    return data[at + (2 if flags & 2 else 0):]
+            while (end := data.find(b"\0")) < 0:
+                data = raw.read(READ_BYTES)
+                if not data:
+                    raise EOFError("the gzip stream ends in its header (the file is truncated)")
+            data = data[end + 1:]
+    if flags & 2:  # FHCRC
+        while len(data) < 2:
+            more = raw.read(READ_BYTES)
+            if not more:
+                raise EOFError("the gzip stream ends in its header (the file is truncated)")
+            data += more
+        data = data[2:]
+    return data
 
 
 class _GzipContent(io.RawIOBase):
