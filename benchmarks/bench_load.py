@@ -369,7 +369,7 @@ def print_table(archives: list[tuple[str, Path]], results: dict[str, list[dict]]
             row += [f"{statistics.median(r['prefill_tps'] for r in runs):.1f}",
                     f"{statistics.median(r['decode_tps'] for r in runs):.2f}"]
         if conversions:
-            made = conversions.get(label)
+            made = conversions.get(label) or conversions.get(label.rsplit(" in ", 1)[0])  # --segments' labels
             row += [f"{made['seconds']:.1f}" if made else "-", made["split"] if made else "-"]
         if pairs:
             other = pairs.get(label)

@@ -62,7 +62,7 @@ MIN_ARCHIVE_BYTES = 64 << 20  # smaller archives plan in a few seconds: loaded w
 MAX_BYTES_PER_STATEMENT = 450_000
 MAX_STATEMENTS = 60_000  # a bigger graph is not cut: the cutter's time bounded (0.67 s at this size on the AMD EPYC; the 0.8B shape: 6,143)
 MAX_RECORD_BYTES = 1 << 20  # a facts record is a few hundred bytes; a larger file there is not read
-FACTS_FORMAT = 2  # part of a record's key: a change of how graphs are cut must not reuse older records
+FACTS_FORMAT = 3  # part of a record's key: a change of how graphs are cut must not reuse older records
 HEAVY_ELEMENTS = 4096  # a variable of this many elements or more is a weight worth reading once
 MAX_CROSSING = 8  # a cut where more activations cross is not taken
 FACT_TYPES = {"f32", "f16", "f64", "i64", "i32", "i8", "u8", "bool"}
@@ -235,12 +235,14 @@ def plan(text: str, count: int) -> Plan:
                       and not blocked[c]]
         if not candidates:
             raise NotCut(f"no place to cut the graph into {count} segments")
-        # balance first: a tensor fewer crossing is worth about one layer's shift of the cut (window / 8)
-        best = min(candidates, key=lambda c: live[c] + 8 * abs(c - target) / window)
-        if live[best] > MAX_CROSSING:
+        # only cuts within MAX_CROSSING compete (a closer cut with more crossing tensors must not hide a farther
+        # one within it: 48 layers in 8 segments were refused so); then balance first: a tensor fewer crossing is
+        # worth about one layer's shift of the cut (window / 8)
+        candidates = [c for c in candidates if live[c] <= MAX_CROSSING]
+        if not candidates:
             raise NotCut(f"no place to cut the graph into {count} segments with at most {MAX_CROSSING} tensors "
                          "crossing")
-        cuts.append(best)
+        cuts.append(min(candidates, key=lambda c: live[c] + 8 * abs(c - target) / window))
     bounds = [0, *cuts, len(body)]
     result = Plan(header, name, inputs, outputs, body, defined)
     for k in range(count):
@@ -282,10 +284,13 @@ def _crossing_counts(made: list[int], last_read: list[int]) -> list[int]:
 
 
 def _hoisted(body: list[str], symbols: set[str]) -> list[str]:
-    """``body`` reordered so each statement comes right after the last statement it reads, not wherever the writer
-    put it: an output re-declared at the graph's end (``output_names``' ``select`` of the state a layer computed)
-    then sits beside what it reads, and no cut has that state crossing it. Statements that give or read a name given
-    twice keep their places relative to each other (moving one could make it read the other value). Each round
+    """``body`` reordered so each statement that only leads to graph outputs comes right after the last statement it
+    reads, not wherever the writer put it: an output re-declared at the graph's end (``output_names``' ``select`` of
+    the state a layer computed) then sits beside what it reads, and no cut has that state crossing it. Any other
+    statement keeps its place: one read by a later layer (an attention layer's ``unsqueeze`` of the shared mask)
+    moved up beside what it reads would cross every cut before its layer (48 layers: 12 such tensors, no cut left
+    within MAX_CROSSING). Statements that give or read a name given twice keep their places relative to each other
+    (moving one could make it read the other value). Each round
     sorts by (the position of the last statement read, the statement's own position): a valid order, since a
     statement's key is above each of its producers'; a few rounds carry a chain (the state, its condition, its
     select) to its place."""
@@ -300,6 +305,14 @@ def _hoisted(body: list[str], symbols: set[str]) -> list[str]:
         pinned.append(bool(twice.intersection(names) or twice.intersection(reads)))
         for n in names:
             latest[n] = i
+    read_by: list[list[int]] = [[] for _ in body]
+    for i, found in enumerate(producers):
+        for p in found:
+            read_by[p].append(i)
+    toward_outputs = [False] * len(body)  # read by nothing, or only by such statements: a graph output's chain
+    for i in reversed(range(len(body))):
+        toward_outputs[i] = all(toward_outputs[r] for r in read_by[i])
+    pinned = [p or not toward for p, toward in zip(pinned, toward_outputs)]
     position = list(range(len(body)))
     for _ in range(8):
         order = sorted(range(len(body)), key=lambda i: (position[i] - 1 if pinned[i] else
@@ -311,7 +324,34 @@ def _hoisted(body: list[str], symbols: set[str]) -> list[str]:
         if moved == position:
             break
         position = moved
-    return [body[i] for i in sorted(range(len(body)), key=position.__getitem__)]
+    body = [body[i] for i in sorted(range(len(body)), key=position.__getitem__)]
+    return _sunk(body, twice)
+
+
+def _sunk(body: list[str], twice: set[str]) -> list[str]:
+    """``body`` with each statement that reads one statement's result moved down to just before its first reader
+    (declarations, which read none, keep their places: tract numbers a graph's inputs in their order): torch-to-nnef writes an attention layer's ``unsqueeze`` of the shared mask beside the mask, and left
+    there each would cross every cut up to its layer (12 at 48 layers); moved down, it crosses none and the mask
+    alone crosses in their place. Only readers of an input read two or more times (a shared tensor) move: a chain of
+    one reader each (a shape's dimensions) stays beside its source. Names given twice pin their statements, as in
+    ``_hoisted``."""
+    latest: dict[str, int] = {}
+    producers, readers, pinned = [], [[] for _ in body], []
+    for i, statement in enumerate(body):
+        names, reads = _defines_and_reads(statement)
+        found = sorted({latest[r] for r in reads if r in latest})
+        producers.append(found)
+        for p in found:
+            readers[p].append(i)
+        pinned.append(bool(twice.intersection(names) or twice.intersection(reads)))
+        for n in names:
+            latest[n] = i
+    key = [float(i) for i in range(len(body))]
+    for i in reversed(range(len(body))):  # readers first (their places final)
+        if len(producers[i]) == 1 and not pinned[i] and readers[i]:
+            if len(readers[producers[i][0]]) >= 2:  # a shared input: its k readers moved, at most it crosses
+                key[i] = min(key[r] for r in readers[i]) - 1e-6 * (len(body) - i)
+    return [body[i] for i in sorted(range(len(body)), key=key.__getitem__)]
 
 
 def segment_count(archive_bytes: int) -> int:
