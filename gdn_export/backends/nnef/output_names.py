@@ -17,8 +17,9 @@ only once written, and would serialize the weight writes this load now overlaps 
 ``tract_quirks.OUTPUT_NAMED_AFTER_PRODUCER``, ``SELECT_KEEPS_ITS_NAME``, ``FUSED_OUTPUTS_SHARE_A_NAME``.
 
 tract is not asked about the whole graph (its load grows faster than the layers: 7.6 s of a 24-layer 0.8B
-conversion, 24.7 s at 48 layers). An output computed by an op outside ``MAY_KEEP_THEIR_NAME`` (a linear, a mul, a
-copy, a fused op; a cast to the type it already has) is wrapped unasked: the select keeps the declared name whatever tract would have reported,
+conversion, 24.7 s at 48 layers). An output of an einsum (``KEEP_THEIR_NAME``: a float linear layer,
+backends/nnef/float_linears.py) keeps its name unasked; one computed by an op outside ``MAY_KEEP_THEIR_NAME`` (a
+linear, a mul, a copy, a fused op; a cast to the type it already has) is wrapped unasked: the select keeps the declared name whatever tract would have reported,
 and on every fixture those are the outputs tract renames. The others (the layers' states: a transpose, a squeeze, a
 concat) are grouped by how they are written (``_Graph.signatures``: ops, attributes and shapes ``SIGNATURE_DEPTH``
 producers back, not the names or the layer numbers), and tract loads only the graph's first statements: up to the
@@ -178,7 +179,8 @@ class _Graph:
 def renamed_outputs(folder: Path, inputs_from_bytes: int | None = None,
                     pending: Mapping[str, str] | None = None, retyped: frozenset[str] = frozenset()) -> list[str]:
     """The declared outputs of ``folder``'s graph that tract would report under another name, learnt without a
-    load of the whole graph: an output of an op outside ``MAY_KEEP_THEIR_NAME`` is counted as renamed unasked;
+    load of the whole graph: an output of an einsum (``KEEP_THEIR_NAME``) is kept unasked, one of another op outside
+    ``MAY_KEEP_THEIR_NAME`` counted as renamed unasked;
     the others are grouped by how they are computed (``_Graph.signatures``: every layer of one kind writes its
     states alike) and tract loads only the graph's first statements (``_Graph.prefix``: up to the earliest output
     of each group and the last reader of what it is computed from: the first layer of each kind), which answers
