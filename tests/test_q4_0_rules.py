@@ -73,26 +73,6 @@ def test_nearest_rule_is_llama_cpp_q4_0():
     np.testing.assert_array_equal(got[finite], expected[finite])
 
 
-@pytest.mark.parametrize("rule", ["search", "nearest"])
-def test_a_weight_written_by_slices_side_by_side_is_each_slice_quantized_in_order(rule, monkeypatch):
-    """write_nnef searches its slices in threads (codec.SEARCH_THREADS): the file is the header, then each slice's
-    blocks as quantize makes them alone, in row order, whatever the thread count."""
-    import io
-
-    from gdn_export.weights.q4_0 import codec
-
-    x = random_blocks(5, rows=96, cols=256)
-    expected = io.BytesIO()
-    codec.write_header(expected, x.shape)
-    for start in range(0, 96, 8):  # 8 rows of 256 float32 a slice (slice_bytes 8 KiB): 12 slices
-        expected.write(codec.quantize(x[start:start + 8], rule).tobytes())
-    for threads in (1, 3):
-        monkeypatch.setattr(codec, "SEARCH_THREADS", threads)
-        got = io.BytesIO()
-        codec.write_nnef(got, x.shape, lambda a, b: x[a:b], rule, slice_bytes=8 * 256 * 4)
-        assert got.getvalue() == expected.getvalue(), threads
-
-
 @pytest.mark.slow
 def test_the_importance_is_the_mean_squared_input_of_each_linear_layer(tmp_path):
     """The calibration's importance of a layer's input channels is the mean square of what transformers feeds that

@@ -20,9 +20,7 @@ streams a tensor row by row; ``dequantize`` is the reference the check compares 
 
 from __future__ import annotations
 
-import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO, Callable
 
 import numpy as np
@@ -36,9 +34,6 @@ from gdn_export.weights.q4_0.format import RULES  # noqa: F401
 BLOCK = 32
 BLOCK_BYTES = 18
 NAME = "q4_0"
-# threads searching the scales of a weight's slices side by side: the cores this process may use, at most 4
-SEARCH_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
-                            os.cpu_count() or 1))
 
 
 def quantizable(shape: tuple[int, ...]) -> bool:
@@ -255,22 +250,8 @@ def write_nnef(file: BinaryIO, shape: tuple[int, ...], read_rows: Callable[[int,
     write_header(file, shape)
     row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * 4)
     step = max(1, slice_bytes // row_bytes)
-    starts = range(0, shape[0], step)
-    if rule == "gptq" or len(starts) < 2:  # GPTQ's error feedback: one slice after the other
-        for start in starts:
-            file.write(quantize(read_rows(start, min(shape[0], start + step)), rule, importance, gram).tobytes())
-        return
-    # the slices' searches side by side (numpy's array operations release the GIL): the search is most of a Q4_0
-    # conversion (0.8B: 19.8 of 31.8 s on one core); the rows are read in this thread, in order, and written in order
-    with ThreadPoolExecutor(max_workers=SEARCH_THREADS, thread_name_prefix="gdn_export-q4_0") as pool:
-        pending: list = []
-        for start in starts:
-            rows = read_rows(start, min(shape[0], start + step))
-            pending.append(pool.submit(quantize, rows, rule, importance, gram))
-            while len(pending) > SEARCH_THREADS:
-                file.write(pending.pop(0).result().tobytes())
-        for future in pending:
-            file.write(future.result().tobytes())
+    for start in range(0, shape[0], step):
+        file.write(quantize(read_rows(start, min(shape[0], start + step)), rule, importance, gram).tobytes())
 
 
 # -- the codec protocol (gdn_export.weights.encoding): what the conversion asks of the Q4_0 format --------------------
