@@ -52,6 +52,10 @@ UNPACK_ENV = "GDN_EXPORT_UNPACK_DIR"  # where the weights are written for tract 
 # archive (6,143 statements) on 2 cores, ready in 5.6 s in 2 segments, 5.1 s in 3, 4.8-4.9 s in 4 and in 6; f16
 # (~4,800) 6.8 s in 2, 6.1-6.4 s in 4 (benchmarks/RESULTS.md, 2026-12-05). One segment per this many statements.
 STATEMENTS_PER_SEGMENT = 1200
+# and one more per this many archive bytes: a heavier archive's pass ends later, so its last segment starts later
+# and had better be small (f16, 1.62 GB, ~4,400 statements: 6.3-6.5 s in 3 segments, 5.97-5.99 s in 4; int8, 0.82 GB:
+# 4.73-4.83 s in 4, 4.80-5.07 s in 5)
+SEGMENT_BYTES = 1 << 30
 MAX_SEGMENTS = 8
 MIN_ARCHIVE_BYTES = 64 << 20  # smaller archives plan in a few seconds: loaded whole unless SEGMENTS_ENV says otherwise
 # Cutting pays in graph (tract's per-node work, side by side) and costs in bytes (the weights written out and read
@@ -387,11 +391,12 @@ def unpack_root(archive_bytes: int) -> str | None:
     return str(shm) if available >= 2 * archive_bytes else None
 
 
-def segments_for(text: str, wanted: int) -> int:
-    """``wanted`` lowered so each segment has STATEMENTS_PER_SEGMENT statements or more (unless forced by the env)."""
+def segments_for(text: str, wanted: int, archive_bytes: int = 0) -> int:
+    """``wanted`` lowered to one segment per STATEMENTS_PER_SEGMENT statements, plus one per SEGMENT_BYTES of
+    archive (unless forced by the env)."""
     if os.environ.get(SEGMENTS_ENV) is not None:
         return wanted
-    return max(1, min(wanted, text.count(";\n") // STATEMENTS_PER_SEGMENT))
+    return max(1, min(wanted, text.count(";\n") // STATEMENTS_PER_SEGMENT + archive_bytes // SEGMENT_BYTES))
 
 
 def facts_file(text: str, graph: Plan, tract_version: str) -> Path:
@@ -481,7 +486,7 @@ class SegmentedLoad:
 
     def _graph(self, text: str) -> None:
         self.text = text
-        count = segments_for(text, self.count)
+        count = segments_for(text, self.count, self.archive_bytes)
         statements = max(1, text.count(";\n"))
         if statements > MAX_STATEMENTS:
             raise NotCut(f"the graph has {statements} statements, more than the {MAX_STATEMENTS} a cut is planned for")
