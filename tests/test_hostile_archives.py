@@ -285,3 +285,50 @@ def test_the_stored_reading_agrees_with_zlibs(archive, tmp_path, capsys, monkeyp
     path = tmp_path / "wrong_length.nnef.tgz"
     path.write_bytes(bytes(wrong))
     assert "damaged" in refused(capsys, path, "generate")[0]
+
+
+def test_a_sparse_member_is_refused_by_both_readings(tmp_path):
+    """A GNU sparse member's recorded size is not the bytes stored: refused as not a plain file, whether the gzip
+    stream is stored (read without inflating) or compressed (read by zlib)."""
+    import shutil
+    import subprocess
+
+    from gdn_export.run import integrity
+
+    if shutil.which("tar") is None:
+        pytest.skip("no tar command to write a sparse member")
+    folder = tmp_path / "sparse"
+    folder.mkdir()
+    with open(folder / "graph.nnef", "wb") as handle:  # holes: tar --sparse stores only the data
+        handle.seek(1 << 20)
+        handle.write(b"x")
+    plain = tmp_path / "sparse.tar"
+    subprocess.run(["tar", "--format=gnu", "--sparse", "-cf", str(plain), "-C", str(folder), "graph.nnef"], check=True)
+    with tarfile.open(plain) as tar:
+        assert tar.getmember("graph.nnef").issparse()
+    for level in (0, 6):
+        path = tmp_path / f"sparse{level}.nnef.tgz"
+        path.write_bytes(gzip.compress(plain.read_bytes(), level))
+        with pytest.raises(integrity.ArchiveError, match="graph.nnef is not a regular file"):
+            integrity.check_members(path, {})
+
+
+def test_weights_written_out_stay_within_twice_the_archive(archive, tmp_path, monkeypatch):
+    """A compressed archive's content can be far larger than its file (zeros deflate ~1000:1): writing its weights
+    out (for segments) stops past twice the file's size, an UnpackError (the caller then loads it whole), before
+    the folder (/dev/shm, memory) fills."""
+    from gdn_export.run import integrity
+    from gdn_export.run.reading import read_metadata
+
+    with tarfile.open(archive) as tar:
+        zeros = {m.name: tar.extractfile(m).read(128) + bytes(m.size - 128) for m in tar.getmembers()
+                 if m.name.endswith(".dat") and m.size > 128}
+    bomb = copied(archive, tmp_path / "zeros.nnef.tgz", replace=zeros, digests=False, compresslevel=9)
+    # the fixture's weights are 0.6 MB beside its MTP head's archive: the bound scaled down to once the file
+    monkeypatch.setattr(integrity, "UNPACK_RATIO", 1)
+    assert sum(len(v) for v in zeros.values()) > bomb.stat().st_size + 64 * 1024
+    (tmp_path / "out" / "weights").mkdir(parents=True)
+    with pytest.raises(integrity.UnpackError, match="more than .* bytes written out"):
+        integrity.check_members(bomb, read_metadata(bomb), tmp_path / "out")
+    written = sum(f.stat().st_size for f in (tmp_path / "out" / "weights").iterdir())
+    assert written <= bomb.stat().st_size + 64 * 1024

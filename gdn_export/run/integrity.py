@@ -31,7 +31,7 @@ import struct
 import tarfile
 import threading
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +42,9 @@ GRAPH_FILE = "graph.nnef"
 GRAPH_LIMIT = 256 * MIB  # the 0.8B shape's graph is 0.7 MiB; a graph is read whole
 DAT_HEADER = 128  # NNEF's tensor file header
 READ_BYTES = 4 * MIB  # the file is read by this much at a time
+# weights written out (for segments) stop past this many times the archive's file: a stored archive's content is its
+# file's size, a float one deflated ~0.9 of it; unpack_root checked room for twice the file
+UNPACK_RATIO = 2
 NNEF_MAGIC = b"\x4e\xef"
 # (bits per item, item type) of the .dat files tract reads and gdn_export writes: floats (code 0), signed integers
 # (code 4: int8 weights), unsigned integers (code 1)
@@ -135,11 +138,11 @@ def check_members(path: Path, metadata: dict, unpack_to: Path | None = None, lis
     """``check_archive``'s pass, uncached (``run/reading.py`` runs it again to name the member of a damaged archive);
     the graph's text. An archive whose deflate blocks are all stored (``pack``'s) is read without inflating
     (``_StoredContent``); one that turns out to mix in compressed blocks is read again by zlib, or, while members
-    are written out for a listener, left to a whole load (UnpackError)."""
+    are written out (``unpack_to``), left to a whole load (UnpackError)."""
     try:
         return _check_members(path, metadata, unpack_to, listener, stored=True)
     except _MixedBlocks:
-        if unpack_to is not None and listener is not None:
+        if unpack_to is not None:  # members written out already: the caller loads the archive whole
             raise UnpackError("the archive mixes stored and compressed deflate blocks") from None
         return _check_members(path, metadata, unpack_to, listener, stored=False)
 
@@ -151,6 +154,7 @@ def _check_members(path: Path, metadata: dict, unpack_to: Path | None, listener,
         listed.add(metadata["mtp"].get("member"))
     seen = _Seen()
     labels: dict[str, list[int]] | None = None  # the graph's variables, once its member was read
+    unpacked, unpack_budget = 0, UNPACK_RATIO * path.stat().st_size + 64 * 1024
     try:
         with open(path, "rb") as raw, _content(raw, stored) as stream, \
                 ThreadPoolExecutor(max_workers=1, thread_name_prefix="gdn_export-hash") as hasher, \
@@ -161,7 +165,7 @@ def _check_members(path: Path, metadata: dict, unpack_to: Path | None, listener,
                     if name in seen.names:
                         raise ArchiveError(f"{path}: member {name} appears twice")
                     seen.names.add(name)
-                    if not member.isfile():
+                    if not member.isfile() or member.issparse():  # a sparse member's size is not its bytes here
                         raise ArchiveError(f"{path}: member {name} is not a regular file; an archive holds only files")
                     if recorded is not None and name != METADATA_FILE:
                         if name not in recorded:
@@ -197,6 +201,11 @@ def _check_members(path: Path, metadata: dict, unpack_to: Path | None, listener,
                         if listener is not None and getattr(listener, "stopped", False):
                             raise UnpackError("the load was abandoned")  # a Ctrl-C while the pass ran in a thread
                         wanted = unpack_to is not None and (listener is None or listener.wants_weights())
+                        if wanted:
+                            unpacked += member.size
+                            if unpacked > unpack_budget:  # a compressed archive's content can be 1000x its file
+                                raise UnpackError(f"the archive's weights would take more than {unpack_budget} bytes "
+                                                  f"written out ({UNPACK_RATIO}x the archive's file)")
                         out = _unpacked(unpack_to / "weights", name, path) if wanted else None
                         try:
                             if out is not None:
@@ -471,13 +480,16 @@ def _hash_rest(workers: tuple[ThreadPoolExecutor, ThreadPoolExecutor], handle, d
 
     views = getattr(handle, "views", None)
     pending: list = []
-    while chunk := (views(4 * MIB) if views is not None else handle.read(4 * MIB)):
-        pieces = chunk if isinstance(chunk, list) else [chunk]  # views of a stored archive's reads, or bytes
-        pending.append(hasher.submit(hashed, pieces))
-        if out is not None:
-            pending.append(writer.submit(written, pieces))
-        while len(pending) > 6:  # at most a few chunks held
-            pending.pop(0).result()
+    try:
+        while chunk := (views(4 * MIB) if views is not None else handle.read(4 * MIB)):
+            pieces = chunk if isinstance(chunk, list) else [chunk]  # views of a stored archive's reads, or bytes
+            pending.append(hasher.submit(hashed, pieces))
+            if out is not None:
+                pending.append(writer.submit(written, pieces))
+            while len(pending) > 6:  # at most a few chunks held
+                pending.pop(0).result()
+    finally:  # every queued hash and write done (or failed) before the caller closes ``out``
+        wait(pending)
     for future in pending:
         future.result()
 

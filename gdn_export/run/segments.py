@@ -74,6 +74,7 @@ FACT_TYPES = {"f32", "f16", "f64", "i64", "i32", "i8", "u8", "bool"}
 _STRING = re.compile(r"'[^']*'|\"[^\"]*\"")
 _GENERIC = re.compile(r"\s*<\s*\w+\s*>")
 _IDENTIFIER = re.compile(r"(?<![\w.])[A-Za-z_][A-Za-z0-9_]*")
+_AFTER = re.compile(r"\s*(==|=|\()?")  # what follows an identifier: a call, a keyword argument, or neither
 _SIGNATURE = re.compile(r"graph\s+(\w+)\s*\(([^)]*)\)\s*->\s*\(([^)]*)\)\s*\{", re.S)
 _SYMBOL = re.compile(r"^\s*extension\s+tract_symbol\s+(\w+)\s*;", re.M)
 WEIGHT, HEAVY_WEIGHT, LIGHT, ACTIVATION = "weight", "heavy weight", "light", "activation"
@@ -166,8 +167,8 @@ def _defines_and_reads(statement: str) -> tuple[list[str], list[str]]:
     right = _GENERIC.sub("", _STRING.sub("''", right))  # variable<scalar>(...): neither name is a tensor
     reads = []
     for found in _IDENTIFIER.finditer(right):
-        after = right[found.end():].lstrip()
-        if after.startswith("(") or (after.startswith("=") and not after.startswith("==")):
+        after = _AFTER.match(right, found.end()).group(1)  # by index: a long statement stays linear to read
+        if after in ("(", "="):
             continue  # an operation's or a keyword argument's name
         reads.append(found.group(0))
     return _IDENTIFIER.findall(left), reads
@@ -234,7 +235,7 @@ def plan(text: str, count: int) -> Plan:
     cuts: list[int] = []
     for k in range(1, count):
         target = activations[len(activations) * k // count]
-        window = len(body) // (4 * count)
+        window = max(1, len(body) // (4 * count))
         candidates = [c for c in activations if abs(c - target) <= window and (not cuts or c > cuts[-1])
                       and not blocked[c]]
         if not candidates:

@@ -74,17 +74,19 @@ def _float_product(op, is_float_weight) -> tuple | None:
         bias, transposed = None, False  # the operand must be a transpose of an [N, K] weight
     else:
         return None
+    if x.shape is None:
+        return None  # the input's rank decides the einsum's batch axes: unknown, left as written
     feeding = []
-    rank = len(x.shape) if x.shape is not None else None
+    rank = len(x.shape)
     if operand.producer is not None and operand.producer.type == "unsqueeze":
         unsqueeze = operand.producer
         if list(unsqueeze.attribs.get("axes", ())) != list(range(len(unsqueeze.attribs.get("axes", ())))):
             return None  # only leading axes: the batch axes of x
-        if rank is not None and rank != 2 + len(unsqueeze.attribs["axes"]):
+        if rank != 2 + len(unsqueeze.attribs["axes"]):
             return None
         feeding.append(unsqueeze)
         operand = unsqueeze.inputs[0]
-    elif rank is not None and rank != 2:
+    elif rank != 2:
         return None
     if not transposed:
         step = operand.producer

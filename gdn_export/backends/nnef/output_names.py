@@ -70,6 +70,7 @@ MAY_KEEP_THEIR_NAME = frozenset({"transpose", "squeeze", "unsqueeze", "reshape",
 # The ops whose output tract reports under the declared name, not asked either: a float linear layer written as an
 # einsum (backends/nnef/float_linears.py; tract_quirks.EINSUM_KEEPS_ITS_NAME), e.g. an untied head's logits.
 KEEP_THEIR_NAME = frozenset({"tract_core_einsum"})
+_LINEAR_EINSUM = re.compile(r"expr\s*=\s*'([a-h]*)k,nk->\1n'")  # only float_linears' form: any other is wrapped
 SIGNATURE_DEPTH = 8  # how many producers back two outputs must be written alike to count as one kind
 
 _STRING = re.compile(r"'[^']*'|\"[^\"]*\"")
@@ -214,7 +215,7 @@ def renamed_outputs(folder: Path, inputs_from_bytes: int | None = None,
             return answered[name]
         if name in asked:
             return kinds[name] in renamed_kinds
-        if graph.op(name) in KEEP_THEIR_NAME:
+        if graph.op(name) in KEEP_THEIR_NAME and _LINEAR_EINSUM.search(graph.statements[graph.producer[name][0]][1]):
             return False
         return graph.op(name) != "tract_core_cast" or name not in retyped
 
