@@ -178,12 +178,11 @@ def plan(text: str, count: int) -> Plan:
     """``text`` (a graph.nnef) cut into ``count`` segments, or NotCut saying why it cannot be."""
     header, name, inputs, outputs, body = split_graph(text)
     symbols = set(_SYMBOL.findall(header)) | {"true", "false", "inf", "nan"}  # and the literals NNEF names
-    body = _hoisted(body, symbols)
+    body, parsed = _reordered(body)
     defined, producers = [], []
     latest: dict[str, int] = {}
     first: dict[str, int] = {}
-    for i, statement in enumerate(body):
-        names, reads = _defines_and_reads(statement)
+    for i, (names, reads) in enumerate(parsed):
         producers.append(sorted({latest[r] for r in reads if r in latest}))
         unknown = [r for r in reads if r not in latest and r not in symbols]
         if unknown:
@@ -288,75 +287,77 @@ def _crossing_counts(made: list[int], last_read: list[int]) -> list[int]:
     return counts
 
 
-def _hoisted(body: list[str], symbols: set[str]) -> list[str]:
-    """``body`` reordered so each statement that only leads to graph outputs comes right after the last statement it
+def _reordered(body: list[str]) -> tuple[list[str], list[tuple[list[str], list[str]]]]:
+    """``body`` in the order the cuts are planned over (``_hoisted``, then ``_sunk``), with each statement's (names
+    given, names read), parsed once. Statements that give or read a name given twice keep their places relative
+    to each other in both (moving one could make it read the other value)."""
+    parsed = [_defines_and_reads(statement) for statement in body]
+    given = Counter(name for names, _ in parsed for name in names)
+    twice = {n for n, c in given.items() if c > 1}
+    pinned = [bool(twice.intersection(names) or twice.intersection(reads)) for names, reads in parsed]
+    for reorder in (_hoisted, _sunk):
+        order = reorder(*_links(parsed), pinned)
+        body, parsed, pinned = ([seq[i] for i in order] for seq in (body, parsed, pinned))
+    return body, parsed
+
+
+def _links(parsed: list[tuple[list[str], list[str]]]) -> tuple[list[list[int]], list[list[int]]]:
+    """Per statement, the statements whose results it reads (distinct, in order) and those that read its own."""
+    latest: dict[str, int] = {}
+    producers: list[list[int]] = []
+    readers: list[list[int]] = [[] for _ in parsed]
+    for i, (names, reads) in enumerate(parsed):
+        found = sorted({latest[r] for r in reads if r in latest})
+        producers.append(found)
+        for p in found:
+            readers[p].append(i)
+        for n in names:
+            latest[n] = i
+    return producers, readers
+
+
+def _hoisted(producers: list[list[int]], readers: list[list[int]], pinned: list[bool]) -> list[int]:
+    """The order in which each statement that only leads to graph outputs comes right after the last statement it
     reads, not wherever the writer put it: an output re-declared at the graph's end (``output_names``' ``select`` of
     the state a layer computed) then sits beside what it reads, and no cut has that state crossing it. Any other
     statement keeps its place: one read by a later layer (an attention layer's ``unsqueeze`` of the shared mask)
     moved up beside what it reads would cross every cut before its layer (48 layers: 12 such tensors, no cut left
-    within MAX_CROSSING). Statements that give or read a name given twice keep their places relative to each other
-    (moving one could make it read the other value). Each round
-    sorts by (the position of the last statement read, the statement's own position): a valid order, since a
-    statement's key is above each of its producers'; a few rounds carry a chain (the state, its condition, its
-    select) to its place."""
-    latest: dict[str, int] = {}
-    producers, pinned, given = [], [], Counter()
-    parsed = [_defines_and_reads(statement) for statement in body]
-    for names, _ in parsed:
-        given.update(names)
-    twice = {n for n, c in given.items() if c > 1}
-    for i, (names, reads) in enumerate(parsed):
-        producers.append([latest[r] for r in reads if r in latest])
-        pinned.append(bool(twice.intersection(names) or twice.intersection(reads)))
-        for n in names:
-            latest[n] = i
-    read_by: list[list[int]] = [[] for _ in body]
-    for i, found in enumerate(producers):
-        for p in found:
-            read_by[p].append(i)
-    toward_outputs = [False] * len(body)  # read by nothing, or only by such statements: a graph output's chain
-    for i in reversed(range(len(body))):
-        toward_outputs[i] = all(toward_outputs[r] for r in read_by[i])
-    pinned = [p or not toward for p, toward in zip(pinned, toward_outputs)]
-    position = list(range(len(body)))
+    within MAX_CROSSING). ``pinned`` statements keep their places. Each round sorts by (the position of the last
+    statement read, the statement's own position): a valid order, since a statement's key is above each of its
+    producers'; a few rounds carry a chain (the state, its condition, its select) to its place."""
+    count = len(producers)
+    toward_outputs = [False] * count  # read by nothing, or only by such statements: a graph output's chain
+    for i in reversed(range(count)):
+        toward_outputs[i] = all(toward_outputs[r] for r in readers[i])
+    stays = [p or not toward for p, toward in zip(pinned, toward_outputs)]
+    position = list(range(count))
     for _ in range(8):
-        order = sorted(range(len(body)), key=lambda i: (position[i] - 1 if pinned[i] else
-                                                         max((position[p] for p in producers[i]), default=-1),
-                                                         position[i]))
-        moved = [0] * len(body)
+        order = sorted(range(count), key=lambda i: (position[i] - 1 if stays[i] else
+                                                    max((position[p] for p in producers[i]), default=-1),
+                                                    position[i]))
+        moved = [0] * count
         for rank, i in enumerate(order):
             moved[i] = rank
         if moved == position:
             break
         position = moved
-    body = [body[i] for i in sorted(range(len(body)), key=position.__getitem__)]
-    return _sunk(body, twice)
+    return sorted(range(count), key=position.__getitem__)
 
 
-def _sunk(body: list[str], twice: set[str]) -> list[str]:
-    """``body`` with each statement that reads one statement's result moved down to just before its first reader
-    (declarations, which read none, keep their places: tract numbers a graph's inputs in their order): torch-to-nnef writes an attention layer's ``unsqueeze`` of the shared mask beside the mask, and left
-    there each would cross every cut up to its layer (12 at 48 layers); moved down, it crosses none and the mask
-    alone crosses in their place. Only readers of an input read two or more times (a shared tensor) move: a chain of
-    one reader each (a shape's dimensions) stays beside its source. Names given twice pin their statements, as in
-    ``_hoisted``."""
-    latest: dict[str, int] = {}
-    producers, readers, pinned = [], [[] for _ in body], []
-    for i, statement in enumerate(body):
-        names, reads = _defines_and_reads(statement)
-        found = sorted({latest[r] for r in reads if r in latest})
-        producers.append(found)
-        for p in found:
-            readers[p].append(i)
-        pinned.append(bool(twice.intersection(names) or twice.intersection(reads)))
-        for n in names:
-            latest[n] = i
-    key = [float(i) for i in range(len(body))]
-    for i in reversed(range(len(body))):  # readers first (their places final)
+def _sunk(producers: list[list[int]], readers: list[list[int]], pinned: list[bool]) -> list[int]:
+    """The order in which each statement that reads one statement's result moves down to just before its first
+    reader (declarations, which read none, keep their places: tract numbers a graph's inputs in their order):
+    torch-to-nnef writes an attention layer's ``unsqueeze`` of the shared mask beside the mask, and left there each
+    would cross every cut up to its layer (12 at 48 layers); moved down, it crosses none and the mask alone crosses
+    in their place. Only readers of an input read two or more times (a shared tensor) move: a chain of one reader
+    each (a shape's dimensions) stays beside its source. ``pinned`` statements keep their places."""
+    count = len(producers)
+    key = [float(i) for i in range(count)]
+    for i in reversed(range(count)):  # readers first (their places final)
         if len(producers[i]) == 1 and not pinned[i] and readers[i]:
             if len(readers[producers[i][0]]) >= 2:  # a shared input: its k readers moved, at most it crosses
-                key[i] = min(key[r] for r in readers[i]) - 1e-6 * (len(body) - i)
-    return [body[i] for i in sorted(range(len(body)), key=key.__getitem__)]
+                key[i] = min(key[r] for r in readers[i]) - 1e-6 * (count - i)
+    return sorted(range(count), key=key.__getitem__)
 
 
 def segment_count(archive_bytes: int) -> int:
