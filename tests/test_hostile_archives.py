@@ -253,6 +253,7 @@ def test_the_stored_reading_agrees_with_zlibs(archive, tmp_path, capsys, monkeyp
     comment = b"\x1f\x8b\x08\x10\x00\x00\x00\x00\x00\xff" + b" " * 200_000 + b"\0"  # FCOMMENT over 3 reads
     variants = {"odd stored blocks": gzip_of(stored_blocks(content, 1000, True), content),
                 "compressed": gzip.compress(content, 9),
+                "tiny stored blocks": gzip_of(stored_blocks(content, 16, True), content),  # read by zlib instead
                 "a long comment": comment + gzip_of(stored_blocks(content, 65535, True), content)[10:],
                 "stored then compressed": gzip_of(stored_blocks(content[:half], 65535, False)
                                                   + zlib.compress(content[half:], 9, -15)[0:], content)}

@@ -45,6 +45,9 @@ READ_BYTES = 4 * MIB  # the file is read by this much at a time
 # weights written out (for segments) stop past this many times the archive's file: a stored archive's content is its
 # file's size, a float one deflated ~0.9 of it; unpack_root checked room for twice the file
 UNPACK_RATIO = 2
+# stored blocks shorter than this on average are left to zlib: each is a Python step here (pack's are 64 KiB; a
+# stream of empty blocks would have cost ~1 s per 5 MB)
+MIN_STORED_BLOCK = 256
 NNEF_MAGIC = b"\x4e\xef"
 # (bits per item, item type) of the .dat files tract reads and gdn_export writes: floats (code 0), signed integers
 # (code 4: int8 weights), unsigned integers (code 1)
@@ -349,7 +352,8 @@ class _Inflated(_GzipContent):
 
 
 class _MixedBlocks(Exception):
-    """A compressed deflate block after stored ones: ``_StoredContent`` cannot read on (``check_members``)."""
+    """A compressed deflate block after stored ones, or stored blocks too small to read in Python:
+    ``_StoredContent`` does not read on (``check_members``)."""
 
 
 class _StoredContent(_GzipContent):
@@ -417,11 +421,14 @@ class _StoredContent(_GzipContent):
     def _squeezed(self, view: memoryview) -> memoryview:
         """The content in ``view`` (a read of the file) moved to its start, block headers out; what follows the
         last whole header (a header cut by the read, or the trailer) kept in ``carry``."""
-        at = kept = 0
+        at = kept = headers = 0
         while at < len(view):
             if not self.block_left:
                 if self.final or len(view) - at < 5:
                     break
+                headers += 1
+                if headers > len(view) // MIN_STORED_BLOCK + 64:  # blocks this small: zlib reads them in C
+                    raise _MixedBlocks()
                 header = view[at:at + 5]
                 if (header[0] >> 1) & 3:
                     raise _MixedBlocks()

@@ -393,12 +393,12 @@ def unpack_root(archive_bytes: int) -> str | None:
     return str(shm) if available >= 2 * archive_bytes else None
 
 
-def segments_for(text: str, wanted: int, archive_bytes: int = 0) -> int:
-    """``wanted`` lowered to one segment per STATEMENTS_PER_SEGMENT statements, plus one per SEGMENT_BYTES of
-    archive (unless forced by the env)."""
+def segments_for(statements: int, wanted: int, archive_bytes: int = 0) -> int:
+    """``wanted`` lowered to one segment per STATEMENTS_PER_SEGMENT of the graph's ``statements``, plus one per
+    SEGMENT_BYTES of archive (unless forced by the env)."""
     if os.environ.get(SEGMENTS_ENV) is not None:
         return wanted
-    return max(1, min(wanted, text.count(";\n") // STATEMENTS_PER_SEGMENT + archive_bytes // SEGMENT_BYTES))
+    return max(1, min(wanted, statements // STATEMENTS_PER_SEGMENT + archive_bytes // SEGMENT_BYTES))
 
 
 def facts_file(text: str, graph: Plan, tract_version: str) -> Path:
@@ -488,8 +488,8 @@ class SegmentedLoad:
 
     def _graph(self, text: str) -> None:
         self.text = text
-        count = segments_for(text, self.count, self.archive_bytes)
         statements = max(1, text.count(";\n"))
+        count = segments_for(statements, self.count, self.archive_bytes)
         if statements > MAX_STATEMENTS:
             raise NotCut(f"the graph has {statements} statements, more than the {MAX_STATEMENTS} a cut is planned for")
         if count < 2 or (os.environ.get(SEGMENTS_ENV) is None

@@ -42,8 +42,7 @@ def write_float_linears(graph, is_float_weight: Callable[[str, object], bool]) -
             continue
         x, weight, bias, feeding = found
         y = edit.take_output(op)
-        batch = BATCH_AXES[: len(feeding[0].attribs["axes"]) + 1] if feeding and feeding[0].type == "unsqueeze" \
-            else BATCH_AXES[:1]
+        batch = BATCH_AXES[: len(x.shape) - 1]  # x's axes but the last (rank known: _float_product)
         acc = DATUM[np.dtype(x.dtype).name]
         expr = f"{batch}k,nk->{batch}n"
         if bias is None:
@@ -74,8 +73,8 @@ def _float_product(op, is_float_weight) -> tuple | None:
         bias, transposed = None, False  # the operand must be a transpose of an [N, K] weight
     else:
         return None
-    if x.shape is None:
-        return None  # the input's rank decides the einsum's batch axes: unknown, left as written
+    if x.shape is None or not 2 <= len(x.shape) <= len(BATCH_AXES) + 1:
+        return None  # the input's rank decides the einsum's batch axes: unknown (or past a-h), left as written
     feeding = []
     rank = len(x.shape)
     if operand.producer is not None and operand.producer.type == "unsqueeze":
